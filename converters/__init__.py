@@ -1,0 +1,1 @@
+"""Checkpoint converters: PyTorch / safetensors Wan 2.1 checkpoints -> jaxkv params."""

@@ -1,0 +1,13 @@
+"""jaxkv: streaming-attention KV caches for JAX.
+
+The cache is an immutable pytree ring buffer (a pinned sink plus a rolling window of chunks) written with
+`lax.dynamic_update_slice` at traced slots; attention reads it in physical order with masks computed from the
+absolute positions stored beside each slot.
+"""
+
+from jaxkv.attention import attend
+from jaxkv.cache import RingCache, RingSpec, RollingCache
+
+__version__ = "0.1.0"
+
+__all__ = ["RingSpec", "RingCache", "RollingCache", "attend", "__version__"]

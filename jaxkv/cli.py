@@ -1,0 +1,41 @@
+"""The ``jaxkv`` command: ``jaxkv generate``, ``jaxkv convert``, ``jaxkv bench``.
+
+Each subcommand lives in its own module and is imported only when used, so ``jaxkv convert`` does not pay for
+importing the model and ``jaxkv generate`` does not need the converters.
+"""
+
+from __future__ import annotations
+
+import sys
+
+_COMMANDS = {
+    "generate": ("jaxkv.generate", "streaming video-latent generation on ring caches (Wan 2.1, causal)"),
+    "convert": ("converters.cli", "convert a PyTorch/safetensors Wan 2.1 checkpoint to jaxkv params"),
+    "bench": ("jaxkv.bench", "run a benchmark from benchmarks/ (cache, attention, rollout)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: jaxkv COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in _COMMANDS.items()]
+    lines += ["", "Run `jaxkv COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in _COMMANDS:
+        print(f"jaxkv: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(_COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

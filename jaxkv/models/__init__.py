@@ -1,0 +1,1 @@
+"""Model ports that stream on jaxkv caches."""

@@ -1,0 +1,1 @@
+"""Wan 2.1 (causal, streaming) in Flax."""
