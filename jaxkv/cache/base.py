@@ -1,0 +1,267 @@
+"""What the ring and the rolling cache share: the pytree layout, the chunk write, reset and the chronological view.
+
+A cache holds one attention layer's keys and values (or a stack of layers, so that a model can scan over layers
+with the whole stack in the loop carry and update ``[layer, session, slot]`` in place):
+
+  k, v:        [batch, capacity, heads, head_dim]          (or [layers, batch, capacity, heads, head_dim])
+  positions:   int32 [batch, capacity]   absolute token position held by each slot, -1 when empty
+  chunk_start: int32 [batch]             absolute position of the reserved chunk, -1 when none is reserved
+
+Positions are shared by all layers: every layer processes the same chunk. The two policies differ only in which
+slot a chunk goes to and in what ``begin_chunk`` does when the cache is full; both must present the same logical
+content (see ``chronological``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from jaxkv.cache.spec import RingSpec
+
+EMPTY = -1
+
+
+def _unsigned_like(dtype) -> np.dtype:
+    return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+def write_chunk_rows(buf: jax.Array, update: jax.Array, offsets: jax.Array, layer=None) -> jax.Array:
+    """Writes update[b] into buf[(layer,) b, offsets[b]:offsets[b] + chunk] with one dynamic_update_slice per session.
+
+    Args:
+      buf: [batch, capacity, ...] or, with ``layer``, [layers, batch, capacity, ...].
+      update: [batch, chunk, ...] of buf's dtype.
+      offsets: int32 [batch] token offsets (traced).
+      layer: None, or an int32 scalar (traced or not) selecting the layer.
+
+    The write goes through an unsigned integer view of the same width: XLA:CPU wraps a bfloat16
+    dynamic_update_slice in a whole-buffer bf16->f32->bf16 conversion (O(capacity) per write); on integer bits the
+    update stays in place and O(chunk). The bitcasts are free.
+    """
+    bits = _unsigned_like(buf.dtype)
+    buf_bits = lax.bitcast_convert_type(buf, bits)
+    upd_bits = lax.bitcast_convert_type(update, bits)
+    zeros = (0,) * (update.ndim - 2)
+    if layer is None:
+        out = jax.vmap(lambda b, u, o: lax.dynamic_update_slice(b, u, (o, *zeros)))(buf_bits, upd_bits, offsets)
+    else:
+        layer = jnp.asarray(layer, jnp.int32)
+        out = jax.vmap(lambda b, u, o: lax.dynamic_update_slice(b, u[None], (layer, o, *zeros)),
+                       in_axes=(1, 0, 0), out_axes=1)(buf_bits, upd_bits, offsets)
+    return lax.bitcast_convert_type(out, buf.dtype)
+
+
+def read_chunk_rows(buf: jax.Array, offsets: jax.Array, chunk: int, layer=None) -> jax.Array:
+    """Inverse of `write_chunk_rows`: [batch, chunk, ...] read from buf at per-session offsets."""
+    zeros = (0,) * (buf.ndim - (3 if layer is not None else 2))
+    if layer is None:
+        return jax.vmap(lambda b, o: lax.dynamic_slice_in_dim(b, o, chunk, axis=0))(buf, offsets)
+    layer = jnp.asarray(layer, jnp.int32)
+    return jax.vmap(lambda b, o: lax.dynamic_slice(b, (layer, o, *zeros), (1, chunk, *b.shape[2:]))[0],
+                    in_axes=(1, 0))(buf, offsets)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+@struct.dataclass
+class ChunkCache:
+    """Base of `RingCache` and `RollingCache`. Subclasses define ``slot_of_chunk`` and ``begin_chunk``."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    chunk_start: jax.Array
+    spec: RingSpec = struct.field(pytree_node=False)
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def init(cls, spec: RingSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32,
+             layers: int | None = None):
+        """An empty cache: k, v zeros [batch, capacity, heads, head_dim] (with a leading [layers] axis when
+        ``layers`` is given), all positions -1, no chunk reserved."""
+        if not isinstance(spec, RingSpec):
+            raise TypeError(f"spec must be a RingSpec, got {type(spec).__name__}")
+        for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, (int, np.integer))
+                                   or layers <= 0):
+            raise ValueError(f"layers must be None or a positive int, got {layers!r}")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        lead = () if layers is None else (int(layers),)
+        shape = (*lead, int(batch), spec.capacity, int(heads), int(head_dim))
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            positions=jnp.full((int(batch), spec.capacity), EMPTY, jnp.int32),
+            chunk_start=jnp.full((int(batch),), EMPTY, jnp.int32),
+            spec=spec,
+        )
+
+    # ---------------------------------------------------------------- shape facts
+
+    @property
+    def layers(self) -> int | None:
+        return self.k.shape[0] if self.k.ndim == 5 else None
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[-1]
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by k, v and positions."""
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (self.k, self.v, self.positions))
+
+    # ---------------------------------------------------------------- policy (subclasses)
+
+    def slot_of_chunk(self, chunk_index: jax.Array) -> jax.Array:
+        """Slot (in chunk units) that holds chunk ``chunk_index`` once it is reserved. int32 [batch] -> [batch]."""
+        raise NotImplementedError
+
+    def begin_chunk(self, active=None):
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared transitions
+
+    def _next_chunk_index(self) -> jax.Array:
+        """int32 [batch]: index of the chunk the next ``begin_chunk`` reserves (0 for an empty session)."""
+        return jnp.where(self.chunk_start < 0, 0, self.chunk_start // self.spec.chunk + 1).astype(jnp.int32)
+
+    def _check_session_mask(self, name: str, mask):
+        mask = jnp.asarray(mask)
+        if mask.shape != (self.batch,) or mask.dtype != jnp.bool_:
+            raise ValueError(f"{name} must be a bool array of shape ({self.batch},), got {mask.dtype}{list(mask.shape)}")
+        return mask
+
+    def _reserve(self, slot: jax.Array, next_index: jax.Array, active, positions=None):
+        """Marks ``slot`` [batch] empty and records the reserved chunk, for active sessions only."""
+        positions = self.positions if positions is None else positions
+        c = self.spec.chunk
+        slot_of_token = jnp.arange(self.spec.capacity, dtype=jnp.int32) // c
+        evict = slot_of_token[None, :] == slot[:, None]
+        if active is not None:
+            evict &= active[:, None]
+        new_start = next_index * c
+        if active is not None:
+            new_start = jnp.where(active, new_start, self.chunk_start)
+        return jnp.where(evict, EMPTY, positions), new_start.astype(jnp.int32)
+
+    def chunk_positions(self) -> jax.Array:
+        """int32 [batch, chunk]: absolute positions of the reserved chunk's tokens (-1 where none is reserved)."""
+        pos = self.chunk_start[:, None] + jnp.arange(self.spec.chunk, dtype=jnp.int32)[None, :]
+        return jnp.where(self.chunk_start[:, None] < 0, EMPTY, pos)
+
+    def chunk_offsets(self) -> jax.Array:
+        """int32 [batch]: token offset of the reserved chunk's slot (slot 0 where none is reserved)."""
+        index = jnp.maximum(self.chunk_start, 0) // self.spec.chunk
+        return (self.slot_of_chunk(index) * self.spec.chunk).astype(jnp.int32)
+
+    def write(self, k, v, layer=None, active=None):
+        """Writes the reserved chunk's keys and values; repeatable, last write wins.
+
+        Args:
+          k, v: [batch, chunk, heads, head_dim] in the cache's dtype.
+          layer: required iff the cache is stacked (``layers`` set): an int or a traced int32 scalar.
+          active: optional bool [batch]; sessions not active are left untouched.
+
+        Sessions with no reserved chunk get nothing visible: their slot positions stay -1. Eagerly (outside jit)
+        writing to a cache where no session has reserved a chunk raises.
+        """
+        expected = (self.batch, self.spec.chunk, self.heads, self.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != expected:
+                raise ValueError(f"write: {name} must have shape [batch, chunk, heads, head_dim] = {list(expected)}, "
+                                 f"got {list(x.shape)}")
+            if x.dtype != self.dtype:
+                raise ValueError(f"write: {name} must have the cache dtype {self.dtype}, got {x.dtype} "
+                                 f"(cast it explicitly)")
+        if self.layers is None:
+            if layer is not None:
+                raise ValueError("write: layer was given but the cache is not stacked (init without layers)")
+        else:
+            if layer is None:
+                raise ValueError(f"write: the cache stacks {self.layers} layers; pass layer=")
+            if _is_concrete(layer) and not isinstance(layer, jax.Array):
+                if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                    raise ValueError(f"write: layer must be an int or int32 scalar, got {layer!r}")
+                if not 0 <= int(layer) < self.layers:
+                    raise ValueError(f"write: layer {layer} out of range [0, {self.layers})")
+            else:
+                layer = jnp.asarray(layer)
+                if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+                    raise ValueError(f"write: layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+        if active is not None:
+            active = self._check_session_mask("write: active", active)
+        if _is_concrete(self.chunk_start) and not bool(jnp.any(self.chunk_start >= 0)):
+            raise ValueError("write: no session has a reserved chunk; call begin_chunk() first")
+
+        offsets = self.chunk_offsets()
+        if active is not None:
+            # Inactive sessions write back what they hold: an O(chunk) read, never a copy of the cache.
+            old_k = read_chunk_rows(self.k, offsets, self.spec.chunk, layer)
+            old_v = read_chunk_rows(self.v, offsets, self.spec.chunk, layer)
+            sel = active[:, None, None, None]
+            k, v = jnp.where(sel, k, old_k), jnp.where(sel, v, old_v)
+        new_k = write_chunk_rows(self.k, k, offsets, layer)
+        new_v = write_chunk_rows(self.v, v, offsets, layer)
+
+        chunk_pos = self.chunk_positions()
+        if active is not None:
+            old_pos = read_chunk_rows(self.positions, offsets, self.spec.chunk)
+            chunk_pos = jnp.where(active[:, None], chunk_pos, old_pos)
+        new_positions = write_chunk_rows(self.positions, chunk_pos, offsets)
+        return self.replace(k=new_k, v=new_v, positions=new_positions)
+
+    def reset(self, sessions=None):
+        """Empties all sessions, or those where ``sessions`` (bool [batch]) is True; nothing is reallocated
+        (k and v keep their bytes, which are invisible once their positions are -1)."""
+        if sessions is None:
+            return self.replace(positions=jnp.full_like(self.positions, EMPTY),
+                                chunk_start=jnp.full_like(self.chunk_start, EMPTY))
+        sessions = self._check_session_mask("reset: sessions", sessions)
+        return self.replace(positions=jnp.where(sessions[:, None], EMPTY, self.positions),
+                            chunk_start=jnp.where(sessions, EMPTY, self.chunk_start))
+
+    def layer_kv(self, layer):
+        """(k, v) of one layer, each [batch, capacity, heads, head_dim]; ``layer`` may be traced."""
+        if self.layers is None:
+            raise ValueError("layer_kv: the cache is not stacked (init without layers)")
+        return (lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False),
+                lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False))
+
+    def chronological(self):
+        """(k, v, positions) gathered into position order per session, empty slots last.
+
+        k, v: [(layers,) batch, capacity, heads, head_dim]; positions: int32 [batch, capacity]. For inspection,
+        export and tests: attention never needs it (masks come from positions).
+        """
+        key = jnp.where(self.positions < 0, jnp.iinfo(jnp.int32).max, self.positions)
+        order = jnp.argsort(key, axis=1, stable=True)
+        positions = jnp.take_along_axis(self.positions, order, axis=1)
+        idx = order[:, :, None, None]
+        if self.layers is None:
+            gather = lambda x: jnp.take_along_axis(x, idx, axis=1)
+        else:
+            gather = lambda x: jnp.take_along_axis(x, idx[None], axis=2)
+        return gather(self.k), gather(self.v), positions
