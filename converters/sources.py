@@ -1,0 +1,238 @@
+"""Readers for the checkpoint files people have: safetensors (one file, or shards with an index) and PyTorch
+``.pt`` training checkpoints. A reader lists every tensor's shape from headers alone and reads one tensor at a
+time, memory-mapped, so a conversion never holds the checkpoint.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from converters.errors import ConversionError, listing
+from converters.layouts import strip_prefixes
+from converters.safetensors_io import TensorInfo, read_header, read_tensor
+
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+# Entries of a training checkpoint that may hold the DiT's state dict, in order of preference.
+_EMA_ENTRY, _RAW_ENTRIES = "generator_ema", ("generator", "model", "state_dict")
+
+
+class Source:
+    """A checkpoint opened for streaming.
+
+    Attributes:
+      description: what was opened ("diffusers safetensors, 2 shards in ...").
+      shapes: {prefix-stripped key: shape}.
+      dtypes: {key: dtype name}.
+      hints: config values stored beside the weights (a config.json), possibly empty.
+    """
+
+    description: str
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    hints: dict[str, Any]
+
+    def read(self, key: str) -> np.ndarray:
+        """``[*shapes[key]]`` in its stored floating dtype, memory-mapped where the format allows."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _strip_all(keys, where: str) -> dict[str, str]:
+    """{stripped key: original key}; two originals colliding on one name is an error."""
+    out: dict[str, str] = {}
+    for key in keys:
+        short = strip_prefixes(key)
+        if short in out:
+            raise ConversionError(f"{where}: keys {out[short]!r} and {key!r} both name tensor {short!r} once "
+                                  f"wrapper prefixes are removed")
+        out[short] = key
+    return out
+
+
+class SafetensorsSource(Source):
+    def __init__(self, files: list[str], description: str, hints: dict[str, Any] | None = None,
+                 weight_map: dict[str, str] | None = None):
+        self.description, self.hints = description, hints or {}
+        self._where: dict[str, tuple[str, TensorInfo]] = {}
+        for path in files:
+            infos, _ = read_header(path)
+            for key, info in infos.items():
+                if key in self._where:
+                    raise ConversionError(f"tensor {key!r} appears in both {self._where[key][0]} and {path}")
+                self._where[key] = (path, info)
+        if weight_map is not None:
+            # The index must describe the shards exactly, or one of them is stale or missing.
+            for key, fname in sorted(weight_map.items()):
+                if key not in self._where:
+                    raise ConversionError(f"the shard index lists tensor {key!r} in {fname}, but no shard holds it")
+            extra = sorted(set(self._where) - set(weight_map))
+            if extra:
+                raise ConversionError(f"shards hold tensors the index does not list: {listing(extra)}")
+        self._names = _strip_all(self._where, description)
+        self.shapes = {k: self._where[o][1].shape for k, o in self._names.items()}
+        self.dtypes = {k: self._where[o][1].dtype for k, o in self._names.items()}
+
+    def read(self, key: str) -> np.ndarray:
+        path, info = self._where[self._names[key]]
+        return read_tensor(path, info)
+
+
+class TorchSource(Source):
+    """A ``.pt`` file via ``torch.load(weights_only=True, mmap=True)``: tensors stay on disk until read."""
+
+    def __init__(self, path: str, ema: bool | None):
+        try:
+            import torch
+        except ImportError:
+            raise ConversionError(f"{path} is a PyTorch checkpoint; reading it needs torch (pip install "
+                                  f"'jaxkv[torch]'), which is not installed") from None
+        self._torch = torch
+        obj = _torch_load(torch, path)
+        state, entry = _select_state_dict(torch, obj, path, ema)
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        if not tensors:
+            raise ConversionError(f"{path}: {entry or 'the file'} holds no tensors")
+        self.entry = entry
+        self.description = f"PyTorch checkpoint {path}" + (f" (entry {entry!r})" if entry else "")
+        self.hints = {}
+        self._names = _strip_all(tensors, path)
+        self._tensors = {k: tensors[o] for k, o in self._names.items()}
+        self.shapes = {k: tuple(t.shape) for k, t in self._tensors.items()}
+        names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+        self.dtypes = {k: names.get(t.dtype, str(t.dtype)) for k, t in self._tensors.items()}
+
+    def read(self, key: str) -> np.ndarray:
+        torch, t = self._torch, self._tensors[key]
+        if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits, still without a copy
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        if t.dtype not in (torch.float32, torch.float16, torch.float64):
+            raise ConversionError(f"tensor {key!r} has dtype {t.dtype}; expected a floating-point weight")
+        return t.numpy()
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+def _torch_load(torch, path: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConversionError(
+            f"{path} was refused by torch.load(weights_only=True): it stores Python objects other than tensors and "
+            f"plain containers ({first}). Only weights-only files are read, since unpickling arbitrary objects can "
+            f"run code; re-save just the state dict (torch.save({{'generator': model.state_dict()}}, path)) from "
+            f"trusted code and convert that") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        msg = " ".join(str(e).split())[:300]
+        if "mmap" in msg and "zipfile" in msg:
+            raise ConversionError(f"{path} uses the legacy (pre-1.6) torch.save format, which cannot be memory-"
+                                  f"mapped; re-save it with a current torch.save") from None
+        raise ConversionError(f"{path} is truncated or corrupt: torch.load could not read it ({msg})") from None
+
+
+def _select_state_dict(torch, obj, path: str, ema: bool | None) -> tuple[dict, str | None]:
+    """Picks the DiT state dict out of a training checkpoint: generator_ema / generator / model, or the file
+    itself when it is a bare state dict. ``ema`` True/False demands generator_ema / the raw weights; None prefers
+    generator_ema."""
+    if not isinstance(obj, dict):
+        raise ConversionError(f"{path}: expected a dict (a state dict or a training checkpoint), found "
+                              f"{type(obj).__name__}")
+    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        if ema:
+            raise ConversionError(f"{path} is a bare state dict with no 'generator_ema' entry; drop --ema")
+        return obj, None
+    available = sorted(k for k, v in obj.items() if isinstance(v, dict))
+    if ema is True:
+        order = (_EMA_ENTRY,)
+    elif ema is False:
+        order = _RAW_ENTRIES
+    else:
+        order = (_EMA_ENTRY, *_RAW_ENTRIES)
+    for name in order:
+        if isinstance(obj.get(name), dict):
+            return obj[name], name
+    raise ConversionError(f"{path}: no {' / '.join(repr(n) for n in order)} entry to convert; the file holds "
+                          f"dict entries {available} and other entries "
+                          f"{sorted(k for k in obj if k not in available)}")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{path} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def open_source(src: str, ema: bool | None = None) -> Source:
+    """Opens a checkpoint for streaming, detecting its container:
+
+    * ``*.pt`` / ``.pth`` / ``.ckpt`` / ``.bin``: a PyTorch (training) checkpoint;
+    * ``*.safetensors``: one safetensors file;
+    * a directory: ``*.safetensors.index.json`` + shards, else its single ``*.safetensors`` file, else its single
+      ``.pt`` file; a diffusers pipeline directory is entered at ``transformer/``. A ``config.json`` beside the
+      weights is kept as hints (it holds the head count, which tensors cannot tell).
+    """
+    if not os.path.exists(src):
+        raise ConversionError(f"{src} does not exist")
+    if os.path.isfile(src):
+        if src.endswith(TORCH_SUFFIXES):
+            return TorchSource(src, ema)
+        if src.endswith(".safetensors"):
+            hints_path = os.path.join(os.path.dirname(src) or ".", "config.json")
+            hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
+            return SafetensorsSource([src], f"safetensors file {src}", hints)
+        if src.endswith(".index.json"):
+            return _sharded(src)
+        raise ConversionError(f"{src}: unknown checkpoint format; expected a .safetensors file, a "
+                              f"*.safetensors.index.json, a PyTorch .pt/.pth/.ckpt file or a directory holding one")
+    if os.path.isdir(os.path.join(src, "transformer")) and not glob.glob(os.path.join(src, "*.safetensors")):
+        src = os.path.join(src, "transformer")  # diffusers pipeline root: the DiT lives in transformer/
+    indexes = sorted(glob.glob(os.path.join(src, "*.safetensors.index.json")))
+    files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
+    torch_files = sorted(f for f in glob.glob(os.path.join(src, "*")) if f.endswith(TORCH_SUFFIXES))
+    if len(indexes) > 1:
+        raise ConversionError(f"{src} holds several shard indexes {[os.path.basename(i) for i in indexes]}; pass "
+                              f"the one to convert")
+    if indexes:
+        return _sharded(indexes[0])
+    if len(files) == 1:
+        hints_path = os.path.join(src, "config.json")
+        hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
+        return SafetensorsSource(files, f"safetensors file {files[0]}", hints)
+    if len(files) > 1:
+        raise ConversionError(f"{src} holds {len(files)} .safetensors files but no *.safetensors.index.json to say "
+                              f"how they fit together; pass the file to convert")
+    if len(torch_files) == 1:
+        return TorchSource(torch_files[0], ema)
+    raise ConversionError(f"{src}: unknown checkpoint format; the directory holds no .safetensors file, shard index "
+                          f"or single .pt file (found {sorted(os.listdir(src))[:10]})")
+
+
+def _sharded(index_path: str) -> Source:
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConversionError(f"{index_path}: expected a 'weight_map' of tensor name -> shard file")
+    folder = os.path.dirname(index_path) or "."
+    shards = sorted(set(weight_map.values()))
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        raise ConversionError(f"{index_path} names shard files that are missing: {listing(missing)}")
+    hints_path = os.path.join(folder, "config.json")
+    hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
+    return SafetensorsSource([os.path.join(folder, s) for s in shards],
+                             f"sharded safetensors ({len(shards)} shards, index {index_path})", hints, weight_map)
