@@ -1,0 +1,362 @@
+"""Wan 2.1's DiT as pure functions of a params pytree (layout: `jaxkv.models.wan.params`), in three forms that share
+every numeric:
+
+* `forward`: the plain bidirectional Wan forward over a whole clip.
+* `forward_block_causal`: the same sequence under the chunk-causal training mask of causal Wan (Self-Forcing /
+  CausVid), optionally with a pinned sink and a local window, all by token position.
+* `forward_chunk`: one chunk of a stream on a stacked KV cache (`jaxkv.RingCache` or `jaxkv.RollingCache` with
+  ``layers=num_layers``); the chunk's keys are rotated at their absolute positions, written into the chunk's reserved
+  slot, and attention reads the whole cache in physical order with masks from stored positions.
+
+Blocks run under ``lax.scan`` over the stacked layer axis. In `forward_chunk` the stacked cache rides in the scan
+carry and each layer writes ``[layer, session, slot]`` with a dynamic update slice, so XLA updates it in place rather
+than copying every layer's cache per forward (see DESIGN.md, "Making XLA do what the design promises").
+
+Cross-attention keys/values depend only on the text context, so `cross_kv` computes them once for all layers; a
+streaming rollout calls it once and passes the result to every `forward_chunk`.
+
+Conventions: latents are channels-last ``[batch, frames, height, width, channels]`` on the latent grid; timesteps
+are on Wan's 0..1000 scale, one per batch row ``[batch]`` or one per (patch) frame ``[batch, frames // pt]``; text
+context is ``[batch, text_tokens, text_dim]`` with ``text_tokens <= text_len`` and is zero-padded to ``text_len``
+before the text embedding, as Wan does (so padding tokens are attended, as in Wan 2.1 T2V; pass exactly
+``text_len`` tokens to compare against a transformer that does not pad, e.g. diffusers' WanTransformer3DModel).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkv.attention import attend
+from jaxkv.models.wan import layers as L
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.params import param_shapes, validate_params
+from jaxkv.models.wan.rope import apply_rope, rope_angles, sequence_positions
+
+
+class CrossKV(NamedTuple):
+    """Cross-attention keys and values of every layer: k, v float32 [layers, batch, text_len, heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+# ------------------------------------------------------------------------------------------------ parameters
+
+
+def init_params(config: WanConfig, key, dtype=jnp.float32):
+    """Random parameters following `param_shapes(config)` exactly.
+
+    Nothing is zero: kernels ~ N(0, 1/fan_in), biases ~ N(0, 0.02^2), norm scales ~ 1 + N(0, 0.1^2), LayerNorm
+    shifts ~ N(0, 0.1^2), modulation tables ~ N(0, 1/dim) (as Wan initialises them), so every parameter changes the
+    output and a test that drops or permutes one fails.
+    """
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, shape), k in zip(leaves, keys):
+        name = str(path[-1].key)
+        parent = str(path[-2].key) if len(path) > 1 else ""
+        noise = jax.random.normal(k, shape, jnp.float32)
+        if name == "kernel":
+            fan_in = 1
+            for s in shape[:-1]:
+                fan_in *= s
+            if parent != "patch_embedding" and len(shape) >= 2:
+                fan_in = shape[-2]
+            value = noise / jnp.sqrt(float(fan_in))
+        elif name == "bias" and parent.startswith("norm"):
+            value = 0.1 * noise
+        elif name == "bias":
+            value = 0.02 * noise
+        elif name == "scale":
+            value = 1.0 + 0.1 * noise
+        elif name == "modulation":
+            value = noise / jnp.sqrt(float(config.dim))
+        else:
+            raise AssertionError(f"unhandled parameter {path}")
+        out.append(value.astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ------------------------------------------------------------------------------------------------ input checks
+
+
+def _check_latents(config: WanConfig, latents, name: str = "latents"):
+    if latents.ndim != 5 or latents.shape[-1] != config.in_dim:
+        raise ValueError(f"{name} must be [batch, frames, height, width, in_dim={config.in_dim}], "
+                         f"got {list(latents.shape)}")
+    _, f, h, w, _ = latents.shape
+    pt, ph, pw = config.patch_size
+    if f % pt or h % ph or w % pw:
+        raise ValueError(f"{name} frames/height/width {f}x{h}x{w} must be divisible by the patch {config.patch_size}")
+    if not jnp.issubdtype(latents.dtype, jnp.floating):
+        raise ValueError(f"{name} must be floating point, got {latents.dtype}")
+    return f // pt, h // ph, w // pw
+
+
+def _frame_timesteps(timesteps, batch: int, frames: int):
+    """[batch] or [batch, frames] -> float32 [batch, frames]."""
+    t = jnp.asarray(timesteps)
+    if t.shape == (batch,):
+        t = jnp.broadcast_to(t[:, None], (batch, frames))
+    elif t.shape != (batch, frames):
+        raise ValueError(f"timesteps must be [batch]={[batch]} or per frame [batch, frames]={[batch, frames]}, "
+                         f"got {list(t.shape)}")
+    return t.astype(jnp.float32)
+
+
+def _check_context(config: WanConfig, context, batch: int, pad_context: bool):
+    if context.ndim != 3 or context.shape[0] != batch or context.shape[2] != config.text_dim:
+        raise ValueError(f"context must be [batch={batch}, text_tokens, text_dim={config.text_dim}], "
+                         f"got {list(context.shape)}")
+    n = context.shape[1]
+    if n > config.text_len:
+        raise ValueError(f"context has {n} tokens, more than the model's text_len {config.text_len}")
+    if pad_context and n < config.text_len:
+        context = jnp.pad(context, ((0, 0), (0, config.text_len - n), (0, 0)))
+    return context
+
+
+# ------------------------------------------------------------------------------------------------ attention pieces
+
+
+def _heads(x, config: WanConfig):
+    """[batch, tokens, dim] -> [batch, tokens, heads, head_dim]."""
+    return x.reshape(*x.shape[:-1], config.num_heads, config.head_dim)
+
+
+def cross_kv(params, config: WanConfig, context, *, pad_context: bool = True) -> CrossKV:
+    """Cross-attention keys/values of all layers from the text context (a pure function: hoist it out of loops).
+
+    Args:
+      context: [batch, text_tokens, text_dim] text-encoder embeddings (zero-padded to text_len when pad_context).
+    Returns:
+      CrossKV with k, v float32 [layers, batch, text_len, heads, head_dim].
+    """
+    context = _check_context(config, jnp.asarray(context), context.shape[0], pad_context)
+    ctx = L.text_embedding(params, context)
+    p = params["blocks"]["cross_attn"]
+
+    def one_layer(pk, pv, scale):
+        k = L.rms_norm(L.linear(pk, ctx), scale, config.eps)
+        return _heads(k, config), _heads(L.linear(pv, ctx), config)
+
+    k, v = jax.vmap(one_layer)(p["k"], p["v"], p["norm_k"]["scale"])
+    return CrossKV(k, v)
+
+
+def _self_qkv(p, h, angles, config: WanConfig):
+    """RMSNorm'd (over the full dim) and rotated q, k and plain v, each float32 [batch, tokens, heads, head_dim]."""
+    q = L.rms_norm(L.linear(p["q"], h), p["norm_q"]["scale"], config.eps)
+    k = L.rms_norm(L.linear(p["k"], h), p["norm_k"]["scale"], config.eps)
+    v = L.linear(p["v"], h)
+    return apply_rope(_heads(q, config), angles), apply_rope(_heads(k, config), angles), _heads(v, config)
+
+
+def _cross_attention(p, x, k, v, config: WanConfig, backend: str):
+    """x [batch, tokens, dim] attends to the (hoisted) text keys/values [batch, text_len, heads, head_dim]."""
+    b, n, _ = x.shape
+    q = _heads(L.rms_norm(L.linear(p["q"], x), p["norm_q"]["scale"], config.eps), config)
+    zeros_q = jnp.zeros((b, n), jnp.int32)
+    zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
+    out = attend(q, k, v, zeros_q, zeros_k, backend=backend)
+    return L.linear(p["o"], out.reshape(b, n, config.dim))
+
+
+def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, backend: str):
+    """One Wan block on x float32 [batch, tokens, dim] with per-frame e0 [batch, frames, 6, dim].
+
+    ``self_attention(p_self_attn, h) -> (y, aux)`` computes the self-attention output [batch, tokens, dim] (and any
+    state it updates, e.g. the cache).
+    """
+    b, n, d = x.shape
+    mod = p["modulation"].astype(jnp.float32)[None, None] + e0          # [batch, frames, 6, dim]
+    m = [mod[:, :, i, None, :] for i in range(6)]                        # each [batch, frames, 1, dim]
+    shift1, scale1, gate1, shift2, scale2, gate2 = m
+    flat = lambda y: y.reshape(b, n, d)
+
+    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale1) + shift1)
+    y, aux = self_attention(p["self_attn"], h)
+    x = x + flat(L.per_frame(y, frames) * gate1)
+
+    x = x + _cross_attention(p["cross_attn"], L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"]),
+                             ck, cv, config, backend)
+
+    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale2) + shift2)
+    y = L.linear(p["ffn"]["fc2"], L.gelu_tanh(L.linear(p["ffn"]["fc1"], h)))
+    return x + flat(L.per_frame(y, frames) * gate2), aux
+
+
+def _head(params, config: WanConfig, x, e, frames: int):
+    """Output head: per-frame modulated LayerNorm, then the linear to pt*ph*pw*out_dim. e [batch, frames, dim]."""
+    b, n, d = x.shape
+    mod = params["head"]["modulation"].astype(jnp.float32)[None, None] + e[:, :, None, :]   # [b, frames, 2, dim]
+    shift, scale = mod[:, :, 0:1], mod[:, :, 1:2]
+    h = (L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale) + shift).reshape(b, n, d)
+    return L.linear(params["head"]["head"], h)
+
+
+# ------------------------------------------------------------------------------------------------ full sequences
+
+
+def _forward_sequence(params, config: WanConfig, latents, timesteps, context, mask: dict, pad_context: bool,
+                      backend: str, cross: CrossKV | None = None):
+    latents = jnp.asarray(latents)
+    gf, gh, gw = _check_latents(config, latents)
+    b = latents.shape[0]
+    t = _frame_timesteps(timesteps, b, gf)
+    if cross is None:
+        cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context)
+    n = gf * gh * gw
+    positions = sequence_positions(b, n)
+    angles = rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta)
+
+    x = L.patchify(params, config, latents)
+    e, e0 = L.time_embedding(params, config, t)
+
+    def self_attention(p, h):
+        q, k, v = _self_qkv(p, h, angles, config)
+        out = attend(q, k, v, positions, positions, backend=backend, **mask)
+        return L.linear(p["o"], out.reshape(b, n, config.dim)), None
+
+    def body(x, xs):
+        p, ck, cv = xs
+        x, _ = _block(p, x, e0, ck, cv, gf, self_attention, config, backend)
+        return x, None
+
+    x, _ = lax.scan(body, x, (params["blocks"], cross.k, cross.v))
+    return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw))
+
+
+def forward(params, config: WanConfig, latents, timesteps, context, *, pad_context: bool = True,
+            backend: str = "auto"):
+    """The plain bidirectional Wan 2.1 forward (flow prediction).
+
+    Args:
+      params: the Wan parameter pytree (`jaxkv.models.wan.params`).
+      latents: [batch, frames, height, width, in_dim] on the latent grid (height/width divisible by the patch).
+      timesteps: float [batch] or per frame [batch, frames // pt], on the 0..1000 scale.
+      context: [batch, text_tokens <= text_len, text_dim]; zero-padded to text_len unless pad_context=False.
+    Returns:
+      float32 [batch, frames, height, width, out_dim].
+    """
+    return _forward_sequence(params, config, latents, timesteps, context, {}, pad_context, backend)
+
+
+def _frames_to_tokens(config: WanConfig, latents, chunk_frames, window_frames, sink_frames):
+    _, gh, gw = _check_latents(config, jnp.asarray(latents))
+    tpf = gh * gw
+    for name, value in (("chunk_frames", chunk_frames), ("window_frames", window_frames),
+                        ("sink_frames", sink_frames)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if chunk_frames is None or chunk_frames <= 0:
+        raise ValueError(f"chunk_frames must be a positive int, got {chunk_frames!r}")
+    if window_frames is not None and window_frames < chunk_frames:
+        raise ValueError(f"window_frames ({window_frames}) must hold at least one chunk ({chunk_frames} frames)")
+    mask = {"chunk": chunk_frames * tpf}
+    if window_frames is not None:
+        mask["window"] = window_frames * tpf
+        mask["sink"] = sink_frames * tpf
+    elif sink_frames:
+        raise ValueError("sink_frames only makes sense with a window (window_frames)")
+    return mask
+
+
+def forward_block_causal(params, config: WanConfig, latents, timesteps, context, *, chunk_frames: int,
+                         window_frames: int | None = None, sink_frames: int = 0, pad_context: bool = True,
+                         backend: str = "auto"):
+    """Wan 2.1 under the block-causal (chunk-causal) mask of causal Wan training, by token position.
+
+    Token i (frame f_i, chunk c_i = f_i // chunk_frames) sees token j iff c_j <= c_i and, when ``window_frames`` is
+    set, j's chunk starts less than ``window_frames`` frames before i's chunk (the window includes i's own chunk) or
+    j lies in the first ``sink_frames`` frames. This is exactly what a stream on a sink + window cache sees.
+
+    Args/returns as `forward`; chunk_frames, window_frames, sink_frames count latent (patch) frames.
+    """
+    mask = _frames_to_tokens(config, latents, chunk_frames, window_frames, sink_frames)
+    return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, backend)
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+
+def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32):
+    """An empty stacked cache for all layers: k, v [layers, batch, capacity, heads, head_dim].
+
+    policy: "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling" (`jaxkv.RollingCache`, shift-by-copy).
+    """
+    from jaxkv.cache import RingCache, RollingCache
+
+    classes = {"ring": RingCache, "rolling": RollingCache}
+    if policy not in classes:
+        raise ValueError(f"cache policy must be one of {sorted(classes)}, got {policy!r}")
+    return classes[policy].init(spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers)
+
+
+def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, backend: str = "auto"):
+    """One chunk of a stream: the flow prediction of the cache's reserved chunk, and the cache with its K/V written.
+
+    The caller reserves the chunk (``cache = cache.begin_chunk()``) once, then may call this any number of times for
+    that chunk (each denoising step overwrites the chunk's slot; the last write wins).
+
+    Args:
+      cache: stacked `RingCache`/`RollingCache` [layers=num_layers, batch, capacity, heads, head_dim] whose spec's
+        chunk equals this chunk's tokens (frames/pt * height/ph * width/pw).
+      cross: `cross_kv` of the text context, batch rows matching the cache's sessions.
+      latents: [batch, chunk_frames, height, width, in_dim].
+      timesteps: float [batch] or [batch, chunk_frames // pt].
+    Returns:
+      (flow float32 [batch, chunk_frames, height, width, out_dim], updated cache).
+    """
+    latents = jnp.asarray(latents)
+    gf, gh, gw = _check_latents(config, latents)
+    b = latents.shape[0]
+    n = gf * gh * gw
+    if cache.layers != config.num_layers or cache.heads != config.num_heads or cache.head_dim != config.head_dim:
+        raise ValueError(f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
+                         f"heads={config.num_heads}, head_dim={config.head_dim}], got k {list(cache.k.shape)}")
+    if cache.batch != b:
+        raise ValueError(f"cache has {cache.batch} sessions but latents have batch {b}")
+    if cache.spec.chunk != n:
+        raise ValueError(f"cache chunk is {cache.spec.chunk} tokens but the latents chunk has {n} "
+                         f"({gf} frames x {gh}x{gw} patches)")
+    expected = (config.num_layers, b, config.text_len, config.num_heads, config.head_dim)
+    if tuple(cross.k.shape) != expected or tuple(cross.v.shape) != expected:
+        raise ValueError(f"cross K/V must be [layers, batch, text_len, heads, head_dim] = {list(expected)}, "
+                         f"got {list(cross.k.shape)}")
+    t = _frame_timesteps(timesteps, b, gf)
+    q_positions = cache.chunk_positions()
+    angles = rope_angles(q_positions, (gh, gw), config.head_dim, config.rope_theta)
+
+    x = L.patchify(params, config, latents)
+    e, e0 = L.time_embedding(params, config, t)
+    chunk = cache.spec.chunk
+
+    def body(carry, xs):
+        x, cache = carry
+        p, ck, cv, layer = xs
+
+        def self_attention(pa, h):
+            q, k, v = _self_qkv(pa, h, angles, config)
+            new_cache = cache.write(k.astype(cache.dtype), v.astype(cache.dtype), layer=layer)
+            kc, vc = new_cache.layer_kv(layer)
+            out = attend(q, kc, vc, q_positions, new_cache.positions, chunk=chunk, backend=backend)
+            return L.linear(pa["o"], out.reshape(b, n, config.dim)), new_cache
+
+        x, cache = _block(p, x, e0, ck, cv, gf, self_attention, config, backend)
+        return (x, cache), None
+
+    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, cache), _ = lax.scan(body, (x, cache), (params["blocks"], cross.k, cross.v, layers))
+    return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw)), cache
+
+
+def check_params(params, config: WanConfig) -> None:
+    """Raises ValueError when params do not follow the layout of `config` (see `validate_params`)."""
+    validate_params(params, config)
