@@ -30,7 +30,7 @@ def _unsigned_like(dtype) -> np.dtype:
 
 
 def write_chunk_rows(buf: jax.Array, update: jax.Array, offsets: jax.Array, layer=None) -> jax.Array:
-    """Writes update[b] into buf[(layer,) b, offsets[b]:offsets[b] + chunk] with one dynamic_update_slice per session.
+    """Writes update[b] into buf[(layer,) b, offsets[b]:offsets[b] + chunk] for every session b.
 
     Args:
       buf: [batch, capacity, ...] or, with ``layer``, [layers, batch, capacity, ...].
@@ -38,31 +38,32 @@ def write_chunk_rows(buf: jax.Array, update: jax.Array, offsets: jax.Array, laye
       offsets: int32 [batch] token offsets (traced).
       layer: None, or an int32 scalar (traced or not) selecting the layer.
 
-    The write goes through an unsigned integer view of the same width: XLA:CPU wraps a bfloat16
-    dynamic_update_slice in a whole-buffer bf16->f32->bf16 conversion (O(capacity) per write); on integer bits the
-    update stays in place and O(chunk). The bitcasts are free.
+    One ``dynamic_update_slice`` per session (sessions are few: cond/uncond or a handful of streams), so XLA keeps
+    every write in place and O(chunk). A vmapped update over the session axis of a layer stack transposes the
+    buffer instead, copying it whole. The write goes through an unsigned integer view of the same width: XLA:CPU
+    wraps a bfloat16 dynamic_update_slice in a whole-buffer bf16->f32->bf16 conversion (O(capacity) per write); on
+    integer bits the update stays in place. The bitcasts are free.
     """
     bits = _unsigned_like(buf.dtype)
-    buf_bits = lax.bitcast_convert_type(buf, bits)
-    upd_bits = lax.bitcast_convert_type(update, bits)
-    zeros = (0,) * (update.ndim - 2)
-    if layer is None:
-        out = jax.vmap(lambda b, u, o: lax.dynamic_update_slice(b, u, (o, *zeros)))(buf_bits, upd_bits, offsets)
-    else:
-        layer = jnp.asarray(layer, jnp.int32)
-        out = jax.vmap(lambda b, u, o: lax.dynamic_update_slice(b, u[None], (layer, o, *zeros)),
-                       in_axes=(1, 0, 0), out_axes=1)(buf_bits, upd_bits, offsets)
+    out = lax.bitcast_convert_type(buf, bits)
+    upd = lax.bitcast_convert_type(update, bits)
+    trailing = (0,) * (update.ndim - 2)
+    lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    for b in range(update.shape[0]):
+        row = upd[b:b + 1] if layer is None else upd[None, b:b + 1]
+        out = lax.dynamic_update_slice(out, row, (*lead, b, offsets[b], *trailing))
     return lax.bitcast_convert_type(out, buf.dtype)
 
 
 def read_chunk_rows(buf: jax.Array, offsets: jax.Array, chunk: int, layer=None) -> jax.Array:
     """Inverse of `write_chunk_rows`: [batch, chunk, ...] read from buf at per-session offsets."""
-    zeros = (0,) * (buf.ndim - (3 if layer is not None else 2))
-    if layer is None:
-        return jax.vmap(lambda b, o: lax.dynamic_slice_in_dim(b, o, chunk, axis=0))(buf, offsets)
-    layer = jnp.asarray(layer, jnp.int32)
-    return jax.vmap(lambda b, o: lax.dynamic_slice(b, (layer, o, *zeros), (1, chunk, *b.shape[2:]))[0],
-                    in_axes=(1, 0))(buf, offsets)
+    batch = offsets.shape[0]
+    trailing = (0,) * (buf.ndim - (3 if layer is not None else 2))
+    lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    size = (*(1,) * len(lead), 1, chunk, *buf.shape[len(lead) + 2:])
+    rows = [lax.dynamic_slice(buf, (*lead, b, offsets[b], *trailing), size).reshape(size[len(lead):])
+            for b in range(batch)]
+    return jnp.concatenate(rows, axis=0)
 
 
 def _is_concrete(x) -> bool:

@@ -1,0 +1,364 @@
+"""The cache contract: RingCache and RollingCache against an independent chronological history."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jaxkv
+from jaxkv.attention import dense_attention
+from tests.cache_reference import ReferenceHistory
+
+POLICIES = [jaxkv.RingCache, jaxkv.RollingCache]
+HEADS, HEAD_DIM = 2, 3
+
+
+# ------------------------------------------------------------------ jitted transitions (one compile per layout)
+
+@functools.lru_cache(maxsize=None)
+def _ops(cls, spec, batch, dtype):
+    del cls, spec, batch, dtype  # part of the cache key only
+    begin = jax.jit(lambda c, a: c.begin_chunk(active=a))
+    begin_all = jax.jit(lambda c: c.begin_chunk())
+    write = jax.jit(lambda c, k, v, a: c.write(k, v, active=a))
+    write_all = jax.jit(lambda c, k, v: c.write(k, v))
+    reset = jax.jit(lambda c, s: c.reset(s))
+    chrono = jax.jit(lambda c: c.chronological())
+    return begin, begin_all, write, write_all, reset, chrono
+
+
+def _assert_matches(cache, ref, chrono):
+    k, v, pos = (np.asarray(x) for x in chrono(cache))
+    for b in range(cache.batch):
+        rk, rv, rpos = ref.logical(b)
+        n = len(rpos)
+        np.testing.assert_array_equal(pos[b, :n], rpos, err_msg=f"session {b} positions")
+        assert np.all(pos[b, n:] < 0), f"session {b}: extra filled slots {pos[b]}"
+        if n:
+            # Bit-identical: the cache only moves bytes.
+            np.testing.assert_array_equal(k[b, :n], rk, err_msg=f"session {b} keys")
+            np.testing.assert_array_equal(v[b, :n], rv, err_msg=f"session {b} values")
+
+
+def _run_sequence(cls, chunk, window_chunks, sink_chunks, batch, ops, dtype=jnp.float32):
+    spec = jaxkv.RingSpec(chunk=chunk, window=window_chunks * chunk, sink=sink_chunks * chunk)
+    begin, begin_all, write, write_all, reset, chrono = _ops(cls, spec, batch, dtype)
+    cache = cls.init(spec, batch, HEADS, HEAD_DIM, dtype=dtype)
+    ref = ReferenceHistory(spec.chunk, spec.window, spec.sink, batch)
+    rng = np.random.default_rng(len(ops))
+    for op, mask in ops:
+        if op == "begin":
+            cache = begin_all(cache) if mask is None else begin(cache, jnp.asarray(mask))
+            ref.begin(mask)
+        elif op == "write":
+            k = rng.standard_normal((batch, chunk, HEADS, HEAD_DIM)).astype(dtype)
+            v = rng.standard_normal((batch, chunk, HEADS, HEAD_DIM)).astype(dtype)
+            if mask is None:
+                cache = write_all(cache, jnp.asarray(k), jnp.asarray(v))
+            else:
+                cache = write(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
+            ref.write(k, v, mask)
+        else:
+            cache = reset(cache, jnp.asarray(mask)) if mask is not None else cache.reset()
+            ref.reset(mask)
+        _assert_matches(cache, ref, chrono)
+    return cache, ref
+
+
+# ------------------------------------------------------------------ seeded sweep: thousands of checked steps
+
+LAYOUTS = [  # (chunk, window_chunks, sink_chunks)
+    (1, 1, 0), (2, 1, 0), (1, 3, 0), (3, 4, 0), (2, 2, 1), (1, 1, 2), (2, 5, 1), (1, 4, 3), (4, 3, 2),
+]
+
+
+def _random_ops(rng, batch, n):
+    ops = []
+    for _ in range(n):
+        r = rng.random()
+        mask = None if rng.random() < 0.5 else rng.random(batch) < 0.7
+        if r < 0.4:
+            ops.append(("begin", mask))
+        elif r < 0.95:
+            ops.append(("write", mask))
+        else:
+            ops.append(("reset", mask))
+    return ops
+
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_random_sequences_match_reference(cls, layout):
+    chunk, window_chunks, sink_chunks = layout
+    rng = np.random.default_rng(hash(layout) % 2**32)
+    for batch in (1, 3):
+        # Starts with a begin so that sequences exercise the stream, then 150 random transitions.
+        _run_sequence(cls, chunk, window_chunks, sink_chunks, batch, [("begin", None)] + _random_ops(rng, batch, 150))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    cls=st.sampled_from(POLICIES),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["begin", "begin", "write", "write", "write", "reset"]),
+                  st.one_of(st.none(), st.lists(st.booleans(), min_size=2, max_size=2))),
+        min_size=1, max_size=40),
+)
+def test_property_any_sequence_matches_reference(layout, cls, ops):
+    _run_sequence(cls, *layout, batch=2, ops=ops)
+
+
+# ------------------------------------------------------------------ the named edge cases
+
+def _stream(cls, spec, n_chunks, batch=1, layers=None):
+    cache = cls.init(spec, batch, 1, 1, layers=layers)
+    for n in range(n_chunks):
+        cache = cache.begin_chunk()
+        value = jnp.full((batch, spec.chunk, 1, 1), float(n))
+        if layers is None:
+            cache = cache.write(value, value)
+        else:
+            for layer in range(layers):
+                cache = cache.write(value + layer, value + layer, layer=layer)
+    return cache
+
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+def test_first_chunk_fill_eviction_and_wraps(cls):
+    spec = jaxkv.RingSpec(chunk=2, window=6, sink=2)  # 1 sink chunk + 3 window chunks
+    # First chunk: reserved but not written -> nothing visible; written -> positions 0, 1.
+    cache = cls.init(spec, 1, 1, 1).begin_chunk()
+    assert np.all(np.asarray(cache.positions) < 0)
+    np.testing.assert_array_equal(cache.chunk_positions(), [[0, 1]])
+    expected = {  # chunks streamed -> retained positions in order (sink chunk 0 + the three most recent)
+        1: [0, 1], 3: [0, 1, 2, 3, 4, 5], 4: [0, 1, 2, 3, 4, 5, 6, 7],
+        5: [0, 1, 4, 5, 6, 7, 8, 9],  # first eviction: chunk 1 goes
+        50: [0, 1, 94, 95, 96, 97, 98, 99],  # many wraps
+    }
+    for n, want in expected.items():
+        cache = _stream(cls, spec, n)
+        k, _, pos = cache.chronological()
+        np.testing.assert_array_equal(pos[0, : len(want)], want)
+        assert np.all(np.asarray(pos[0, len(want):]) < 0)
+        np.testing.assert_array_equal(k[0, : len(want), 0, 0], np.asarray(want) // 2)  # data follows positions
+
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+def test_reset_mid_stream_restarts_one_session(cls):
+    spec = jaxkv.RingSpec(chunk=1, window=2, sink=1)
+    cache = _stream(cls, spec, 7, batch=2)
+    cache = cache.reset(jnp.array([True, False]))
+    np.testing.assert_array_equal(cache.chunk_start, [-1, 6])
+    assert np.all(np.asarray(cache.positions[0]) < 0)
+    cache = cache.begin_chunk()
+    cache = cache.write(jnp.full((2, 1, 1, 1), 9.0), jnp.full((2, 1, 1, 1), 9.0))
+    _, _, pos = cache.chronological()
+    np.testing.assert_array_equal(pos[0], [0, -1, -1])  # restarted at position 0
+    np.testing.assert_array_equal(pos[1], [0, 6, 7])
+    np.testing.assert_array_equal(cache.k.shape, (2, 3, 1, 1))  # nothing reallocated
+
+
+def test_repeated_write_last_wins_and_inactive_sessions_keep_state():
+    spec = jaxkv.RingSpec(chunk=2, window=4)
+    cache = jaxkv.RingCache.init(spec, 2, 1, 1).begin_chunk()
+    for value in (1.0, 2.0, 3.0):
+        cache = cache.write(jnp.full((2, 2, 1, 1), value), jnp.full((2, 2, 1, 1), -value))
+    np.testing.assert_array_equal(cache.k[:, :2, 0, 0], 3.0)
+    np.testing.assert_array_equal(cache.v[:, :2, 0, 0], -3.0)
+    before = cache
+    cache = cache.begin_chunk(active=jnp.array([False, True]))
+    cache = cache.write(jnp.full((2, 2, 1, 1), 7.0), jnp.full((2, 2, 1, 1), 7.0), active=jnp.array([False, True]))
+    np.testing.assert_array_equal(cache.k[0], before.k[0])
+    np.testing.assert_array_equal(cache.positions[0], before.positions[0])
+    np.testing.assert_array_equal(cache.chunk_start, [0, 2])
+    np.testing.assert_array_equal(cache.positions[1], [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+def test_stacked_layers_match_per_layer_caches(cls):
+    spec = jaxkv.RingSpec(chunk=2, window=4, sink=2)
+    stacked = _stream(cls, spec, 9, batch=2, layers=3)
+    single = _stream(cls, spec, 9, batch=2)
+    k, v, pos = stacked.chronological()
+    k1, _, pos1 = single.chronological()
+    np.testing.assert_array_equal(pos, pos1)
+    for layer in range(3):
+        np.testing.assert_array_equal(k[layer], k1 + layer)
+        lk, _ = stacked.layer_kv(jnp.int32(layer))
+        np.testing.assert_array_equal(lk, stacked.k[layer])
+
+
+def test_ring_and_rolling_give_same_logical_content_in_bf16():
+    spec = jaxkv.RingSpec(chunk=3, window=9, sink=3)
+    rng = np.random.default_rng(0)
+    caches = [cls.init(spec, 2, 2, 4, dtype=jnp.bfloat16) for cls in POLICIES]
+    for _ in range(11):
+        k = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.bfloat16)
+        caches = [c.begin_chunk().write(k, -k) for c in caches]
+    (k0, v0, p0), (k1, v1, p1) = (c.chronological() for c in caches)
+    assert k0.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(p0, p1)
+    np.testing.assert_array_equal(np.asarray(k0, np.float32), np.asarray(k1, np.float32))
+    np.testing.assert_array_equal(np.asarray(v0, np.float32), np.asarray(v1, np.float32))
+
+
+# ------------------------------------------------------------------ attention over the ring
+
+def _attention_on(cache, query):
+    q_pos = cache.chunk_positions()
+    return dense_attention(query, cache.k, cache.v, q_pos, cache.positions, causal=True)
+
+
+def test_attention_in_physical_order_equals_chronological():
+    spec = jaxkv.RingSpec(chunk=4, window=12, sink=4)
+    rng = np.random.default_rng(1)
+    cache = jaxkv.RingCache.init(spec, 1, 2, 8)
+    for _ in range(15):
+        k = jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32)
+        cache = cache.begin_chunk().write(k, k * 0.5 + 1)
+    query = jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32)
+    k, v, pos = cache.chronological()
+    assert not np.array_equal(pos, cache.positions), "the ring should be out of order here"
+    physical = _attention_on(cache, query)
+    chrono = dense_attention(query, k, v, cache.chunk_positions(), pos, causal=True)
+    np.testing.assert_allclose(physical, chrono, rtol=1e-6, atol=1e-6)
+
+
+def test_wrapped_ring_and_never_wrapped_ring_are_bit_identical():
+    """Same slot contents, positions shifted by whole wraps: the same code gives the same bits."""
+    spec = jaxkv.RingSpec(chunk=3, window=12)
+    w = spec.window_chunks
+    rng = np.random.default_rng(2)
+    data = [jnp.asarray(rng.standard_normal((1, 3, 2, 8)), jnp.float32) for _ in range(w)]
+    query = jnp.asarray(rng.standard_normal((1, 3, 2, 8)), jnp.float32)
+
+    fresh = jaxkv.RingCache.init(spec, 1, 2, 8)
+    for d in data:
+        fresh = fresh.begin_chunk().write(d, d + 1)
+    wrapped = jaxkv.RingCache.init(spec, 1, 2, 8)
+    wraps = 25
+    for n in range(wraps * w + w):
+        d = data[n % w] if n >= wraps * w else jnp.full_like(data[0], 100.0)
+        wrapped = wrapped.begin_chunk().write(d, d + 1)
+    assert int(wrapped.chunk_start[0]) == (wraps * w + w - 1) * spec.chunk
+    np.testing.assert_array_equal(wrapped.positions - fresh.positions, wraps * spec.window)
+    np.testing.assert_array_equal(_attention_on(wrapped, query), _attention_on(fresh, query))
+
+
+# ------------------------------------------------------------------ compilation and in-place writes
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+def test_jit_loop_over_many_wraps_compiles_once(cls):
+    spec = jaxkv.RingSpec(chunk=2, window=4, sink=2)
+    begin = jax.jit(lambda c: c.begin_chunk(), donate_argnums=0)
+    write = jax.jit(lambda c, k, v: c.write(k, v), donate_argnums=0)
+    cache = cls.init(spec, 2, 1, 2)
+    for n in range(6 * spec.window_chunks + 1):  # six wraps
+        cache = begin(cache)
+        x = jnp.full((2, 2, 1, 2), float(n))
+        cache = write(cache, x, x)
+    assert begin._cache_size() == 1
+    assert write._cache_size() == 1
+    _, _, pos = cache.chronological()
+    np.testing.assert_array_equal(pos[0], [0, 1, 22, 23, 24, 25])
+
+
+def _write_fn(spec, layers):
+    def fn(cache, k, v):
+        def body(c, layer):
+            return c.write(k, v, layer=layer), None
+        return jax.lax.scan(body, cache, jnp.arange(layers, dtype=jnp.int32))[0]
+    return jax.jit(fn, donate_argnums=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_donated_scanned_multilayer_write_is_in_place(dtype):
+    """Temp memory of a 4-layer scanned write stays O(chunk), whatever the window (no copy of any cache)."""
+    tokens, chunk_frames, heads, dim, layers = 64, 2, 4, 32, 4
+    temps = []
+    for window_frames in (8, 64):
+        spec = jaxkv.RingSpec.from_frames(tokens, chunk_frames, window_frames)
+        cache = jaxkv.RingCache.init(spec, 1, heads, dim, dtype=dtype, layers=layers).begin_chunk()
+        k = jnp.ones((1, spec.chunk, heads, dim), dtype)
+        compiled = _write_fn(spec, layers).lower(cache, k, k).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        chunk_bytes = spec.chunk * heads * dim * jnp.dtype(dtype).itemsize
+        # At most the k and v chunks being written (plus small index scratch), never a layer of the cache.
+        assert temp <= 2 * chunk_bytes + 4096, (window_frames, temp, chunk_bytes)
+        temps.append(temp)
+    assert temps[1] < cache.nbytes / 64, (temps, cache.nbytes)
+    assert temps[0] == temps[1], temps
+
+
+def test_write_time_does_not_grow_with_window():
+    """A loose timing guard (the benchmark holds the precise figures): 16x the window, far less than 16x the time.
+
+    The two windows are timed alternately so that load from other processes hits both alike; best of 40 each.
+    """
+    import time
+
+    heads, dim, chunk = 4, 64, 256
+    write = jax.jit(lambda c, k, v: c.write(k, v), donate_argnums=0)
+    k = jnp.ones((1, chunk, heads, dim), jnp.bfloat16)
+    caches = [jaxkv.RingCache.init(jaxkv.RingSpec(chunk=chunk, window=chunk * w), 1, heads, dim,
+                                   dtype=jnp.bfloat16).begin_chunk() for w in (1, 16)]
+    caches = [jax.block_until_ready(write(c, k, k)) for c in caches]
+    best = [float("inf")] * 2
+    for _ in range(40):
+        for i in range(2):
+            t = time.perf_counter()
+            caches[i] = jax.block_until_ready(write(caches[i], k, k))
+            best[i] = min(best[i], time.perf_counter() - t)
+    assert best[1] < 4 * best[0], best
+
+
+# ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(chunk=0, window=4), "positive"),
+    (dict(chunk=2, window=1), "at least one chunk"),
+    (dict(chunk=2, window=5), "whole number of chunks"),
+    (dict(chunk=2, window=4, sink=3), "sink"),
+    (dict(chunk=2, window=4, sink=-2), "sink"),
+    (dict(chunk=2.0, window=4), "int"),
+])
+def test_invalid_specs_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jaxkv.RingSpec(**kwargs)
+
+
+def test_from_frames_maps_self_forcing_settings():
+    # Self-Forcing: local_attn_size 21 frames with a 3-frame sink, 1560 tokens per frame, 3-frame chunks.
+    spec = jaxkv.RingSpec.from_frames(1560, 3, window_frames=21 - 3, sink_frames=3)
+    assert (spec.chunk, spec.window, spec.sink, spec.capacity) == (4680, 18 * 1560, 3 * 1560, 21 * 1560)
+    with pytest.raises(ValueError, match="multiples of chunk_frames"):
+        jaxkv.RingSpec.from_frames(1560, 3, window_frames=20)
+
+
+def test_write_rejects_bad_shapes_dtypes_and_layers_at_trace_time():
+    spec = jaxkv.RingSpec(chunk=2, window=4)
+    cache = jaxkv.RingCache.init(spec, 2, 3, 4).begin_chunk()
+    good = jnp.zeros((2, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"\[batch, chunk, heads, head_dim\] = \[2, 2, 3, 4\]"):
+        jax.jit(lambda c: c.write(jnp.zeros((2, 3, 3, 4)), good))(cache)
+    with pytest.raises(ValueError, match="dtype float32"):
+        jax.jit(lambda c: c.write(good.astype(jnp.bfloat16), good))(cache)
+    with pytest.raises(ValueError, match="not stacked"):
+        cache.write(good, good, layer=0)
+    stacked = jaxkv.RingCache.init(spec, 2, 3, 4, layers=2).begin_chunk()
+    with pytest.raises(ValueError, match="pass layer="):
+        stacked.write(good, good)
+    with pytest.raises(ValueError, match="out of range"):
+        stacked.write(good, good, layer=2)
+    with pytest.raises(ValueError, match="bool array of shape"):
+        cache.begin_chunk(active=jnp.array([1, 0]))
+    with pytest.raises(ValueError, match="begin_chunk"):
+        jaxkv.RingCache.init(spec, 2, 3, 4).write(good, good)
+    with pytest.raises(ValueError, match="positive int"):
+        jaxkv.RingCache.init(spec, 0, 3, 4)
