@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 _EPILOG = """\
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     from converters.convert import plan_conversion, write_checkpoint
     from converters.errors import ConversionError
 
+    if args.dst is not None and not args.dry_run and os.path.lexists(args.dst) and not args.force:
+        print(f"jaxkv convert: error: {args.dst} already exists; pass --force to replace it", file=sys.stderr)
+        return 1
     try:
         plan = plan_conversion(args.src, preset=args.preset, config=args.config, num_heads=args.num_heads,
                                ema=args.ema)

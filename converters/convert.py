@@ -171,12 +171,14 @@ def _plan(source: Source, preset, config, num_heads) -> Plan:
 
     expected_names = source_keys(naming, config.num_layers)
     shapes = flat_param_shapes(config)
-    missing = [name for dst, name in expected_names.items() if dst not in mapped]
-    unexpected = sorted(unknown) + sorted(key for dst, (key, _) in mapped.items() if dst not in expected_names)
+    missing = sorted((name for dst, name in expected_names.items() if dst not in mapped), key=_natural)
+    unexpected = sorted(unknown + [key for dst, (key, _) in mapped.items() if dst not in expected_names],
+                        key=_natural)
     mismatched, bad_dtype = [], []
-    for dst, (key, kind) in mapped.items():
-        if dst not in expected_names:
+    for dst in expected_names:  # top-level tensors first: they show a width mismatch most plainly
+        if dst not in mapped:
             continue
+        key, kind = mapped[dst]
         want = shapes[dst[0]][1:] if dst[1] is not None else shapes[dst[0]]
         found = source.shapes[key]
         if target_shape(kind, found) != tuple(want):
@@ -208,6 +210,11 @@ def _plan(source: Source, preset, config, num_heads) -> Plan:
         else:
             items[key] = [mapped[(key, None)]]
     return Plan(source, naming, config, origin, items)
+
+
+def _natural(key: str):
+    """Sort key that puts blocks.2 before blocks.10."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
 
 
 def _config_from(path: str) -> WanConfig:

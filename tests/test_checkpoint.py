@@ -1,0 +1,122 @@
+"""The jaxkv Wan checkpoint directory: save/load round trips, atomic replacement and load errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxkv.models.wan import checkpoint
+from jaxkv.models.wan.checkpoint import CheckpointError, load, save
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.params import flatten, param_shapes
+
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=24, text_len=8,
+                freq_dim=16)
+
+
+def random_params(config: WanConfig, seed: int = 0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), param_shapes(config),
+                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+
+
+def assert_same(a, b):
+    fa, fb = flatten(a), flatten(b)
+    assert sorted(fa) == sorted(fb)
+    for k in fa:
+        assert np.asarray(fa[k]).dtype == np.asarray(fb[k]).dtype, k
+        np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_round_trip(tmp_path, dtype):
+    params = random_params(CFG, dtype=dtype)
+    save(str(tmp_path / "ck"), CFG, params)
+    config, loaded = load(str(tmp_path / "ck"))
+    assert config == CFG
+    assert all(isinstance(v, jax.Array) for v in flatten(loaded).values())
+    assert_same(loaded, params)
+    stored = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert stored.pop("format") == "jaxkv-wan" and stored.pop("format_version") == 1
+    assert WanConfig.from_dict(stored) == CFG
+
+
+def test_load_casts(tmp_path):
+    params = random_params(CFG)
+    save(str(tmp_path / "ck"), CFG, jax.tree.map(jnp.asarray, params))  # jax arrays are accepted too
+    _, loaded = load(str(tmp_path / "ck"), dtype=jnp.bfloat16)
+    want = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16), params)
+    assert_same(loaded, want)
+
+
+def test_save_validates_before_writing(tmp_path):
+    params = random_params(CFG)
+    params["blocks"]["ffn"]["fc1"]["kernel"] = np.zeros((2, 32, 47), np.float32)
+    with pytest.raises(ValueError, match=r"blocks.ffn.fc1.kernel: expected shape \(2, 32, 48\), found \(2, 32, 47\)"):
+        save(str(tmp_path / "ck"), CFG, params)
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_is_atomic_and_needs_force(tmp_path):
+    save(str(tmp_path / "ck"), CFG, random_params(CFG, 0))
+    with pytest.raises(FileExistsError):
+        save(str(tmp_path / "ck"), CFG, random_params(CFG, 1))
+    save(str(tmp_path / "ck"), CFG, random_params(CFG, 1), force=True)
+    assert_same(load(str(tmp_path / "ck"))[1], random_params(CFG, 1))
+    assert os.listdir(tmp_path) == ["ck"]
+
+    # An exception while writing removes the temporary directory and keeps the old checkpoint.
+    with pytest.raises(RuntimeError):
+        with checkpoint.atomic_directory(str(tmp_path / "ck"), force=True) as tmp:
+            open(os.path.join(tmp, "partial"), "w").close()
+            raise RuntimeError("disk full")
+    assert os.listdir(tmp_path) == ["ck"]
+    assert_same(load(str(tmp_path / "ck"))[1], random_params(CFG, 1))
+
+
+def _broken(tmp_path, how: str) -> str:
+    path = tmp_path / "ck"
+    save(str(path), CFG, random_params(CFG))
+    cfg_file, params_file = path / "config.json", path / "params.safetensors"
+    stored = json.loads(cfg_file.read_text())
+    if how == "no config":
+        cfg_file.unlink()
+    elif how == "foreign config":
+        cfg_file.write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
+    elif how == "future version":
+        cfg_file.write_text(json.dumps({**stored, "format_version": 99}))
+    elif how == "bad field":
+        cfg_file.write_text(json.dumps({**stored, "dim": 33}))
+    elif how == "no params":
+        params_file.unlink()
+    elif how == "truncated params":
+        params_file.write_bytes(params_file.read_bytes()[:-8])
+    elif how == "wrong layers":
+        cfg_file.write_text(json.dumps({**stored, "num_layers": 3}))
+    with pytest.raises(CheckpointError) as e:
+        load(str(path))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("how, expect", [
+    ("no config", "config.json is missing"),
+    ("foreign config", "jaxkv convert"),
+    ("future version", "format_version 99"),
+    ("bad field", "divisible by num_heads"),
+    ("no params", "params.safetensors is missing"),
+    ("truncated params", "truncated or corrupt"),
+    ("wrong layers", "blocks.ffn.fc1.kernel: expected shape (3, 32, 48), found (2, 32, 48)"),
+])
+def test_load_errors(tmp_path, how, expect):
+    assert expect in _broken(tmp_path, how)
+
+
+def test_load_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="jaxkv convert"):
+        load(str(tmp_path / "nothing"))
