@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command: ``jaxkv generate``, ``jaxkv convert``, ``jaxkv bench``.
+"""The ``jaxkv`` command: ``jaxkv generate`` and ``jaxkv convert`` (benchmarks run as scripts from ``benchmarks/``).
 
 Each subcommand lives in its own module and is imported only when used, so ``jaxkv convert`` does not pay for
 importing the model and ``jaxkv generate`` does not need the converters.
@@ -11,7 +11,6 @@ import sys
 _COMMANDS = {
     "generate": ("jaxkv.generate", "streaming video-latent generation on ring caches (Wan 2.1, causal)"),
     "convert": ("converters.cli", "convert a PyTorch/safetensors Wan 2.1 checkpoint to jaxkv params"),
-    "bench": ("jaxkv.bench", "run a benchmark from benchmarks/ (cache, attention, rollout)"),
 }
 
 

@@ -299,6 +299,8 @@ def test_donated_scanned_multilayer_write_is_in_place(dtype):
 def test_write_time_does_not_grow_with_window():
     """A loose timing guard (the benchmark holds the precise figures): 16x the window, far less than 16x the time.
 
+    (A one-chunk window is not used as the baseline: there the write replaces the whole buffer, a cheaper case.)
+
     The two windows are timed alternately so that load from other processes hits both alike; best of 40 each.
     """
     import time
@@ -307,7 +309,7 @@ def test_write_time_does_not_grow_with_window():
     write = jax.jit(lambda c, k, v: c.write(k, v), donate_argnums=0)
     k = jnp.ones((1, chunk, heads, dim), jnp.bfloat16)
     caches = [jaxkv.RingCache.init(jaxkv.RingSpec(chunk=chunk, window=chunk * w), 1, heads, dim,
-                                   dtype=jnp.bfloat16).begin_chunk() for w in (1, 16)]
+                                   dtype=jnp.bfloat16).begin_chunk() for w in (2, 32)]
     caches = [jax.block_until_ready(write(c, k, k)) for c in caches]
     best = [float("inf")] * 2
     for _ in range(40):
