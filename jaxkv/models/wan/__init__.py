@@ -3,7 +3,8 @@
 from jaxkv.models.wan.config import PRESETS, WanConfig, preset
 from jaxkv.models.wan.model import (CrossKV, cross_kv, forward, forward_block_causal, forward_chunk, init_cache,
                                     init_params)
+from jaxkv.models.wan.module import WanModel
 from jaxkv.models.wan.params import param_shapes, validate_params
 
 __all__ = ["PRESETS", "WanConfig", "preset", "CrossKV", "cross_kv", "forward", "forward_block_causal",
-           "forward_chunk", "init_cache", "init_params", "param_shapes", "validate_params"]
+           "forward_chunk", "init_cache", "init_params", "param_shapes", "validate_params", "WanModel"]
