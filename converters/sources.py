@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import pickle
+import re
 from typing import Any
 
 import ml_dtypes
@@ -126,14 +127,18 @@ def _torch_load(torch, path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch's message is long; the WeightsUnpickler line names the offending object.
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+        culprit = next((line.strip() for line in text.splitlines() if "WeightsUnpickler error" in line), "")
+        culprit = culprit.split(". Please use")[0] or " ".join(text.split())[:200]
         raise ConversionError(
             f"{path} was refused by torch.load(weights_only=True): it stores Python objects other than tensors and "
-            f"plain containers ({first}). Only weights-only files are read, since unpickling arbitrary objects can "
+            f"plain containers ({culprit}). Only weights-only files are read, since unpickling arbitrary objects can "
             f"run code; re-save just the state dict (torch.save({{'generator': model.state_dict()}}, path)) from "
             f"trusted code and convert that") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        msg = " ".join(str(e).split())[:300]
+        msg = " ".join(str(e).split())
+        msg = msg if len(msg) <= 200 else msg[:200] + "..."
         if "mmap" in msg and "zipfile" in msg:
             raise ConversionError(f"{path} uses the legacy (pre-1.6) torch.save format, which cannot be memory-"
                                   f"mapped; re-save it with a current torch.save") from None
