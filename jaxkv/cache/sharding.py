@@ -1,0 +1,52 @@
+"""Placing a cache on a device mesh with `jax.sharding`.
+
+Attention heads are independent, so the cache shards on the kv-head axis; sessions (batch rows) are independent, so
+it shards on a data axis too. Slots are never sharded. These are ordinary `NamedSharding`s / `PartitionSpec`s:
+
+* heads only: pass `cache_shardings` to ``jax.jit(in_shardings=..., out_shardings=..., donate_argnums=...)``; the
+  SPMD partitioner keeps every chunk write local and in place.
+* sessions (and heads): run the step under ``jax.shard_map`` with `cache_partition_specs` as in/out specs, so each
+  device writes its own sessions. (Under plain ``jit`` the partitioner turns a write into a session row of a
+  batch-sharded buffer into a select over the whole shard, i.e. a copy of the cache per chunk; a batched scatter
+  avoids that but XLA:CPU runs it in O(window).)
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxkv.cache.base import ChunkCache
+
+
+def cache_shardings(cache: ChunkCache, mesh: Mesh, *, data_axis: str | None = "data",
+                    head_axis: str | None = "model"):
+    """A pytree of `NamedSharding` with the structure of ``cache``.
+
+    k, v [(layers,) batch, capacity, heads, head_dim] -> P((None,) data_axis, None, head_axis, None);
+    positions [batch, capacity] -> P(data_axis, None); chunk_start [batch] -> P(data_axis).
+    Pass ``None`` for an axis to replicate along it. Raises ValueError when a mesh axis is unknown or does not
+    divide the dimension it shards.
+    """
+    for name, axis, size in (("data_axis", data_axis, cache.batch), ("head_axis", head_axis, cache.heads)):
+        if axis is None:
+            continue
+        if axis not in mesh.shape:
+            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+        if size % mesh.shape[axis]:
+            what = "batch (sessions)" if name == "data_axis" else "heads"
+            raise ValueError(f"{what} = {size} is not divisible by mesh axis {axis!r} of size {mesh.shape[axis]}")
+    specs = cache_partition_specs(cache, data_axis=data_axis, head_axis=head_axis)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_cache(cache: ChunkCache, mesh: Mesh, *, data_axis: str | None = "data", head_axis: str | None = "model"):
+    """``cache`` placed on ``mesh`` (see `cache_shardings`)."""
+    return jax.device_put(cache, cache_shardings(cache, mesh, data_axis=data_axis, head_axis=head_axis))
+
+
+def cache_partition_specs(cache: ChunkCache, *, data_axis: str | None = "data", head_axis: str | None = "model"):
+    """The `PartitionSpec`s of `cache_shardings` without a mesh, for ``jax.shard_map`` in_specs / out_specs."""
+    lead = (None,) if cache.layers is not None else ()
+    kv = P(*lead, data_axis, None, head_axis, None)
+    return cache.replace(k=kv, v=kv, positions=P(data_axis, None), chunk_start=P(data_axis))
