@@ -44,15 +44,47 @@ def write_chunk_rows(buf: jax.Array, update: jax.Array, offsets: jax.Array, laye
     wraps a bfloat16 dynamic_update_slice in a whole-buffer bf16->f32->bf16 conversion (O(capacity) per write); on
     integer bits the update stays in place. The bitcasts are free.
     """
-    bits = _unsigned_like(buf.dtype)
-    out = lax.bitcast_convert_type(buf, bits)
-    upd = lax.bitcast_convert_type(update, bits)
+    if layer is None:
+        return _write_rows_flat(buf, update, offsets)
+    return _write_rows_stacked(buf, update, offsets, jnp.asarray(layer, jnp.int32))
+
+
+def _write_rows(buf, update, offsets, layer, as_bits: bool):
+    if as_bits:
+        bits = _unsigned_like(buf.dtype)
+        out, upd = lax.bitcast_convert_type(buf, bits), lax.bitcast_convert_type(update, bits)
+    else:
+        out, upd = buf, update
     trailing = (0,) * (update.ndim - 2)
-    lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    lead = () if layer is None else (layer,)
     for b in range(update.shape[0]):
         row = upd[b:b + 1] if layer is None else upd[None, b:b + 1]
         out = lax.dynamic_update_slice(out, row, (*lead, b, offsets[b], *trailing))
-    return lax.bitcast_convert_type(out, buf.dtype)
+    return lax.bitcast_convert_type(out, buf.dtype) if as_bits else out
+
+
+# The integer view has no derivative: without these rules jax.grad through a write would be silently zero. The
+# write is linear in (buf, update), so its tangent is the same write on the tangents, done on floats.
+@jax.custom_jvp
+def _write_rows_flat(buf, update, offsets):
+    return _write_rows(buf, update, offsets, None, True)
+
+
+@_write_rows_flat.defjvp
+def _write_rows_flat_jvp(primals, tangents):
+    buf, update, offsets = primals
+    return _write_rows_flat(*primals), _write_rows(tangents[0], tangents[1], offsets, None, False)
+
+
+@jax.custom_jvp
+def _write_rows_stacked(buf, update, offsets, layer):
+    return _write_rows(buf, update, offsets, layer, True)
+
+
+@_write_rows_stacked.defjvp
+def _write_rows_stacked_jvp(primals, tangents):
+    buf, update, offsets, layer = primals
+    return _write_rows_stacked(*primals), _write_rows(tangents[0], tangents[1], offsets, layer, False)
 
 
 def read_chunk_rows(buf: jax.Array, offsets: jax.Array, chunk: int, layer=None) -> jax.Array:
