@@ -257,6 +257,7 @@ def write_checkpoint(plan: Plan, dst: str, *, dtype: str = "bf16", force: bool =
                         piece = np.ascontiguousarray(apply(kind, plan.source.read(src_key)), dtype=out)
                         writer.write(key, piece)
                         del piece
+                        plan.source.release(src_key)
                         bar.update(1)
             writer.close()
         except BaseException:

@@ -43,6 +43,9 @@ class Source:
         """``[*shapes[key]]`` in its stored floating dtype, memory-mapped where the format allows."""
         raise NotImplementedError
 
+    def release(self, key: str) -> None:
+        """Called once ``key`` has been converted and written: lets the reader drop its pages."""
+
     def close(self) -> None:
         pass
 
@@ -110,6 +113,24 @@ class TorchSource(Source):
         self.shapes = {k: tuple(t.shape) for k, t in self._tensors.items()}
         names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
         self.dtypes = {k: names.get(t.dtype, str(t.dtype)) for k, t in self._tensors.items()}
+        self._mapped = _file_mappings(path)
+
+    def release(self, key: str) -> None:
+        # torch maps the whole file once; pages read stay resident (clean, reclaimable page cache, but counted in
+        # RSS and growing to the checkpoint's size). Drop the pages of a tensor once it is written. Only ranges
+        # inside this file's own private mapping are dropped: there, a later access re-reads the file, whereas
+        # dropping anonymous memory would zero it.
+        if not self._mapped or key not in self._tensors:
+            return
+        storage = self._tensors[key].untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        for lo, hi in self._mapped:
+            if lo <= start and start + size <= hi:
+                page = _PAGE
+                a, b = max(lo, start - start % page), min(hi, -(-(start + size) // page) * page)
+                if b > a:
+                    _madvise_dontneed(a, b - a)
+                return
 
     def read(self, key: str) -> np.ndarray:
         torch, t = self._torch, self._tensors[key]
@@ -121,6 +142,35 @@ class TorchSource(Source):
 
     def close(self) -> None:
         self._tensors = {}
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _file_mappings(path: str) -> list[tuple[int, int]]:
+    """Address ranges where this process maps ``path`` (Linux /proc/self/maps; empty elsewhere)."""
+    real = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == real:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    ranges.append((lo, hi))
+    except OSError:
+        return []
+    return ranges
+
+
+def _madvise_dontneed(address: int, length: int) -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), 4)  # MADV_DONTNEED (Linux)
+    except (OSError, AttributeError):
+        pass
 
 
 def _torch_load(torch, path: str):

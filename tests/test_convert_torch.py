@@ -110,3 +110,20 @@ def test_pt_inside_a_directory_is_found(tmp_path):
     plan = plan_conversion(str(tmp_path / "run"), num_heads=2)
     assert plan.source.entry == "generator" and plan.config.num_layers == CFG.num_layers
     assert os.path.basename(plan.source.description.split()[2]) == "checkpoint_model_000600.pt"
+
+
+def test_tensors_sharing_a_storage_survive_page_release(tmp_path):
+    # Pages of a converted tensor are dropped from the file mapping; a later tensor in the same storage must be
+    # re-read from the file, intact.
+    sd = random_original(CFG, seed=15)
+    tensors = as_torch(sd, "model.")
+    shared = torch.stack([tensors[f"model.blocks.0.self_attn.{p}.weight"] for p in "qkvo"])
+    for i, p in enumerate("qkvo"):
+        tensors[f"model.blocks.0.self_attn.{p}.weight"] = shared[i]
+    torch.save({"generator": tensors}, tmp_path / "shared.pt")
+    plan = plan_conversion(str(tmp_path / "shared.pt"), num_heads=2)
+    if os.path.exists("/proc/self/maps"):
+        assert plan.source._mapped, "the checkpoint file should be memory-mapped"
+    plan.source.close()
+    convert_checkpoint(str(tmp_path / "shared.pt"), str(tmp_path / "out"), num_heads=2, dtype="f32")
+    assert_params_equal(checkpoint.load(str(tmp_path / "out"))[1], expected_params(sd, CFG))
