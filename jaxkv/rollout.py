@@ -1,0 +1,320 @@
+"""Streaming generation with causal Wan 2.1 on jaxkv caches: Self-Forcing's chunk-by-chunk sampler.
+
+Every chunk of ``chunk_frames`` latent frames is produced by the same compiled program:
+
+1. ``cache.begin_chunk()`` reserves the chunk's slot (on a full ring: the oldest non-sink chunk's slot);
+2. denoising passes at the schedule's timesteps (`jaxkv.schedule.Schedule`): each predicts the flow v, takes
+   ``x0 = x - sigma * v`` and re-noises to the next step's sigma; each pass writes the chunk's K/V into the reserved
+   slot, overwriting the previous pass;
+3. one more pass at ``context_noise`` on the clean x0 commits the chunk's final K/V at the same positions.
+
+The passes are a ``lax.scan`` over (timestep, sigma, next sigma, noise), so a chunk is one model body in the
+compiled program. Cross-attention K/V are computed once per rollout (`jaxkv.models.wan.cross_kv`).
+
+Two forms, each compiling once per shape:
+  * `rollout`: the whole rollout as a ``lax.scan`` over chunks (jit it with `jit_rollout`); differentiable.
+  * `Stream`: an iterator that yields each chunk's latents as soon as they are ready, from a jitted step that
+    donates the cache (updated in place).
+
+Noise: pass it explicitly (``noise [num_chunks, steps, batch, chunk_frames, height, width, in_dim]``; ``noise[n, 0]``
+is chunk n's initial x, ``noise[n, i]`` the eps mixed in before step i) to compare runs step for step with another
+implementation; otherwise it is drawn from a key, ``jax.random.normal(fold_in(key, n), ...)`` for chunk n, in the
+same way by both forms, so `rollout` and `Stream` agree given the same key.
+
+Classifier-free guidance runs the negative context as a second session (cache rows [batch:2*batch]) next to the
+conditional one: ``v = v_neg + scale * (v_cond - v_neg)``; both sessions commit their own K/V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv.cache import RingSpec
+from jaxkv.models.wan import model as M
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.schedule import Schedule
+
+POLICIES = ("ring", "rolling")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Static settings of a streaming rollout (hashable: a jit static argument).
+
+    Attributes:
+      latent_height, latent_width: latent grid of every frame (divisible by the patch).
+      chunk_frames: latent frames per chunk (Self-Forcing: 3).
+      window_frames: frames of the rolling attention window, including the chunk being generated; a multiple of
+        chunk_frames.
+      sink_frames: frames pinned at the start (the first chunks), a multiple of chunk_frames; 0 for none.
+      schedule: the denoising schedule.
+      guidance_scale: classifier-free guidance scale; None (default) for no guidance. Needs a negative context.
+      policy: "ring" (circular, O(chunk) per chunk) or "rolling" (shift-by-copy baseline).
+      cache_dtype: dtype name of the cached K/V ("float32", "bfloat16").
+      backend: attention backend name passed to `jaxkv.attend`.
+    """
+
+    latent_height: int
+    latent_width: int
+    chunk_frames: int = 3
+    window_frames: int = 12
+    sink_frames: int = 0
+    schedule: Schedule = Schedule()
+    guidance_scale: float | None = None
+    policy: str = "ring"
+    cache_dtype: str = "float32"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("latent_height", "latent_width", "chunk_frames", "window_frames"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"RolloutConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.sink_frames, bool) or not isinstance(self.sink_frames, (int, np.integer)) \
+                or self.sink_frames < 0:
+            raise ValueError(f"RolloutConfig.sink_frames must be an int >= 0, got {self.sink_frames!r}")
+        if self.window_frames % self.chunk_frames or self.sink_frames % self.chunk_frames:
+            raise ValueError(f"window_frames ({self.window_frames}) and sink_frames ({self.sink_frames}) must be "
+                             f"whole multiples of chunk_frames ({self.chunk_frames})")
+        if self.policy not in POLICIES:
+            raise ValueError(f"RolloutConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.schedule, Schedule):
+            raise ValueError(f"RolloutConfig.schedule must be a jaxkv.schedule.Schedule, got {self.schedule!r}")
+        try:
+            dtype = jnp.dtype(self.cache_dtype)
+        except TypeError:
+            raise ValueError(f"RolloutConfig.cache_dtype {self.cache_dtype!r} is not a dtype name") from None
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"RolloutConfig.cache_dtype must be a floating dtype, got {self.cache_dtype!r}")
+        object.__setattr__(self, "cache_dtype", dtype.name)
+
+    @property
+    def steps(self) -> int:
+        return len(self.schedule.steps)
+
+    def tokens_per_frame(self, config: WanConfig) -> int:
+        return config.tokens_per_frame(self.latent_height, self.latent_width)
+
+    def spec(self, config: WanConfig) -> RingSpec:
+        """The cache spec in tokens for this model's patch grid."""
+        return RingSpec.from_frames(self.tokens_per_frame(config), self.chunk_frames, self.window_frames,
+                                    self.sink_frames)
+
+    def chunk_shape(self, config: WanConfig, batch: int) -> tuple[int, ...]:
+        """[batch, chunk_frames, latent_height, latent_width, in_dim]."""
+        return (batch, self.chunk_frames, self.latent_height, self.latent_width, config.in_dim)
+
+    def noise_shape(self, config: WanConfig, batch: int, num_chunks: int) -> tuple[int, ...]:
+        """Explicit noise: [num_chunks, steps, batch, chunk_frames, latent_height, latent_width, in_dim]."""
+        return (num_chunks, self.steps, *self.chunk_shape(config, batch))
+
+
+class RolloutState(NamedTuple):
+    """What carries from chunk to chunk: the stacked cache (sessions = batch, or 2*batch with guidance) and the
+    hoisted cross-attention K/V."""
+
+    cache: Any
+    cross: M.CrossKV
+
+
+# ------------------------------------------------------------------------------------------------ setup
+
+
+def _check_context(config: WanConfig, rc: RolloutConfig, context, negative_context):
+    context = jnp.asarray(context)
+    if context.ndim != 3 or context.shape[-1] != config.text_dim:
+        raise ValueError(f"context must be [batch, text_tokens, text_dim={config.text_dim}], got "
+                         f"{list(context.shape)}")
+    if rc.guidance_scale is None:
+        if negative_context is not None:
+            raise ValueError("negative_context was given but guidance_scale is None; set "
+                             "RolloutConfig(guidance_scale=...) to use classifier-free guidance")
+        return context
+    if negative_context is None:
+        raise ValueError(f"guidance_scale={rc.guidance_scale} needs a negative_context [batch, tokens, text_dim]")
+    negative_context = jnp.asarray(negative_context)
+    if negative_context.ndim != 3 or negative_context.shape[0] != context.shape[0] \
+            or negative_context.shape[-1] != config.text_dim:
+        raise ValueError(f"negative_context must be [batch={context.shape[0]}, text_tokens, "
+                         f"text_dim={config.text_dim}], got {list(negative_context.shape)}")
+    pad = lambda c: jnp.pad(c, ((0, 0), (0, config.text_len - c.shape[1]), (0, 0)))
+    for name, c in (("context", context), ("negative_context", negative_context)):
+        if c.shape[1] > config.text_len:
+            raise ValueError(f"{name} has {c.shape[1]} tokens, more than the model's text_len {config.text_len}")
+    return jnp.concatenate([pad(context), pad(negative_context)], axis=0)
+
+
+def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_context=None) -> RolloutState:
+    """Empty cache and the cross-attention K/V of the (conditional and negative) text context.
+
+    Args:
+      context: [batch, text_tokens, text_dim]; negative_context: same, required iff guidance_scale is set.
+    """
+    sessions = _check_context(config, rc, context, negative_context)
+    cross = M.cross_kv(params, config, sessions)
+    cache = M.init_cache(config, rc.spec(config), sessions.shape[0], policy=rc.policy, dtype=jnp.dtype(rc.cache_dtype))
+    return RolloutState(cache, cross)
+
+
+def chunk_noise(key, config: WanConfig, rc: RolloutConfig, batch: int, chunk_index):
+    """The noise of chunk ``chunk_index`` drawn from ``key``: float32 [steps, batch, chunk_frames, h, w, in_dim]."""
+    return jax.random.normal(jax.random.fold_in(key, chunk_index), (rc.steps, *rc.chunk_shape(config, batch)))
+
+
+# ------------------------------------------------------------------------------------------------ one chunk
+
+
+def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, noise):
+    """Generates the next chunk of every session: (clean latents float32 [batch, chunk_frames, h, w, in_dim], state).
+
+    Args:
+      noise: float [steps, batch, chunk_frames, h, w, in_dim]: noise[0] is the initial x, noise[i] the eps mixed in
+        before step i.
+    """
+    batch = noise.shape[1]
+    if tuple(noise.shape) != (rc.steps, *rc.chunk_shape(config, batch)):
+        raise ValueError(f"chunk noise must be [steps, batch, chunk_frames, h, w, in_dim] = "
+                         f"{[rc.steps, *rc.chunk_shape(config, batch)]}, got {list(noise.shape)}")
+    guided = rc.guidance_scale is not None
+    sessions = 2 * batch if guided else batch
+    if state.cache.batch != sessions:
+        raise ValueError(f"the state has {state.cache.batch} sessions but {batch} noise rows need {sessions}"
+                         f"{' (guidance doubles them)' if guided else ''}")
+    t, sigma, next_sigma = (jnp.asarray(a, jnp.float32) for a in rc.schedule.passes())
+    noise = noise.astype(jnp.float32)
+    # eps mixed in after pass i is noise[i + 1]; after the last step and the context pass nothing is mixed in
+    next_noise = jnp.concatenate([noise[1:], jnp.zeros((2, *noise.shape[1:]), jnp.float32)], axis=0)
+
+    def one_pass(carry, xs):
+        x, cache = carry
+        t_i, sigma_i, next_sigma_i, eps = xs
+        x_in = jnp.concatenate([x, x], axis=0) if guided else x
+        flow, cache = M.forward_chunk(params, config, cache, state.cross, x_in, jnp.full((sessions,), t_i),
+                                      backend=rc.backend)
+        if guided:
+            cond, neg = flow[:batch], flow[batch:]
+            flow = neg + rc.guidance_scale * (cond - neg)
+        x0 = x - sigma_i * flow
+        return ((1.0 - next_sigma_i) * x0 + next_sigma_i * eps, cache), None
+
+    cache = state.cache.begin_chunk()
+    (x, cache), _ = lax.scan(one_pass, (noise[0], cache), (t, sigma, next_sigma, next_noise))
+    return x, RolloutState(cache, state.cross)
+
+
+# ------------------------------------------------------------------------------------------------ whole rollout
+
+
+class Rollout(NamedTuple):
+    latents: jax.Array        # float32 [batch, num_chunks * chunk_frames, h, w, in_dim]
+    state: RolloutState       # the state after the last chunk (continue with `generate_chunk` or `Stream`)
+
+
+def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks: int, key=None, noise=None,
+            negative_context=None, state: RolloutState | None = None, first_chunk: int = 0) -> Rollout:
+    """The whole rollout as one ``lax.scan`` over chunks; pure and differentiable in params, context and noise.
+
+    Args:
+      params: Wan params; config: its WanConfig; rc: RolloutConfig.
+      context: [batch, text_tokens, text_dim]; negative_context: same, iff rc.guidance_scale is set.
+      num_chunks: chunks to generate (any number: the cache wraps).
+      key: PRNG key for the noise (chunk n uses ``fold_in(key, first_chunk + n)``), or
+      noise: explicit noise [num_chunks, steps, batch, chunk_frames, h, w, in_dim].
+      state: continue from a previous rollout's state (default: a fresh one).
+    Returns:
+      Rollout(latents [batch, num_chunks * chunk_frames, h, w, in_dim], final state).
+    """
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, (int, np.integer)) or num_chunks <= 0:
+        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    batch = jnp.shape(context)[0]
+    if (key is None) == (noise is None):
+        raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
+    if noise is not None:
+        noise = jnp.asarray(noise)
+        expected = rc.noise_shape(config, batch, num_chunks)
+        if tuple(noise.shape) != expected:
+            raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] = "
+                             f"{list(expected)}, got {list(noise.shape)}")
+    if state is None:
+        state = init_state(params, config, rc, context, negative_context)
+
+    def body(state, xs):
+        eps = xs if noise is not None else chunk_noise(key, config, rc, batch, xs)
+        x, state = generate_chunk(params, config, rc, state, eps)
+        return state, x
+
+    xs = noise if noise is not None else first_chunk + jnp.arange(num_chunks, dtype=jnp.int32)
+    state, chunks = lax.scan(body, state, xs)
+    # [num_chunks, batch, chunk_frames, ...] -> [batch, num_chunks * chunk_frames, ...]
+    latents = jnp.moveaxis(chunks, 0, 1).reshape(batch, num_chunks * rc.chunk_frames, *chunks.shape[3:])
+    return Rollout(latents, state)
+
+
+jit_rollout = jax.jit(rollout, static_argnums=(1, 2), static_argnames=("num_chunks", "first_chunk"))
+jit_rollout.__doc__ = "`rollout` under jax.jit (config, rc and num_chunks static)."
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+
+def _stream_step(config, rc, params, state, key, index, noise):
+    batch = noise.shape[1] if noise is not None else None
+    if noise is None:
+        batch = state.cache.batch // (2 if rc.guidance_scale is not None else 1)
+        noise = chunk_noise(key, config, rc, batch, index)
+    return generate_chunk(params, config, rc, state, noise)
+
+
+# The cache is donated: XLA writes the chunk into the caller's buffers instead of copying the cache per chunk.
+stream_step = jax.jit(_stream_step, static_argnums=(0, 1), donate_argnames=("state",))
+
+
+class Stream:
+    """Iterator over chunks of a streaming rollout: each ``next()`` runs one jitted, cache-donating step and returns
+    that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
+
+    The step compiles once per shape (positions and slots are traced), so an unbounded stream runs one program;
+    ``stream_step._cache_size()`` counts its compilations. ``num_chunks=None`` streams forever. The state after the
+    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``).
+    """
+
+    def __init__(self, params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks: int | None = None,
+                 key=None, noise=None, negative_context=None):
+        if (key is None) == (noise is None):
+            raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
+        if num_chunks is not None and (isinstance(num_chunks, bool) or not isinstance(num_chunks, (int, np.integer))
+                                       or num_chunks <= 0):
+            raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
+        batch = jnp.shape(context)[0]
+        if noise is not None:
+            noise = jnp.asarray(noise)
+            if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
+                raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
+                                 f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got "
+                                 f"{list(noise.shape)}")
+            num_chunks = noise.shape[0] if num_chunks is None else min(num_chunks, noise.shape[0])
+        self.params, self.config, self.rc = params, config, rc
+        self.key, self.noise, self.num_chunks = key, noise, num_chunks
+        self.state = jax.jit(init_state, static_argnums=(1, 2))(params, config, rc, context, negative_context)
+        self.index = 0
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        return self
+
+    def __next__(self) -> jax.Array:
+        if self.num_chunks is not None and self.index >= self.num_chunks:
+            raise StopIteration
+        index = jnp.asarray(self.index, jnp.int32)
+        if self.noise is not None:
+            x, self.state = stream_step(self.config, self.rc, self.params, self.state, None, None,
+                                        self.noise[self.index])
+        else:
+            x, self.state = stream_step(self.config, self.rc, self.params, self.state, self.key, index, None)
+        self.index += 1
+        return x

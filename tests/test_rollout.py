@@ -1,0 +1,178 @@
+"""The streaming rollout against an independent cache-free reference, its two forms against each other, its
+compilation count, guidance, differentiability, and the Self-Forcing schedule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxkv import rollout as R
+from jaxkv.models import wan
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.schedule import Schedule
+
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5,
+                freq_dim=16)
+H, W = 2, 4   # 2 tokens per frame
+
+
+def _params(seed=0):
+    return wan.init_params(CFG, jax.random.key(seed))
+
+
+def _ctx(seed=1, batch=1):
+    return jax.random.normal(jax.random.key(seed), (batch, 3, CFG.text_dim))
+
+
+def reference_rollout(params, rc, context, noise, negative_context=None):
+    """Self-Forcing's sampler without any cache: every pass recomputes the whole history under the block-causal
+    mask (past chunks at their committed clean latents and context-noise timestep, the current chunk at the pass's
+    timestep) and keeps the current chunk's output. The schedule is recomputed here from its definition."""
+    s = rc.schedule
+    lin = np.asarray(s.steps) / 1000.0        # table index 1000 - d holds the unshifted sigma d/1000
+    sig = s.shift * lin / (1 + (s.shift - 1) * lin)
+    num_chunks, steps, batch, cf = noise.shape[:4]
+    done = []   # clean chunks [batch, cf, H, W, C]
+    fwd = jax.jit(lambda x, t, c: wan.forward_block_causal(params, CFG, x, t, c, chunk_frames=cf,
+                                                           window_frames=rc.window_frames, sink_frames=rc.sink_frames))
+
+    def flow_of(x, t, ctx):
+        hist = jnp.concatenate(done + [x], axis=1)
+        ts = jnp.concatenate([jnp.full((batch, len(done) * cf), s.context_noise), jnp.full((batch, cf), t)], 1)
+        return fwd(hist, ts, ctx)[:, -cf:]
+
+    for n in range(num_chunks):
+        x = noise[n, 0]
+        for i in range(steps):
+            v = flow_of(x, 1000.0 * sig[i], context)
+            if negative_context is not None:
+                vn = flow_of(x, 1000.0 * sig[i], negative_context)
+                v = vn + rc.guidance_scale * (v - vn)
+            x0 = x - sig[i] * v
+            x = (1 - sig[i + 1]) * x0 + sig[i + 1] * noise[n, i + 1] if i + 1 < steps else x0
+        done.append(x)
+    return jnp.concatenate(done, axis=1)
+
+
+@pytest.mark.parametrize("policy", ["ring", "rolling"])
+def test_rollout_equals_cache_free_reference_with_sink_and_wrapping_window(policy):
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
+                         schedule=Schedule(steps=(1000, 600, 250)))
+    params, ctx = _params(), _ctx(batch=2)
+    noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, 5))
+    got = R.jit_rollout(params, CFG, rc, ctx, num_chunks=5, noise=noise).latents
+    want = reference_rollout(params, rc, ctx, noise)
+    assert got.shape == (2, 5, H, W, CFG.in_dim)
+    err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+    assert err <= 1e-4, err
+
+
+def test_guidance_runs_the_negative_context_as_a_second_session():
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, guidance_scale=3.0,
+                         schedule=Schedule(steps=(1000, 500)))
+    params, ctx, neg = _params(3), _ctx(4), _ctx(5)
+    noise = jax.random.normal(jax.random.key(6), rc.noise_shape(CFG, 1, 3))
+    got = R.jit_rollout(params, CFG, rc, ctx, num_chunks=3, noise=noise, negative_context=neg)
+    assert got.state.cache.batch == 2
+    want = reference_rollout(params, rc, ctx, noise, negative_context=neg)
+    assert float(jnp.abs(got.latents - want).max() / jnp.abs(want).max()) <= 1e-4
+    unguided = R.jit_rollout(params, CFG, R.RolloutConfig(H, W, chunk_frames=1, window_frames=2,
+                                                          schedule=Schedule(steps=(1000, 500))),
+                             ctx, num_chunks=3, noise=noise).latents
+    assert float(jnp.abs(unguided - want).max()) > 1e-3
+
+
+def test_stream_equals_scan_rollout_for_20_chunks_with_one_compilation():
+    """20 chunks on a 2-chunk window + 1 sink chunk: the ring wraps 9 times; ring == rolling == scan."""
+    params, ctx = _params(7), _ctx(8)
+    key = jax.random.key(9)
+    results = {}
+    for policy in ("ring", "rolling"):
+        rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
+                             schedule=Schedule(steps=(1000, 500)))
+        before = R.stream_step._cache_size()
+        stream = R.Stream(params, CFG, rc, ctx, num_chunks=20, key=key)
+        chunks = list(stream)
+        assert len(chunks) == 20 and stream.index == 20
+        assert R.stream_step._cache_size() - before == 1     # one program for all 20 chunks
+        streamed = jnp.concatenate(chunks, axis=1)
+        whole = R.jit_rollout(params, CFG, rc, ctx, num_chunks=20, key=key)
+        np.testing.assert_allclose(np.asarray(streamed), np.asarray(whole.latents), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(stream.state.cache.positions),
+                                      np.asarray(whole.state.cache.positions))
+        results[policy] = streamed
+        assert np.isfinite(np.asarray(streamed)).all()
+    np.testing.assert_allclose(np.asarray(results["ring"]), np.asarray(results["rolling"]), atol=1e-5)
+    # the cache holds the sink (chunk 0) and the last two chunks, in the ring's physical order
+    pos = np.asarray(whole.state.cache.positions[0])
+    assert sorted(pos.tolist()) == [0, 1, 36, 37, 38, 39]
+
+
+def test_rollout_can_continue_from_its_state():
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)))
+    params, ctx, key = _params(10), _ctx(11), jax.random.key(12)
+    full = R.jit_rollout(params, CFG, rc, ctx, num_chunks=4, key=key).latents
+    first = R.jit_rollout(params, CFG, rc, ctx, num_chunks=2, key=key)
+    second = R.jit_rollout(params, CFG, rc, ctx, num_chunks=2, key=key, state=first.state, first_chunk=2)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate([first.latents, second.latents], 1)), np.asarray(full),
+                               atol=1e-5)
+
+
+def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=1, schedule=Schedule(steps=(1000, 500)))
+    params, ctx = _params(13), _ctx(14)
+    noise = jax.random.normal(jax.random.key(15), rc.noise_shape(CFG, 1, 3))
+    target = jax.random.normal(jax.random.key(16), (1, 3, H, W, CFG.in_dim))
+
+    def loss(p):
+        return jnp.mean((R.rollout(p, CFG, rc, ctx, num_chunks=3, noise=noise).latents - target) ** 2)
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    # the gradient reaches earlier chunks through the cached K/V: compare a directional derivative with a central
+    # finite difference (float32, so a loose tolerance; a gradient lost in the cache writes would be far off)
+    direction = jax.tree.map(lambda g: g / (jnp.linalg.norm(g) + 1e-12), grads)
+    eps = 1e-2
+    f = jax.jit(loss)
+    fd = (f(jax.tree.map(lambda p, d: p + eps * d, params, direction))
+          - f(jax.tree.map(lambda p, d: p - eps * d, params, direction))) / (2 * eps)
+    ad = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+    assert abs(float(fd) - float(ad)) <= 0.05 * abs(float(ad)), (fd, ad)
+    opt = optax.adam(1e-3)
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    assert float(f(optax.apply_updates(params, updates))) < float(value)
+
+
+def test_self_forcing_schedule_values():
+    s = Schedule()
+    # warped through the shift-5 table: sigma(d) = 5u / (1 + 4u) with u = d/1000
+    np.testing.assert_allclose(s.timesteps(), [1000.0, 937.5, 2500.0 / 3.0, 625.0], rtol=1e-12)
+    np.testing.assert_allclose(Schedule(warp=False).timesteps(), [1000, 750, 500, 250])
+    t, sigma, nxt = s.passes()
+    assert t[-1] == 0.0 and sigma[-1] == 0.0 and nxt[-2] == 0.0
+    for bad in ({"steps": ()}, {"steps": (500, 750)}, {"steps": (1001,)}, {"shift": 0.0},
+                {"context_noise": -1}):
+        with pytest.raises(ValueError):
+            Schedule(**bad)
+
+
+def test_bad_rollout_arguments_raise_clear_errors():
+    params, ctx = _params(), _ctx()
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2)
+    with pytest.raises(ValueError, match="multiples"):
+        R.RolloutConfig(H, W, chunk_frames=2, window_frames=3)
+    with pytest.raises(ValueError, match="policy"):
+        R.RolloutConfig(H, W, policy="lru")
+    with pytest.raises(ValueError, match="exactly one"):
+        R.rollout(params, CFG, rc, ctx, num_chunks=2)
+    with pytest.raises(ValueError, match="noise must be"):
+        R.rollout(params, CFG, rc, ctx, num_chunks=2, noise=jnp.zeros((2, 4, 1, 1, H, W, 3)))
+    with pytest.raises(ValueError, match="negative_context"):
+        R.rollout(params, CFG, R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, guidance_scale=2.0), ctx,
+                  num_chunks=1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="divisible"):
+        R.rollout(params, CFG, R.RolloutConfig(3, W, chunk_frames=1, window_frames=2), ctx, num_chunks=1,
+                  key=jax.random.key(0))
