@@ -70,6 +70,10 @@ def _infer_config(targets: dict[tuple[str, int | None], tuple[int, ...]], hints:
     ffn_dim = targets[("blocks.ffn.fc1.kernel", 0)][1]
     head_out = targets[("head.head.kernel", None)][1]
     num_layers = 1 + max(layer for (_, layer) in targets if layer is not None)
+    if isinstance(hints.get("num_layers"), int):
+        # A config.json beside the weights says how many blocks there should be: trailing missing blocks are then
+        # reported as missing keys rather than silently giving a shallower model.
+        num_layers = hints["num_layers"]
     if head_out % (pt * ph * pw):
         raise ConversionError(f"{where}: head output width {head_out} is not a multiple of the patch volume "
                               f"{pt * ph * pw} (patch {(pt, ph, pw)})")

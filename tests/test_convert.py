@@ -192,6 +192,17 @@ def test_sharded_original_layout_with_config_hints(tmp_path):
     assert_params_equal(params, expected_params(sd, CFG))
 
 
+def test_trailing_blocks_missing_are_caught_with_a_config_json(tmp_path):
+    sd = {k: v for k, v in random_original(CFG).items() if not k.startswith("blocks.2.")}
+    save_file(sd, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    # Without a config.json the tensors look like a complete 2-layer model...
+    assert plan_conversion(str(tmp_path), num_heads=2).config.num_layers == 2
+    # ...with one, the missing third block is reported.
+    (tmp_path / "config.json").write_text(json.dumps({"num_heads": 2, "num_layers": 3}))
+    msg = _error(tmp_path, tmp_path)
+    assert "missing keys (27): blocks.2.cross_attn.k.bias" in msg  # a whole block: 27 tensors
+
+
 def test_diffusers_naming_gives_the_same_params(tmp_path):
     sd = random_original(CFG, seed=2)
     src = tmp_path / "transformer"
