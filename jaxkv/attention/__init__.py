@@ -1,21 +1,34 @@
-"""Position-addressed attention over caches held in any physical order."""
+"""Position-addressed attention over caches held in any physical order.
 
-from jaxkv.attention.masks import visible
+Every mask is a function of (query position, key position), so attention over a ring cache in physical slot order
+is correct without gathering it into order. Paths, all tested against the dense reference:
+
+  dense_attention        the XLA reference (masked softmax over all keys)
+  blockwise_attention    XLA flash recurrence over key blocks in chronological order, segments merged by lse
+  pallas_attention       Triton-backed Pallas GPU kernel reading the ring in place, skipping empty/masked blocks
+
+`attend` picks one by `backend`. `CacheRope` adds cache-relative RoPE (keys rotated at read by their rank).
+"""
+
+from jaxkv.attention.blockwise import blockwise_attention, merge_partials
+from jaxkv.attention.dispatch import BACKENDS, attend, resolve_backend
+from jaxkv.attention.masks import MaskSpec, visible
+from jaxkv.attention.pallas_gpu import BlockSizes, pallas_attention
 from jaxkv.attention.reference import dense_attention
+from jaxkv.attention.rope import CacheRope, cache_ranks, query_ranks
 
-
-def attend(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0, scale=None,
-           backend="auto"):
-    """Attention of queries at absolute positions to keys/values at absolute positions (any physical order).
-
-    Shapes: q [batch, q_len, q_heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim]; q_positions int32
-    [batch, q_len]; kv_positions int32 [batch, kv_len] (negative = empty slot). Returns [batch, q_len, q_heads,
-    head_dim]. Mask arguments: see `jaxkv.attention.masks.visible`.
-    """
-    # Provisional: the dense XLA reference only; the blockwise and Pallas backends replace this dispatch.
-    del backend
-    return dense_attention(q, k, v, q_positions, kv_positions, causal=causal, chunk=chunk, window=window,
-                           sink=sink, scale=scale)
-
-
-__all__ = ["attend", "dense_attention", "visible"]
+__all__ = [
+    "BACKENDS",
+    "BlockSizes",
+    "CacheRope",
+    "MaskSpec",
+    "attend",
+    "blockwise_attention",
+    "cache_ranks",
+    "dense_attention",
+    "merge_partials",
+    "pallas_attention",
+    "query_ranks",
+    "resolve_backend",
+    "visible",
+]

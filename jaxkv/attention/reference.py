@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import visible
+from jaxkv.attention.rope import cache_ranks, query_ranks
 
 
 def dense_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0,
-                    scale=None):
+                    scale=None, rope=None, return_lse=False):
     """Softmax attention with a position mask, float32 accumulation.
 
     Args:
       q: [batch, q_len, q_heads, head_dim].
       k, v: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA/MQA).
       q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty).
-      Mask arguments: see `jaxkv.attention.masks.visible`.
+      Mask arguments: see `jaxkv.attention.masks.MaskSpec`.
+      rope: optional `CacheRope`: rotate k by its rank in the cache and q by its rank among the cached positions.
+      return_lse: also return the log-sum-exp of the scaled logits, float32 [batch, q_len, q_heads] (-inf where a
+        query sees no key).
     Returns:
-      [batch, q_len, q_heads, head_dim] in q's dtype. Queries that see no key get zeros.
+      [batch, q_len, q_heads, head_dim] in q's dtype (and the lse). Queries that see no key get zeros.
     """
-    b, lq, hq, d = q.shape
-    hk = k.shape[2]
+    b, lq, hq, _, hk, d = check_inputs(q, k, v, q_positions, kv_positions)
     groups = hq // hk
-    scale = d ** -0.5 if scale is None else scale
+    scale = check_scale(scale, d)
     mask = visible(q_positions, kv_positions, causal=causal, chunk=chunk, window=window, sink=sink)
-    qf = q.astype(jnp.float32).reshape(b, lq, hk, groups, d)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32)) * scale
+    qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
+    if rope is not None:
+        qf = rope.rotate(qf, query_ranks(q_positions, kv_positions))
+        kf = rope.rotate(kf, cache_ranks(kv_positions))
+    qf = qf.reshape(b, lq, hk, groups, d)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf) * scale
     logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -34,4 +41,8 @@ def dense_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=N
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
-    return out.reshape(b, lq, hq, d).astype(q.dtype)
+    out = out.reshape(b, lq, hq, d).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)[..., 0]  # [b, hk, g, q]
+    return out, jnp.moveaxis(lse.reshape(b, hq, lq), 1, 2)

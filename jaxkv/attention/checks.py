@@ -1,0 +1,41 @@
+"""Trace-time checks of attention inputs: shapes, head counts, dtypes. Raise ValueError naming what came."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def check_inputs(q, k, v, q_positions, kv_positions):
+    """Validate q [batch, q_len, q_heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] and int positions
+    q_positions [batch, q_len], kv_positions [batch, kv_len]. Returns (batch, q_len, q_heads, kv_len, kv_heads,
+    head_dim)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must be [batch, tokens, heads, head_dim], got shape {getattr(x, 'shape', x)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+    b, lq, hq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    kb, lk, hk, kd = k.shape
+    if kb != b:
+        raise ValueError(f"q and k/v batch sizes differ: q {q.shape}, k {k.shape}")
+    if kd != d:
+        raise ValueError(f"q and k/v head_dim differ: q {q.shape}, k {k.shape}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"q_heads ({hq}) must be a positive multiple of kv_heads ({hk}) for GQA/MQA")
+    for name, pos, want in (("q_positions", q_positions, (b, lq)), ("kv_positions", kv_positions, (b, lk))):
+        if getattr(pos, "shape", None) != want:
+            raise ValueError(f"{name} must have shape {want} ([batch, tokens]), got {getattr(pos, 'shape', pos)}")
+        if not jnp.issubdtype(pos.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array (absolute token positions), got dtype {pos.dtype}")
+    return b, lq, hq, lk, hk, d
+
+
+def check_scale(scale, head_dim):
+    """The softmax scale: head_dim ** -0.5 by default, else a Python number (static)."""
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be None or a Python float, got {scale!r}")
+    return float(scale)
