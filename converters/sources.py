@@ -5,6 +5,7 @@ time, memory-mapped, so a conversion never holds the checkpoint.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -163,14 +164,22 @@ def _file_mappings(path: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def _madvise_dontneed(address: int, length: int) -> None:
-    try:
-        import ctypes
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _madvise_dontneed(address: int, length: int) -> None:
+    import ctypes
+
+    libc = _libc()
+    if libc is not None and hasattr(libc, "madvise"):
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), 4)  # MADV_DONTNEED (Linux)
-    except (OSError, AttributeError):
-        pass
 
 
 def _torch_load(torch, path: str):
