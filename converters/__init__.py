@@ -1,1 +1,22 @@
-"""Checkpoint converters: PyTorch / safetensors Wan 2.1 checkpoints -> jaxkv params."""
+"""Checkpoint converters: PyTorch / safetensors Wan 2.1 checkpoints -> jaxkv params.
+
+    from converters import convert_checkpoint
+    plan = convert_checkpoint("Wan2.1-T2V-1.3B/", "wan13b-jaxkv/", dtype="bf16")
+
+`plan_conversion` checks a checkpoint from its headers alone; `write_checkpoint` streams a checked plan to disk;
+every problem is a `ConversionError`. Names load lazily, so `jaxkv convert --help` does not import JAX.
+"""
+
+_API = {"convert_checkpoint": "converters.convert", "plan_conversion": "converters.convert",
+        "write_checkpoint": "converters.convert", "Plan": "converters.convert",
+        "ConversionError": "converters.errors", "open_source": "converters.sources"}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'converters' has no attribute {name!r}")

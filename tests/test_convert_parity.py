@@ -19,7 +19,7 @@ diffusers = pytest.importorskip("diffusers")
 from safetensors.torch import save_file  # noqa: E402
 
 from converters.convert import convert_checkpoint  # noqa: E402
-from jaxkv.models.wan import checkpoint  # noqa: E402
+from jaxkv.models.wan import checkpoint, forward  # noqa: E402
 from jaxkv.models.wan.config import WanConfig  # noqa: E402
 from tests.test_convert import (assert_params_equal, diffusers_name, expected_params,  # noqa: E402
                                 original_wan_shapes)
@@ -170,15 +170,12 @@ def _diffusers_forward(model, latents, timesteps, context):
 
 @pytest.mark.parametrize("source", ["diffusers", "wan", "pt"])
 def test_forward_matches_diffusers(converted, source):
-    wan = pytest.importorskip("jaxkv.models.wan")
-    if not hasattr(wan, "forward"):
-        pytest.skip("jaxkv.models.wan.forward is not available")
     model, out, _, _ = converted
     config, params = out[source]
     latents, timesteps, context = _inputs()
     want = _diffusers_forward(model, latents, timesteps, context)
     # diffusers does not pad the text context; the tokens given are all the model sees on both sides.
-    got = np.asarray(wan.forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context,
+    got = np.asarray(forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context,
                                  pad_context=False))
     assert got.shape == want.shape == (2, 3, 4, 6, CFG.out_dim)
     assert np.abs(want).max() > 0.1  # a non-degenerate output
@@ -188,15 +185,12 @@ def test_forward_matches_diffusers(converted, source):
 
 def test_forward_with_the_raw_generator_differs(converted, tmp_path):
     # The EMA/generator choice matters: the raw generator's weights give a different output.
-    wan = pytest.importorskip("jaxkv.models.wan")
-    if not hasattr(wan, "forward"):
-        pytest.skip("jaxkv.models.wan.forward is not available")
     model, _, _, folder = converted
     pt = folder / "self_forcing.pt"
     convert_checkpoint(str(pt), str(tmp_path / "raw"), num_heads=HEADS, ema=False, dtype="f32")
     config, params = checkpoint.load(str(tmp_path / "raw"))
     latents, timesteps, context = _inputs()
     want = _diffusers_forward(model, latents, timesteps, context)
-    got = np.asarray(wan.forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context,
+    got = np.asarray(forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context,
                                  pad_context=False))
     assert np.abs(got - want).max() > 1e-2
