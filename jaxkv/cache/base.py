@@ -50,7 +50,9 @@ def write_chunk_rows(buf: jax.Array, update: jax.Array, offsets: jax.Array, laye
 
 
 def _write_rows(buf, update, offsets, layer, as_bits: bool):
-    if as_bits:
+    # Only 16-bit floats need the integer view. For float32 it is not free inside a loop whose carry is the
+    # buffer (a model's scan over stacked layers): XLA materialises the bitcast, a whole-stack copy per write.
+    if as_bits and np.dtype(buf.dtype).itemsize == 2:
         bits = _unsigned_like(buf.dtype)
         out, upd = lax.bitcast_convert_type(buf, bits), lax.bitcast_convert_type(update, bits)
     else:
@@ -60,7 +62,7 @@ def _write_rows(buf, update, offsets, layer, as_bits: bool):
     for b in range(update.shape[0]):
         row = upd[b:b + 1] if layer is None else upd[None, b:b + 1]
         out = lax.dynamic_update_slice(out, row, (*lead, b, offsets[b], *trailing))
-    return lax.bitcast_convert_type(out, buf.dtype) if as_bits else out
+    return lax.bitcast_convert_type(out, buf.dtype) if out.dtype != buf.dtype else out
 
 
 # The integer view has no derivative: without these rules jax.grad through a write would be silently zero. The
