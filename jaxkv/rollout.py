@@ -271,6 +271,8 @@ def _stream_step(config, rc, params, state, key, index, noise):
     return generate_chunk(params, config, rc, state, noise)
 
 
+_init_state_jit = jax.jit(init_state, static_argnums=(1, 2))
+
 # The cache is donated: XLA writes the chunk into the caller's buffers instead of copying the cache per chunk.
 stream_step = jax.jit(_stream_step, static_argnums=(0, 1), donate_argnames=("state",))
 
@@ -301,7 +303,7 @@ class Stream:
             num_chunks = noise.shape[0] if num_chunks is None else min(num_chunks, noise.shape[0])
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
-        self.state = jax.jit(init_state, static_argnums=(1, 2))(params, config, rc, context, negative_context)
+        self.state = _init_state_jit(params, config, rc, context, negative_context)
         self.index = 0
 
     def __iter__(self) -> Iterator[jax.Array]:
