@@ -1,0 +1,210 @@
+"""Attention over a ring cache in physical order vs copy-then-attend, on Wan 2.1 1.3B shapes.
+
+One attention layer, one session, 12 heads x 128, 3-frame chunks; the ring has streamed past several evictions, so
+it is wrapped and every slot is filled. The queries are the chunk being denoised (already written to the ring);
+with a full ring every cached key is visible to them, so both approaches compute the same attention.
+
+  ring       `jaxkv.attend` over the ring as it lies in memory, masks from positions (no gather)
+  copy+sdpa  gather the ring into chronological order (`cache.chronological()`), then `jax.nn.dot_product_attention`
+             (what a shift-by-copy cache hands to SDPA)
+
+CPU part (always): float32, tokens per frame scaled down from 1,560 so it fits a small machine; ring paths are the
+blockwise XLA path (block = chunk, so wrap-invariant) and the dense XLA path.
+GPU part (only when a GPU is present): full Wan 1.3B shapes, bf16 — queries 4,680, keys up to 32,760 + 4,680 —
+the Pallas kernel on the ring vs `jax.nn.dot_product_attention(implementation="cudnn")` on the same K/V, and vs
+gather + cuDNN. Each row also reports the largest difference between the ring result and the cuDNN result.
+
+Variants are jitted, warmed up, and timed alternately in this one process (the machines are shared and noisy: read
+the ratios). Median of the timed repetitions.
+
+    python benchmarks/attention.py [--quick] [--json PATH] [--reps N] [--tokens-per-frame T] [--no-gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+from jaxkv.attention import BlockSizes, attend
+from jaxkv.attention.blockwise import choose_block
+
+WAN_TOKENS_PER_FRAME, HEADS, HEAD_DIM, CHUNK_FRAMES = 1560, 12, 128, 3
+CPU_ROWS = [(6, 0), (12, 0), (18, 3)]  # (window_frames, sink_frames), window including the chunk being denoised
+GPU_ROWS = [(6, 0), (12, 0), (21, 3)]  # (21, 3): 32,760 window + 4,680 sink keys = 37,440
+
+
+def filled_ring(spec: jaxkv.RingSpec, dtype, head_dim: int = HEAD_DIM, heads: int = HEADS, seed: int = 0):
+    """A one-session ring that has streamed num_slots + 2 chunks (wrapped, full), and queries for its last chunk."""
+    cache = jaxkv.RingCache.init(spec, 1, heads, head_dim, dtype=dtype)
+    step = jax.jit(lambda c, k, v: c.begin_chunk().write(k, v), donate_argnums=0)
+    key = jax.random.key(seed)
+    for _ in range(spec.num_slots + 2):
+        key, kk, kv = jax.random.split(key, 3)
+        shape = (1, spec.chunk, heads, head_dim)
+        cache = step(cache, jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype))
+    q = jax.random.normal(key, (1, spec.chunk, heads, head_dim), dtype)
+    return cache, q
+
+
+def _copy_then_sdpa(cache, q, implementation=None):
+    k, v, _ = cache.chronological()
+    return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+
+
+def _time(variants: dict, args, reps: int) -> dict:
+    """Median milliseconds per variant, each jitted and warmed up, timed alternately."""
+    outs = {}
+    for name, fn in variants.items():
+        outs[name] = jax.block_until_ready(fn(*args))  # compile + warm
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}, outs
+
+
+def _max_diff(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, reps: int, head_dim: int = HEAD_DIM,
+                heads: int = HEADS) -> dict:
+    spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
+    cache, q = filled_ring(spec, jnp.float32, head_dim, heads)
+    mask = dict(chunk=spec.chunk, window=spec.window, sink=spec.sink)
+    block_k = choose_block(spec.chunk, 512) or spec.chunk
+    ring = lambda backend: jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions,
+                                                       backend=backend, block_k=block_k, **mask))
+    variants = {"ring_blockwise": ring("xla_blockwise"), "ring_dense": ring("xla_dense"),
+                "copy_sdpa": jax.jit(_copy_then_sdpa)}
+    ms, outs = _time(variants, (cache, q), reps)
+    return {
+        "part": "cpu",
+        "dtype": "float32",
+        "tokens_per_frame": tokens_per_frame,
+        "window_frames": window_frames,
+        "sink_frames": sink_frames,
+        "queries": spec.chunk,
+        "keys": spec.capacity,
+        "heads": heads,
+        "head_dim": head_dim,
+        "block_k": block_k,
+        "ring_blockwise_ms": round(ms["ring_blockwise"], 2),
+        "ring_dense_ms": round(ms["ring_dense"], 2),
+        "copy_sdpa_ms": round(ms["copy_sdpa"], 2),
+        "copy_over_ring_blockwise": round(ms["copy_sdpa"] / ms["ring_blockwise"], 2),
+        "copy_over_ring_dense": round(ms["copy_sdpa"] / ms["ring_dense"], 2),
+        "max_abs_diff": _max_diff(outs["ring_blockwise"], outs["copy_sdpa"]),
+    }
+
+
+def measure_gpu(window_frames: int, sink_frames: int, tokens_per_frame: int, reps: int, *, dtype=jnp.bfloat16,
+                head_dim: int = HEAD_DIM, heads: int = HEADS, implementation: str = "cudnn", interpret: bool = False,
+                block_sizes: BlockSizes | None = None) -> dict:
+    """Pallas on the ring vs SDPA (cuDNN) on the same K/V and vs gather + SDPA. `implementation="xla"` and
+    `interpret=True` run the same code on CPU (tests)."""
+    spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
+    cache, q = filled_ring(spec, dtype, head_dim, heads)
+    mask = dict(chunk=spec.chunk, window=spec.window, sink=spec.sink)
+    pallas = jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions, backend="pallas",
+                                         block_sizes=block_sizes, interpret=interpret, **mask))
+    # A full ring: every key is visible to the chunk, so unmasked SDPA over the slots in physical order is exact.
+    same_kv = jax.jit(lambda c, q: jax.nn.dot_product_attention(q, c.k, c.v, implementation=implementation))
+    copy = jax.jit(functools.partial(_copy_then_sdpa, implementation=implementation))
+    ms, outs = _time({"pallas": pallas, "sdpa": same_kv, "copy_sdpa": copy}, (cache, q), reps)
+    flops = 4 * spec.chunk * spec.capacity * heads * head_dim
+    return {
+        "part": "gpu",
+        "device": str(jax.devices()[0].device_kind),
+        "dtype": jnp.dtype(dtype).name,
+        "implementation": implementation,
+        "tokens_per_frame": tokens_per_frame,
+        "window_frames": window_frames,
+        "sink_frames": sink_frames,
+        "queries": spec.chunk,
+        "keys": spec.capacity,
+        "heads": heads,
+        "head_dim": head_dim,
+        "pallas_ms": round(ms["pallas"], 3),
+        "sdpa_ms": round(ms["sdpa"], 3),
+        "copy_sdpa_ms": round(ms["copy_sdpa"], 3),
+        "pallas_over_sdpa": round(ms["pallas"] / ms["sdpa"], 2),
+        "pallas_tflops": round(flops / ms["pallas"] / 1e9, 1),
+        "sdpa_tflops": round(flops / ms["sdpa"] / 1e9, 1),
+        "max_abs_diff": _max_diff(outs["pallas"], outs["sdpa"]),
+    }
+
+
+def _header(columns) -> str:
+    line = " ".join(f"{name:>{width}}" for name, _, width in columns)
+    return f"{line}\n{'-' * len(line)}"
+
+
+def _line(row, columns) -> str:
+    fmt = lambda key, x: f"{x:.1e}" if key == "max_abs_diff" else str(x)
+    return " ".join(f"{fmt(key, row[key]):>{width}}" for _, key, width in columns)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller CPU shapes, fewer reps (under a minute)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10, quick 3)")
+    parser.add_argument("--tokens-per-frame", type=int, default=None,
+                        help="CPU tokens per latent frame (default 260 = 1560 / 6; quick 156)")
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part even when a GPU is present")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    args = parser.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 10)
+    tpf = args.tokens_per_frame or (156 if args.quick else 260)
+    if reps < 1 or tpf < 1:
+        parser.error("--reps and --tokens-per-frame must be >= 1")
+
+    rows = []
+    print(f"jax {jax.__version__}; CPU part: float32, {HEADS} heads x {HEAD_DIM}, {tpf} tokens/frame "
+          f"(Wan: {WAN_TOKENS_PER_FRAME}), {CHUNK_FRAMES}-frame chunks, wrapped full ring, {reps} reps (median)")
+    cpu_cols = [("window", "window_frames", 6), ("sink", "sink_frames", 4), ("queries", "queries", 7),
+                ("keys", "keys", 6), ("ring blk ms", "ring_blockwise_ms", 11), ("ring dense ms", "ring_dense_ms", 13),
+                ("copy+sdpa ms", "copy_sdpa_ms", 12), ("copy/blk", "copy_over_ring_blockwise", 8),
+                ("copy/dense", "copy_over_ring_dense", 10), ("max|diff|", "max_abs_diff", 9)]
+    print(_header(cpu_cols))
+    with jax.default_device(jax.devices("cpu")[0]):
+        for window_frames, sink_frames in CPU_ROWS:
+            rows.append(measure_cpu(window_frames, sink_frames, tpf, reps))
+            print(_line(rows[-1], cpu_cols), flush=True)
+
+    if not args.no_gpu and jax.default_backend() == "gpu":
+        print(f"\nGPU part: {jax.devices()[0].device_kind}, bf16, full Wan 1.3B shapes "
+              f"({WAN_TOKENS_PER_FRAME} tokens/frame), {reps} reps (median)")
+        gpu_cols = [("window", "window_frames", 6), ("sink", "sink_frames", 4), ("queries", "queries", 7),
+                    ("keys", "keys", 6), ("pallas ms", "pallas_ms", 9), ("cudnn ms", "sdpa_ms", 8),
+                    ("copy+cudnn ms", "copy_sdpa_ms", 13), ("pallas/cudnn", "pallas_over_sdpa", 12),
+                    ("pallas TF/s", "pallas_tflops", 11), ("cudnn TF/s", "sdpa_tflops", 10),
+                    ("max|diff|", "max_abs_diff", 9)]
+        print(_header(gpu_cols))
+        for window_frames, sink_frames in GPU_ROWS:
+            rows.append(measure_gpu(window_frames, sink_frames, WAN_TOKENS_PER_FRAME, reps))
+            print(_line(rows[-1], gpu_cols), flush=True)
+    else:
+        print("\nGPU part skipped (no GPU" + (", --no-gpu" if args.no_gpu else "") + ")")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
