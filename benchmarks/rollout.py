@@ -9,7 +9,9 @@ chunk runs the whole Self-Forcing sampler (4 denoising passes + the context pass
 ring/rolling difference is the rolling cache's window shift (a copy of every layer's window per chunk) against the
 ring's in-place slot reuse. The compiles column is ring/rolling/while-timed: the jitted step's compilations while
 each policy filled and wrapped its window, and during the timed chunks (1/1/0: every chunk, wrapping or not, ran
-one program per policy).
+one program per policy). The cache-only columns time just the cache's share of a chunk on the same stacked cache
+(reserve the chunk, write every layer's K/V once per pass, in a scan carry, donated): the part the policy
+changes.
 
 Models: ``tiny`` (the preset; 2 layers, dim 64) and ``medium`` (4 layers, dim 256, 4 heads of 64); latent frames of
 16x16 (64 tokens with the 2x2 patch), 3-frame chunks, float32 caches.
@@ -40,6 +42,40 @@ MODELS = {
     "medium": WanConfig(dim=256, ffn_dim=512, num_heads=4, num_layers=4, text_dim=64, text_len=16, freq_dim=64),
 }
 LATENT_HW, CHUNK_FRAMES = (16, 16), 3
+
+
+def _maintenance(cache, k, v, passes: int):
+    """What one chunk costs the cache alone: reserve the chunk, then write every layer's K/V once per pass, with
+    the stacked cache in a scan carry as the model does."""
+    cache = cache.begin_chunk()
+
+    def body(cache, layer):
+        return cache.write(k, v, layer=layer), None
+
+    for _ in range(passes):
+        cache, _ = jax.lax.scan(body, cache, jnp.arange(cache.layers, dtype=jnp.int32))
+    return cache
+
+
+_maintenance_jit = jax.jit(_maintenance, static_argnums=3, donate_argnums=0)
+
+
+def measure_maintenance(config: WanConfig, spec, timed: int, passes: int) -> dict:
+    from jaxkv.models.wan.model import init_cache
+
+    k = jax.random.normal(jax.random.key(3), (1, spec.chunk, config.num_heads, config.head_dim))
+    caches = {p: init_cache(config, spec, 1, policy=p) for p in ("ring", "rolling")}
+    for policy in caches:                                       # compile, fill and wrap
+        for _ in range(spec.num_slots + 1):
+            caches[policy] = _maintenance_jit(caches[policy], k, -k, passes)
+        jax.block_until_ready(caches[policy])
+    times = {p: [] for p in caches}
+    for _ in range(max(timed, 5)):
+        for policy in caches:
+            t0 = time.perf_counter()
+            caches[policy] = jax.block_until_ready(_maintenance_jit(caches[policy], k, -k, passes))
+            times[policy].append(time.perf_counter() - t0)
+    return {f"{p}_cache_only_ms": statistics.median(t) * 1e3 for p, t in times.items()}
 
 
 def measure(config: WanConfig, params, context, window_frames: int, timed: int) -> dict:
@@ -76,6 +112,8 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
         row[f"{policy}_compiles"] = compiles[policy]
         streams[policy].state = None                            # free the caches before the next window
     row["rolling_over_ring"] = row["rolling_ms"] / row["ring_ms"]
+    row.update(measure_maintenance(config, cache.spec, timed, len(R.Schedule().steps) + 1))
+    row["cache_only_rolling_over_ring"] = row["rolling_cache_only_ms"] / row["ring_cache_only_ms"]
     return row
 
 
@@ -104,7 +142,7 @@ def main(argv=None) -> int:
           f"{tpf} tokens/frame, chunks of {CHUNK_FRAMES} frames, float32 cache, {jax.default_backend()}; "
           f"median of {timed} alternating chunks (each = {len(R.Schedule().steps) + 1} forwards)")
     header = f"{'window':>7} {'tokens':>7} {'cache MiB':>9} {'ring ms':>9} {'rolling ms':>10} {'roll/ring':>9} " \
-             f"{'compiles':>9}"
+             f"{'compiles':>9} | {'cache-only ring ms':>18} {'rolling ms':>10} {'roll/ring':>9}"
     print(header)
     rows = []
     for w in windows:
@@ -112,7 +150,9 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{w:>7} {row['window_tokens']:>7} {row['cache_mib']:>9.2f} {row['ring_ms']:>9.2f} "
               f"{row['rolling_ms']:>10.2f} {row['rolling_over_ring']:>9.2f} "
-              f"{row['ring_compiles']:>3}/{row['rolling_compiles']}/{row['compiles_while_timed']}", flush=True)
+              f"{row['ring_compiles']:>5}/{row['rolling_compiles']}/{row['compiles_while_timed']} | "
+              f"{row['ring_cache_only_ms']:>18.3f} {row['rolling_cache_only_ms']:>10.3f} "
+              f"{row['cache_only_rolling_over_ring']:>9.2f}", flush=True)
     if args.json:
         result = {
             "benchmark": "rollout", "model": model, "config": config.to_dict(), "latent_hw": list(LATENT_HW),
