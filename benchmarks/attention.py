@@ -17,12 +17,18 @@ gather + cuDNN. Each row also reports the largest difference between the ring re
 Variants are jitted, warmed up, and timed alternately in this one process (the machines are shared and noisy: read
 the ratios). Median of the timed repetitions.
 
-    python benchmarks/attention.py [--quick] [--json PATH] [--reps N] [--tokens-per-frame T] [--no-gpu]
+    python benchmarks/attention.py [--quick] [--json PATH] [--reps N] [--tokens-per-frame T] [--no-gpu] [--no-cpu]
+
+On a GPU machine, first the compiled kernel is checked against the dense reference (several masks, RoPE styles,
+dtypes and head dims; rows with part "gpu_check"), then timed. One prepared command for a lent GPU:
+
+    python benchmarks/attention.py --no-cpu --json bench_results/attention_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -40,6 +46,8 @@ from jaxkv.attention.blockwise import choose_block
 WAN_TOKENS_PER_FRAME, HEADS, HEAD_DIM, CHUNK_FRAMES = 1560, 12, 128, 3
 CPU_ROWS = [(6, 0), (12, 0), (18, 3)]  # (window_frames, sink_frames), window including the chunk being denoised
 GPU_ROWS = [(6, 0), (12, 0), (21, 3)]  # (21, 3): 32,760 window + 4,680 sink keys = 37,440
+# Kernel tunables tried at the largest GPU row besides the default (block_q, block_k, num_warps, num_stages).
+GPU_SWEEP = [(64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2)]
 
 
 def filled_ring(spec: jaxkv.RingSpec, dtype, head_dim: int = HEAD_DIM, heads: int = HEADS, seed: int = 0):
@@ -60,23 +68,35 @@ def _copy_then_sdpa(cache, q, implementation=None):
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation)
 
 
-def _time(variants: dict, args, reps: int) -> dict:
-    """Median milliseconds per variant, each jitted and warmed up, timed alternately."""
-    outs = {}
-    for name, fn in variants.items():
-        outs[name] = jax.block_until_ready(fn(*args))  # compile + warm
-        jax.block_until_ready(fn(*args))
-    times = {name: [] for name in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            t = time.perf_counter()
+def _time(variants: dict, args, reps: int):
+    """Median milliseconds per variant, each jitted and warmed up, timed alternately. A variant that fails to
+    compile or run (e.g. no cuDNN) gets NaN and its error in `errors`, so one run still reports the others."""
+    outs, errors = {}, {}
+    for name, fn in list(variants.items()):
+        try:
+            outs[name] = jax.block_until_ready(fn(*args))  # compile + warm
             jax.block_until_ready(fn(*args))
+        except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"  {name} failed: {errors[name]}", file=sys.stderr)
+    times = {name: [] for name in outs}
+    for _ in range(reps):
+        for name in outs:
+            t = time.perf_counter()
+            jax.block_until_ready(variants[name](*args))
             times[name].append(time.perf_counter() - t)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}, outs
+    ms = {name: 1e3 * statistics.median(times[name]) if name in times else float("nan") for name in variants}
+    return ms, outs, errors
 
 
 def _max_diff(a, b) -> float:
+    if a is None or b is None:
+        return float("nan")
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 2) if b == b and b > 0 else float("nan")
 
 
 def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, reps: int, head_dim: int = HEAD_DIM,
@@ -89,7 +109,7 @@ def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
                                                        backend=backend, block_k=block_k, **mask))
     variants = {"ring_blockwise": ring("xla_blockwise"), "ring_dense": ring("xla_dense"),
                 "copy_sdpa": jax.jit(_copy_then_sdpa)}
-    ms, outs = _time(variants, (cache, q), reps)
+    ms, outs, errors = _time(variants, (cache, q), reps)
     return {
         "part": "cpu",
         "dtype": "float32",
@@ -104,9 +124,10 @@ def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
         "ring_blockwise_ms": round(ms["ring_blockwise"], 2),
         "ring_dense_ms": round(ms["ring_dense"], 2),
         "copy_sdpa_ms": round(ms["copy_sdpa"], 2),
-        "copy_over_ring_blockwise": round(ms["copy_sdpa"] / ms["ring_blockwise"], 2),
-        "copy_over_ring_dense": round(ms["copy_sdpa"] / ms["ring_dense"], 2),
-        "max_abs_diff": _max_diff(outs["ring_blockwise"], outs["copy_sdpa"]),
+        "copy_over_ring_blockwise": _ratio(ms["copy_sdpa"], ms["ring_blockwise"]),
+        "copy_over_ring_dense": _ratio(ms["copy_sdpa"], ms["ring_dense"]),
+        "max_abs_diff": _max_diff(outs.get("ring_blockwise"), outs.get("copy_sdpa")),
+        "errors": errors,
     }
 
 
@@ -123,13 +144,14 @@ def measure_gpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
     # A full ring: every key is visible to the chunk, so unmasked SDPA over the slots in physical order is exact.
     same_kv = jax.jit(lambda c, q: jax.nn.dot_product_attention(q, c.k, c.v, implementation=implementation))
     copy = jax.jit(functools.partial(_copy_then_sdpa, implementation=implementation))
-    ms, outs = _time({"pallas": pallas, "sdpa": same_kv, "copy_sdpa": copy}, (cache, q), reps)
+    ms, outs, errors = _time({"pallas": pallas, "sdpa": same_kv, "copy_sdpa": copy}, (cache, q), reps)
     flops = 4 * spec.chunk * spec.capacity * heads * head_dim
     return {
         "part": "gpu",
         "device": str(jax.devices()[0].device_kind),
         "dtype": jnp.dtype(dtype).name,
         "implementation": implementation,
+        "block_sizes": None if block_sizes is None else dataclasses.astuple(block_sizes),
         "tokens_per_frame": tokens_per_frame,
         "window_frames": window_frames,
         "sink_frames": sink_frames,
@@ -140,11 +162,54 @@ def measure_gpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
         "pallas_ms": round(ms["pallas"], 3),
         "sdpa_ms": round(ms["sdpa"], 3),
         "copy_sdpa_ms": round(ms["copy_sdpa"], 3),
-        "pallas_over_sdpa": round(ms["pallas"] / ms["sdpa"], 2),
+        "pallas_over_sdpa": _ratio(ms["pallas"], ms["sdpa"]),
         "pallas_tflops": round(flops / ms["pallas"] / 1e9, 1),
         "sdpa_tflops": round(flops / ms["sdpa"] / 1e9, 1),
-        "max_abs_diff": _max_diff(outs["pallas"], outs["sdpa"]),
+        "max_abs_diff": _max_diff(outs.get("pallas"), outs.get("sdpa")),
+        "errors": errors,
     }
+
+
+GPU_CHECKS = [  # (head_dim, dtype, mask, rope): compiled kernel vs the dense XLA reference on the device
+    (128, "bfloat16", dict(), None),
+    (128, "bfloat16", dict(chunk=60, window=120, sink=60), None),
+    (64, "float32", dict(causal=True, window=100, sink=60), None),
+    (64, "bfloat16", dict(chunk=60), "half"),
+    (128, "float32", dict(chunk=60, window=120, sink=60), "interleaved"),
+]
+
+
+def gpu_checks(interpret: bool = False, block_sizes: BlockSizes | None = None, checks=GPU_CHECKS) -> list[dict]:
+    """Correctness of the compiled kernel on this device: a wrapped ring with a sink (60-token chunks, not a
+    multiple of the block sizes) and a second session holding one chunk, every query of the last chunk."""
+    from jaxkv.attention import CacheRope, dense_attention
+
+    rows = []
+    for head_dim, dtype, mask, style in checks:
+        spec = jaxkv.RingSpec(chunk=60, window=180, sink=60)
+        cache = jaxkv.RingCache.init(spec, 2, 2, head_dim, dtype=jnp.dtype(dtype))
+        key = jax.random.key(head_dim)
+        for n in range(6):
+            key, kk, kv = jax.random.split(key, 3)
+            active = jnp.array([True, n == 0])
+            shape = (2, spec.chunk, 2, head_dim)
+            cache = cache.begin_chunk(active=active).write(jax.random.normal(kk, shape, dtype),
+                                                           jax.random.normal(kv, shape, dtype), active=active)
+        q = jax.random.normal(key, (2, spec.chunk, 4, head_dim), dtype)
+        rope = None if style is None else CacheRope(style=style)
+        args = (q, cache.k, cache.v, cache.chunk_positions(), cache.positions)
+        row = {"part": "gpu_check", "head_dim": head_dim, "dtype": dtype, "mask": mask, "rope": style}
+        try:
+            got = jax.jit(lambda *a: attend(*a, backend="pallas", rope=rope, interpret=interpret,
+                                            block_sizes=block_sizes, **mask))(*args)
+            want = dense_attention(*args, rope=rope, **mask)
+            row["max_abs_diff"] = _max_diff(got, want)
+            row["ok"] = bool(row["max_abs_diff"] < (2e-2 if dtype == "bfloat16" else 2e-3))
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            row["max_abs_diff"], row["ok"] = float("nan"), False
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        rows.append(row)
+    return rows
 
 
 def _header(columns) -> str:
@@ -164,6 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens-per-frame", type=int, default=None,
                         help="CPU tokens per latent frame (default 260 = 1560 / 6; quick 156)")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part even when a GPU is present")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU part (on a GPU machine)")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 10)
@@ -178,11 +244,12 @@ def main(argv=None) -> int:
                 ("keys", "keys", 6), ("ring blk ms", "ring_blockwise_ms", 11), ("ring dense ms", "ring_dense_ms", 13),
                 ("copy+sdpa ms", "copy_sdpa_ms", 12), ("copy/blk", "copy_over_ring_blockwise", 8),
                 ("copy/dense", "copy_over_ring_dense", 10), ("max|diff|", "max_abs_diff", 9)]
-    print(_header(cpu_cols))
-    with jax.default_device(jax.devices("cpu")[0]):
-        for window_frames, sink_frames in CPU_ROWS:
-            rows.append(measure_cpu(window_frames, sink_frames, tpf, reps))
-            print(_line(rows[-1], cpu_cols), flush=True)
+    if not args.no_cpu:
+        print(_header(cpu_cols))
+        with jax.default_device(jax.devices("cpu")[0]):
+            for window_frames, sink_frames in CPU_ROWS:
+                rows.append(measure_cpu(window_frames, sink_frames, tpf, reps))
+                print(_line(rows[-1], cpu_cols), flush=True)
 
     if not args.no_gpu and jax.default_backend() == "gpu":
         print(f"\nGPU part: {jax.devices()[0].device_kind}, bf16, full Wan 1.3B shapes "
@@ -192,10 +259,19 @@ def main(argv=None) -> int:
                     ("copy+cudnn ms", "copy_sdpa_ms", 13), ("pallas/cudnn", "pallas_over_sdpa", 12),
                     ("pallas TF/s", "pallas_tflops", 11), ("cudnn TF/s", "sdpa_tflops", 10),
                     ("max|diff|", "max_abs_diff", 9)]
+        for check in gpu_checks():
+            rows.append(check)
+            print(f"check head_dim {check['head_dim']} {check['dtype']} mask {check['mask']} rope {check['rope']}: "
+                  f"max|diff| {check['max_abs_diff']:.1e} {'ok' if check['ok'] else 'FAIL ' + check.get('error', '')}",
+                  flush=True)
         print(_header(gpu_cols))
         for window_frames, sink_frames in GPU_ROWS:
             rows.append(measure_gpu(window_frames, sink_frames, WAN_TOKENS_PER_FRAME, reps))
             print(_line(rows[-1], gpu_cols), flush=True)
+        print("block-size sweep at the largest row (block_q, block_k, num_warps, num_stages):")
+        for sizes in GPU_SWEEP:
+            rows.append(measure_gpu(*GPU_ROWS[-1], WAN_TOKENS_PER_FRAME, reps, block_sizes=BlockSizes(*sizes)))
+            print(f"{str(sizes):>20} " + _line(rows[-1], gpu_cols), flush=True)
     else:
         print("\nGPU part skipped (no GPU" + (", --no-gpu" if args.no_gpu else "") + ")")
 

@@ -42,3 +42,9 @@ def test_main_writes_json(bench, tmp_path, monkeypatch):
     assert bench.main(["--reps", "1", "--tokens-per-frame", "4", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["part"] for r in rows] == ["cpu"] and rows[0]["window_frames"] == 3
+
+
+def test_gpu_checks_run_interpreted(bench):
+    checks = [(16, "float32", dict(chunk=60, window=120, sink=60), "half"), (16, "float32", dict(), None)]
+    rows = bench.gpu_checks(interpret=True, block_sizes=BlockSizes(32, 32), checks=checks)
+    assert all(r["ok"] for r in rows), rows

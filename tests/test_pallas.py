@@ -110,14 +110,14 @@ def test_visit_lists_cover_every_visible_block_in_chronological_order(mask):
 
 # ------------------------------------------------------------------ lowering for CUDA on a CPU-only machine
 
-@pytest.mark.parametrize("head_dim, dtype, rope", [
-    (64, jnp.bfloat16, None),
-    (128, jnp.bfloat16, None),
-    (128, jnp.float32, None),
-    (64, jnp.float32, CacheRope()),
-    (128, jnp.bfloat16, CacheRope(style="interleaved")),
+@pytest.mark.parametrize("head_dim, dtype, rope, sizes", [
+    (64, jnp.bfloat16, None, None),
+    (128, jnp.bfloat16, None, None),
+    (128, jnp.float32, None, BlockSizes(128, 128, 8, 2)),
+    (64, jnp.float32, CacheRope(), None),
+    (128, jnp.bfloat16, CacheRope(style="interleaved"), BlockSizes(64, 64)),
 ])
-def test_kernel_lowers_for_cuda(head_dim, dtype, rope):
+def test_kernel_lowers_for_cuda(head_dim, dtype, rope, sizes):
     """Wan shapes (scaled down in tokens only): a 4,680-token chunk is not a multiple of any block size."""
     chunk, cap = 4680, 4680 * 3
     q = jax.ShapeDtypeStruct((1, chunk, 12, head_dim), dtype)
@@ -125,7 +125,7 @@ def test_kernel_lowers_for_cuda(head_dim, dtype, rope):
     qp = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
     kp = jax.ShapeDtypeStruct((1, cap), jnp.int32)
     f = functools.partial(attend, backend="pallas", chunk=chunk, window=2 * chunk, sink=chunk, rope=rope,
-                          block_sizes=BlockSizes(64, 64))
+                          block_sizes=sizes)
     text = jax.jit(f).trace(q, kv, kv, qp, kp).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "jaxkv_ring_attention" in text
@@ -138,3 +138,5 @@ def test_kernel_rejects_unsupported_head_dim_and_blocks():
     q, k, v, qp, pos = args
     with pytest.raises(ValueError, match="head_dim a power of two"):
         pallas_attention(q[..., :12], k[..., :12], v[..., :12], qp, pos, interpret=True)
+    with pytest.raises(ValueError, match="head_dim >= 32"):
+        pallas_attention(q, k, v, qp, pos, rope=CacheRope())  # head_dim 16: rotary halves too small for a dot

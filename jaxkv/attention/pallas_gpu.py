@@ -63,6 +63,14 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {size!r}")
 
 
+def default_block_sizes(head_dim: int) -> BlockSizes:
+    """Starting points from FlashAttention-2 practice on Hopper-class GPUs (untuned here: no GPU was at hand; the
+    benchmark's GPU part sweeps a few alternatives)."""
+    if head_dim <= 64:
+        return BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2)
+    return BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3)
+
+
 def supported(head_dim: int) -> bool:
     """Head dims the kernel handles: powers of two from 16 to 256 (Wan uses 128; 64 is common)."""
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
@@ -171,7 +179,7 @@ def pallas_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=
       causal, chunk, window, sink: see `jaxkv.attention.masks.MaskSpec`.
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (keys rotated by cache rank inside the kernel).
-      block_sizes: `BlockSizes` tunables.
+      block_sizes: `BlockSizes` tunables (default `default_block_sizes(head_dim)`).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
     Returns:
       [batch, q_len, q_heads, head_dim] in q's dtype; float32 softmax and accumulation.
@@ -183,7 +191,10 @@ def pallas_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=
         raise ValueError(f"the Pallas kernel needs head_dim a power of two in [16, 256], got {d}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype for the Pallas kernel, got {q.dtype}, {k.dtype}, {v.dtype}")
-    bs = block_sizes or BlockSizes()
+    if rope is not None and d < 32 and not interpret:
+        raise ValueError(f"cache-relative RoPE in the Pallas kernel needs head_dim >= 32 (two dots of head_dim / 2 "
+                         f">= 16), got {d}")
+    bs = block_sizes or default_block_sizes(d)
     return _pallas_forward(q, k, v, q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), spec=spec,
                            scale=scale, rope=rope, bs=bs, interpret=interpret)
 
