@@ -17,6 +17,8 @@ body is rematerialised in the backward pass, so memory stays O(q_len * block_k) 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -146,9 +148,9 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chu
       causal, chunk, window, sink: see `jaxkv.attention.masks.MaskSpec`.
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (cache-relative RoPE, keys rotated by rank as each block is read).
-      block_k: target key block size; each segment uses the largest divisor of its length <= block_k (a ragged
-        tail becomes its own segment when no divisor >= 8 exists). Choose a divisor of the chunk size for
-        wrap-invariant (bit-identical) results.
+      block_k: target key block size. Each segment uses the largest divisor <= block_k of gcd(its length, chunk)
+        when `chunk` is set (wrap-invariant: bit-identical results for any rotation of whole chunks), else of its
+        length (a ragged tail becomes its own segment when no divisor >= 8 exists).
       segments: static slot split points, e.g. `(sink_slots,)` for a ring cache with a sink: each segment runs its
         own recurrence and the results are merged by log-sum-exp.
       return_lse: also return float32 lse [batch, q_len, q_heads].
@@ -173,7 +175,10 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chu
     state = None
     for start, stop in segment_bounds(lk, segments):
         n = stop - start
-        size = choose_block(n, block_k)
+        # Prefer blocks that tile the mask's chunk: then every block holds whole-chunk content wherever the ring
+        # put it, and wrapped/unwrapped layouts run bit-identical arithmetic.
+        size = choose_block(math.gcd(n, spec.chunk), block_k) if spec.chunk else 0
+        size = size or choose_block(n, block_k)
         pieces = [(start, stop, size)] if size else [(start, start + n - n % block_k, block_k),
                                                      (start + n - n % block_k, stop, n % block_k)]
         for lo, hi, bk in pieces:
