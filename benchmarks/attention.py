@@ -99,11 +99,21 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 2) if b == b and b > 0 else float("nan")
 
 
+def _ring_case(window_frames, sink_frames, tokens_per_frame, dtype, head_dim, heads):
+    """(spec, filled cache, queries, the sink + window mask, the row's shape fields)."""
+    spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
+    cache, q = filled_ring(spec, dtype, head_dim, heads)
+    mask = dict(chunk=spec.chunk, window=spec.window, sink=spec.sink)
+    shape = {"dtype": jnp.dtype(dtype).name, "tokens_per_frame": tokens_per_frame, "window_frames": window_frames,
+             "sink_frames": sink_frames, "queries": spec.chunk, "keys": spec.capacity, "heads": heads,
+             "head_dim": head_dim}
+    return spec, cache, q, mask, shape
+
+
 def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, reps: int, head_dim: int = HEAD_DIM,
                 heads: int = HEADS) -> dict:
-    spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
-    cache, q = filled_ring(spec, jnp.float32, head_dim, heads)
-    mask = dict(chunk=spec.chunk, window=spec.window, sink=spec.sink)
+    spec, cache, q, mask, shape = _ring_case(window_frames, sink_frames, tokens_per_frame, jnp.float32, head_dim,
+                                             heads)
     block_k = choose_block(spec.chunk, 512) or spec.chunk
     ring = lambda backend: jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions,
                                                        backend=backend, block_k=block_k, **mask))
@@ -112,14 +122,7 @@ def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
     ms, outs, errors = _time(variants, (cache, q), reps)
     return {
         "part": "cpu",
-        "dtype": "float32",
-        "tokens_per_frame": tokens_per_frame,
-        "window_frames": window_frames,
-        "sink_frames": sink_frames,
-        "queries": spec.chunk,
-        "keys": spec.capacity,
-        "heads": heads,
-        "head_dim": head_dim,
+        **shape,
         "block_k": block_k,
         "ring_blockwise_ms": round(ms["ring_blockwise"], 2),
         "ring_dense_ms": round(ms["ring_dense"], 2),
@@ -136,9 +139,7 @@ def measure_gpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
                 block_sizes: BlockSizes | None = None) -> dict:
     """Pallas on the ring vs SDPA (cuDNN) on the same K/V and vs gather + SDPA. `implementation="xla"` and
     `interpret=True` run the same code on CPU (tests)."""
-    spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
-    cache, q = filled_ring(spec, dtype, head_dim, heads)
-    mask = dict(chunk=spec.chunk, window=spec.window, sink=spec.sink)
+    spec, cache, q, mask, shape = _ring_case(window_frames, sink_frames, tokens_per_frame, dtype, head_dim, heads)
     pallas = jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions, backend="pallas",
                                          block_sizes=block_sizes, interpret=interpret, **mask))
     # A full ring: every key is visible to the chunk, so unmasked SDPA over the slots in physical order is exact.
@@ -149,16 +150,9 @@ def measure_gpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
     return {
         "part": "gpu",
         "device": str(jax.devices()[0].device_kind),
-        "dtype": jnp.dtype(dtype).name,
+        **shape,
         "implementation": implementation,
         "block_sizes": None if block_sizes is None else dataclasses.astuple(block_sizes),
-        "tokens_per_frame": tokens_per_frame,
-        "window_frames": window_frames,
-        "sink_frames": sink_frames,
-        "queries": spec.chunk,
-        "keys": spec.capacity,
-        "heads": heads,
-        "head_dim": head_dim,
         "pallas_ms": round(ms["pallas"], 3),
         "sdpa_ms": round(ms["sdpa"], 3),
         "copy_sdpa_ms": round(ms["copy_sdpa"], 3),
