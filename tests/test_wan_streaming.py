@@ -104,7 +104,7 @@ def test_streaming_step_updates_the_stacked_cache_in_place():
     params = wan.init_params(cfg, jax.random.key(0))
     cross = wan.cross_kv(params, cfg, jnp.zeros((1, 4, 8)))
     x = jnp.zeros((1, 1, 8, 8, 4))                       # 16 tokens per frame
-    spec = jaxkv.RingSpec.from_frames(16, 1, 128)
+    spec = jaxkv.RingSpec.from_frames(16, 1, 64)
     cache = wan.init_cache(cfg, spec, 1).begin_chunk()
     step = jax.jit(lambda c, p, x: wan.forward_chunk(p, cfg, c, cross, x, jnp.zeros((1,))), donate_argnums=0)
     temp = step.lower(cache, params, x).compile().memory_analysis().temp_size_in_bytes
