@@ -17,8 +17,9 @@ from jaxkv.attention.rope import CacheRope
 
 BACKENDS = ("auto", "xla", "xla_dense", "xla_blockwise", "pallas")
 
-# "xla" runs the dense path while its float32 logits fit in this many elements (64 MiB), blockwise beyond.
-DENSE_MAX_LOGITS = 1 << 24
+# "xla" runs the dense path while its float32 logits fit in this many elements (16 MiB), blockwise beyond: on
+# XLA:CPU the blockwise path was already faster at 5M logits (benchmarks/attention.py --quick: 31 vs 47 ms).
+DENSE_MAX_LOGITS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
