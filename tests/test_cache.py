@@ -279,7 +279,9 @@ def _write_fn(spec, layers):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_donated_scanned_multilayer_write_is_in_place(dtype):
-    """Temp memory of a 4-layer scanned write stays O(chunk), whatever the window (no copy of any cache)."""
+    """Temp memory of a 4-layer scanned write stays O(chunk), whatever the window (no copy of any cache).
+
+    (Memory only: on XLA:CPU a bf16 stack write is an in-place whole-buffer conversion, see `write_chunk_rows`.)"""
     tokens, chunk_frames, heads, dim, layers = 64, 2, 4, 32, 4
     temps = []
     for window_frames in (8, 64):
@@ -288,11 +290,12 @@ def test_donated_scanned_multilayer_write_is_in_place(dtype):
         k = jnp.ones((1, spec.chunk, heads, dim), dtype)
         compiled = _write_fn(spec, layers).lower(cache, k, k).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
-        chunk_bytes = spec.chunk * heads * dim * jnp.dtype(dtype).itemsize
-        # At most the k and v chunks being written (plus small index scratch), never a layer of the cache.
-        assert temp <= 2 * chunk_bytes + 4096, (window_frames, temp, chunk_bytes)
+        # At most the k and v chunks being written, in float32 at most (XLA:CPU computes bf16 updates in f32),
+        # plus small index scratch: never a layer of the cache.
+        chunk_bytes_f32 = spec.chunk * heads * dim * 4
+        assert temp <= 2 * chunk_bytes_f32 + 4096, (window_frames, temp, chunk_bytes_f32)
         temps.append(temp)
-    assert temps[1] < cache.nbytes / 64, (temps, cache.nbytes)
+    assert temps[1] < cache.nbytes / 32, (temps, cache.nbytes)
     assert temps[0] == temps[1], temps
 
 
