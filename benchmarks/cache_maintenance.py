@@ -70,6 +70,15 @@ def measure(window_frames: int, sink_frames: int, reps: int, dtype=jnp.bfloat16)
             run(name)
             times[name].append(time.perf_counter() - t)
     ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+    # Check after timing (untimed): a window's worth of distinct chunks leaves ring and roll with the same logical
+    # content, so a fast number cannot come from a step that skipped its work.
+    for n in range(spec.num_slots + 1):
+        marked = k + jnp.asarray(n + 1, dtype)
+        for name in ("ring", "roll"):
+            state[name] = step(state[name], marked, -marked)
+    ring_view, roll_view = state["ring"].chronological(), state["roll"].chronological()
+    same = all(bool(jnp.array_equal(a, b)) for a, b in zip(ring_view, roll_view))
     return {
         "window_frames": window_frames,
         "sink_frames": sink_frames,
@@ -80,6 +89,7 @@ def measure(window_frames: int, sink_frames: int, reps: int, dtype=jnp.bfloat16)
         "ring_over_floor": round(ms["ring"] / ms["floor"], 2),
         "roll_over_ring": round(ms["roll"] / ms["ring"], 1),
         "cache_mib": round(state["ring"].nbytes / 2**20, 1),
+        "ring_equals_roll": same,
     }
 
 
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; bf16, {HEADS} heads x {HEAD_DIM}, "
           f"{TOKENS_PER_FRAME} tokens/frame, {CHUNK_FRAMES}-frame chunks, 1 layer, 1 session, {reps} reps (median)")
     header = f"{'window':>6} {'sink':>4} {'cache MiB':>9} {'ring ms':>8} {'roll ms':>8} {'floor ms':>8} " \
-             f"{'ring/floor':>10} {'roll/ring':>9}"
+             f"{'ring/floor':>10} {'roll/ring':>9} {'same content':>12}"
     print(header)
     print("-" * len(header))
     rows = []
@@ -104,14 +114,17 @@ def main(argv=None) -> int:
         row = measure(window_frames, sink_frames, reps)
         rows.append(row)
         print(f"{window_frames:>6} {sink_frames:>4} {row['cache_mib']:>9} {row['ring_ms']:>8.2f} {row['roll_ms']:>8.2f} "
-              f"{row['floor_ms']:>8.2f} {row['ring_over_floor']:>10.2f} {row['roll_over_ring']:>9.1f}", flush=True)
+              f"{row['floor_ms']:>8.2f} {row['ring_over_floor']:>10.2f} {row['roll_over_ring']:>9.1f} "
+              f"{'yes' if row['ring_equals_roll'] else 'NO':>12}", flush=True)
     flat = rows[3]["ring_ms"] / rows[0]["ring_ms"]
     print(f"ring 42 vs 6 frames: {flat:.2f}x")
+    if not all(row["ring_equals_roll"] for row in rows):
+        print("ERROR: ring and rolling caches disagree after the run; the timings are not valid", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
         print(f"wrote {args.json}")
-    return 0
+    return 0 if all(row["ring_equals_roll"] for row in rows) else 1
 
 
 if __name__ == "__main__":
