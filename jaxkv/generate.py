@@ -228,6 +228,9 @@ def _load_model(args):
             config, params = load(args.checkpoint, dtype=jnp.float32)
         except CheckpointError as e:
             raise UsageError(str(e)) from None
+        if config.in_dim != config.out_dim:
+            raise UsageError(f"checkpoint {args.checkpoint} predicts {config.out_dim} channels from {config.in_dim}; "
+                             f"streaming generation needs in_dim == out_dim (a text-to-video model)")
         return config, params, f"checkpoint {args.checkpoint}"
     try:
         config = wan.preset(args.preset)

@@ -156,6 +156,9 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     Args:
       context: [batch, text_tokens, text_dim]; negative_context: same, required iff guidance_scale is set.
     """
+    if config.in_dim != config.out_dim:
+        raise ValueError(f"a rollout denoises latents with the model's own prediction, so it needs in_dim == out_dim; "
+                         f"this model has in_dim={config.in_dim}, out_dim={config.out_dim}")
     sessions = _check_context(config, rc, context, negative_context)
     cross = M.cross_kv(params, config, sessions)
     cache = M.init_cache(config, rc.spec(config), sessions.shape[0], policy=rc.policy, dtype=jnp.dtype(rc.cache_dtype))

@@ -134,3 +134,20 @@ def test_png_writer_roundtrip_and_pillow_if_present(tmp_path):
     except ImportError:
         return
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "x.png").convert("RGB")), image)
+
+
+def test_checkpoint_with_different_in_and_out_channels_is_a_clear_error(tmp_path, capsys):
+    import dataclasses
+
+    from jaxkv import rollout as R
+    from jaxkv.models.wan import checkpoint
+
+    config = dataclasses.replace(wan.preset("tiny"), in_dim=4, out_dim=6)
+    params = wan.init_params(config, jax.random.key(0))
+    checkpoint.save(str(tmp_path / "ckpt"), config, params)
+    assert G.main(["--out", str(tmp_path / "o"), *FAST, "--checkpoint", str(tmp_path / "ckpt")]) == 2
+    assert "in_dim == out_dim" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    rc = R.RolloutConfig(latent_height=4, latent_width=4, chunk_frames=1, window_frames=2)
+    with pytest.raises(ValueError, match="in_dim == out_dim"):
+        R.init_state(params, config, rc, np.zeros((1, 2, config.text_dim), np.float32))
