@@ -27,7 +27,7 @@ def test_module_holds_the_params_layout_and_matches_pure_forward():
     model = wan.WanModel(CFG, rngs=nnx.Rngs(0))
     params = model.params()
     wan.validate_params(params, CFG)
-    assert model.blocks.self_attn.q.kernel.value.shape == (CFG.num_layers, CFG.dim, CFG.dim)
+    assert model.blocks.self_attn.q.kernel[...].shape == (CFG.num_layers, CFG.dim, CFG.dim)
     x, t, c = _inputs()
     # eager vs jit fuse differently: equal to float32 rounding
     np.testing.assert_allclose(np.asarray(model(x, t, c)),

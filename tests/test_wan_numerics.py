@@ -288,10 +288,9 @@ def test_forward_matches_diffusers(per_frame):
     got = wan.forward(params, CFG, latents, t, ctx)
     tpf = (4 // 2) * (6 // 2)
     # diffusers takes per-token timesteps [B, seq] (the Wan 2.2 path), so per-frame t becomes per-token t
-    t_torch = torch.from_numpy(np.repeat(np.asarray(t), tpf, axis=1)) if per_frame else torch.from_numpy(
-        np.asarray(t))
+    t_torch = torch.tensor(np.repeat(np.asarray(t), tpf, axis=1)) if per_frame else torch.tensor(np.asarray(t))
     with torch.no_grad():
-        want = model(torch.from_numpy(np.asarray(latents)).permute(0, 4, 1, 2, 3), t_torch,
-                     torch.from_numpy(np.asarray(ctx_full)), return_dict=False)[0]
+        want = model(torch.tensor(np.asarray(latents)).permute(0, 4, 1, 2, 3), t_torch,
+                     torch.tensor(np.asarray(ctx_full)), return_dict=False)[0]
     want = want.permute(0, 2, 3, 4, 1).numpy()
     assert _rel_err(got, want) < 1e-4

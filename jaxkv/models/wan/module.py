@@ -53,7 +53,7 @@ class WanModel(nnx.Module):
 
     def params(self) -> dict[str, Any]:
         """The parameters as a plain nested dict of arrays (the `jaxkv.models.wan.params` layout)."""
-        return nnx.state(self, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
     def __call__(self, latents, timesteps, context, *, pad_context: bool = True, backend: str = "auto"):
         """Bidirectional forward: see `jaxkv.models.wan.forward`. Returns float32 [batch, frames, h, w, out_dim]."""
