@@ -182,17 +182,19 @@ class ChunkCache:
         return mask
 
     def _reserve(self, slot: jax.Array, next_index: jax.Array, active, positions=None):
-        """Marks ``slot`` [batch] empty and records the reserved chunk, for active sessions only."""
+        """Marks ``slot`` [batch] empty and records the reserved chunk, for active sessions only.
+
+        Returns (positions, chunk_start). The slot is emptied with a chunk-sized write, O(chunk) like the K/V
+        write, not a pass over every slot's position."""
         positions = self.positions if positions is None else positions
         c = self.spec.chunk
-        slot_of_token = jnp.arange(self.spec.capacity, dtype=jnp.int32) // c
-        evict = slot_of_token[None, :] == slot[:, None]
+        offsets = (slot * c).astype(jnp.int32)
+        empty = jnp.full((self.batch, c), EMPTY, jnp.int32)
+        new_start = (next_index * c).astype(jnp.int32)
         if active is not None:
-            evict &= active[:, None]
-        new_start = next_index * c
-        if active is not None:
+            empty = jnp.where(active[:, None], empty, read_chunk_rows(positions, offsets, c))
             new_start = jnp.where(active, new_start, self.chunk_start)
-        return jnp.where(evict, EMPTY, positions), new_start.astype(jnp.int32)
+        return write_chunk_rows(positions, empty, offsets), new_start
 
     def chunk_positions(self) -> jax.Array:
         """int32 [batch, chunk]: absolute positions of the reserved chunk's tokens (-1 where none is reserved)."""
