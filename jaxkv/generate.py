@@ -2,7 +2,9 @@
 
 With no arguments it runs the embedded default — the ``tiny`` preset with seeded random weights and a seeded
 stand-in text context — so it works on a fresh machine with nothing downloaded. ``--checkpoint DIR`` uses a
-converted checkpoint (`jaxkv convert`); ``--context FILE`` reads precomputed text embeddings.
+converted checkpoint (`jaxkv convert`); ``--context FILE`` reads precomputed text embeddings (with
+``--guidance-scale``, pass ``--negative-context FILE`` too); ``--param-dtype bfloat16`` holds the weights in bfloat16
+(half the memory of float32; matmuls in bfloat16 with float32 accumulation).
 
 Outputs in ``--out`` (default ``jaxkv_out``):
   latents.npy / latents.safetensors   float32 [batch, frames, latent_height, latent_width, channels]
@@ -29,7 +31,7 @@ import numpy as np
 
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
-                policy="ring", cache_dtype="float32", out="jaxkv_out", format="npy", preview_scale=4)
+                policy="ring", cache_dtype="float32", param_dtype="float32", out="jaxkv_out", format="npy", preview_scale=4)
 
 
 class UsageError(ValueError):
@@ -176,14 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "(Self-Forcing sampler). With no arguments: the tiny preset with seeded random weights.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--checkpoint", metavar="DIR", help="converted jaxkv checkpoint directory (`jaxkv convert`); "
-                   "default: random weights of --preset")
+    m.add_argument("--checkpoint", metavar="DIR", help="converted jaxkv checkpoint directory (`jaxkv convert`), "
+                   "loaded as --param-dtype; default: random weights of --preset")
     m.add_argument("--preset", default=d["preset"], help="preset for random weights when no --checkpoint")
+    m.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=d["param_dtype"],
+                   help="dtype the weights are held in (a checkpoint is cast to it on load). bfloat16 halves their "
+                        "memory (a 14B checkpoint: ~28 GB instead of ~56 GB) and runs the matmuls in bfloat16 with "
+                        "float32 accumulation; norms, modulation, RoPE and attention stay float32")
     m.add_argument("--weights-seed", type=int, default=d["weights_seed"], help="seed of the random weights")
     t = p.add_argument_group("text")
     t.add_argument("--context", metavar="FILE", help="text embeddings [tokens, text_dim] (.npy or .safetensors); "
                    "default: a seeded stand-in")
-    t.add_argument("--negative-context", metavar="FILE", help="negative text embeddings for guidance")
+    t.add_argument("--negative-context", metavar="FILE", help="negative text embeddings for guidance; required with "
+                   "--guidance-scale when --context is given (default with the stand-in context: zeros)")
     t.add_argument("--guidance-scale", type=float, help="classifier-free guidance scale (runs the negative context "
                    "as a second session; default: no guidance)")
     v = p.add_argument_group("video and cache (frames are latent frames)")
@@ -225,7 +232,7 @@ def _load_model(args):
         from jaxkv.models.wan.checkpoint import CheckpointError, load
 
         try:
-            config, params = load(args.checkpoint, dtype=jnp.float32)
+            config, params = load(args.checkpoint, dtype=jnp.dtype(args.param_dtype))
         except CheckpointError as e:
             raise UsageError(str(e)) from None
         if config.in_dim != config.out_dim:
@@ -236,7 +243,8 @@ def _load_model(args):
         config = wan.preset(args.preset)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    params = jax.jit(wan.init_params, static_argnums=0)(config, jax.random.key(args.weights_seed))
+    params = jax.jit(wan.init_params, static_argnums=(0, 2))(config, jax.random.key(args.weights_seed),
+                                                             jnp.dtype(args.param_dtype))
     return config, params, f"preset {args.preset!r} with random weights (seed {args.weights_seed})"
 
 
@@ -248,6 +256,11 @@ def run(args) -> dict:
     from jaxkv import rollout as R
     from jaxkv.schedule import Schedule
 
+    if args.guidance_scale is None and args.negative_context:
+        raise UsageError("--negative-context needs --guidance-scale")
+    if args.guidance_scale is not None and args.context and not args.negative_context:
+        raise UsageError("--guidance-scale with --context needs --negative-context FILE (the negative prompt's "
+                         "embeddings, e.g. of the empty prompt); only the stand-in context has a stand-in negative")
     config, params, source = _load_model(args)
     try:
         schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
@@ -265,11 +278,9 @@ def run(args) -> dict:
     if args.guidance_scale is not None:
         if args.negative_context:
             negative = load_context(args.negative_context, config.text_dim, config.text_len)
-        else:
-            negative = np.zeros((1, config.text_dim), np.float32)     # an empty prompt's stand-in
+        else:   # only with the stand-in context (checked above): an empty prompt's stand-in
+            negative = np.zeros((1, config.text_dim), np.float32)
         negative = jnp.broadcast_to(negative, (args.batch, *negative.shape))
-    elif args.negative_context:
-        raise UsageError("--negative-context needs --guidance-scale")
     context = jnp.broadcast_to(context, (args.batch, *context.shape))
 
     stream = R.Stream(params, config, rc, context, num_chunks=args.num_chunks, key=jax.random.key(args.seed),
@@ -309,6 +320,7 @@ def run(args) -> dict:
     steady = latencies[1:]
     summary = {
         "model": source,
+        "param_dtype": args.param_dtype,
         "config": config.to_dict(),
         "latents": latents_path,
         "latents_shape": list(latents.shape),

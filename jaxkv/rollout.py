@@ -28,6 +28,7 @@ conditional one: ``v = v_neg + scale * (v_cond - v_neg)``; both sessions commit 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterator, NamedTuple
 
 import jax
@@ -54,7 +55,8 @@ class RolloutConfig:
         chunk_frames.
       sink_frames: frames pinned at the start (the first chunks), a multiple of chunk_frames; 0 for none.
       schedule: the denoising schedule.
-      guidance_scale: classifier-free guidance scale; None (default) for no guidance. Needs a negative context.
+      guidance_scale: classifier-free guidance scale, a finite number; None (default) for no guidance. Needs a
+        negative context.
       policy: "ring" (circular, O(chunk) per chunk) or "rolling" (shift-by-copy baseline).
       cache_dtype: dtype name of the cached K/V ("float32", "bfloat16").
       backend: attention backend name passed to `jaxkv.attend`.
@@ -82,6 +84,13 @@ class RolloutConfig:
         if self.window_frames % self.chunk_frames or self.sink_frames % self.chunk_frames:
             raise ValueError(f"window_frames ({self.window_frames}) and sink_frames ({self.sink_frames}) must be "
                              f"whole multiples of chunk_frames ({self.chunk_frames})")
+        g = self.guidance_scale
+        if g is not None and (isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, float, np.integer,
+                                                                                     np.floating))
+                              or not math.isfinite(g)):
+            raise ValueError(f"RolloutConfig.guidance_scale must be None or a finite number, got {g!r}")
+        if g is not None:
+            object.__setattr__(self, "guidance_scale", float(g))
         if self.policy not in POLICIES:
             raise ValueError(f"RolloutConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.schedule, Schedule):
@@ -127,10 +136,9 @@ class RolloutState(NamedTuple):
 
 
 def _check_context(config: WanConfig, rc: RolloutConfig, context, negative_context):
-    context = jnp.asarray(context)
-    if context.ndim != 3 or context.shape[-1] != config.text_dim:
-        raise ValueError(f"context must be [batch, text_tokens, text_dim={config.text_dim}], got "
-                         f"{list(context.shape)}")
+    """The sessions' text context: [batch, text_len, text_dim], or [2*batch, text_len, text_dim] with guidance
+    (conditional rows first), zero-padded as `jaxkv.models.wan.cross_kv` pads."""
+    context = M._check_context(config, context)
     if rc.guidance_scale is None:
         if negative_context is not None:
             raise ValueError("negative_context was given but guidance_scale is None; set "
@@ -138,16 +146,17 @@ def _check_context(config: WanConfig, rc: RolloutConfig, context, negative_conte
         return context
     if negative_context is None:
         raise ValueError(f"guidance_scale={rc.guidance_scale} needs a negative_context [batch, tokens, text_dim]")
-    negative_context = jnp.asarray(negative_context)
-    if negative_context.ndim != 3 or negative_context.shape[0] != context.shape[0] \
-            or negative_context.shape[-1] != config.text_dim:
-        raise ValueError(f"negative_context must be [batch={context.shape[0]}, text_tokens, "
-                         f"text_dim={config.text_dim}], got {list(negative_context.shape)}")
-    pad = lambda c: jnp.pad(c, ((0, 0), (0, config.text_len - c.shape[1]), (0, 0)))
-    for name, c in (("context", context), ("negative_context", negative_context)):
-        if c.shape[1] > config.text_len:
-            raise ValueError(f"{name} has {c.shape[1]} tokens, more than the model's text_len {config.text_len}")
-    return jnp.concatenate([pad(context), pad(negative_context)], axis=0)
+    negative_context = M._check_context(config, negative_context, context.shape[0], name="negative_context")
+    return jnp.concatenate([context, negative_context], axis=0)
+
+
+def _check_model(config: WanConfig) -> None:
+    if config.in_dim != config.out_dim:
+        raise ValueError(f"a rollout denoises latents with the model's own prediction, so it needs in_dim == out_dim; "
+                         f"this model has in_dim={config.in_dim}, out_dim={config.out_dim}")
+    if config.patch_size[0] != 1:
+        raise ValueError(f"a rollout counts chunk tokens per latent frame, so it needs a temporal patch of 1 (Wan 2.1 "
+                         f"uses patch_size (1, 2, 2)); this model has patch_size {config.patch_size}")
 
 
 def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_context=None) -> RolloutState:
@@ -156,9 +165,7 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     Args:
       context: [batch, text_tokens, text_dim]; negative_context: same, required iff guidance_scale is set.
     """
-    if config.in_dim != config.out_dim:
-        raise ValueError(f"a rollout denoises latents with the model's own prediction, so it needs in_dim == out_dim; "
-                         f"this model has in_dim={config.in_dim}, out_dim={config.out_dim}")
+    _check_model(config)
     sessions = _check_context(config, rc, context, negative_context)
     cross = M.cross_kv(params, config, sessions)
     cache = M.init_cache(config, rc.spec(config), sessions.shape[0], policy=rc.policy, dtype=jnp.dtype(rc.cache_dtype))
@@ -180,6 +187,7 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
       noise: float [steps, batch, chunk_frames, h, w, in_dim]: noise[0] is the initial x, noise[i] the eps mixed in
         before step i.
     """
+    _check_model(config)
     batch = noise.shape[1]
     if tuple(noise.shape) != (rc.steps, *rc.chunk_shape(config, batch)):
         raise ValueError(f"chunk noise must be [steps, batch, chunk_frames, h, w, in_dim] = "
@@ -230,6 +238,8 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
       key: PRNG key for the noise (chunk n uses ``fold_in(key, first_chunk + n)``), or
       noise: explicit noise [num_chunks, steps, batch, chunk_frames, h, w, in_dim].
       state: continue from a previous rollout's state (default: a fresh one).
+      first_chunk: int >= 0 or int32 scalar [] (traced under `jit_rollout`: any offset runs the same program):
+        index of the first chunk for the key's noise, e.g. the chunks already generated when continuing a state.
     Returns:
       Rollout(latents [batch, num_chunks * chunk_frames, h, w, in_dim], final state).
     """
@@ -238,6 +248,14 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
     batch = jnp.shape(context)[0]
     if (key is None) == (noise is None):
         raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
+    if isinstance(first_chunk, (bool, np.bool_)):
+        raise ValueError(f"first_chunk must be an int >= 0, got {first_chunk!r}")
+    first_chunk = jnp.asarray(first_chunk)
+    if first_chunk.shape != () or not jnp.issubdtype(first_chunk.dtype, jnp.integer):
+        raise ValueError(f"first_chunk must be an int >= 0 or an int32 scalar, got "
+                         f"{first_chunk.dtype}{list(first_chunk.shape)}")
+    if not isinstance(first_chunk, jax.core.Tracer) and int(first_chunk) < 0:
+        raise ValueError(f"first_chunk must be >= 0, got {int(first_chunk)}")
     if noise is not None:
         noise = jnp.asarray(noise)
         expected = rc.noise_shape(config, batch, num_chunks)
@@ -252,22 +270,22 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
         x, state = generate_chunk(params, config, rc, state, eps)
         return state, x
 
-    xs = noise if noise is not None else first_chunk + jnp.arange(num_chunks, dtype=jnp.int32)
+    xs = noise if noise is not None else first_chunk.astype(jnp.int32) + jnp.arange(num_chunks, dtype=jnp.int32)
     state, chunks = lax.scan(body, state, xs)
     # [num_chunks, batch, chunk_frames, ...] -> [batch, num_chunks * chunk_frames, ...]
     latents = jnp.moveaxis(chunks, 0, 1).reshape(batch, num_chunks * rc.chunk_frames, *chunks.shape[3:])
     return Rollout(latents, state)
 
 
-jit_rollout = jax.jit(rollout, static_argnums=(1, 2), static_argnames=("num_chunks", "first_chunk"))
-jit_rollout.__doc__ = "`rollout` under jax.jit (config, rc and num_chunks static)."
+jit_rollout = jax.jit(rollout, static_argnums=(1, 2), static_argnames=("num_chunks",))
+jit_rollout.__doc__ = ("`rollout` under jax.jit (config, rc and num_chunks static; first_chunk traced, so continuing "
+                       "at any offset reuses one program).")
 
 
 # ------------------------------------------------------------------------------------------------ streaming
 
 
 def _stream_step(config, rc, params, state, key, index, noise):
-    batch = noise.shape[1] if noise is not None else None
     if noise is None:
         batch = state.cache.batch // (2 if rc.guidance_scale is not None else 1)
         noise = chunk_noise(key, config, rc, batch, index)
@@ -285,7 +303,9 @@ class Stream:
     that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
 
     The step compiles once per shape (positions and slots are traced), so an unbounded stream runs one program;
-    ``stream_step._cache_size()`` counts its compilations. ``num_chunks=None`` streams forever. The state after the
+    ``stream_step._cache_size()`` counts its compilations. ``num_chunks=None`` streams forever (with explicit
+    ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
+    ValueError). The state after the
     latest chunk is ``stream.state`` (its cache: ``stream.state.cache``).
     """
 
@@ -303,7 +323,11 @@ class Stream:
                 raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
                                  f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got "
                                  f"{list(noise.shape)}")
-            num_chunks = noise.shape[0] if num_chunks is None else min(num_chunks, noise.shape[0])
+            if num_chunks is None:
+                num_chunks = noise.shape[0]
+            elif num_chunks > noise.shape[0]:
+                raise ValueError(f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
+                                 f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}")
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
         self.state = _init_state_jit(params, config, rc, context, negative_context)

@@ -11,6 +11,7 @@ sigma_lin)``, ``timestep[i] = 1000 * sigma[i]``. A few-step sampler picks "denoi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -22,10 +23,11 @@ class Schedule:
     Attributes:
       steps: denoising steps on the 1000-step grid, strictly decreasing, each in 1..1000 (Self-Forcing:
         1000, 750, 500, 250).
-      shift: flow-matching shift of the table (Self-Forcing: 5.0).
+      shift: flow-matching shift of the table, finite and > 0 (Self-Forcing: 5.0).
       warp: map steps through the shifted table (Self-Forcing's ``warp_denoising_step``); when False, a step d is
         used directly as timestep d with sigma d/1000.
-      context_noise: timestep of the extra forward that commits the chunk's clean K/V (Self-Forcing: 0).
+      context_noise: timestep of the extra forward that commits the chunk's clean K/V, in
+        0..num_train_timesteps (Self-Forcing: 0).
       num_train_timesteps: size of the table (1000).
     """
 
@@ -36,18 +38,33 @@ class Schedule:
     num_train_timesteps: int = 1000
 
     def __post_init__(self):
-        steps = tuple(self.steps)
-        object.__setattr__(self, "steps", steps)
         n = self.num_train_timesteps
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
+            raise ValueError(f"Schedule.num_train_timesteps must be a positive int, got {n!r}")
+        object.__setattr__(self, "num_train_timesteps", int(n))
+        n = int(n)
+        if not isinstance(self.warp, (bool, np.bool_)):
+            raise ValueError(f"Schedule.warp must be a bool, got {self.warp!r}")
+        for name in ("shift", "context_noise"):
+            value = getattr(self, name)
+            if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating))
+                    or not math.isfinite(value)):
+                raise ValueError(f"Schedule.{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        try:
+            steps = tuple(self.steps)
+        except TypeError:
+            raise ValueError(f"Schedule.steps must be a sequence of ints, got {self.steps!r}") from None
         if not steps:
             raise ValueError("Schedule.steps must list at least one denoising step")
         for s in steps:
             if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 1 <= s <= n:
                 raise ValueError(f"Schedule.steps must be ints in 1..{n}, got {steps}")
+        object.__setattr__(self, "steps", tuple(int(s) for s in steps))
         if any(a <= b for a, b in zip(steps, steps[1:])):
             raise ValueError(f"Schedule.steps must be strictly decreasing, got {steps}")
         if not self.shift > 0:
-            raise ValueError(f"Schedule.shift must be positive, got {self.shift}")
+            raise ValueError(f"Schedule.shift must be a finite number > 0, got {self.shift}")
         if not 0 <= self.context_noise <= n:
             raise ValueError(f"Schedule.context_noise must be in 0..{n}, got {self.context_noise}")
 

@@ -30,7 +30,8 @@ def _ctx(seed=1, batch=1):
 def reference_rollout(params, rc, context, noise, negative_context=None):
     """Self-Forcing's sampler without any cache: every pass recomputes the whole history under the block-causal
     mask (past chunks at their committed clean latents and context-noise timestep, the current chunk at the pass's
-    timestep) and keeps the current chunk's output. The schedule is recomputed here from its definition."""
+    timestep) and keeps the current chunk's output. The schedule is recomputed here from its definition (steps,
+    shift and context_noise read from the Schedule's fields, not from its methods)."""
     s = rc.schedule
     lin = np.asarray(s.steps) / 1000.0        # table index 1000 - d holds the unshifted sigma d/1000
     sig = s.shift * lin / (1 + (s.shift - 1) * lin)
@@ -57,15 +58,16 @@ def reference_rollout(params, rc, context, noise, negative_context=None):
     return jnp.concatenate(done, axis=1)
 
 
-@pytest.mark.parametrize("policy", ["ring", "rolling"])
-def test_rollout_equals_cache_free_reference_with_sink_and_wrapping_window(policy):
+@pytest.mark.parametrize("policy,context_noise", [("ring", 0.0), ("rolling", 0.0), ("ring", 37.0)])
+def test_rollout_equals_cache_free_reference_with_sink_and_wrapping_window(policy, context_noise):
+    num_chunks = 5 if context_noise == 0 else 3
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
-                         schedule=Schedule(steps=(1000, 600, 250)))
+                         schedule=Schedule(steps=(1000, 600, 250), context_noise=context_noise))
     params, ctx = _params(), _ctx(batch=2)
-    noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, 5))
-    got = R.jit_rollout(params, CFG, rc, ctx, num_chunks=5, noise=noise).latents
+    noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, num_chunks))
+    got = R.jit_rollout(params, CFG, rc, ctx, num_chunks=num_chunks, noise=noise).latents
     want = reference_rollout(params, rc, ctx, noise)
-    assert got.shape == (2, 5, H, W, CFG.in_dim)
+    assert got.shape == (2, num_chunks, H, W, CFG.in_dim)
     err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
     assert err <= 1e-4, err
 
@@ -114,11 +116,18 @@ def test_stream_equals_scan_rollout_for_20_chunks_with_one_compilation():
 def test_rollout_can_continue_from_its_state():
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)))
     params, ctx, key = _params(10), _ctx(11), jax.random.key(12)
-    full = R.jit_rollout(params, CFG, rc, ctx, num_chunks=4, key=key).latents
-    first = R.jit_rollout(params, CFG, rc, ctx, num_chunks=2, key=key)
-    second = R.jit_rollout(params, CFG, rc, ctx, num_chunks=2, key=key, state=first.state, first_chunk=2)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate([first.latents, second.latents], 1)), np.asarray(full),
-                               atol=1e-5)
+    full = R.jit_rollout(params, CFG, rc, ctx, num_chunks=3, key=key).latents
+    first = R.jit_rollout(params, CFG, rc, ctx, num_chunks=1, key=key)
+    before = R.jit_rollout._cache_size()
+    second = R.jit_rollout(params, CFG, rc, ctx, num_chunks=1, key=key, state=first.state, first_chunk=1)
+    third = R.jit_rollout(params, CFG, rc, ctx, num_chunks=1, key=key, state=second.state, first_chunk=2)
+    # first_chunk is traced: continuing at offsets 1 and 2 runs one program, not one per offset
+    assert R.jit_rollout._cache_size() - before == 1
+    got = jnp.concatenate([first.latents, second.latents, third.latents], 1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full), atol=1e-5)
+    for bad in (-1, 1.5, True, jnp.zeros((2,), jnp.int32)):
+        with pytest.raises(ValueError, match="first_chunk"):
+            R.rollout(params, CFG, rc, ctx, num_chunks=1, key=key, state=first.state, first_chunk=bad)
 
 
 def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
@@ -167,7 +176,9 @@ def test_self_forcing_schedule_values():
     t, sigma, nxt = s.passes()
     assert t[-1] == 0.0 and sigma[-1] == 0.0 and nxt[-2] == 0.0
     for bad in ({"steps": ()}, {"steps": (500, 750)}, {"steps": (1001,)}, {"shift": 0.0},
-                {"context_noise": -1}):
+                {"shift": float("inf")}, {"shift": float("nan")}, {"shift": True}, {"shift": "5"},
+                {"context_noise": -1}, {"context_noise": float("nan")}, {"context_noise": float("inf")},
+                {"num_train_timesteps": 1000.0}, {"num_train_timesteps": 0}, {"warp": 1}):
         with pytest.raises(ValueError):
             Schedule(**bad)
 
@@ -189,3 +200,33 @@ def test_bad_rollout_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="divisible"):
         R.rollout(params, CFG, R.RolloutConfig(3, W, chunk_frames=1, window_frames=2), ctx, num_chunks=1,
                   key=jax.random.key(0))
+
+
+def test_stream_rejects_more_chunks_than_the_noise_holds():
+    params, ctx = _params(), _ctx()
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)))
+    noise = jnp.zeros(rc.noise_shape(CFG, 1, 2))
+    with pytest.raises(ValueError, match="num_chunks=3 but the noise holds only 2"):
+        R.Stream(params, CFG, rc, ctx, num_chunks=3, noise=noise)
+    assert R.Stream(params, CFG, rc, ctx, noise=noise).num_chunks == 2
+    assert R.Stream(params, CFG, rc, ctx, num_chunks=1, noise=noise).num_chunks == 1
+
+
+def test_rollout_rejects_a_temporal_patch_and_bad_guidance_or_context():
+    cfg = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=1, in_dim=4, out_dim=4, text_dim=8, text_len=5,
+                    freq_dim=16, patch_size=(2, 2, 2))
+    rc = R.RolloutConfig(H, W, chunk_frames=2, window_frames=4)
+    with pytest.raises(ValueError, match="temporal patch of 1"):
+        R.init_state(wan.init_params(cfg, jax.random.key(0)), cfg, rc, _ctx())
+    for g in (float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="guidance_scale"):
+            R.RolloutConfig(H, W, guidance_scale=g)
+    params = _params()
+    guided = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, guidance_scale=2.0)
+    too_long = jnp.zeros((1, CFG.text_len + 1, CFG.text_dim))
+    with pytest.raises(ValueError, match="negative_context has 6 tokens"):
+        R.init_state(params, CFG, guided, _ctx(), too_long)
+    with pytest.raises(ValueError, match=r"negative_context must be \[batch=1"):
+        R.init_state(params, CFG, guided, _ctx(), jnp.zeros((2, 3, CFG.text_dim)))
+    with pytest.raises(ValueError, match="context has 6 tokens"):
+        R.init_state(params, CFG, rc, too_long)

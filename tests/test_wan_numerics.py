@@ -11,9 +11,10 @@ import pytest
 
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.models.wan.rope import apply_rope, rope_angles
+from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 
-# head_dim 16 (RoPE split 6/4/6... = 16 - 2*4, 4, 4... see rope_split) and a non-square grid exercise every axis.
+# head_dim 16 (RoPE split (frame, height, width) = (8, 4, 4), see rope_split) and a non-square grid exercise every
+# axis.
 CFG = WanConfig(dim=64, ffn_dim=96, num_heads=4, num_layers=2, in_dim=4, out_dim=6, text_dim=24, text_len=7,
                 freq_dim=16)
 
@@ -191,7 +192,7 @@ def test_rope_any_position_matches_complex_reference_beyond_1024_frames():
     head_dim, grid = 16, (3, 5)
     positions = jnp.array([[0, 7, 14, 15, 1024 * 15 + 4, 5000 * 15 + 13]], jnp.int32)
     x = jax.random.normal(jax.random.key(5), (1, 6, 2, head_dim))
-    got = apply_rope(x, rope_angles(positions, grid, head_dim))
+    got = apply_rope(x, *rope_cos_sin(rope_angles(positions, grid, head_dim)))
     pos = np.asarray(positions[0])
     coords = np.stack([pos // 15, (pos % 15) // 5, pos % 5], -1)
     rot = _ref_rope_table(head_dim, coords)
@@ -294,3 +295,48 @@ def test_forward_matches_diffusers(per_frame):
                      torch.tensor(np.asarray(ctx_full)), return_dict=False)[0]
     want = want.permute(0, 2, 3, 4, 1).numpy()
     assert _rel_err(got, want) < 1e-4
+
+
+def _primitives(jaxpr, inside_scan=False):
+    """(primitive name, inside a scan body) of every equation of a jaxpr, recursively."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append((eqn.primitive.name, inside_scan))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)          # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    out += _primitives(sub, inside_scan or eqn.primitive.name == "scan")
+    return out
+
+
+def test_rope_cos_sin_are_computed_once_per_forward_outside_the_layer_scan():
+    latents, t, ctx = _inputs(batch=1, frames=2, h=2, w=2)
+    params = wan.init_params(CFG, jax.random.key(0))
+    prims = _primitives(jax.make_jaxpr(lambda p: wan.forward(p, CFG, latents, t, ctx))(params).jaxpr)
+    # one cos for RoPE and one for the sinusoidal timestep embedding, none per layer inside the scan
+    assert [name for name, _ in prims].count("cos") == 2, [p for p in prims if p[0] in ("cos", "sin")]
+    assert not [p for p in prims if p[0] in ("cos", "sin") and p[1]]
+
+
+def test_config_rejects_non_int_patch_and_bad_eps_or_theta():
+    base = dict(dim=64, ffn_dim=96, num_heads=4, num_layers=2)
+    assert WanConfig(**base, patch_size=[1, np.int64(2), 2]).patch_size == (1, 2, 2)
+    assert WanConfig(**base, rope_theta=10000).rope_theta == 10000.0
+    for bad in ({"patch_size": (1, 2.5, 2)}, {"patch_size": (1.0, 2, 2)}, {"patch_size": (True, 2, 2)},
+                {"patch_size": (1, 2)}, {"patch_size": (0, 2, 2)}, {"eps": float("inf")}, {"eps": float("nan")},
+                {"eps": 0.0}, {"eps": -1e-6}, {"eps": True}, {"eps": "1e-6"}, {"rope_theta": float("inf")},
+                {"rope_theta": 0.0}, {"num_layers": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            WanConfig(**{**base, **bad})
+
+
+def test_bfloat16_params_compute_in_float32_and_match_float32_params():
+    """bf16 weights: bf16 matmul inputs with float32 accumulation; norms, modulation and attention in float32."""
+    latents, t, ctx = _inputs(batch=1, frames=2, h=2, w=2)
+    params = wan.init_params(CFG, jax.random.key(0), dtype=jnp.bfloat16)
+    rounded = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    got = wan.forward(params, CFG, latents, t, ctx)
+    want = wan.forward(rounded, CFG, latents, t, ctx)
+    assert got.dtype == jnp.float32 and bool(jnp.isfinite(got).all())
+    assert _rel_err(got, want) <= 2e-2

@@ -109,3 +109,25 @@ def test_streaming_step_updates_the_stacked_cache_in_place():
     step = jax.jit(lambda c, p, x: wan.forward_chunk(p, cfg, c, cross, x, jnp.zeros((1,))), donate_argnums=0)
     temp = step.lower(cache, params, x).compile().memory_analysis().temp_size_in_bytes
     assert temp < 0.5 * cache.nbytes, (temp, cache.nbytes)
+
+
+def test_forward_chunk_without_begin_chunk_is_a_clear_error():
+    params, latents, t, ctx = _setup(3, batch=1, frames=1)
+    cross = wan.cross_kv(params, CFG, ctx)
+    cache = wan.init_cache(CFG, jaxkv.RingSpec.from_frames(TPF, 1, 2), 1)
+    with pytest.raises(ValueError, match="begin_chunk"):
+        wan.forward_chunk(params, CFG, cache, cross, latents, t)
+
+
+def test_forward_chunk_takes_unpadded_cross_kv():
+    """cross_kv(pad_context=False) keeps the context's own token count; the first chunk then equals the unpadded
+    bidirectional forward."""
+    params, latents, t, ctx = _setup(4, batch=1, frames=1)
+    cross = wan.cross_kv(params, CFG, ctx, pad_context=False)
+    assert cross.k.shape[2] == ctx.shape[1] < CFG.text_len
+    cache = wan.init_cache(CFG, jaxkv.RingSpec.from_frames(TPF, 1, 2), 1).begin_chunk()
+    got, _ = wan.forward_chunk(params, CFG, cache, cross, latents, t)
+    want = wan.forward(params, CFG, latents, t, ctx, pad_context=False)
+    assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) <= 1e-5
+    with pytest.raises(ValueError, match="cross K/V"):
+        wan.forward_chunk(params, CFG, cache, wan.CrossKV(cross.k, cross.v[:, :, :2]), latents, t)

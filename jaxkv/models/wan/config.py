@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +47,24 @@ class WanConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self):
-        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        patch = self.patch_size
+        if (not isinstance(patch, (tuple, list)) or len(patch) != 3
+                or any(isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p <= 0 for p in patch)):
+            raise ValueError(f"WanConfig.patch_size must be three positive ints (frames, height, width), "
+                             f"got {patch!r}")
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in patch))
         for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_dim", "text_len",
                      "freq_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"WanConfig.{name} must be a positive int, got {value!r}")
-        if len(self.patch_size) != 3 or min(self.patch_size) <= 0:
-            raise ValueError(f"WanConfig.patch_size must be three positive ints, got {self.patch_size!r}")
+            object.__setattr__(self, name, int(value))
+        for name in ("eps", "rope_theta"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"WanConfig.{name} must be a finite float > 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
         if self.dim % self.num_heads:
             raise ValueError(f"WanConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.head_dim % 2:
@@ -96,7 +109,7 @@ PRESETS: dict[str, WanConfig] = {
     "wan2.1-t2v-1.3b": WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
     "wan2.1-t2v-14b": WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
     # Small enough to run a multi-chunk rollout on 2 CPU cores in seconds; head_dim 16 keeps the 3-D RoPE split
-    # non-trivial (4 + 6 + 6).
+    # non-trivial: (frame, height, width) = (8, 4, 4) channels (`rope.rope_split`).
     "tiny": WanConfig(dim=64, ffn_dim=128, num_heads=4, num_layers=2, text_dim=32, text_len=16, freq_dim=32),
 }
 

@@ -6,8 +6,6 @@ multiplies in its kernel's dtype (bfloat16 weights give bfloat16 matmuls) and ac
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -103,7 +101,3 @@ def per_frame(x, frames: int):
     """[batch, frames*T, D] -> [batch, frames, T, D] so per-frame modulation [batch, frames, 1, D] broadcasts."""
     b, n, d = x.shape
     return x.reshape(b, frames, n // frames, d)
-
-
-def fan_in_scale(shape) -> float:
-    return 1.0 / math.sqrt(shape[-2]) if len(shape) >= 2 else 1.0

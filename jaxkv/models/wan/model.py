@@ -33,12 +33,13 @@ from jax import lax
 from jaxkv.attention import attend
 from jaxkv.models.wan import layers as L
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.models.wan.params import param_shapes, validate_params
-from jaxkv.models.wan.rope import apply_rope, rope_angles, sequence_positions
+from jaxkv.models.wan.params import param_shapes
+from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
 
 
 class CrossKV(NamedTuple):
-    """Cross-attention keys and values of every layer: k, v float32 [layers, batch, text_len, heads, head_dim]."""
+    """Cross-attention keys and values of every layer: k, v float32 [layers, batch, text_tokens, heads, head_dim]
+    (text_tokens = text_len unless built with ``cross_kv(..., pad_context=False)``)."""
 
     k: jax.Array
     v: jax.Array
@@ -110,13 +111,20 @@ def _frame_timesteps(timesteps, batch: int, frames: int):
     return t.astype(jnp.float32)
 
 
-def _check_context(config: WanConfig, context, batch: int, pad_context: bool):
-    if context.ndim != 3 or context.shape[0] != batch or context.shape[2] != config.text_dim:
-        raise ValueError(f"context must be [batch={batch}, text_tokens, text_dim={config.text_dim}], "
+def _check_context(config: WanConfig, context, batch: int | None = None, pad_context: bool = True,
+                   name: str = "context"):
+    """Checks text context [batch, text_tokens <= text_len, text_dim] (any batch when ``batch`` is None) and, when
+    pad_context, zero-pads it to [batch, text_len, text_dim]."""
+    context = jnp.asarray(context)
+    if context.ndim != 3 or (batch is not None and context.shape[0] != batch) or context.shape[2] != config.text_dim:
+        want = "batch" if batch is None else f"batch={batch}"
+        raise ValueError(f"{name} must be [{want}, text_tokens, text_dim={config.text_dim}], "
                          f"got {list(context.shape)}")
     n = context.shape[1]
     if n > config.text_len:
-        raise ValueError(f"context has {n} tokens, more than the model's text_len {config.text_len}")
+        raise ValueError(f"{name} has {n} tokens, more than the model's text_len {config.text_len}")
+    if n == 0 and not pad_context:
+        raise ValueError(f"{name} has no tokens; pass at least one (or pad_context=True: zeros of text_len tokens)")
     if pad_context and n < config.text_len:
         context = jnp.pad(context, ((0, 0), (0, config.text_len - n), (0, 0)))
     return context
@@ -136,9 +144,10 @@ def cross_kv(params, config: WanConfig, context, *, pad_context: bool = True) ->
     Args:
       context: [batch, text_tokens, text_dim] text-encoder embeddings (zero-padded to text_len when pad_context).
     Returns:
-      CrossKV with k, v float32 [layers, batch, text_len, heads, head_dim].
+      CrossKV with k, v float32 [layers, batch, text_tokens, heads, head_dim]: text_tokens = text_len when
+      pad_context, else the context's own token count.
     """
-    context = _check_context(config, jnp.asarray(context), context.shape[0], pad_context)
+    context = _check_context(config, context, None, pad_context)
     ctx = L.text_embedding(params, context)
     p = params["blocks"]["cross_attn"]
 
@@ -150,12 +159,14 @@ def cross_kv(params, config: WanConfig, context, *, pad_context: bool = True) ->
     return CrossKV(k, v)
 
 
-def _self_qkv(p, h, angles, config: WanConfig):
-    """RMSNorm'd (over the full dim) and rotated q, k and plain v, each float32 [batch, tokens, heads, head_dim]."""
+def _self_qkv(p, h, rope, config: WanConfig):
+    """RMSNorm'd (over the full dim) and rotated q, k and plain v, each float32 [batch, tokens, heads, head_dim].
+
+    rope: (cos, sin) float32 [batch, tokens, head_dim // 2] from `rope_cos_sin`, computed once per forward."""
     q = L.rms_norm(L.linear(p["q"], h), p["norm_q"]["scale"], config.eps)
     k = L.rms_norm(L.linear(p["k"], h), p["norm_k"]["scale"], config.eps)
     v = L.linear(p["v"], h)
-    return apply_rope(_heads(q, config), angles), apply_rope(_heads(k, config), angles), _heads(v, config)
+    return apply_rope(_heads(q, config), *rope), apply_rope(_heads(k, config), *rope), _heads(v, config)
 
 
 def _cross_attention(p, x, k, v, config: WanConfig, backend: str):
@@ -214,13 +225,13 @@ def _forward_sequence(params, config: WanConfig, latents, timesteps, context, ma
         cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context)
     n = gf * gh * gw
     positions = sequence_positions(b, n)
-    angles = rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta)
+    rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta))
 
     x = L.patchify(params, config, latents)
     e, e0 = L.time_embedding(params, config, t)
 
     def self_attention(p, h):
-        q, k, v = _self_qkv(p, h, angles, config)
+        q, k, v = _self_qkv(p, h, rope, config)
         out = attend(q, k, v, positions, positions, backend=backend, **mask)
         return L.linear(p["o"], out.reshape(b, n, config.dim)), None
 
@@ -308,7 +319,8 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     Args:
       cache: stacked `RingCache`/`RollingCache` [layers=num_layers, batch, capacity, heads, head_dim] whose spec's
         chunk equals this chunk's tokens (frames/pt * height/ph * width/pw).
-      cross: `cross_kv` of the text context, batch rows matching the cache's sessions.
+      cross: `cross_kv` of the text context, k and v [layers, batch, text_tokens, heads, head_dim] with batch rows
+        matching the cache's sessions (any text_tokens >= 1: padded to text_len or not).
       latents: [batch, chunk_frames, height, width, in_dim].
       timesteps: float [batch] or [batch, chunk_frames // pt].
     Returns:
@@ -326,13 +338,20 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     if cache.spec.chunk != n:
         raise ValueError(f"cache chunk is {cache.spec.chunk} tokens but the latents chunk has {n} "
                          f"({gf} frames x {gh}x{gw} patches)")
-    expected = (config.num_layers, b, config.text_len, config.num_heads, config.head_dim)
-    if tuple(cross.k.shape) != expected or tuple(cross.v.shape) != expected:
-        raise ValueError(f"cross K/V must be [layers, batch, text_len, heads, head_dim] = {list(expected)}, "
-                         f"got {list(cross.k.shape)}")
+    expected = [config.num_layers, b, "text_tokens", config.num_heads, config.head_dim]
+    k_shape, v_shape = tuple(cross.k.shape), tuple(cross.v.shape)
+    if (len(k_shape) != 5 or k_shape != v_shape or k_shape[2] < 1
+            or (k_shape[0], k_shape[1], k_shape[3], k_shape[4]) != (config.num_layers, b, config.num_heads,
+                                                                    config.head_dim)):
+        raise ValueError(f"cross K/V must both be [layers, batch, text_tokens, heads, head_dim] = {expected}, "
+                         f"got k {list(k_shape)}, v {list(v_shape)}")
+    # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
+    if not isinstance(cache.chunk_start, jax.core.Tracer) and bool(jnp.all(cache.chunk_start < 0)):
+        raise ValueError("forward_chunk: no session has a reserved chunk (chunk_start < 0 for every session); call "
+                         "cache = cache.begin_chunk() before the chunk's first forward")
     t = _frame_timesteps(timesteps, b, gf)
     q_positions = cache.chunk_positions()
-    angles = rope_angles(q_positions, (gh, gw), config.head_dim, config.rope_theta)
+    rope = rope_cos_sin(rope_angles(q_positions, (gh, gw), config.head_dim, config.rope_theta))
 
     x = L.patchify(params, config, latents)
     e, e0 = L.time_embedding(params, config, t)
@@ -343,7 +362,7 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
         p, ck, cv, layer = xs
 
         def self_attention(pa, h):
-            q, k, v = _self_qkv(pa, h, angles, config)
+            q, k, v = _self_qkv(pa, h, rope, config)
             new_cache = cache.write(k.astype(cache.dtype), v.astype(cache.dtype), layer=layer)
             kc, vc = new_cache.layer_kv(layer)
             out = attend(q, kc, vc, q_positions, new_cache.positions, chunk=chunk, backend=backend)
@@ -356,7 +375,3 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     (x, cache), _ = lax.scan(body, (x, cache), (params["blocks"], cross.k, cross.v, layers))
     return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw)), cache
 
-
-def check_params(params, config: WanConfig) -> None:
-    """Raises ValueError when params do not follow the layout of `config` (see `validate_params`)."""
-    validate_params(params, config)

@@ -52,22 +52,32 @@ def rope_angles(positions, grid_hw: tuple[int, int], head_dim: int, theta: float
     return jnp.concatenate(parts, axis=-1)
 
 
-def apply_rope(x, angles):
-    """Rotates consecutive channel pairs of x by ``angles``, in float32.
+def rope_cos_sin(angles):
+    """(cos, sin) of `rope_angles`, each float32 [batch, tokens, head_dim // 2].
+
+    A forward computes them once and passes them to every layer's `apply_rope` (q and k of every layer rotate by the
+    same angles), so the transcendental functions run once per forward, not twice per layer.
+    """
+    angles = jnp.asarray(angles, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotates consecutive channel pairs of x by the angles whose cosines and sines are given, in float32.
 
     Args:
       x: [batch, tokens, heads, head_dim].
-      angles: float32 [batch, tokens, head_dim // 2] from `rope_angles`.
+      cos, sin: float32 [batch, tokens, head_dim // 2] from `rope_cos_sin`.
     Returns:
       [batch, tokens, heads, head_dim] in x's dtype.
     """
     b, n, h, d = x.shape
-    if angles.shape != (b, n, d // 2):
-        raise ValueError(f"apply_rope: angles must have shape {[b, n, d // 2]}, got {list(angles.shape)}")
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.shape != (b, n, d // 2):
+            raise ValueError(f"apply_rope: {name} must have shape {[b, n, d // 2]}, got {list(a.shape)}")
     pairs = x.astype(jnp.float32).reshape(b, n, h, d // 2, 2)
     re, im = pairs[..., 0], pairs[..., 1]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
     return out.reshape(b, n, h, d).astype(x.dtype)
 
