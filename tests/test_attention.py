@@ -17,7 +17,9 @@ import pytest
 from jax.test_util import check_grads
 
 from jaxkv.attention import (BACKENDS, CacheRope, MaskSpec, attend, blockwise_attention, cache_ranks,
-                             dense_attention, merge_partials, query_ranks, resolve_backend, visible)
+                             dense_attention, merge_partials, pallas_attention, query_ranks, resolve_backend,
+                             rope_ranks, visible)
+from jaxkv.attention import dispatch
 
 MASKS = [
     dict(),
@@ -176,7 +178,7 @@ def test_blockwise_matches_dense_over_layouts_and_masks(mask):
     for block_k, segments in BLOCKINGS[2:]:  # ragged/split blockings on the sink + window masks
         if mask.get("sink"):
             args = physical(case, case["pos"])
-            got = blockwise_attention(*args, block_k=block_k, segments=segments, **mask)
+            got = jax.jit(functools.partial(blockwise_attention, block_k=block_k, segments=segments, **mask))(*args)
             np.testing.assert_allclose(got, dense_attention(*args, **mask), atol=2e-6)
 
 
@@ -198,16 +200,35 @@ def test_blockwise_bfloat16_storage_accumulates_in_float32():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2)
 
 
-def test_wrapped_and_unwrapped_rings_are_bit_identical():
-    """Same logical content, different physical rotation: the chronological visit makes the results identical."""
-    case = make_case(7, written=(11, 6))
+@pytest.mark.parametrize("chunk, block_k", [(4, 4), (8, 512)])  # 512: the default, tiled down to the chunk size
+def test_wrapped_and_unwrapped_rings_are_bit_identical(chunk, block_k):
+    """Same logical content, different physical rotation: with blocks that divide the chunk, the chronological
+    visit makes the results identical."""
+    case = make_case(7, chunk=chunk, written=(11, 6))
     wrapped, flat = case["pos"], np.stack([unwrapped_positions(r) for r in case["pos"]])
     assert not np.array_equal(wrapped, flat)
-    for block_k in (4, 512):  # 512: the default, tiled down to the chunk size
-        run = jax.jit(functools.partial(blockwise_attention, block_k=block_k, chunk=4, window=8, sink=4))
-        a, b = run(*physical(case, wrapped)), run(*physical(case, flat))
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(a, dense_attention(*physical(case, wrapped), chunk=4, window=8, sink=4), atol=2e-6)
+    mask = dict(chunk=chunk, window=2 * chunk, sink=chunk)
+    run = jax.jit(functools.partial(blockwise_attention, block_k=block_k, **mask))
+    a, b = run(*physical(case, wrapped)), run(*physical(case, flat))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(a, dense_attention(*physical(case, wrapped), **mask), atol=2e-6)
+
+
+def _scan_block_sizes(kv_len, chunk, block_k=512):
+    """Key block sizes (kv_len / scan length) of the blockwise path's scans, traced abstractly."""
+    q = jax.ShapeDtypeStruct((1, 8, 1, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, kv_len, 1, 8), jnp.float32)
+    qp, kp = jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1, kv_len), jnp.int32)
+    f = functools.partial(blockwise_attention, chunk=chunk, block_k=block_k)
+    jaxpr = jax.make_jaxpr(f)(q, kv, kv, qp, kp).jaxpr
+    return [kv_len // e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_blockwise_block_size_tiles_the_chunk_but_is_never_tiny():
+    assert _scan_block_sizes(3 * 4680, 4680) == [468]  # Wan: divides the chunk (wrap-invariant), <= block_k
+    assert _scan_block_sizes(24, 8, block_k=4) == [4]  # a small block_k is honoured
+    # gcd(kv_len, chunk) = 7 would be 1,000 scan steps of 7 keys: the segment's own divisor is used instead.
+    assert _scan_block_sizes(7000, 7) == [500]
 
 
 def test_merge_partials_by_lse_equals_attention_over_the_union():
@@ -231,19 +252,24 @@ def test_blockwise_gradients():
     q, k, v, qp, pos = physical(case, case["pos"])
     mask = dict(chunk=4, window=8, sink=4)
 
+    @jax.jit  # check_grads calls it many times: compiled once, not dispatched op by op
     def blockwise(q, k, v):
         return blockwise_attention(q, k, v, qp, pos, block_k=4, rope=CacheRope(), **mask)
 
     def dense(q, k, v):
         return dense_attention(q, k, v, qp, pos, rope=CacheRope(), **mask)
 
+    # Numerically for blockwise; the dense path's autodiff gradient must then equal it.
     check_grads(blockwise, (q, k, v), order=1, modes=("rev",), eps=1e-3, atol=2e-2, rtol=2e-2)
-    check_grads(dense, (q, k, v), order=1, modes=("rev",), eps=1e-3, atol=2e-2, rtol=2e-2)
     ct = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
     g_block = jax.vjp(blockwise, q, k, v)[1](ct)
     g_dense = jax.vjp(dense, q, k, v)[1](ct)
     for a, b, name in zip(g_block, g_dense, "qkv"):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"d{name}")
+    # Forward mode too (the module docstring promises it): <ct, J t> = <J^T ct, t> for a tangent t = (ct, k, v).
+    tangent = (ct, k, v)
+    jt = jax.jvp(blockwise, (q, k, v), tangent)[1]
+    np.testing.assert_allclose(jnp.vdot(ct, jt), sum(jnp.vdot(g, t) for g, t in zip(g_block, tangent)), rtol=1e-5)
     # empty slots get no gradient
     empty = case["pos"][0] < 0
     assert empty.any()
@@ -265,6 +291,9 @@ def test_cache_ranks_match_definition():
                 assert ranks[b, j] == (valid < p).sum()
         for i, p in enumerate(qp[b]):
             assert qranks[b, i] == (valid < p).sum()
+    both = rope_ranks(jnp.asarray(qp, jnp.int32), jnp.asarray(pos, jnp.int32))  # one sort for the two
+    np.testing.assert_array_equal(both[0], qranks)
+    np.testing.assert_array_equal(both[1], ranks)
 
 
 def numpy_rope(x, index, theta=10000.0, style="half"):
@@ -314,13 +343,28 @@ def test_cache_relative_rope_is_invariant_to_absolute_offset():
 
 # ------------------------------------------------------------------ attend: dispatch and bad input
 
-def test_attend_backends_agree():
+def test_attend_backends_agree(monkeypatch):
+    """Each name routes to the path `resolve_backend` names, and the two distinct XLA paths agree with NumPy."""
     case = make_case(13, written=(8, 3))
     args = physical(case, case["pos"])
-    want = dense_attention(*args, chunk=4, window=8, sink=4)
-    for backend in ("auto", "xla", "xla_dense", "xla_blockwise"):
-        got = attend(*args, chunk=4, window=8, sink=4, backend=backend, block_k=4, segments=(4,))
-        np.testing.assert_allclose(got, want, atol=2e-6, err_msg=backend)
+    q, k = args[0], args[1]
+    mask = dict(chunk=4, window=8, sink=4)
+    run = lambda backend: np.asarray(attend(*args, backend=backend, block_k=4, segments=(4,), **mask))
+    logits = q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1]
+    resolve = lambda name: resolve_backend(name, head_dim=8, dtypes=(q.dtype,) * 3, rope=None, logits=logits)
+    # head_dim 8 is not a kernel shape, so "auto" is "xla" on every platform; small logits make "xla" dense.
+    assert {name: resolve(name) for name in ("auto", "xla", "xla_dense", "xla_blockwise")} == {
+        "auto": "xla_dense", "xla": "xla_dense", "xla_dense": "xla_dense", "xla_blockwise": "xla_blockwise"}
+    want = numpy_attention(*args, **mask)
+    paths = {name: run(name) for name in ("xla_dense", "xla_blockwise")}
+    for name, got in paths.items():
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=name)
+    assert np.abs(paths["xla_dense"] - paths["xla_blockwise"]).max() > 0  # two different computations
+    for name in ("auto", "xla"):
+        np.testing.assert_array_equal(run(name), paths["xla_dense"], err_msg=name)
+    monkeypatch.setattr(dispatch, "DENSE_MAX_LOGITS", logits - 1)  # now "xla" must take the blockwise path
+    assert resolve("xla") == "xla_blockwise"
+    np.testing.assert_array_equal(run("xla"), paths["xla_blockwise"])
 
 
 def test_resolve_backend():
@@ -349,6 +393,12 @@ def test_attend_is_one_compilation_across_positions():
     (dict(sink=-1), "sink must be"),
     (dict(causal="yes"), "causal must be"),
     (dict(scale="big"), "scale must be"),
+    (dict(scale=float("nan")), "scale must be finite and > 0"),
+    (dict(scale=float("inf")), "scale must be finite and > 0"),
+    (dict(scale=0.0), "scale must be finite and > 0"),
+    (dict(scale=-0.5), "scale must be finite and > 0"),
+    (dict(sink=4), "sink needs a window"),
+    (dict(causal=True, sink=4), "sink needs a window"),
     (dict(rope="rerope"), "rope must be"),
 ])
 def test_attend_rejects_bad_options(bad, match):
@@ -375,6 +425,34 @@ def test_attend_rejects_bad_shapes_and_dtypes():
         for backend in ("xla", "xla_blockwise", "pallas"):
             with pytest.raises(ValueError, match=match):
                 jax.eval_shape(functools.partial(attend, backend=backend), *args)
+
+
+PATHS = {"dense": dense_attention, "blockwise": blockwise_attention,
+         "pallas": functools.partial(pallas_attention, interpret=True)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_every_path_rejects_empty_queries_or_keys(path):
+    case = make_case(18, head_dim=16)  # a kernel head_dim, so only the length can be wrong
+    q, k, v, qp, pos = physical(case, case["pos"])
+    fn = functools.partial(PATHS[path], causal=True)
+    with pytest.raises(ValueError, match=r"at least one query.*q_len 0"):
+        jax.eval_shape(fn, q[:, :0], k, v, qp[:, :0], pos)
+    with pytest.raises(ValueError, match=r"at least one query.*kv_len 0"):
+        jax.eval_shape(fn, q, k[:, :0], v[:, :0], qp, pos[:, :0])
+    jax.eval_shape(fn, q, k, v, qp, pos)  # the same call with tokens is fine
+    with pytest.raises(ValueError, match="kv_len 0"):
+        jax.eval_shape(functools.partial(attend, backend=path if path == "pallas" else f"xla_{path}"),
+                       q, k[:, :0], v[:, :0], qp, pos[:, :0])
+
+
+@pytest.mark.parametrize("path", ["dense", "blockwise"])
+def test_cache_relative_rope_rejects_odd_head_dim(path):
+    q, k, v, qp, pos = physical(make_case(19, head_dim=7), make_case(19, head_dim=7)["pos"])
+    with pytest.raises(ValueError, match="even head_dim"):
+        jax.eval_shape(functools.partial(PATHS[path], rope=CacheRope()), q, k, v, qp, pos)
+    with pytest.raises(ValueError, match="even head_dim"):
+        CacheRope().rotate(q, qp)
 
 
 # ------------------------------------------------------------------ the real RingCache

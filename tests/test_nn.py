@@ -74,6 +74,9 @@ def test_layer_streams_over_unstacked_cache(policy, rope):
 def test_layer_rejects_bad_configuration_and_inputs():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         CachedSelfAttention(12, num_heads=3, num_kv_heads=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"dim \(10\) is not a multiple of num_heads \(4\): pass head_dim"):
+        CachedSelfAttention(10, num_heads=4, rngs=nnx.Rngs(0))  # would silently round head_dim down to 2
+    assert CachedSelfAttention(10, num_heads=4, head_dim=3, rngs=nnx.Rngs(0)).head_dim == 3
     with pytest.raises(ValueError, match="not both"):
         _layer(MaskSpec(), rope=rotary(), cache_rope=CacheRope())
     with pytest.raises(ValueError, match="MaskSpec"):

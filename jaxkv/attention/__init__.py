@@ -15,7 +15,7 @@ from jaxkv.attention.dispatch import BACKENDS, attend, resolve_backend
 from jaxkv.attention.masks import MaskSpec, visible
 from jaxkv.attention.pallas_gpu import BlockSizes, pallas_attention
 from jaxkv.attention.reference import dense_attention
-from jaxkv.attention.rope import CacheRope, cache_ranks, query_ranks
+from jaxkv.attention.rope import CacheRope, cache_ranks, query_ranks, rope_ranks
 
 __all__ = [
     "BACKENDS",
@@ -30,5 +30,6 @@ __all__ = [
     "pallas_attention",
     "query_ranks",
     "resolve_backend",
+    "rope_ranks",
     "visible",
 ]

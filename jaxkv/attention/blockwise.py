@@ -9,7 +9,12 @@ running (max, sum, output) state; a block that no query can see (empty, or outsi
 window range) is skipped with `lax.cond`. Segments are merged by log-sum-exp.
 
 Because the visit order depends only on positions, a ring that has wrapped and one that has not give
-bit-identical results on the same logical content when the block size divides the chunk size.
+**bit-identical** results on the same logical content exactly when every block holds one piece of one chunk: the
+mask's `chunk` is set, the segments start at chunk boundaries (as a ring's sink/window split does) and the block
+size used divides `chunk`. With `chunk` set the block size is the largest divisor <= block_k of gcd(segment
+length, chunk) when that divisor is >= 8 — e.g. chunk 4,680 and block_k 512 give blocks of 468. Otherwise (no
+`chunk`, or a gcd without such a divisor, e.g. chunk 7) the block size comes from the segment length alone and the
+two layouts agree to float tolerance only (the same keys, summed in a different order).
 
 Differentiable (forward-mode and reverse-mode): the loop is a `lax.scan` with a static trip count and the block
 body is rematerialised in the backward pass, so memory stays O(q_len * block_k) per head.
@@ -17,6 +22,7 @@ body is rematerialised in the backward pass, so memory stays O(q_len * block_k) 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,7 +31,7 @@ from jax import lax
 
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec, block_may_be_visible, pair_visible
-from jaxkv.attention.rope import cache_ranks, query_ranks
+from jaxkv.attention.rope import rope_ranks
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
 
@@ -58,15 +64,10 @@ def merge_partials(parts):
     Returns:
       (out float32, lse): attention over the union of the key sets; zeros where no part saw a key.
     """
-    lses = jnp.stack([lse for _, lse in parts])
-    lse = jnp.max(lses, axis=0)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weights = jnp.exp(lses - safe)  # 0 for parts with no key
-    total = jnp.sum(weights, axis=0)
-    out = sum(w[..., None] * o.astype(jnp.float32) for w, (o, _) in zip(weights, parts))
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    return out, lse
+    # A normalised part is the flash state (o = out, m = lse, l = 1) — or l = 0 where it saw no key.
+    states = [(o.astype(jnp.float32), lse, jnp.where(jnp.isfinite(lse), 1.0, 0.0).astype(jnp.float32))
+              for o, lse in parts]
+    return _finish(functools.reduce(_merge_states, states))
 
 
 def _block_ranges(kv_pos_blocks):
@@ -131,11 +132,21 @@ def _segment_state(qs, q_positions, k, v, kv_positions, k_ranks, spec, rope, sta
 
 
 def _merge_states(a, b):
+    """Flash states (o [..., d] unnormalised, m [...] running max, l [...] sum of exp(s - m)) of disjoint key
+    sets -> the state of their union."""
     (oa, ma, la), (ob, mb, lb) = a, b
     m = jnp.maximum(ma, mb)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     wa, wb = jnp.exp(ma - m_safe), jnp.exp(mb - m_safe)
     return wa[..., None] * oa + wb[..., None] * ob, m, wa * la + wb * lb
+
+
+def _finish(state):
+    """Flash state -> (normalised out float32, lse): zeros and -inf where no key was seen (l = 0)."""
+    o, m, l = state
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    return o / l_safe[..., None], jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
 def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0,
@@ -149,8 +160,9 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chu
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (cache-relative RoPE, keys rotated by rank as each block is read).
       block_k: target key block size. Each segment uses the largest divisor <= block_k of gcd(its length, chunk)
-        when `chunk` is set (wrap-invariant: bit-identical results for any rotation of whole chunks), else of its
-        length (a ragged tail becomes its own segment when no divisor >= 8 exists).
+        when `chunk` is set and that divisor is >= 8 (wrap-invariant: bit-identical results for any rotation of
+        whole chunks); otherwise the largest divisor <= block_k of its length (to float tolerance across
+        rotations), or blocks of block_k plus a ragged tail segment when no divisor >= 8 exists.
       segments: static slot split points, e.g. `(sink_slots,)` for a ring cache with a sink: each segment runs its
         own recurrence and the results are merged by log-sum-exp.
       return_lse: also return float32 lse [batch, q_len, q_heads].
@@ -168,27 +180,27 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chu
     qf = q.astype(jnp.float32)
     k_ranks = None
     if rope is not None:
-        qf = rope.rotate(qf, query_ranks(q_positions, kv_positions))
-        k_ranks = cache_ranks(kv_positions)
+        q_ranks, k_ranks = rope_ranks(q_positions, kv_positions)
+        qf = rope.rotate(qf, q_ranks)
     qs = jnp.moveaxis((qf * scale).reshape(b, lq, hk, g, d), 1, 3)  # [b, hk, g, q, d]
 
     state = None
     for start, stop in segment_bounds(lk, segments):
         n = stop - start
-        # Prefer blocks that tile the mask's chunk: then every block holds whole-chunk content wherever the ring
-        # put it, and wrapped/unwrapped layouts run bit-identical arithmetic.
+        # Prefer blocks that tile the mask's chunk: then every block holds one piece of one chunk wherever the ring
+        # put it, and wrapped/unwrapped layouts run bit-identical arithmetic. Not below 8 keys a block, though: a
+        # tiny gcd (chunk 7) would turn the scan into thousands of steps; the segment's own divisors are used then.
         size = choose_block(math.gcd(n, spec.chunk), block_k) if spec.chunk else 0
-        size = size or choose_block(n, block_k)
+        if size < 8:
+            size = choose_block(n, block_k)
         pieces = [(start, stop, size)] if size else [(start, start + n - n % block_k, block_k),
                                                      (start + n - n % block_k, stop, n % block_k)]
         for lo, hi, bk in pieces:
             if hi > lo:
                 part = _segment_state(qs, q_positions, k, v, kv_positions, k_ranks, spec, rope, lo, hi, bk)
                 state = part if state is None else _merge_states(state, part)
-    o, m, l = state
-    out = o / jnp.where(l > 0, l, 1.0)[..., None]
+    out, lse = _finish(state)  # [b, hk, g, q, d], [b, hk, g, q]
     out = jnp.moveaxis(out, 3, 1).reshape(b, lq, hq, d).astype(q.dtype)
     if not return_lse:
         return out
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)  # [b, hk, g, q]
     return out, jnp.moveaxis(lse.reshape(b, hq, lq), 1, 2)

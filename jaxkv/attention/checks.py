@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 
@@ -22,6 +24,11 @@ def check_inputs(q, k, v, q_positions, kv_positions):
         raise ValueError(f"q and k/v batch sizes differ: q {q.shape}, k {k.shape}")
     if kd != d:
         raise ValueError(f"q and k/v head_dim differ: q {q.shape}, k {k.shape}")
+    if d == 0:
+        raise ValueError(f"head_dim must be >= 1, got q {q.shape}")
+    if lq == 0 or lk == 0:
+        raise ValueError(f"attention needs at least one query and one key slot, got q {q.shape} (q_len {lq}) and "
+                         f"k/v {k.shape} (kv_len {lk}); represent an empty cache by negative kv_positions")
     if hk == 0 or hq % hk:
         raise ValueError(f"q_heads ({hq}) must be a positive multiple of kv_heads ({hk}) for GQA/MQA")
     for name, pos, want in (("q_positions", q_positions, (b, lq)), ("kv_positions", kv_positions, (b, lk))):
@@ -33,9 +40,11 @@ def check_inputs(q, k, v, q_positions, kv_positions):
 
 
 def check_scale(scale, head_dim):
-    """The softmax scale: head_dim ** -0.5 by default, else a Python number (static)."""
+    """The softmax scale: head_dim ** -0.5 by default, else a finite positive Python number (static)."""
     if scale is None:
         return head_dim ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be None or a Python float, got {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
     return float(scale)

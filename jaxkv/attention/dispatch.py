@@ -73,7 +73,9 @@ def attend(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, wind
       interpret: run the Pallas kernel in the interpreter (to use backend="pallas" on CPU, in tests).
     Returns:
       [batch, q_len, q_heads, head_dim] in q's dtype, float32 softmax and accumulation. A query that sees no key
-      gets zeros. Every path is differentiable (the Pallas forward takes its gradient from the blockwise path).
+      gets zeros. The XLA paths are differentiable in forward and reverse mode; the Pallas path in reverse mode
+      only (`jax.grad`/`jax.vjp`: a `custom_vjp` whose gradient is the blockwise path's) — `jax.jvp`/`jax.jacfwd`
+      raise on it, so use backend="xla_blockwise" for forward-mode.
     """
     b, lq, hq, lk, _, d = check_inputs(q, k, v, q_positions, kv_positions)
     spec = MaskSpec(causal=causal, chunk=chunk, window=window, sink=sink)

@@ -27,7 +27,7 @@ class MaskSpec:
         the training mask of causal video models. Also makes `window` count from chunk starts.
       window: local window in tokens: a key is hidden when it lies `window` or more tokens behind the query
         (behind the query's chunk start when `chunk` is set), unless it is in the sink.
-      sink: keys at positions < sink are never hidden by the window (no effect without a window).
+      sink: keys at positions < sink are never hidden by the window; sink > 0 needs a window.
     """
 
     causal: bool = False
@@ -44,6 +44,9 @@ class MaskSpec:
                 raise ValueError(f"{name} must be None or a positive Python int, got {value!r}")
         if not _is_int(self.sink) or self.sink < 0:
             raise ValueError(f"sink must be a non-negative Python int, got {self.sink!r}")
+        if self.sink > 0 and self.window is None:
+            raise ValueError(f"sink needs a window: sink={self.sink} keeps keys visible that the window would hide, "
+                             f"but window is None")
 
 
 def _is_int(value) -> bool:

@@ -10,6 +10,12 @@ so they cost nothing. Inside a visited block every (query, key) pair is masked e
 the keys. K/V are read from the cache where they lie: no gather, no concatenation. Lengths that are not multiples
 of the block sizes (Wan: 4,680-token chunks, 1,560-token frames) are handled with masked loads and stores.
 
+Wrapped and unwrapped rings. The visit order depends only on positions, so a ring that has wrapped and one that has
+not give **bit-identical** results on the same logical content exactly when each key block holds one piece of one
+chunk, i.e. `block_k` divides the chunk (a ring puts chunks at multiples of the chunk size). Block sizes are powers
+of two (>= 16), so that can only hold for chunks that are multiples of 16; Wan's 4,680-token chunk (8 x 585) is
+not, its blocks straddle chunks differently in the two layouts, and the results are equal to float tolerance.
+
 Cache-relative RoPE: queries are rotated by rank in XLA (one chunk); keys are rotated inside the kernel by their
 rank, loaded per block like the positions, so the cache is never rewritten rotated.
 
@@ -33,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec, block_may_be_visible, pair_visible
-from jaxkv.attention.rope import cache_ranks, query_ranks
+from jaxkv.attention.rope import rope_ranks
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
 _NEG = -1e30  # finite "minus infinity": keeps exp2 and max free of inf - inf
@@ -218,13 +224,14 @@ def _pallas_forward(q, k, v, q_positions, kv_positions, *, spec, scale, rope, bs
     ]
     if rope is not None:
         # q and k enter as [..., 2, d/2] or [..., d/2, 2] (a bitcast) so the kernel can load each rotary half.
-        q = _pair_view(rope.rotate(q, query_ranks(q_positions, kv_positions)).astype(k.dtype), rope.style)
+        q_ranks, k_ranks = rope_ranks(q_positions, kv_positions)
+        q = _pair_view(rope.rotate(q, q_ranks).astype(k.dtype), rope.style)
         k = _pair_view(k, rope.style)
         pair = q.shape[-2:]
         in_specs[3] = pl.BlockSpec((None, block_q, None, *pair), lambda bi, h, i: (bi, i, h, 0, 0))
         in_specs[4] = pl.BlockSpec((None, lk, None, *pair), lambda bi, h, i: (bi, 0, h // groups, 0, 0))
         in_specs.append(pl.BlockSpec((None, lk), lambda bi, h, i: (bi, 0)))
-        operands += [q, k, v, cache_ranks(kv_positions)]
+        operands += [q, k, v, k_ranks]
     else:
         operands += [q, k, v]
     kernel = functools.partial(_kernel, spec=spec, scale=scale, block_q=block_q, block_k=bs.block_k, q_len=lq,

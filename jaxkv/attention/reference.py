@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import visible
-from jaxkv.attention.rope import cache_ranks, query_ranks
+from jaxkv.attention.rope import rope_ranks
 
 
 def dense_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0,
@@ -30,8 +30,8 @@ def dense_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=N
     mask = visible(q_positions, kv_positions, causal=causal, chunk=chunk, window=window, sink=sink)
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
     if rope is not None:
-        qf = rope.rotate(qf, query_ranks(q_positions, kv_positions))
-        kf = rope.rotate(kf, cache_ranks(kv_positions))
+        q_ranks, k_ranks = rope_ranks(q_positions, kv_positions)
+        qf, kf = rope.rotate(qf, q_ranks), rope.rotate(kf, k_ranks)
     qf = qf.reshape(b, lq, hk, groups, d)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf) * scale
     logits = jnp.where(mask[:, None, None], logits, -jnp.inf)

@@ -5,8 +5,8 @@ cached positions (0 for the oldest key in the cache, 1 for the next, ...), and e
 cached positions below its own, so a query attending to its own key sees distance 0 and the model never sees a
 position beyond the cache size, however long the stream runs.
 
-Ranks are computed from the position array alone — sort the int positions once per batch row, then a binary
-search per slot — so the cache's K/V are never gathered into chronological order: they are rotated where they lie.
+Ranks are computed from the position array alone — sort the int positions once per batch row (`rope_ranks` gives
+the query and key ranks from that one sort), then a binary search per slot — so the cache's K/V are never gathered into chronological order: they are rotated where they lie.
 """
 
 from __future__ import annotations
@@ -43,8 +43,13 @@ class CacheRope:
         return self.theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
 
     def rotate(self, x, ranks):
-        """Rotate x [batch, tokens, heads, head_dim] by integer ranks [batch, tokens]; float32 result."""
+        """Rotate x [batch, tokens, heads, head_dim] by integer ranks [batch, tokens]; float32 result.
+
+        head_dim must be even (the rotation acts on pairs of lanes).
+        """
         d = x.shape[-1]
+        if d % 2:
+            raise ValueError(f"RoPE rotates pairs of lanes and needs an even head_dim, got x of shape {x.shape}")
         angle = ranks.astype(jnp.float32)[:, :, None, None] * self.inv_freq(d)  # [b, t, 1, d/2]
         cos, sin = jnp.cos(angle), jnp.sin(angle)
         x = x.astype(jnp.float32)
@@ -63,13 +68,29 @@ def _count_below(sorted_positions, positions):
     return jax.vmap(lambda s, p: jnp.searchsorted(s, p, side="left"))(sorted_positions, positions).astype(jnp.int32)
 
 
+def rope_ranks(q_positions, kv_positions):
+    """(query_ranks int32 [batch, q_len], cache_ranks int32 [batch, kv_len]) with one sort of kv_positions.
+
+    Args:
+      q_positions: int [batch, q_len] absolute query positions.
+      kv_positions: int [batch, kv_len] absolute key positions, negative = empty slot.
+    Returns:
+      the two rank arrays of `query_ranks` and `cache_ranks` (what the attention paths rotate q and k by).
+    """
+    sorted_positions = _sorted_valid(kv_positions)
+    return _count_below(sorted_positions, q_positions), _slot_ranks(sorted_positions, kv_positions)
+
+
+def _slot_ranks(sorted_positions, kv_positions):
+    return jnp.where(kv_positions >= 0, _count_below(sorted_positions, kv_positions), 0)
+
+
 def cache_ranks(kv_positions):
     """int32 [batch, kv_len]: rank of each slot among the valid cached positions (0 = oldest); 0 for empty slots.
 
     rank(j) = #{valid i : positions[i] < positions[j]} — a function of the positions only, whatever the slot order.
     """
-    ranks = _count_below(_sorted_valid(kv_positions), kv_positions)
-    return jnp.where(kv_positions >= 0, ranks, 0)
+    return _slot_ranks(_sorted_valid(kv_positions), kv_positions)
 
 
 def query_ranks(q_positions, kv_positions):

@@ -10,7 +10,11 @@ state): `y, cache = layer(x_chunk, cache)`. Per call it
   5. projects the heads back to the model width.
 
 `forward` runs the same layer on a whole sequence without a cache (training, or the check that streaming is
-exact): with the same `MaskSpec`, chunk-by-chunk streaming over a ring big enough for the window equals it.
+exact): with the same `MaskSpec`, chunk-by-chunk streaming over a ring big enough for the window equals it — with
+no RoPE or with the absolute-position `rope` hook. With `cache_rope` it equals `forward` only until the first
+eviction: ranks count only the keys the cache holds, so once a chunk is evicted the streamed keys and queries are
+rotated by smaller ranks than `forward` (which ranks the whole sequence) gives them; that is the point of
+cache-relative RoPE (the model never sees a distance beyond the cache), not an error.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class CachedSelfAttention(nnx.Module):
     Args:
       dim: model width.
       num_heads: query heads; `num_kv_heads` (default num_heads) must divide it; the cache holds kv heads.
-      head_dim: default dim // num_heads.
+      head_dim: default dim // num_heads (then dim must be a multiple of num_heads).
       mask: `MaskSpec` applied both streaming and in `forward` (e.g. chunk-causal with a sink + window).
       rope: optional hook `rope(x, positions)` at absolute positions, applied to q and k before the cache write.
       cache_rope: optional `CacheRope` instead: keys cached unrotated and rotated at read by rank (StreamingLLM).
@@ -50,9 +54,12 @@ class CachedSelfAttention(nnx.Module):
                  backend: str = "auto", use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        head_dim = dim // num_heads if head_dim is None else head_dim
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim ({dim}) is not a multiple of num_heads ({num_heads}): pass head_dim explicitly")
+            head_dim = dim // num_heads
         if head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {head_dim} (dim {dim}, num_heads {num_heads})")
         if not isinstance(mask, MaskSpec):
