@@ -10,18 +10,23 @@ O(window). Kept as the reference policy and the benchmark baseline; it presents 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from flax import struct
 
 from jaxkv.cache.base import ChunkCache
 
 
-def _shift_window_left(x, sink: int, chunk: int, axis: int):
-    """Moves the window [sink + chunk:] to [sink:] along ``axis``; the oldest window chunk goes to the end."""
-    head = x.take(jnp.arange(0, sink), axis=axis) if sink else None
-    window = x.take(jnp.arange(sink, x.shape[axis]), axis=axis)
-    rolled = jnp.concatenate([window.take(jnp.arange(chunk, window.shape[axis]), axis=axis),
-                              window.take(jnp.arange(0, chunk), axis=axis)], axis=axis)
-    return rolled if head is None else jnp.concatenate([head, rolled], axis=axis)
+def _shift_window_left(x, shift, sink: int, chunk: int, axis: int):
+    """Moves the window x[sink + chunk:] to x[sink:] along ``axis`` for the sessions where ``shift`` is True (the
+    oldest window chunk rotates to the end, where the new chunk will be written). The sink is not touched.
+
+    ``shift`` is bool [batch], broadcast against x with the batch axis just before ``axis``.
+    """
+    window = lax.slice_in_dim(x, sink, x.shape[axis], axis=axis)
+    rolled = jnp.concatenate([lax.slice_in_dim(window, chunk, window.shape[axis], axis=axis),
+                              lax.slice_in_dim(window, 0, chunk, axis=axis)], axis=axis)
+    mask = shift.reshape((1,) * (axis - 1) + (-1,) + (1,) * (x.ndim - axis))
+    return lax.dynamic_update_slice_in_dim(x, jnp.where(mask, rolled, window), sink, axis=axis)
 
 
 @struct.dataclass
@@ -41,11 +46,9 @@ class RollingCache(ChunkCache):
         shift = index >= spec.num_slots
         if active is not None:
             shift &= active
-        batch_axis = 0 if self.layers is None else 1
-        bshape = lambda x: shift.reshape((1,) * batch_axis + (-1,) + (1,) * (x.ndim - batch_axis - 1))
-        k = jnp.where(bshape(self.k), _shift_window_left(self.k, spec.sink, spec.chunk, batch_axis + 1), self.k)
-        v = jnp.where(bshape(self.v), _shift_window_left(self.v, spec.sink, spec.chunk, batch_axis + 1), self.v)
-        positions = jnp.where(shift[:, None], _shift_window_left(self.positions, spec.sink, spec.chunk, 1),
-                              self.positions)
+        slot_axis = 1 if self.layers is None else 2
+        k = _shift_window_left(self.k, shift, spec.sink, spec.chunk, slot_axis)
+        v = _shift_window_left(self.v, shift, spec.sink, spec.chunk, slot_axis)
+        positions = _shift_window_left(self.positions, shift, spec.sink, spec.chunk, 1)
         positions, chunk_start = self._reserve(self.slot_of_chunk(index), index, active, positions)
         return self.replace(k=k, v=v, positions=positions, chunk_start=chunk_start)
