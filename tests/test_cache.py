@@ -361,6 +361,14 @@ def test_write_rejects_bad_shapes_dtypes_and_layers_at_trace_time():
         stacked.write(good, good)
     with pytest.raises(ValueError, match="out of range"):
         stacked.write(good, good, layer=2)
+    with pytest.raises(ValueError, match="out of range"):
+        stacked.write(good, good, layer=jnp.int32(-1))   # a concrete array is checked too, never clamped
+    with pytest.raises(ValueError, match="out of range"):
+        stacked.layer_kv(np.int64(2))
+    with pytest.raises(ValueError, match="integer scalar"):
+        stacked.write(good, good, layer=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="integer scalar"):
+        stacked.write(good, good, layer=1.0)
     with pytest.raises(ValueError, match="bool array of shape"):
         cache.begin_chunk(active=jnp.array([1, 0]))
     with pytest.raises(ValueError, match="begin_chunk"):

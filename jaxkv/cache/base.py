@@ -231,15 +231,7 @@ class ChunkCache:
         else:
             if layer is None:
                 raise ValueError(f"write: the cache stacks {self.layers} layers; pass layer=")
-            if _is_concrete(layer) and not isinstance(layer, jax.Array):
-                if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                    raise ValueError(f"write: layer must be an int or int32 scalar, got {layer!r}")
-                if not 0 <= int(layer) < self.layers:
-                    raise ValueError(f"write: layer {layer} out of range [0, {self.layers})")
-            else:
-                layer = jnp.asarray(layer)
-                if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
-                    raise ValueError(f"write: layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+            self._check_layer("write", layer)
         if active is not None:
             active = self._check_session_mask("write: active", active)
         if _is_concrete(self.chunk_start) and not bool(jnp.any(self.chunk_start >= 0)):
@@ -272,10 +264,21 @@ class ChunkCache:
         return self.replace(positions=jnp.where(sessions[:, None], EMPTY, self.positions),
                             chunk_start=jnp.where(sessions, EMPTY, self.chunk_start))
 
+    def _check_layer(self, where: str, layer) -> None:
+        """An int or integer scalar; when its value is known (not traced), within [0, layers). A traced layer
+        cannot be checked here: keep it in range (a scan over ``arange(layers)`` does)."""
+        if isinstance(layer, bool) or (not isinstance(layer, (int, np.integer))
+                                       and not (hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer)
+                                                and jnp.ndim(layer) == 0)):
+            raise ValueError(f"{where}: layer must be an int or an integer scalar, got {layer!r}")
+        if _is_concrete(layer) and not 0 <= int(layer) < self.layers:
+            raise ValueError(f"{where}: layer {int(layer)} out of range [0, {self.layers})")
+
     def layer_kv(self, layer):
         """(k, v) of one layer, each [batch, capacity, heads, head_dim]; ``layer`` may be traced."""
         if self.layers is None:
             raise ValueError("layer_kv: the cache is not stacked (init without layers)")
+        self._check_layer("layer_kv", layer)
         return (lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False),
                 lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False))
 
