@@ -131,3 +131,26 @@ def test_forward_chunk_takes_unpadded_cross_kv():
     assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) <= 1e-5
     with pytest.raises(ValueError, match="cross K/V"):
         wan.forward_chunk(params, CFG, cache, wan.CrossKV(cross.k, cross.v[:, :, :2]), latents, t)
+
+
+def test_streaming_step_with_a_bf16_cache_lowers_for_cuda_with_the_pallas_kernel():
+    """The GPU configuration: bf16 cache, backend "pallas". Queries are cast to the cache dtype so the kernel (one
+    dtype for q, k, v) is used; checked by lowering for CUDA on this CPU-only machine, with abstract params."""
+    from jaxkv.models.wan.params import param_shapes
+
+    cfg = wan.preset("tiny")
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    spec = jaxkv.RingSpec.from_frames(16, 3, 9, 3)
+    cache = jax.eval_shape(lambda: wan.init_cache(cfg, spec, 2, dtype=jnp.bfloat16).begin_chunk())
+    cross = jax.eval_shape(lambda p, c: wan.cross_kv(p, cfg, c), params,
+                           jax.ShapeDtypeStruct((2, cfg.text_len, cfg.text_dim), jnp.bfloat16))
+    x = jax.ShapeDtypeStruct((2, 3, 8, 8, cfg.in_dim), jnp.float32)
+    t = jax.ShapeDtypeStruct((2,), jnp.float32)
+    texts = {}
+    for backend in ("pallas", "xla"):
+        step = jax.jit(lambda p, c, cr, x, t: wan.forward_chunk(p, cfg, c, cr, x, t, backend=backend),
+                       donate_argnums=1)
+        texts[backend] = step.trace(params, cache, cross, x, t).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in texts["pallas"]
+    assert "triton" not in texts["xla"]

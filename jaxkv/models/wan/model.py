@@ -365,7 +365,10 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
             q, k, v = _self_qkv(pa, h, rope, config)
             new_cache = cache.write(k.astype(cache.dtype), v.astype(cache.dtype), layer=layer)
             kc, vc = new_cache.layer_kv(layer)
-            out = attend(q, kc, vc, q_positions, new_cache.positions, chunk=chunk, backend=backend)
+            # Queries in the cache's dtype: the GPU kernel takes one dtype for q, k, v (a float32 q beside a bf16
+            # cache would send "auto" to the XLA path); softmax and accumulation stay float32 on every path.
+            out = attend(q.astype(kc.dtype), kc, vc, q_positions, new_cache.positions, chunk=chunk,
+                         backend=backend).astype(q.dtype)
             return L.linear(pa["o"], out.reshape(b, n, config.dim)), new_cache
 
         x, cache = _block(p, x, e0, ck, cv, gf, self_attention, config, backend)
