@@ -1,0 +1,31 @@
+"""Argument validators shared by every layer: one home for "a positive int, not a bool" and "is this concrete".
+
+Each raises ``ValueError`` naming the argument, what was expected and what came, before any state is touched.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+
+
+def is_int(value) -> bool:
+    """True for Python / NumPy integers (not bools, which are ints to Python)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int, or ValueError if it is not an integer in ``[minimum, maximum]``."""
+    if not is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return int(value)
+
+
+def is_concrete(x) -> bool:
+    """True when ``x`` has a value now (not a tracer inside jit/grad/vmap), so it can be checked eagerly."""
+    return not isinstance(x, jax.core.Tracer)
