@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention.checks import check_inputs, check_scale
-from jaxkv.attention.masks import MaskSpec, block_may_be_visible, pair_visible
+from jaxkv.attention.masks import MaskSpec, as_mask, block_may_be_visible, pair_visible
+from jaxkv.validate import check_int
 from jaxkv.attention.rope import rope_ranks
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
@@ -149,14 +150,15 @@ def _finish(state):
     return o / l_safe[..., None], jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
-def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0,
-                        scale=None, rope=None, block_k=512, segments=None, return_lse=False):
+def blockwise_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False,
+                        chunk=None, window=None, sink=0, scale=None, rope=None, block_k=512, segments=None,
+                        return_lse=False):
     """Online-softmax attention over key blocks visited in chronological order; equals `dense_attention`.
 
     Args:
       q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim] in any slot order.
       q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty).
-      causal, chunk, window, sink: see `jaxkv.attention.masks.MaskSpec`.
+      mask: a `jaxkv.attention.MaskSpec`, or its fields as keywords (causal, chunk, window, sink).
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (cache-relative RoPE, keys rotated by rank as each block is read).
       block_k: target key block size. Each segment uses the largest divisor <= block_k of gcd(its length, chunk)
@@ -170,10 +172,9 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chu
       [batch, q_len, q_heads, head_dim] in q's dtype (and lse). Queries that see no key get zeros.
     """
     b, lq, hq, lk, hk, d = check_inputs(q, k, v, q_positions, kv_positions)
-    spec = MaskSpec(causal=causal, chunk=chunk, window=window, sink=sink)
+    spec = as_mask(mask, causal=causal, chunk=chunk, window=window, sink=sink)
     scale = check_scale(scale, d)
-    if not isinstance(block_k, int) or block_k < 1:
-        raise ValueError(f"block_k must be a positive int, got {block_k!r}")
+    block_k = check_int("block_k", block_k, minimum=1)
     g = hq // hk
     q_positions = q_positions.astype(jnp.int32)
     kv_positions = kv_positions.astype(jnp.int32)

@@ -5,19 +5,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxkv.attention.checks import check_inputs, check_scale
-from jaxkv.attention.masks import visible
+from jaxkv.attention.masks import MaskSpec, as_mask, visible
 from jaxkv.attention.rope import rope_ranks
 
 
-def dense_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0,
-                    scale=None, rope=None, return_lse=False):
+def dense_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False, chunk=None,
+                    window=None, sink=0, scale=None, rope=None, return_lse=False):
     """Softmax attention with a position mask, float32 accumulation.
 
     Args:
       q: [batch, q_len, q_heads, head_dim].
-      k, v: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA/MQA).
+      k, v: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA/MQA: query head h uses kv head
+        h // (q_heads // kv_heads), i.e. consecutive query heads share a kv head).
       q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty).
-      Mask arguments: see `jaxkv.attention.masks.MaskSpec`.
+      mask: a `jaxkv.attention.MaskSpec`, or its fields as keywords (causal, chunk, window, sink).
       rope: optional `CacheRope`: rotate k by its rank in the cache and q by its rank among the cached positions.
       return_lse: also return the log-sum-exp of the scaled logits, float32 [batch, q_len, q_heads] (-inf where a
         query sees no key).
@@ -27,7 +28,7 @@ def dense_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=N
     b, lq, hq, _, hk, d = check_inputs(q, k, v, q_positions, kv_positions)
     groups = hq // hk
     scale = check_scale(scale, d)
-    mask = visible(q_positions, kv_positions, causal=causal, chunk=chunk, window=window, sink=sink)
+    mask = visible(q_positions, kv_positions, as_mask(mask, causal=causal, chunk=chunk, window=window, sink=sink))
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
     if rope is not None:
         q_ranks, k_ranks = rope_ranks(q_positions, kv_positions)
