@@ -491,6 +491,29 @@ def test_attention_over_ring_cache_stream_matches_history():
         np.testing.assert_allclose(got, ref(q, ck, cv, qp, cpos), atol=2e-6)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("backend", ["xla_dense", "xla_blockwise", "pallas"])
+def test_stale_nan_in_empty_slots_never_reaches_the_output(backend, bad):
+    """A session that diverged (NaN/Inf K/V) and was reset: its stale slots are empty (positions -1) but keep their
+    bytes. p is 0 there, yet 0 x NaN = NaN in p @ v unless the values of empty slots are kept out."""
+    import jaxkv
+
+    spec = jaxkv.RingSpec(chunk=2, window=4)
+    heads, d = 2, 16  # a kernel head_dim
+    cache = jaxkv.RingCache.init(spec, batch=1, heads=heads, head_dim=d)
+    poison = jnp.full((1, 2, heads, d), bad, jnp.float32)
+    for _ in range(2):
+        cache = cache.begin_chunk().write(poison, poison)
+    assert not np.isfinite(np.asarray(cache.k)).any()
+    cache = cache.reset().begin_chunk()
+    ones = jnp.ones((1, 2, heads, d), jnp.float32)
+    cache = cache.write(ones, ones)
+    assert not np.isfinite(np.asarray(cache.v[:, 2:])).any()  # the stale chunk is still there, only emptied
+    out = attend(ones, cache.k, cache.v, cache.chunk_positions(), cache.positions, mask=spec.mask(),
+                 backend=backend, interpret=True, block_k=4)
+    np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
+
+
 def test_mask_spec_is_the_one_mask_vocabulary():
     """`mask=MaskSpec(...)` and the keyword sugar are the same call; a cache spec names the mask of what it holds;
     mixing the two forms, or a window that is not whole chunks, is refused."""

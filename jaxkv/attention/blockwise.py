@@ -100,9 +100,10 @@ def _segment_state(qs, q_positions, k, v, kv_positions, k_ranks, spec, rope, sta
     @jax.checkpoint
     def visit(state, offsets):
         o, m, l = state
-        kb = read(k, offsets).astype(jnp.float32)  # [b, bk, hk, d]
-        vb = read(v, offsets).astype(jnp.float32)
         pb = read(kv_positions, offsets)  # [b, bk]
+        kb = read(k, offsets).astype(jnp.float32)  # [b, bk, hk, d]
+        # Empty slots' values are zeroed: their probabilities are 0, but 0 x NaN would still be NaN in p @ v.
+        vb = jnp.where((pb >= 0)[:, :, None, None], read(v, offsets).astype(jnp.float32), 0.0)
         if rope is not None:
             kb = rope.rotate(kb, read(k_ranks, offsets))
         s = jnp.einsum("bhgqd,bkhd->bhgqk", qs, kb)
@@ -157,7 +158,7 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | 
 
     Args:
       q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim] in any slot order.
-      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty).
+      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty; its bytes are ignored).
       mask: a `jaxkv.attention.MaskSpec`, or its fields as keywords (causal, chunk, window, sink).
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (cache-relative RoPE, keys rotated by rank as each block is read).

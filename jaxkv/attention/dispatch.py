@@ -97,7 +97,8 @@ def attend(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, 
         multiple of kv_heads (GQA/MQA): query head h uses kv head h // (q_heads // kv_heads), so each run of
         q_heads // kv_heads consecutive query heads shares one kv head.
       q_positions: int [batch, q_len] absolute token positions of the queries.
-      kv_positions: int [batch, kv_len] absolute token positions of the keys; negative = empty slot.
+      kv_positions: int [batch, kv_len] absolute token positions of the keys; negative = empty slot. Whatever an
+        empty slot holds (stale keys, NaN, Inf) cannot reach the output on any path.
       mask: the position mask, a `jaxkv.attention.MaskSpec` (e.g. a cache's ``spec.mask()``); or give its fields
         as the keywords causal, chunk, window, sink (not both).
       scale: softmax scale, default head_dim ** -0.5.

@@ -164,7 +164,8 @@ def _kernel(visits_ref, qpos_ref, kvpos_ref, q_ref, k_ref, v_ref, *rest, spec, s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
         alpha = jnp.exp2(m - m_new)
-        v = plgpu.load(v_ref.at[rows, :], mask=k_valid[:, None], other=0.0)
+        # Empty slots load as zero values: p is 0 there, but 0 x NaN would still be NaN in p @ v.
+        v = plgpu.load(v_ref.at[rows, :], mask=(k_valid & (k_pos >= 0))[:, None], other=0.0)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -183,7 +184,8 @@ def pallas_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | Non
     Args:
       q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim], bf16/f16/f32;
         head_dim a power of two in [16, 256]; q_heads % kv_heads == 0.
-      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty slot).
+      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty slot; its bytes are
+        never read into the result).
       mask: a `jaxkv.attention.MaskSpec`, or its fields as keywords (causal, chunk, window, sink).
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (keys rotated by cache rank inside the kernel).
