@@ -104,7 +104,7 @@ def _ring_case(window_frames, sink_frames, tokens_per_frame, dtype, head_dim, he
     """(spec, filled cache, queries, the sink + window mask, the row's shape fields)."""
     spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
     cache, q = filled_ring(spec, dtype, head_dim, heads)
-    mask = dict(chunk=spec.chunk, window=spec.window, sink=spec.sink)
+    mask = spec.mask()
     shape = {"dtype": jnp.dtype(dtype).name, "tokens_per_frame": tokens_per_frame, "window_frames": window_frames,
              "sink_frames": sink_frames, "queries": spec.chunk, "keys": spec.capacity, "heads": heads,
              "head_dim": head_dim}
@@ -117,7 +117,7 @@ def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
                                              heads)
     block_k = choose_block(spec.chunk, 512) or spec.chunk
     ring = lambda backend: jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions,
-                                                       backend=backend, block_k=block_k, **mask))
+                                                       backend=backend, block_k=block_k, mask=mask))
     variants = {"ring_blockwise": ring("xla_blockwise"), "ring_dense": ring("xla_dense"),
                 "copy_sdpa": jax.jit(_copy_then_sdpa)}
     ms, outs, errors = _time(variants, (cache, q), reps)
@@ -143,7 +143,7 @@ def measure_gpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
     `interpret=True` run the same code on CPU (tests)."""
     spec, cache, q, mask, shape = _ring_case(window_frames, sink_frames, tokens_per_frame, dtype, head_dim, heads)
     pallas = jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions, backend="pallas",
-                                         block_sizes=block_sizes, interpret=interpret, **mask))
+                                         block_sizes=block_sizes, interpret=interpret, mask=mask))
     # A full ring: every key is visible to the chunk, so unmasked SDPA over the slots in physical order is exact.
     same_kv = jax.jit(lambda c, q: jax.nn.dot_product_attention(q, c.k, c.v, implementation=implementation))
     copy = jax.jit(functools.partial(_copy_then_sdpa, implementation=implementation))

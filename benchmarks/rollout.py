@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import rollout as R
+from jaxkv.cache import POLICIES
+from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 
@@ -61,10 +63,8 @@ _maintenance_jit = jax.jit(_maintenance, static_argnums=3, donate_argnums=0)
 
 
 def measure_maintenance(config: WanConfig, spec, timed: int, passes: int) -> dict:
-    from jaxkv.models.wan.model import init_cache
-
     k = jax.random.normal(jax.random.key(3), (1, spec.chunk, config.num_heads, config.head_dim))
-    caches = {p: init_cache(config, spec, 1, policy=p) for p in ("ring", "rolling")}
+    caches = {p: wan.init_cache(config, spec, 1, policy=p) for p in POLICIES}
     for policy in caches:                                       # compile, fill and wrap
         for _ in range(spec.num_slots + 1):
             caches[policy] = _maintenance_jit(caches[policy], k, -k, passes)
@@ -82,17 +82,17 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
     streams, first, compiles = {}, {}, {}
     for policy in ("ring", "rolling"):
         rc = R.RolloutConfig(*LATENT_HW, chunk_frames=CHUNK_FRAMES, window_frames=window_frames, policy=policy)
-        before = R.stream_step._cache_size()
+        before = compile_count(R.stream_step)
         stream = R.Stream(params, config, rc, context, key=jax.random.key(0))
         t0 = time.perf_counter()
         jax.block_until_ready(next(stream))
         first[policy] = time.perf_counter() - t0
         for _ in range(window_frames // CHUNK_FRAMES + 1):      # fill the window and wrap once
             jax.block_until_ready(next(stream))
-        compiles[policy] = R.stream_step._cache_size() - before
+        compiles[policy] = compile_count(R.stream_step) - before
         streams[policy] = stream
     times = {"ring": [], "rolling": []}
-    before = R.stream_step._cache_size()
+    before = compile_count(R.stream_step)
     for _ in range(timed):
         for policy, stream in streams.items():
             t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
         "window_tokens": cache.spec.window,
         "cache_mib": cache.nbytes / 2 ** 20,
         "chunks_per_policy": streams["ring"].index,
-        "compiles_while_timed": R.stream_step._cache_size() - before,
+        "compiles_while_timed": compile_count(R.stream_step) - before,
     }
     for policy in ("ring", "rolling"):
         row[f"{policy}_ms"] = statistics.median(times[policy]) * 1e3

@@ -5,9 +5,9 @@ The cache is an immutable pytree ring buffer (a pinned sink plus a rolling windo
 absolute positions stored beside each slot.
 """
 
-from jaxkv.attention import attend
+from jaxkv.attention import MaskSpec, attend
 from jaxkv.cache import RingCache, RingSpec, RollingCache
 
 __version__ = "0.1.0"
 
-__all__ = ["RingSpec", "RingCache", "RollingCache", "attend", "__version__"]
+__all__ = ["MaskSpec", "RingSpec", "RingCache", "RollingCache", "attend", "__version__"]

@@ -29,19 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cache import RingSpec
+from jaxkv.cache import POLICIES, ChunkCache, RingSpec
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
-
-POLICIES = ("ring", "rolling")
+from jaxkv.validate import check_int, is_concrete, is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +56,8 @@ class RolloutConfig:
       schedule: the denoising schedule.
       guidance_scale: classifier-free guidance scale, a finite number; None (default) for no guidance. Needs a
         negative context.
-      policy: "ring" (circular, O(chunk) per chunk) or "rolling" (shift-by-copy baseline).
+      policy: a name in `jaxkv.cache.POLICIES`: "ring" (circular, O(chunk) per chunk) or "rolling"
+        (shift-by-copy baseline).
       cache_dtype: dtype name of the cached K/V ("float32", "bfloat16").
       backend: attention backend name passed to `jaxkv.attend`.
     """
@@ -74,25 +74,20 @@ class RolloutConfig:
     backend: str = "auto"
 
     def __post_init__(self):
-        for name in ("latent_height", "latent_width", "chunk_frames", "window_frames"):
+        for name in ("latent_height", "latent_width", "chunk_frames", "window_frames", "sink_frames"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"RolloutConfig.{name} must be a positive int, got {value!r}")
-        if isinstance(self.sink_frames, bool) or not isinstance(self.sink_frames, (int, np.integer)) \
-                or self.sink_frames < 0:
-            raise ValueError(f"RolloutConfig.sink_frames must be an int >= 0, got {self.sink_frames!r}")
+            object.__setattr__(self, name, check_int(f"RolloutConfig.{name}", value,
+                                                     minimum=0 if name == "sink_frames" else 1))
         if self.window_frames % self.chunk_frames or self.sink_frames % self.chunk_frames:
             raise ValueError(f"window_frames ({self.window_frames}) and sink_frames ({self.sink_frames}) must be "
                              f"whole multiples of chunk_frames ({self.chunk_frames})")
         g = self.guidance_scale
-        if g is not None and (isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, float, np.integer,
-                                                                                     np.floating))
-                              or not math.isfinite(g)):
+        if g is not None and (not is_real(g) or not math.isfinite(g)):
             raise ValueError(f"RolloutConfig.guidance_scale must be None or a finite number, got {g!r}")
         if g is not None:
             object.__setattr__(self, "guidance_scale", float(g))
-        if self.policy not in POLICIES:
-            raise ValueError(f"RolloutConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
+            raise ValueError(f"RolloutConfig.policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if not isinstance(self.schedule, Schedule):
             raise ValueError(f"RolloutConfig.schedule must be a jaxkv.schedule.Schedule, got {self.schedule!r}")
         try:
@@ -128,7 +123,7 @@ class RolloutState(NamedTuple):
     """What carries from chunk to chunk: the stacked cache (sessions = batch, or 2*batch with guidance) and the
     hoisted cross-attention K/V."""
 
-    cache: Any
+    cache: ChunkCache
     cross: M.CrossKV
 
 
@@ -175,6 +170,24 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
 def chunk_noise(key, config: WanConfig, rc: RolloutConfig, batch: int, chunk_index):
     """The noise of chunk ``chunk_index`` drawn from ``key``: float32 [steps, batch, chunk_frames, h, w, in_dim]."""
     return jax.random.normal(jax.random.fold_in(key, chunk_index), (rc.steps, *rc.chunk_shape(config, batch)))
+
+
+def check_position_room(config: WanConfig, rc: RolloutConfig, num_chunks: int, cache: ChunkCache | None = None):
+    """ValueError when generating ``num_chunks`` more chunks would pass the int32 token positions.
+
+    A stream holds `RingSpec.max_chunks` chunks (Wan 2.1 at 480p, 4,680-token chunks: 458,864, about 95 hours of
+    16 fps video); past it positions would wrap and, under jit, the writes be dropped without an error. The chunks
+    already in ``cache`` count when its positions are concrete (under `jit_rollout` a passed state is traced and
+    only ``num_chunks`` itself is checked; the cache's own `begin_chunk` check covers eager steps).
+    """
+    limit = rc.spec(config).max_chunks
+    done = 0
+    if cache is not None and is_concrete(cache.chunk_start):
+        done = int(jnp.max(cache.next_chunk_index()))
+    if done + num_chunks > limit:
+        raise ValueError(f"num_chunks={num_chunks} after {done} chunks would pass the int32 position limit: chunks of "
+                         f"{rc.spec(config).chunk} tokens fit {limit} to a stream; generate at most "
+                         f"{limit - done} more (or start a new stream)")
 
 
 # ------------------------------------------------------------------------------------------------ one chunk
@@ -243,8 +256,7 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
     Returns:
       Rollout(latents [batch, num_chunks * chunk_frames, h, w, in_dim], final state).
     """
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, (int, np.integer)) or num_chunks <= 0:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    num_chunks = check_int("num_chunks", num_chunks, minimum=1)
     batch = jnp.shape(context)[0]
     if (key is None) == (noise is None):
         raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
@@ -254,8 +266,9 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
     if first_chunk.shape != () or not jnp.issubdtype(first_chunk.dtype, jnp.integer):
         raise ValueError(f"first_chunk must be an int >= 0 or an int32 scalar, got "
                          f"{first_chunk.dtype}{list(first_chunk.shape)}")
-    if not isinstance(first_chunk, jax.core.Tracer) and int(first_chunk) < 0:
+    if is_concrete(first_chunk) and int(first_chunk) < 0:
         raise ValueError(f"first_chunk must be >= 0, got {int(first_chunk)}")
+    check_position_room(config, rc, num_chunks, None if state is None else state.cache)
     if noise is not None:
         noise = jnp.asarray(noise)
         expected = rc.noise_shape(config, batch, num_chunks)
@@ -303,7 +316,9 @@ class Stream:
     that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
 
     The step compiles once per shape (positions and slots are traced), so an unbounded stream runs one program;
-    ``stream_step._cache_size()`` counts its compilations. ``num_chunks=None`` streams forever (with explicit
+    ``jaxkv.compilation.compile_count(stream_step)`` counts its compilations. A stream holds at most
+    `RingSpec.max_chunks` chunks (int32 positions): a larger ``num_chunks`` is a ValueError here, and an endless
+    stream raises OverflowError at that chunk instead of wrapping. ``num_chunks=None`` streams forever (with explicit
     ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
     ValueError). The state after the
     latest chunk is ``stream.state`` (its cache: ``stream.state.cache``).
@@ -313,8 +328,7 @@ class Stream:
                  key=None, noise=None, negative_context=None):
         if (key is None) == (noise is None):
             raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
-        if num_chunks is not None and (isinstance(num_chunks, bool) or not isinstance(num_chunks, (int, np.integer))
-                                       or num_chunks <= 0):
+        if num_chunks is not None and not (is_int(num_chunks) and num_chunks > 0):
             raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
         batch = jnp.shape(context)[0]
         if noise is not None:
@@ -328,6 +342,8 @@ class Stream:
             elif num_chunks > noise.shape[0]:
                 raise ValueError(f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
                                  f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}")
+        if num_chunks is not None:
+            check_position_room(config, rc, int(num_chunks))
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
         self.state = _init_state_jit(params, config, rc, context, negative_context)
@@ -339,6 +355,9 @@ class Stream:
     def __next__(self) -> jax.Array:
         if self.num_chunks is not None and self.index >= self.num_chunks:
             raise StopIteration
+        if self.index >= self.rc.spec(self.config).max_chunks:  # an endless stream reaches the int32 limit
+            raise OverflowError(f"chunk {self.index} would pass the int32 position limit "
+                                f"({self.rc.spec(self.config).max_chunks} chunks to a stream); start a new Stream")
         index = jnp.asarray(self.index, jnp.int32)
         if self.noise is not None:
             x, self.state = stream_step(self.config, self.rc, self.params, self.state, None, None,

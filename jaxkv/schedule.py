@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from jaxkv.validate import check_int, is_int, is_real
+
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -38,17 +40,13 @@ class Schedule:
     num_train_timesteps: int = 1000
 
     def __post_init__(self):
-        n = self.num_train_timesteps
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-            raise ValueError(f"Schedule.num_train_timesteps must be a positive int, got {n!r}")
-        object.__setattr__(self, "num_train_timesteps", int(n))
-        n = int(n)
+        n = check_int("Schedule.num_train_timesteps", self.num_train_timesteps, minimum=1)
+        object.__setattr__(self, "num_train_timesteps", n)
         if not isinstance(self.warp, (bool, np.bool_)):
             raise ValueError(f"Schedule.warp must be a bool, got {self.warp!r}")
         for name in ("shift", "context_noise"):
             value = getattr(self, name)
-            if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating))
-                    or not math.isfinite(value)):
+            if not is_real(value) or not math.isfinite(value):
                 raise ValueError(f"Schedule.{name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
         try:
@@ -58,7 +56,7 @@ class Schedule:
         if not steps:
             raise ValueError("Schedule.steps must list at least one denoising step")
         for s in steps:
-            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 1 <= s <= n:
+            if not is_int(s) or not 1 <= s <= n:
                 raise ValueError(f"Schedule.steps must be ints in 1..{n}, got {steps}")
         object.__setattr__(self, "steps", tuple(int(s) for s in steps))
         if any(a <= b for a, b in zip(steps, steps[1:])):

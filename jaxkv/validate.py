@@ -29,3 +29,8 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
 def is_concrete(x) -> bool:
     """True when ``x`` has a value now (not a tracer inside jit/grad/vmap), so it can be checked eagerly."""
     return not isinstance(x, jax.core.Tracer)
+
+
+def is_real(value) -> bool:
+    """True for Python / NumPy real numbers, integers included (not bools); finiteness is the caller's check."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxkv.attention import (BACKENDS, CacheRope, MaskSpec, attend, blockwise_attention, cache_ranks,
-                             dense_attention, merge_partials, pallas_attention, query_ranks, resolve_backend,
+from jaxkv.attention import (CacheRope, MaskSpec, attend, blockwise_attention, dense_attention, pallas_attention,
                              rope_ranks, visible)
 from jaxkv.attention import dispatch
+from jaxkv.attention.blockwise import merge_partials
+from jaxkv.attention.dispatch import BACKENDS, resolve_backend
+from jaxkv.attention.rope import cache_ranks, query_ranks
+from jaxkv.compilation import compile_count
 
 MASKS = [
     dict(),
@@ -383,7 +386,7 @@ def test_attend_is_one_compilation_across_positions():
     f = jax.jit(functools.partial(attend, chunk=4, window=8, sink=4, backend="xla_blockwise", block_k=4))
     f(q, k, v, qp, pos)
     f(q, k, v, qp + 4, jnp.roll(pos, 4, axis=1))
-    assert f._cache_size() == 1
+    assert compile_count(f) == 1
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -486,3 +489,67 @@ def test_attention_over_ring_cache_stream_matches_history():
         # And the ring in physical order equals its own chronological view.
         ck, cv, cpos = chrono(cache)
         np.testing.assert_allclose(got, ref(q, ck, cv, qp, cpos), atol=2e-6)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("backend", ["xla_dense", "xla_blockwise", "pallas"])
+def test_stale_nan_in_empty_slots_never_reaches_the_output(backend, bad):
+    """A session that diverged (NaN/Inf K/V) and was reset: its stale slots are empty (positions -1) but keep their
+    bytes. p is 0 there, yet 0 x NaN = NaN in p @ v unless the values of empty slots are kept out."""
+    import jaxkv
+
+    spec = jaxkv.RingSpec(chunk=2, window=4)
+    heads, d = 2, 16  # a kernel head_dim
+    cache = jaxkv.RingCache.init(spec, batch=1, heads=heads, head_dim=d)
+    poison = jnp.full((1, 2, heads, d), bad, jnp.float32)
+    for _ in range(2):
+        cache = cache.begin_chunk().write(poison, poison)
+    assert not np.isfinite(np.asarray(cache.k)).any()
+    cache = cache.reset().begin_chunk()
+    ones = jnp.ones((1, 2, heads, d), jnp.float32)
+    cache = cache.write(ones, ones)
+    assert not np.isfinite(np.asarray(cache.v[:, 2:])).any()  # the stale chunk is still there, only emptied
+    out = attend(ones, cache.k, cache.v, cache.chunk_positions(), cache.positions, mask=spec.mask(),
+                 backend=backend, interpret=True, block_k=4)
+    np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
+
+
+def test_mask_spec_is_the_one_mask_vocabulary():
+    """`mask=MaskSpec(...)` and the keyword sugar are the same call; a cache spec names the mask of what it holds;
+    mixing the two forms, or a window that is not whole chunks, is refused."""
+    case = make_case(20, written=(7, 3))
+    args = physical(case, case["pos"])
+    spec = MaskSpec(chunk=4, window=12, sink=4)
+    import jaxkv
+
+    assert jaxkv.RingSpec(chunk=4, window=12, sink=4).mask() == spec
+    for backend in ("xla_dense", "xla_blockwise"):
+        np.testing.assert_array_equal(attend(*args, mask=spec, backend=backend, block_k=4),
+                                      attend(*args, chunk=4, window=12, sink=4, backend=backend, block_k=4))
+    np.testing.assert_array_equal(visible(args[3], args[4], spec), visible(args[3], args[4], chunk=4, window=12,
+                                                                           sink=4))
+    with pytest.raises(ValueError, match="not both"):
+        attend(*args, mask=spec, causal=True)
+    with pytest.raises(ValueError, match="mask must be"):
+        attend(*args, mask=dict(chunk=4))
+    with pytest.raises(ValueError, match="whole number of chunks"):
+        MaskSpec(chunk=4, window=6)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_block_rule_is_never_false_for_a_visible_pair(mask):
+    """The block test is the pair rule over ranges: exact on single pairs, and False on a (query range, key range)
+    only when no pair inside is visible (checked against the brute-force definition)."""
+    from jaxkv.attention.masks import block_may_be_visible
+
+    spec = MaskSpec(**mask)
+    rng = np.random.default_rng(21)
+    for _ in range(200):
+        qp = np.sort(rng.integers(0, 40, size=3))
+        kp = np.sort(rng.integers(-3, 40, size=3))
+        valid = kp[kp >= 0]
+        k_lo, k_hi = (valid.min(), valid.max()) if len(valid) else (np.iinfo(np.int32).max, -1)
+        may = bool(block_may_be_visible(jnp.int32(qp[0]), jnp.int32(qp[-1]), jnp.int32(k_lo), jnp.int32(k_hi), spec))
+        # every integer position in the ranges, not just the samples
+        qs, ks = np.arange(qp[0], qp[-1] + 1), np.arange(k_lo, k_hi + 1) if len(valid) else np.array([-1])
+        assert may or not brute_visible(qs, ks, **mask).any(), (qp, kp)

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import jaxkv
 from jaxkv.attention import dense_attention
+from jaxkv.compilation import compile_count
 from tests.cache_reference import ReferenceHistory
 
 POLICIES = [jaxkv.RingCache, jaxkv.RollingCache]
@@ -263,8 +264,8 @@ def test_jit_loop_over_many_wraps_compiles_once(cls):
         cache = begin(cache)
         x = jnp.full((2, 2, 1, 2), float(n))
         cache = write(cache, x, x)
-    assert begin._cache_size() == 1
-    assert write._cache_size() == 1
+    assert compile_count(begin) == 1
+    assert compile_count(write) == 1
     _, _, pos = cache.chronological()
     np.testing.assert_array_equal(pos[0], [0, 1, 22, 23, 24, 25])
 
@@ -375,3 +376,33 @@ def test_write_rejects_bad_shapes_dtypes_and_layers_at_trace_time():
         jaxkv.RingCache.init(spec, 2, 3, 4).write(good, good)
     with pytest.raises(ValueError, match="positive int"):
         jaxkv.RingCache.init(spec, 0, 3, 4)
+
+
+# ------------------------------------------------------------------ int32 positions
+
+def test_max_chunks_is_where_int32_positions_end():
+    # Wan 2.1 at 480p: 4,680-token chunks. The last representable chunk is the last whose final token fits int32.
+    wan = jaxkv.RingSpec.from_frames(1560, 3, window_frames=18, sink_frames=3)
+    last_ok = (2 ** 31 - 1 - (wan.chunk - 1)) // wan.chunk
+    assert wan.max_chunks == last_ok + 1 == 458_864
+    video_frames = 1 + 4 * (3 * wan.max_chunks - 1)   # the Wan VAE: 1 + 4 (T - 1) frames from T latent frames
+    assert 95 < video_frames / 16 / 3600 < 96          # hours at 16 fps, as documented
+    assert jaxkv.RingSpec(chunk=1, window=1).max_chunks == 2 ** 31
+
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+def test_begin_chunk_refuses_to_pass_the_int32_position_limit(cls):
+    spec = jaxkv.RingSpec(chunk=4, window=8)
+    last = spec.max_chunks - 1
+    cache = cls.init(spec, 2, 1, 2)
+    near = cache.replace(chunk_start=jnp.array([(last - 1) * 4, 0], jnp.int32))   # session 0: one chunk left
+    near = near.begin_chunk()
+    assert int(near.chunk_start[0]) == last * 4
+    assert int(near.chunk_positions()[0, -1]) == 2 ** 31 - 1    # the very last int32 position is usable
+    with pytest.raises(OverflowError, match=f"chunk {spec.max_chunks} would pass the int32 position limit"):
+        near.begin_chunk()
+    # A session that does not advance is not in the way of the others.
+    moved = near.begin_chunk(active=jnp.array([False, True]))
+    assert int(moved.chunk_start[0]) == last * 4 and int(moved.chunk_start[1]) == 8
+    # Reset starts the session again from position 0.
+    assert int(near.reset().begin_chunk().chunk_start[0]) == 0

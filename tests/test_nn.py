@@ -12,9 +12,9 @@ from flax import nnx
 
 import jaxkv
 from jaxkv.attention import CacheRope, MaskSpec
-from jaxkv.nn import CachedSelfAttention, rotary
-from jaxkv.nn import example
-from jaxkv.nn.example import StreamingEncoder
+from jaxkv.nn import CachedSelfAttention, cached_attention, rotary
+from examples import streaming_encoder as example
+from examples.streaming_encoder import StreamingEncoder
 
 
 def _stream(model, x, cache):
@@ -44,7 +44,7 @@ def test_streaming_encoder_equals_full_forward(sink_chunks, num_kv_heads):
 
 def test_module_docstring_example_runs():
     code = "\n".join(line[4:] for line in re.search(r"::\n\n(.*?)\n\n[A-Z]", example.__doc__, re.S)[1].splitlines())
-    exec(compile(code, "jaxkv/nn/example.py docstring", "exec"), {})
+    exec(compile(code, "examples/streaming_encoder.py docstring", "exec"), {})
 
 
 def _layer(mask, **kw):
@@ -88,3 +88,37 @@ def test_layer_rejects_bad_configuration_and_inputs():
     wrong = jaxkv.RingCache.init(jaxkv.RingSpec(chunk=2, window=4), batch=1, heads=2, head_dim=6).begin_chunk()
     with pytest.raises(ValueError, match="cache holds 2 heads"):
         layer(jnp.zeros((1, 2, 12)), wrong)
+
+
+def test_cached_attention_is_write_read_cast_attend():
+    """The one cached-attention step: k, v written in the cache dtype into the reserved slot of the given layer, q
+    cast to the cache dtype, attention over that layer with the spec's mask; the output comes back in q's dtype.
+    The NNX layer runs exactly this step (its output equals the step's, projected)."""
+    spec = jaxkv.RingSpec(chunk=2, window=4, sink=2)
+    cache = jaxkv.RingCache.init(spec, batch=1, heads=1, head_dim=6, dtype=jnp.bfloat16, layers=2)
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 2, h, 6)), jnp.float32) for h in (2, 1, 1))
+    for _ in range(3):  # a sink chunk, then the window fills
+        cache = cache.begin_chunk()
+        out, cache = cached_attention(cache, q, k, v, layer=1)
+    assert out.dtype == jnp.float32
+    kc, vc = cache.layer_kv(1)
+    np.testing.assert_array_equal(np.asarray(kc[:, 4:6], np.float32), np.asarray(k.astype(jnp.bfloat16), np.float32))
+    assert not np.asarray(cache.layer_kv(0)[0], np.float32).any()   # the other layer is untouched
+    want = jaxkv.attend(q.astype(jnp.bfloat16), kc, vc, cache.chunk_positions(), cache.positions, mask=spec.mask())
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want.astype(jnp.float32)))
+    # A float32 query would give a different (more precise) answer: the cast is really there.
+    f32 = jaxkv.attend(q, kc.astype(jnp.float32), vc.astype(jnp.float32), cache.chunk_positions(), cache.positions,
+                       mask=spec.mask())
+    assert np.abs(np.asarray(f32) - np.asarray(out)).max() > 0
+
+    layer = _layer(spec.mask())
+    x = jnp.asarray(rng.normal(size=(1, 2, 12)), jnp.float32)
+    fresh = jaxkv.RingCache.init(spec, batch=1, heads=1, head_dim=6, dtype=jnp.bfloat16).begin_chunk()
+    y, written = layer(x, fresh)
+    b, t = x.shape[:2]
+    qx = layer.q(x).reshape(b, t, 2, 6)
+    kx, vx = layer.k(x).reshape(b, t, 1, 6), layer.v(x).reshape(b, t, 1, 6)
+    out, by_hand = cached_attention(fresh, qx, kx, vx, mask=spec.mask())
+    np.testing.assert_array_equal(np.asarray(written.k), np.asarray(by_hand.k))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(layer.o(out.reshape(b, t, 12))), atol=1e-6)

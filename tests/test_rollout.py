@@ -11,6 +11,7 @@ import pytest
 
 from jaxkv import rollout as R
 from jaxkv.models import wan
+from jaxkv.compilation import compile_count
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
 
@@ -95,11 +96,11 @@ def test_stream_equals_scan_rollout_for_20_chunks_with_one_compilation():
     for policy in ("ring", "rolling"):
         rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
                              schedule=Schedule(steps=(1000, 500)))
-        before = R.stream_step._cache_size()
+        before = compile_count(R.stream_step)
         stream = R.Stream(params, CFG, rc, ctx, num_chunks=20, key=key)
         chunks = list(stream)
         assert len(chunks) == 20 and stream.index == 20
-        assert R.stream_step._cache_size() - before == 1     # one program for all 20 chunks
+        assert compile_count(R.stream_step) - before == 1     # one program for all 20 chunks
         streamed = jnp.concatenate(chunks, axis=1)
         whole = R.jit_rollout(params, CFG, rc, ctx, num_chunks=20, key=key)
         np.testing.assert_allclose(np.asarray(streamed), np.asarray(whole.latents), atol=1e-5)
@@ -118,11 +119,11 @@ def test_rollout_can_continue_from_its_state():
     params, ctx, key = _params(10), _ctx(11), jax.random.key(12)
     full = R.jit_rollout(params, CFG, rc, ctx, num_chunks=3, key=key).latents
     first = R.jit_rollout(params, CFG, rc, ctx, num_chunks=1, key=key)
-    before = R.jit_rollout._cache_size()
+    before = compile_count(R.jit_rollout)
     second = R.jit_rollout(params, CFG, rc, ctx, num_chunks=1, key=key, state=first.state, first_chunk=1)
     third = R.jit_rollout(params, CFG, rc, ctx, num_chunks=1, key=key, state=second.state, first_chunk=2)
     # first_chunk is traced: continuing at offsets 1 and 2 runs one program, not one per offset
-    assert R.jit_rollout._cache_size() - before == 1
+    assert compile_count(R.jit_rollout) - before == 1
     got = jnp.concatenate([first.latents, second.latents, third.latents], 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(full), atol=1e-5)
     for bad in (-1, 1.5, True, jnp.zeros((2,), jnp.int32)):
@@ -230,3 +231,25 @@ def test_rollout_rejects_a_temporal_patch_and_bad_guidance_or_context():
         R.init_state(params, CFG, guided, _ctx(), jnp.zeros((2, 3, CFG.text_dim)))
     with pytest.raises(ValueError, match="context has 6 tokens"):
         R.init_state(params, CFG, rc, too_long)
+
+
+def test_rollout_and_stream_refuse_to_pass_the_int32_position_limit():
+    params, ctx = _params(), _ctx()
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2)
+    limit = rc.spec(CFG).max_chunks
+    assert limit == 2 ** 31 // 2   # 2 tokens per frame, 1-frame chunks
+    with pytest.raises(ValueError, match="int32 position limit"):
+        R.rollout(params, CFG, rc, ctx, num_chunks=limit + 1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="int32 position limit"):
+        R.Stream(params, CFG, rc, ctx, num_chunks=limit + 1, key=jax.random.key(0))
+    # Continuing a state: the chunks it already holds count.
+    state = R.init_state(params, CFG, rc, ctx)
+    chunk = rc.spec(CFG).chunk
+    late = state._replace(cache=state.cache.replace(chunk_start=jnp.array([(limit - 2) * chunk], jnp.int32)))
+    with pytest.raises(ValueError, match="generate at most 1 more"):
+        R.rollout(params, CFG, rc, ctx, num_chunks=2, key=jax.random.key(0), state=late)
+    # An endless stream stops with an error at the limit instead of wrapping.
+    stream = R.Stream(params, CFG, rc, ctx, key=jax.random.key(0))
+    stream.index = limit
+    with pytest.raises(OverflowError, match="int32 position limit"):
+        next(stream)

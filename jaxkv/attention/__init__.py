@@ -7,29 +7,25 @@ is correct without gathering it into order. Paths, all tested against the dense 
   blockwise_attention    XLA flash recurrence over key blocks in chronological order, segments merged by lse
   pallas_attention       Triton-backed Pallas GPU kernel reading the ring in place, skipping empty/masked blocks
 
-`attend` picks one by `backend`. `CacheRope` adds cache-relative RoPE (keys rotated at read by their rank).
+`attend` picks one by `backend` (the table is `jaxkv.attention.dispatch.PATHS`). `MaskSpec` describes the mask;
+`CacheRope` adds cache-relative RoPE (keys rotated at read by their rank).
 """
 
-from jaxkv.attention.blockwise import blockwise_attention, merge_partials
-from jaxkv.attention.dispatch import BACKENDS, attend, resolve_backend
+from jaxkv.attention.blockwise import blockwise_attention
+from jaxkv.attention.dispatch import attend
 from jaxkv.attention.masks import MaskSpec, visible
 from jaxkv.attention.pallas_gpu import BlockSizes, pallas_attention
 from jaxkv.attention.reference import dense_attention
-from jaxkv.attention.rope import CacheRope, cache_ranks, query_ranks, rope_ranks
+from jaxkv.attention.rope import CacheRope, rope_ranks
 
 __all__ = [
-    "BACKENDS",
     "BlockSizes",
     "CacheRope",
     "MaskSpec",
     "attend",
     "blockwise_attention",
-    "cache_ranks",
     "dense_attention",
-    "merge_partials",
     "pallas_attention",
-    "query_ranks",
-    "resolve_backend",
     "rope_ranks",
     "visible",
 ]

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention.checks import check_inputs, check_scale
-from jaxkv.attention.masks import MaskSpec, block_may_be_visible, pair_visible
+from jaxkv.attention.masks import MaskSpec, as_mask, block_may_be_visible, pair_visible
+from jaxkv.validate import check_int
 from jaxkv.attention.rope import rope_ranks
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
@@ -99,9 +100,10 @@ def _segment_state(qs, q_positions, k, v, kv_positions, k_ranks, spec, rope, sta
     @jax.checkpoint
     def visit(state, offsets):
         o, m, l = state
-        kb = read(k, offsets).astype(jnp.float32)  # [b, bk, hk, d]
-        vb = read(v, offsets).astype(jnp.float32)
         pb = read(kv_positions, offsets)  # [b, bk]
+        kb = read(k, offsets).astype(jnp.float32)  # [b, bk, hk, d]
+        # Empty slots' values are zeroed: their probabilities are 0, but 0 x NaN would still be NaN in p @ v.
+        vb = jnp.where((pb >= 0)[:, :, None, None], read(v, offsets).astype(jnp.float32), 0.0)
         if rope is not None:
             kb = rope.rotate(kb, read(k_ranks, offsets))
         s = jnp.einsum("bhgqd,bkhd->bhgqk", qs, kb)
@@ -149,14 +151,15 @@ def _finish(state):
     return o / l_safe[..., None], jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
-def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0,
-                        scale=None, rope=None, block_k=512, segments=None, return_lse=False):
+def blockwise_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False,
+                        chunk=None, window=None, sink=0, scale=None, rope=None, block_k=512, segments=None,
+                        return_lse=False):
     """Online-softmax attention over key blocks visited in chronological order; equals `dense_attention`.
 
     Args:
       q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim] in any slot order.
-      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty).
-      causal, chunk, window, sink: see `jaxkv.attention.masks.MaskSpec`.
+      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty; its bytes are ignored).
+      mask: a `jaxkv.attention.MaskSpec`, or its fields as keywords (causal, chunk, window, sink).
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (cache-relative RoPE, keys rotated by rank as each block is read).
       block_k: target key block size. Each segment uses the largest divisor <= block_k of gcd(its length, chunk)
@@ -170,10 +173,9 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, causal=False, chu
       [batch, q_len, q_heads, head_dim] in q's dtype (and lse). Queries that see no key get zeros.
     """
     b, lq, hq, lk, hk, d = check_inputs(q, k, v, q_positions, kv_positions)
-    spec = MaskSpec(causal=causal, chunk=chunk, window=window, sink=sink)
+    spec = as_mask(mask, causal=causal, chunk=chunk, window=window, sink=sink)
     scale = check_scale(scale, d)
-    if not isinstance(block_k, int) or block_k < 1:
-        raise ValueError(f"block_k must be a positive int, got {block_k!r}")
+    block_k = check_int("block_k", block_k, minimum=1)
     g = hq // hk
     q_positions = q_positions.astype(jnp.int32)
     kv_positions = kv_positions.astype(jnp.int32)

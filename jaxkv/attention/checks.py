@@ -6,6 +6,8 @@ import math
 
 import jax.numpy as jnp
 
+from jaxkv.validate import is_real
+
 
 def check_inputs(q, k, v, q_positions, kv_positions):
     """Validate q [batch, q_len, q_heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] and int positions
@@ -43,7 +45,7 @@ def check_scale(scale, head_dim):
     """The softmax scale: head_dim ** -0.5 by default, else a finite positive Python number (static)."""
     if scale is None:
         return head_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not is_real(scale):
         raise ValueError(f"scale must be None or a Python float, got {scale!r}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be finite and > 0, got {scale!r}")

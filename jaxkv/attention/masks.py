@@ -3,31 +3,37 @@
 A ring cache holds keys in physical slot order, so index-based masks (``is_causal``, ``local_window_size``) are
 wrong on it. Every mask here takes absolute token positions; a negative key position marks an empty slot.
 
-`visible` is the elementwise rule every attention path applies (the dense reference, the blockwise XLA path and
-the Pallas kernel all call `pair_visible`); `block_may_be_visible` is its conservative lift to ranges of positions,
-used to skip key blocks that no query of a tile can see.
+`MaskSpec` is the one description of a mask that every path takes. Its rule is written once, in
+`block_may_be_visible`, over ranges of positions: "may some query in [q_lo, q_hi] see some key in [k_lo, k_hi]".
+Each clause is monotone in the range ends, so with one query and one key (q_lo = q_hi, k_lo = k_hi) it is the exact
+per-pair rule `pair_visible`, and over a tile of queries and a block of keys it is a conservative test that lets the
+blockwise path and the Pallas kernel skip key blocks no query of a tile can see.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax.numpy as jnp
 from jax import lax
+
+from jaxkv.validate import check_int
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
     """The static part of a position mask (hashable, so it can key a jit cache).
 
-    Attributes:
-      causal: key position <= query position.
-      chunk: chunk-causal with chunks of this many tokens: key chunk <= query chunk (chunk = position // chunk),
-        the training mask of causal video models. Also makes `window` count from chunk starts.
-      window: local window in tokens: a key is hidden when it lies `window` or more tokens behind the query
-        (behind the query's chunk start when `chunk` is set), unless it is in the sink.
-      sink: keys at positions < sink are never hidden by the window; sink > 0 needs a window.
+    Query position q may see key position k (k < 0: an empty slot, never visible) when every set clause holds:
+
+      causal: k <= q.
+      chunk: chunk-causal with chunks of this many tokens: k // chunk <= q // chunk, the training mask of causal
+        video models (a chunk sees itself whole and every earlier chunk).
+      window: local window in tokens. With `chunk`, measured chunk start to chunk start: k's chunk starts less
+        than `window` tokens before q's chunk, i.e. q sees its own chunk and the `window // chunk - 1` chunks before
+        it; the window must then be a whole number of chunks. Without `chunk`, token to token: q - k < window.
+      sink: keys at positions < sink are exempt from the window (a pinned sink); the causal and chunk clauses
+        still apply to them. sink > 0 needs a window.
     """
 
     causal: bool = False
@@ -40,17 +46,26 @@ class MaskSpec:
             raise ValueError(f"causal must be a bool, got {self.causal!r}")
         for name in ("chunk", "window"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value <= 0):
-                raise ValueError(f"{name} must be None or a positive Python int, got {value!r}")
-        if not _is_int(self.sink) or self.sink < 0:
-            raise ValueError(f"sink must be a non-negative Python int, got {self.sink!r}")
+            if value is not None:
+                object.__setattr__(self, name, check_int(name, value, minimum=1))
+        object.__setattr__(self, "sink", check_int("sink", self.sink, minimum=0))
         if self.sink > 0 and self.window is None:
             raise ValueError(f"sink needs a window: sink={self.sink} keeps keys visible that the window would hide, "
                              f"but window is None")
+        if self.chunk is not None and self.window is not None and self.window % self.chunk:
+            raise ValueError(f"window ({self.window} tokens) must be a whole number of chunks of {self.chunk} "
+                             f"tokens: with chunk set it is measured from chunk start to chunk start")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def as_mask(mask: MaskSpec | None = None, *, causal=False, chunk=None, window=None, sink=0) -> MaskSpec:
+    """The `MaskSpec` of a call: ``mask`` itself, or one built from the keyword arguments (sugar) — not both."""
+    if mask is None:
+        return MaskSpec(causal=causal, chunk=chunk, window=window, sink=sink)
+    if not isinstance(mask, MaskSpec):
+        raise ValueError(f"mask must be None or a jaxkv.attention.MaskSpec, got {mask!r}")
+    if (causal, chunk, window, sink) != (False, None, None, 0):
+        raise ValueError(f"pass the mask either as mask={mask} or as causal/chunk/window/sink keywords, not both")
+    return mask
 
 
 def floor_div(x, d: int):
@@ -63,46 +78,12 @@ def floor_div(x, d: int):
     return q - ((x < 0) & (q * d != x)).astype(x.dtype)
 
 
-def pair_visible(q, k, spec: MaskSpec):
-    """Elementwise mask for broadcastable int arrays of query positions `q` and key positions `k`."""
-    mask = k >= 0
-    if spec.causal:
-        mask &= k <= q
-    if spec.chunk is not None:
-        qc, kc = floor_div(q, spec.chunk), floor_div(k, spec.chunk)
-        mask &= kc <= qc
-    if spec.window is not None:
-        if spec.chunk is not None:
-            q_ref, k_ref = qc * spec.chunk, kc * spec.chunk
-        else:
-            q_ref, k_ref = q, k
-        in_window = (q_ref - k_ref) < spec.window
-        if spec.sink > 0:
-            in_window |= k < spec.sink
-        mask &= in_window
-    return mask
-
-
-def visible(q_positions, kv_positions, *, causal: bool = False, chunk: int | None = None,
-            window: int | None = None, sink: int = 0):
-    """Boolean mask [batch, q_len, kv_len]: may query i see key j.
-
-    Args:
-      q_positions: int [batch, q_len] absolute positions of the queries.
-      kv_positions: int [batch, kv_len] absolute positions of the keys; negative = empty slot (never visible).
-      causal, chunk, window, sink: see `MaskSpec`.
-    """
-    spec = MaskSpec(causal=causal, chunk=chunk, window=window, sink=sink)
-    mask = pair_visible(q_positions[:, :, None], kv_positions[:, None, :], spec)
-    return jnp.broadcast_to(mask, (q_positions.shape[0], q_positions.shape[1], kv_positions.shape[1]))
-
-
 def block_may_be_visible(q_lo, q_hi, k_lo, k_hi, spec: MaskSpec):
-    """Conservative block test: may any query in [q_lo, q_hi] see any valid key in [k_lo, k_hi].
+    """May some query in [q_lo, q_hi] see some valid key in [k_lo, k_hi] (broadcastable int arrays).
 
-    `k_lo`/`k_hi` are the smallest/largest *valid* key positions of a block (k_hi < 0 for an empty block).
-    Each clause is a necessary condition of `pair_visible` for some pair, so a False here proves the whole
-    block is masked for the whole query tile; True may still contain masked pairs (the kernel masks those).
+    For blocks, `k_lo`/`k_hi` are the smallest/largest *valid* key positions (k_hi < 0 for an empty block): False
+    proves the whole block masked for the whole query tile; True may still contain masked pairs. For one pair
+    (q_lo = q_hi, k_lo = k_hi) it is exact: see `pair_visible`.
     """
     may = k_hi >= 0
     if spec.causal:
@@ -120,3 +101,22 @@ def block_may_be_visible(q_lo, q_hi, k_lo, k_hi, spec: MaskSpec):
             near |= k_lo < spec.sink
         may &= near
     return may
+
+
+def pair_visible(q, k, spec: MaskSpec):
+    """Elementwise mask for broadcastable int arrays of query positions `q` and key positions `k`."""
+    return block_may_be_visible(q, q, k, k, spec)
+
+
+def visible(q_positions, kv_positions, mask: MaskSpec | None = None, *, causal: bool = False,
+            chunk: int | None = None, window: int | None = None, sink: int = 0):
+    """Boolean mask [batch, q_len, kv_len]: may query i see key j.
+
+    Args:
+      q_positions: int [batch, q_len] absolute positions of the queries.
+      kv_positions: int [batch, kv_len] absolute positions of the keys; negative = empty slot (never visible).
+      mask: a `MaskSpec`, or its fields as keywords (causal, chunk, window, sink).
+    """
+    spec = as_mask(mask, causal=causal, chunk=chunk, window=window, sink=sink)
+    out = pair_visible(q_positions[:, :, None], kv_positions[:, None, :], spec)
+    return jnp.broadcast_to(out, (q_positions.shape[0], q_positions.shape[1], kv_positions.shape[1]))

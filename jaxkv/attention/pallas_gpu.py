@@ -38,7 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.attention.checks import check_inputs, check_scale
-from jaxkv.attention.masks import MaskSpec, block_may_be_visible, pair_visible
+from jaxkv.attention.masks import MaskSpec, as_mask, block_may_be_visible, pair_visible
+from jaxkv.validate import is_int
 from jaxkv.attention.rope import rope_ranks
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
@@ -65,7 +66,7 @@ class BlockSizes:
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             size = getattr(self, name)
-            if not isinstance(size, int) or size < 16 or size & (size - 1):
+            if not is_int(size) or size < 16 or size & (size - 1):
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {size!r}")
 
 
@@ -163,7 +164,8 @@ def _kernel(visits_ref, qpos_ref, kvpos_ref, q_ref, k_ref, v_ref, *rest, spec, s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
         alpha = jnp.exp2(m - m_new)
-        v = plgpu.load(v_ref.at[rows, :], mask=k_valid[:, None], other=0.0)
+        # Empty slots load as zero values: p is 0 there, but 0 x NaN would still be NaN in p @ v.
+        v = plgpu.load(v_ref.at[rows, :], mask=(k_valid & (k_pos >= 0))[:, None], other=0.0)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -174,15 +176,17 @@ def _kernel(visits_ref, qpos_ref, kvpos_ref, q_ref, k_ref, v_ref, *rest, spec, s
     plgpu.store(o_ref, out.astype(o_ref.dtype), mask=q_valid[:, None])
 
 
-def pallas_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, window=None, sink=0,
-                     scale=None, rope=None, block_sizes: BlockSizes | None = None, interpret: bool = False):
+def pallas_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False, chunk=None,
+                     window=None, sink=0, scale=None, rope=None, block_sizes: BlockSizes | None = None,
+                     interpret: bool = False):
     """Position-masked flash attention over K/V in any slot order (forward only).
 
     Args:
       q: [batch, q_len, q_heads, head_dim]; k, v: [batch, kv_len, kv_heads, head_dim], bf16/f16/f32;
         head_dim a power of two in [16, 256]; q_heads % kv_heads == 0.
-      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty slot).
-      causal, chunk, window, sink: see `jaxkv.attention.masks.MaskSpec`.
+      q_positions: int [batch, q_len]; kv_positions: int [batch, kv_len] (negative = empty slot; its bytes are
+        never read into the result).
+      mask: a `jaxkv.attention.MaskSpec`, or its fields as keywords (causal, chunk, window, sink).
       scale: softmax scale (default head_dim ** -0.5).
       rope: optional `CacheRope` (keys rotated by cache rank inside the kernel).
       block_sizes: `BlockSizes` tunables (default `default_block_sizes(head_dim)`).
@@ -191,7 +195,7 @@ def pallas_attention(q, k, v, q_positions, kv_positions, *, causal=False, chunk=
       [batch, q_len, q_heads, head_dim] in q's dtype; float32 softmax and accumulation.
     """
     b, lq, hq, lk, hk, d = check_inputs(q, k, v, q_positions, kv_positions)
-    spec = MaskSpec(causal=causal, chunk=chunk, window=window, sink=sink)
+    spec = as_mask(mask, causal=causal, chunk=chunk, window=window, sink=sink)
     scale = check_scale(scale, d)
     if not supported(d):
         raise ValueError(f"the Pallas kernel needs head_dim a power of two in [16, 256], got {d}")

@@ -21,6 +21,7 @@ from flax import struct
 from jax import lax
 
 from jaxkv.cache.spec import RingSpec
+from jaxkv.validate import is_concrete, is_int
 
 EMPTY = -1
 
@@ -92,10 +93,6 @@ def read_chunk_rows(buf: jax.Array, offsets: jax.Array, chunk: int, layer=None) 
     return jnp.concatenate(rows, axis=0)
 
 
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 @struct.dataclass
 class ChunkCache:
     """Base of `RingCache` and `RollingCache`. Subclasses define ``slot_of_chunk`` and ``begin_chunk``."""
@@ -115,21 +112,20 @@ class ChunkCache:
         ``layers`` is given), all positions -1, no chunk reserved."""
         if not isinstance(spec, RingSpec):
             raise TypeError(f"spec must be a RingSpec, got {type(spec).__name__}")
-        for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, (int, np.integer))
-                                   or layers <= 0):
-            raise ValueError(f"layers must be None or a positive int, got {layers!r}")
+        for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim), ("layers", layers)):
+            if not (value is None and name == "layers") and not (is_int(value) and value > 0):
+                raise ValueError(f"{name} must be a positive int{' or None' if name == 'layers' else ''}, "
+                                 f"got {value!r}")
+        batch, heads, head_dim = int(batch), int(heads), int(head_dim)
+        lead = () if layers is None else (int(layers),)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-        lead = () if layers is None else (int(layers),)
-        shape = (*lead, int(batch), spec.capacity, int(heads), int(head_dim))
+        shape = (*lead, batch, spec.capacity, heads, head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
-            positions=jnp.full((int(batch), spec.capacity), EMPTY, jnp.int32),
-            chunk_start=jnp.full((int(batch),), EMPTY, jnp.int32),
+            positions=jnp.full((batch, spec.capacity), EMPTY, jnp.int32),
+            chunk_start=jnp.full((batch,), EMPTY, jnp.int32),
             spec=spec,
         )
 
@@ -171,9 +167,27 @@ class ChunkCache:
 
     # ---------------------------------------------------------------- shared transitions
 
-    def _next_chunk_index(self) -> jax.Array:
-        """int32 [batch]: index of the chunk the next ``begin_chunk`` reserves (0 for an empty session)."""
+    def next_chunk_index(self) -> jax.Array:
+        """int32 [batch]: index of the chunk the next ``begin_chunk`` reserves (0 for an empty session), i.e. the
+        number of chunks the session has reserved so far."""
         return jnp.where(self.chunk_start < 0, 0, self.chunk_start // self.spec.chunk + 1).astype(jnp.int32)
+
+    def _next_chunk_index(self, active=None) -> jax.Array:
+        """`next_chunk_index`, checked: eagerly (outside jit), raises OverflowError when an active session's next
+        chunk would pass the int32 position limit (`RingSpec.max_chunks`). Under jit the positions would wrap
+        silently, so callers that trace `begin_chunk` check the number of chunks up front (as `jaxkv.rollout`
+        does)."""
+        index = self.next_chunk_index()
+        if is_concrete(index):
+            over = index > self.spec.max_chunks - 1  # (max_chunks itself may not fit in int32)
+            if active is not None:
+                over &= active
+            if bool(jnp.any(over)):
+                raise OverflowError(
+                    f"begin_chunk: chunk {int(jnp.max(jnp.where(over, index, 0)))} would pass the int32 position "
+                    f"limit: chunks of {self.spec.chunk} tokens fit only {self.spec.max_chunks} to a stream "
+                    f"(positions < 2**31); reset the session (or start a new one) before it")
+        return index
 
     def _check_session_mask(self, name: str, mask):
         mask = jnp.asarray(mask)
@@ -234,7 +248,7 @@ class ChunkCache:
             self._check_layer("write", layer)
         if active is not None:
             active = self._check_session_mask("write: active", active)
-        if _is_concrete(self.chunk_start) and not bool(jnp.any(self.chunk_start >= 0)):
+        if is_concrete(self.chunk_start) and not bool(jnp.any(self.chunk_start >= 0)):
             raise ValueError("write: no session has a reserved chunk; call begin_chunk() first")
 
         offsets = self.chunk_offsets()
@@ -255,8 +269,11 @@ class ChunkCache:
         return self.replace(k=new_k, v=new_v, positions=new_positions)
 
     def reset(self, sessions=None):
-        """Empties all sessions, or those where ``sessions`` (bool [batch]) is True; nothing is reallocated
-        (k and v keep their bytes, which are invisible once their positions are -1)."""
+        """Empties all sessions, or those where ``sessions`` (bool [batch]) is True; nothing is reallocated.
+
+        k and v keep their bytes, but a slot whose position is -1 cannot influence attention on any backend: its
+        keys are masked and its values are zeroed before ``p @ v``, so even NaN/Inf left by a session that
+        diverged never reaches the output of the next stream."""
         if sessions is None:
             return self.replace(positions=jnp.full_like(self.positions, EMPTY),
                                 chunk_start=jnp.full_like(self.chunk_start, EMPTY))
@@ -267,11 +284,10 @@ class ChunkCache:
     def _check_layer(self, where: str, layer) -> None:
         """An int or integer scalar; when its value is known (not traced), within [0, layers). A traced layer
         cannot be checked here: keep it in range (a scan over ``arange(layers)`` does)."""
-        if isinstance(layer, bool) or (not isinstance(layer, (int, np.integer))
-                                       and not (hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer)
-                                                and jnp.ndim(layer) == 0)):
+        if not is_int(layer) and not (hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer)
+                                      and jnp.ndim(layer) == 0):
             raise ValueError(f"{where}: layer must be an int or an integer scalar, got {layer!r}")
-        if _is_concrete(layer) and not 0 <= int(layer) < self.layers:
+        if is_concrete(layer) and not 0 <= int(layer) < self.layers:
             raise ValueError(f"{where}: layer {int(layer)} out of range [0, {self.layers})")
 
     def layer_kv(self, layer):

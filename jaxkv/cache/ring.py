@@ -31,6 +31,6 @@ class RingCache(ChunkCache):
         """
         if active is not None:
             active = self._check_session_mask("begin_chunk: active", active)
-        index = self._next_chunk_index()
+        index = self._next_chunk_index(active)
         positions, chunk_start = self._reserve(self.slot_of_chunk(index), index, active)
         return self.replace(positions=positions, chunk_start=chunk_start)

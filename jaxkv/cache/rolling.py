@@ -42,7 +42,7 @@ class RollingCache(ChunkCache):
         if active is not None:
             active = self._check_session_mask("begin_chunk: active", active)
         spec = self.spec
-        index = self._next_chunk_index()
+        index = self._next_chunk_index(active)
         shift = index >= spec.num_slots
         if active is not None:
             shift &= active

@@ -1,15 +1,14 @@
-"""`RingSpec`: the static sizes of a sink + window chunk cache, in tokens."""
+"""`RingSpec`: the static sizes of a sink + window chunk cache, in tokens, and the attention mask they imply."""
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
+from jaxkv.attention.masks import MaskSpec
+from jaxkv.validate import check_int
 
-def _as_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    return int(value)
+# Positions are int32: the last token of a chunk must be <= 2**31 - 1.
+POSITION_LIMIT = 2 ** 31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +29,9 @@ class RingSpec:
     frame, chunks of c frames): ``RingSpec.from_frames(T, c, window_frames=L - s, sink_frames=s)``, i.e.
     ``sink = s*T`` and ``window = (L - s)*T``. ``local_attn_size=-1`` (global attention) has no fixed capacity: use
     a window as long as the whole video.
+
+    Positions are int32, so a stream holds at most `max_chunks` chunks (``2**31 // chunk``; for Wan 2.1 at 480p,
+    4,680-token chunks: chunks 0 .. 458,863, about 95 hours of 16 fps video); `begin_chunk` refuses the next one.
     """
 
     chunk: int
@@ -37,9 +39,9 @@ class RingSpec:
     sink: int = 0
 
     def __post_init__(self):
-        chunk = _as_int("chunk", self.chunk)
-        window = _as_int("window", self.window)
-        sink = _as_int("sink", self.sink)
+        chunk = check_int("chunk", self.chunk)
+        window = check_int("window", self.window)
+        sink = check_int("sink", self.sink)
         if chunk <= 0:
             raise ValueError(f"chunk must be positive, got {chunk}")
         if sink < 0:
@@ -61,10 +63,10 @@ class RingSpec:
 
         ``window_frames`` and ``sink_frames`` must be whole multiples of ``chunk_frames``.
         """
-        t = _as_int("tokens_per_frame", tokens_per_frame)
-        c = _as_int("chunk_frames", chunk_frames)
-        w = _as_int("window_frames", window_frames)
-        s = _as_int("sink_frames", sink_frames)
+        t = check_int("tokens_per_frame", tokens_per_frame)
+        c = check_int("chunk_frames", chunk_frames)
+        w = check_int("window_frames", window_frames)
+        s = check_int("sink_frames", sink_frames)
         if t <= 0 or c <= 0:
             raise ValueError(f"tokens_per_frame ({t}) and chunk_frames ({c}) must be positive")
         if w % c or s % c:
@@ -88,3 +90,18 @@ class RingSpec:
     def num_slots(self) -> int:
         """Chunk slots: sink_chunks + window_chunks."""
         return self.capacity // self.chunk
+
+    @property
+    def max_chunks(self) -> int:
+        """How many chunks a stream can hold before its int32 positions overflow: chunks 0 .. max_chunks - 1."""
+        return POSITION_LIMIT // self.chunk
+
+    def mask(self) -> MaskSpec:
+        """The attention mask of what this cache holds: chunk-causal, a window of ``window`` tokens counted from
+        chunk starts, the first ``sink`` tokens pinned.
+
+        Streaming over the cache with this mask and running the whole sequence at once with it (training, the
+        block-causal forward) see the same keys for every query: the cache keeps exactly the sink chunks and the
+        ``window // chunk`` most recent chunks, which is what the mask lets a chunk see.
+        """
+        return MaskSpec(chunk=self.chunk, window=self.window, sink=self.sink)

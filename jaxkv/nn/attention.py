@@ -5,9 +5,10 @@ state): `y, cache = layer(x_chunk, cache)`. Per call it
 
   1. projects the chunk to q, k, v ([batch, chunk, heads, head_dim]),
   2. optionally rotates q and k with a RoPE hook called at the chunk's *absolute* positions,
-  3. writes k, v into the chunk slot the caller reserved (`cache.begin_chunk()`, once per chunk for all layers),
-  4. attends the chunk's queries to the whole cache in physical slot order, masks from positions,
-  5. projects the heads back to the model width.
+  3. writes k, v into the chunk slot the caller reserved (`cache.begin_chunk()`, once per chunk for all layers) and
+     attends the chunk's queries to the whole cache in physical slot order, masks from positions
+     (`jaxkv.nn.cached_attention`: q, k, v in the cache's dtype),
+  4. projects the heads back to the model width.
 
 `forward` runs the same layer on a whole sequence without a cache (training, or the check that streaming is
 exact): with the same `MaskSpec`, chunk-by-chunk streaming over a ring big enough for the window equals it — with
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv.attention import CacheRope, MaskSpec, attend
+from jaxkv.nn.cached import cached_attention
 
 RopeHook = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [b, t, h, d], positions int [b, t]) -> x
 
@@ -83,11 +85,8 @@ class CachedSelfAttention(nnx.Module):
             q, k = self.rope(q, positions), self.rope(k, positions)
         return q, k, v
 
-    def _attend(self, q, k, v, q_positions, kv_positions):
-        m = self.mask
-        out = attend(q, k, v, q_positions, kv_positions, causal=m.causal, chunk=m.chunk, window=m.window,
-                     sink=m.sink, rope=self.cache_rope, backend=self.backend)
-        b, t = q.shape[:2]
+    def _out(self, out):
+        b, t = out.shape[:2]
         return self.o(out.reshape(b, t, self.num_heads * self.head_dim))
 
     def __call__(self, x, cache, *, layer=None):
@@ -106,13 +105,13 @@ class CachedSelfAttention(nnx.Module):
         if (cache.heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"cache holds {cache.heads} heads of {cache.head_dim}, the layer needs "
                              f"{self.num_kv_heads} of {self.head_dim}")
-        positions = cache.chunk_positions()
-        q, k, v = self._qkv(x, positions)
-        cache = cache.write(k.astype(cache.dtype), v.astype(cache.dtype), layer=layer)
-        kc, vc = (cache.k, cache.v) if layer is None else cache.layer_kv(layer)
-        return self._attend(q, kc, vc, positions, cache.positions), cache
+        q, k, v = self._qkv(x, cache.chunk_positions())
+        out, cache = cached_attention(cache, q, k, v, layer=layer, mask=self.mask, rope=self.cache_rope,
+                                      backend=self.backend)
+        return self._out(out), cache
 
     def forward(self, x, positions):
         """The whole sequence at once, no cache: x [batch, tokens, dim], positions int [batch, tokens]."""
         q, k, v = self._qkv(x, positions)
-        return self._attend(q, k, v, positions, positions)
+        return self._out(attend(q, k, v, positions, positions, mask=self.mask, rope=self.cache_rope,
+                                backend=self.backend))

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-import numpy as np
+from jaxkv.validate import check_int, is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +48,16 @@ class WanConfig:
 
     def __post_init__(self):
         patch = self.patch_size
-        if (not isinstance(patch, (tuple, list)) or len(patch) != 3
-                or any(isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p <= 0 for p in patch)):
+        if not isinstance(patch, (tuple, list)) or len(patch) != 3 or not all(is_int(p) and p > 0 for p in patch):
             raise ValueError(f"WanConfig.patch_size must be three positive ints (frames, height, width), "
                              f"got {patch!r}")
         object.__setattr__(self, "patch_size", tuple(int(p) for p in patch))
         for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_dim", "text_len",
                      "freq_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"WanConfig.{name} must be a positive int, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, check_int(f"WanConfig.{name}", getattr(self, name), minimum=1))
         for name in ("eps", "rope_theta"):
             value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
-                    or not math.isfinite(value) or value <= 0):
+            if not is_real(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"WanConfig.{name} must be a finite float > 0, got {value!r}")
             object.__setattr__(self, name, float(value))
         if self.dim % self.num_heads:

@@ -30,11 +30,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.attention import attend
+from jaxkv.attention import MaskSpec, attend
+from jaxkv.cache import RingSpec, policy_class
 from jaxkv.models.wan import layers as L
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import param_shapes
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
+from jaxkv.nn.cached import cached_attention
+from jaxkv.validate import is_concrete, is_int
 
 
 class CrossKV(NamedTuple):
@@ -215,33 +218,48 @@ def _head(params, config: WanConfig, x, e, frames: int):
 # ------------------------------------------------------------------------------------------------ full sequences
 
 
-def _forward_sequence(params, config: WanConfig, latents, timesteps, context, mask: dict, pad_context: bool,
-                      backend: str, cross: CrossKV | None = None):
-    latents = jnp.asarray(latents)
+def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossKV, self_attention, state,
+         backend: str):
+    """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
+    ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the
+    rotated q, k and v [batch, tokens, heads, head_dim]; ``state`` (e.g. the stacked cache) rides in the scan
+    carry. Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
     gf, gh, gw = _check_latents(config, latents)
-    b = latents.shape[0]
+    b, n = positions.shape
     t = _frame_timesteps(timesteps, b, gf)
-    if cross is None:
-        cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context)
-    n = gf * gh * gw
-    positions = sequence_positions(b, n)
     rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta))
-
     x = L.patchify(params, config, latents)
     e, e0 = L.time_embedding(params, config, t)
 
-    def self_attention(p, h):
-        q, k, v = _self_qkv(p, h, rope, config)
-        out = attend(q, k, v, positions, positions, backend=backend, **mask)
-        return L.linear(p["o"], out.reshape(b, n, config.dim)), None
+    def body(carry, xs):
+        x, state = carry
+        p, ck, cv, layer = xs
 
-    def body(x, xs):
-        p, ck, cv = xs
-        x, _ = _block(p, x, e0, ck, cv, gf, self_attention, config, backend)
-        return x, None
+        def attention(pa, h):
+            q, k, v = _self_qkv(pa, h, rope, config)
+            out, new_state = self_attention(q, k, v, state, layer)
+            return L.linear(pa["o"], out.reshape(b, n, config.dim)), new_state
 
-    x, _ = lax.scan(body, x, (params["blocks"], cross.k, cross.v))
-    return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw))
+        x, state = _block(p, x, e0, ck, cv, gf, attention, config, backend)
+        return (x, state), None
+
+    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, state), _ = lax.scan(body, (x, state), (params["blocks"], cross.k, cross.v, layers))
+    return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw)), state
+
+
+def _forward_sequence(params, config: WanConfig, latents, timesteps, context, mask: MaskSpec, pad_context: bool,
+                      backend: str):
+    latents = jnp.asarray(latents)
+    gf, gh, gw = _check_latents(config, latents)
+    _frame_timesteps(timesteps, latents.shape[0], gf)   # checked before the text embedding runs
+    cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context)
+    positions = sequence_positions(latents.shape[0], gf * gh * gw)
+
+    def self_attention(q, k, v, state, layer):
+        return attend(q, k, v, positions, positions, mask=mask, backend=backend), state
+
+    return _dit(params, config, latents, timesteps, positions, cross, self_attention, None, backend)[0]
 
 
 def forward(params, config: WanConfig, latents, timesteps, context, *, pad_context: bool = True,
@@ -256,27 +274,28 @@ def forward(params, config: WanConfig, latents, timesteps, context, *, pad_conte
     Returns:
       float32 [batch, frames, height, width, out_dim].
     """
-    return _forward_sequence(params, config, latents, timesteps, context, {}, pad_context, backend)
+    return _forward_sequence(params, config, latents, timesteps, context, MaskSpec(), pad_context, backend)
 
 
-def _frames_to_tokens(config: WanConfig, latents, chunk_frames, window_frames, sink_frames):
-    _, gh, gw = _check_latents(config, jnp.asarray(latents))
-    tpf = gh * gw
+def block_causal_spec(config: WanConfig, latents, chunk_frames, window_frames=None, sink_frames=0) -> RingSpec:
+    """The cache spec (in tokens) whose `RingSpec.mask` is the block-causal training mask of these latents.
+
+    ``window_frames=None`` (no window: every earlier chunk is visible) is a window as long as the whole clip,
+    rounded up to whole chunks."""
+    gf, gh, gw = _check_latents(config, jnp.asarray(latents))
     for name, value in (("chunk_frames", chunk_frames), ("window_frames", window_frames),
                         ("sink_frames", sink_frames)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and not (is_int(value) and value >= 0):
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     if chunk_frames is None or chunk_frames <= 0:
         raise ValueError(f"chunk_frames must be a positive int, got {chunk_frames!r}")
     if window_frames is not None and window_frames < chunk_frames:
         raise ValueError(f"window_frames ({window_frames}) must hold at least one chunk ({chunk_frames} frames)")
-    mask = {"chunk": chunk_frames * tpf}
-    if window_frames is not None:
-        mask["window"] = window_frames * tpf
-        mask["sink"] = sink_frames * tpf
-    elif sink_frames:
-        raise ValueError("sink_frames only makes sense with a window (window_frames)")
-    return mask
+    if window_frames is None:
+        if sink_frames:
+            raise ValueError("sink_frames only makes sense with a window (window_frames)")
+        window_frames = -(-gf // chunk_frames) * chunk_frames
+    return RingSpec.from_frames(gh * gw, chunk_frames, window_frames, sink_frames)
 
 
 def forward_block_causal(params, config: WanConfig, latents, timesteps, context, *, chunk_frames: int,
@@ -286,11 +305,12 @@ def forward_block_causal(params, config: WanConfig, latents, timesteps, context,
 
     Token i (frame f_i, chunk c_i = f_i // chunk_frames) sees token j iff c_j <= c_i and, when ``window_frames`` is
     set, j's chunk starts less than ``window_frames`` frames before i's chunk (the window includes i's own chunk) or
-    j lies in the first ``sink_frames`` frames. This is exactly what a stream on a sink + window cache sees.
+    j lies in the first ``sink_frames`` frames. The mask is `block_causal_spec(...).mask()`, the same `RingSpec.mask`
+    that `forward_chunk` applies on a cache of that spec, so a stream on a sink + window cache sees exactly this.
 
     Args/returns as `forward`; chunk_frames, window_frames, sink_frames count latent (patch) frames.
     """
-    mask = _frames_to_tokens(config, latents, chunk_frames, window_frames, sink_frames)
+    mask = block_causal_spec(config, latents, chunk_frames, window_frames, sink_frames).mask()
     return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, backend)
 
 
@@ -300,14 +320,11 @@ def forward_block_causal(params, config: WanConfig, latents, timesteps, context,
 def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32):
     """An empty stacked cache for all layers: k, v [layers, batch, capacity, heads, head_dim].
 
-    policy: "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling" (`jaxkv.RollingCache`, shift-by-copy).
+    policy: a name in `jaxkv.cache.POLICIES`: "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling"
+      (`jaxkv.RollingCache`, shift-by-copy).
     """
-    from jaxkv.cache import RingCache, RollingCache
-
-    classes = {"ring": RingCache, "rolling": RollingCache}
-    if policy not in classes:
-        raise ValueError(f"cache policy must be one of {sorted(classes)}, got {policy!r}")
-    return classes[policy].init(spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers)
+    return policy_class(policy).init(spec, batch, config.num_heads, config.head_dim, dtype=dtype,
+                                     layers=config.num_layers)
 
 
 def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, backend: str = "auto"):
@@ -346,35 +363,12 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
         raise ValueError(f"cross K/V must both be [layers, batch, text_tokens, heads, head_dim] = {expected}, "
                          f"got k {list(k_shape)}, v {list(v_shape)}")
     # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
-    if not isinstance(cache.chunk_start, jax.core.Tracer) and bool(jnp.all(cache.chunk_start < 0)):
+    if is_concrete(cache.chunk_start) and bool(jnp.all(cache.chunk_start < 0)):
         raise ValueError("forward_chunk: no session has a reserved chunk (chunk_start < 0 for every session); call "
                          "cache = cache.begin_chunk() before the chunk's first forward")
-    t = _frame_timesteps(timesteps, b, gf)
-    q_positions = cache.chunk_positions()
-    rope = rope_cos_sin(rope_angles(q_positions, (gh, gw), config.head_dim, config.rope_theta))
 
-    x = L.patchify(params, config, latents)
-    e, e0 = L.time_embedding(params, config, t)
-    chunk = cache.spec.chunk
+    def self_attention(q, k, v, cache, layer):
+        return cached_attention(cache, q, k, v, layer=layer, backend=backend)   # mask: cache.spec.mask()
 
-    def body(carry, xs):
-        x, cache = carry
-        p, ck, cv, layer = xs
-
-        def self_attention(pa, h):
-            q, k, v = _self_qkv(pa, h, rope, config)
-            new_cache = cache.write(k.astype(cache.dtype), v.astype(cache.dtype), layer=layer)
-            kc, vc = new_cache.layer_kv(layer)
-            # Queries in the cache's dtype: the GPU kernel takes one dtype for q, k, v (a float32 q beside a bf16
-            # cache would send "auto" to the XLA path); softmax and accumulation stay float32 on every path.
-            out = attend(q.astype(kc.dtype), kc, vc, q_positions, new_cache.positions, chunk=chunk,
-                         backend=backend).astype(q.dtype)
-            return L.linear(pa["o"], out.reshape(b, n, config.dim)), new_cache
-
-        x, cache = _block(p, x, e0, ck, cv, gf, self_attention, config, backend)
-        return (x, cache), None
-
-    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, cache), _ = lax.scan(body, (x, cache), (params["blocks"], cross.k, cross.v, layers))
-    return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw)), cache
+    return _dit(params, config, latents, timesteps, cache.chunk_positions(), cross, self_attention, cache, backend)
 

@@ -26,8 +26,13 @@ class _ParamTree(nnx.Module):
         for name, value in tree.items():
             setattr(self, name, _ParamTree(value) if isinstance(value, dict) else nnx.Param(jnp.asarray(value)))
 
+    def tree(self) -> dict[str, Any]:
+        """The nested dict of arrays, read straight from the variables (no `nnx.State` built, nothing copied)."""
+        return {name: node.tree() if isinstance(node, _ParamTree) else node[...]
+                for name, node in vars(self).items() if isinstance(node, (_ParamTree, nnx.Param))}
 
-class WanModel(nnx.Module):
+
+class WanModel(_ParamTree):
     """Wan 2.1 DiT (text-to-video) as an NNX module.
 
     ``WanModel(config, rngs=nnx.Rngs(0))`` initialises random weights (`jaxkv.models.wan.init_params`);
@@ -43,17 +48,17 @@ class WanModel(nnx.Module):
         if params is None:
             params = M.init_params(config, rngs.params(), dtype=dtype)
         validate_params(params, config)
+        super().__init__(params)
         self.config = config
-        for name, value in params.items():
-            setattr(self, name, _ParamTree(value) if isinstance(value, dict) else nnx.Param(jnp.asarray(value)))
 
     @classmethod
     def from_params(cls, config: WanConfig, params: dict[str, Any]) -> "WanModel":
         return cls(config, params=params)
 
     def params(self) -> dict[str, Any]:
-        """The parameters as a plain nested dict of arrays (the `jaxkv.models.wan.params` layout)."""
-        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        """The parameters as a plain nested dict of arrays (the `jaxkv.models.wan.params` layout); a walk over the
+        variables, cheap enough to run on every call."""
+        return self.tree()
 
     def __call__(self, latents, timesteps, context, *, pad_context: bool = True, backend: str = "auto"):
         """Bidirectional forward: see `jaxkv.models.wan.forward`. Returns float32 [batch, frames, h, w, out_dim]."""

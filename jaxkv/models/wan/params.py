@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxkv.models.wan.config import WanConfig
@@ -70,10 +69,6 @@ def param_shapes(config: WanConfig) -> dict[str, Any]:
     }
 
 
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
-
-
 def flatten(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
     """{"a": {"b": x}} -> {"a.b": x}. Used for safetensors files."""
     out: dict[str, Any] = {}
@@ -103,7 +98,7 @@ def unflatten(flat: dict[str, Any], sep: str = ".") -> dict[str, Any]:
 
 def flat_param_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
     """{"blocks.self_attn.q.kernel": (L, D, D), ...} for every parameter."""
-    return flatten(jax.tree.map(lambda s: s, param_shapes(config), is_leaf=_is_shape))
+    return flatten(param_shapes(config))
 
 
 def validate_params(params: dict[str, Any], config: WanConfig) -> None:

@@ -8,7 +8,7 @@ that forward exactly::
     import jax, jax.numpy as jnp
     from flax import nnx
     import jaxkv
-    from jaxkv.nn.example import StreamingEncoder
+    from examples.streaming_encoder import StreamingEncoder   # from the project root
 
     spec = jaxkv.RingSpec(chunk=4, window=12, sink=4)           # tokens: a 1-chunk sink + 3 chunks of window
     model = StreamingEncoder(features=6, dim=32, num_heads=4, num_layers=2, spec=spec, rngs=nnx.Rngs(0))
@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.attention import MaskSpec
 from jaxkv.cache import RingCache, RingSpec
 from jaxkv.nn.attention import CachedSelfAttention, rotary
 
@@ -62,14 +61,14 @@ class _Block(nnx.Module):
 class StreamingEncoder(nnx.Module):
     """features -> dim, `num_layers` pre-norm blocks of chunk-causal attention (sink + window) and an MLP -> features.
 
-    The attention mask is derived from the cache spec — chunk-causal, a window of `spec.window` tokens counted from
-    chunk starts, `spec.sink` pinned tokens — so the cache holds exactly what the mask can see.
+    The attention mask is the cache spec's own (`RingSpec.mask()`: chunk-causal, a window of `spec.window` tokens
+    counted from chunk starts, `spec.sink` pinned tokens), so the cache holds exactly what the mask can see.
     """
 
     def __init__(self, features: int, dim: int, num_heads: int, num_layers: int, spec: RingSpec, *,
                  num_kv_heads: int | None = None, rngs: nnx.Rngs):
         self.spec = spec
-        self.mask = MaskSpec(chunk=spec.chunk, window=spec.window, sink=spec.sink)
+        self.mask = spec.mask()
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = dim // num_heads
         self.embed = nnx.Linear(features, dim, rngs=rngs)

@@ -1,0 +1,35 @@
+"""`cached_attention`: one layer's attention step on a chunk cache — write, read the layer, attend.
+
+The one place where a model's layer meets a `jaxkv.cache` cache: `CachedSelfAttention` and the Wan streaming
+forward both call it, so they cast, write and mask the same way.
+"""
+
+from __future__ import annotations
+
+from jaxkv.attention import CacheRope, MaskSpec, attend
+
+
+def cached_attention(cache, q, k, v, *, layer=None, mask: MaskSpec | None = None, rope: CacheRope | None = None,
+                     backend: str = "auto"):
+    """Writes the reserved chunk's k, v into ``cache`` and attends the chunk's queries to the whole cache.
+
+    Args:
+      cache: a `RingCache`/`RollingCache` with a reserved chunk (``begin_chunk()`` called for this chunk).
+      q: [batch, chunk, q_heads, head_dim] at the reserved chunk's positions (``cache.chunk_positions()``).
+      k, v: [batch, chunk, kv_heads, head_dim], kv_heads = cache.heads.
+      layer: the layer of a stacked cache (an int or a traced int32 scalar), None for a single-layer cache.
+      mask: the position mask; default ``cache.spec.mask()`` (what a sink + window cache holds).
+      rope: optional `CacheRope` (keys cached unrotated, rotated at read by rank).
+      backend: see `jaxkv.attend`.
+    Returns:
+      (out [batch, chunk, q_heads, head_dim] in q's dtype, the cache with k, v written).
+
+    q, k and v are cast to the cache's dtype: the kernels take one dtype for all three (a float32 q beside a bf16
+    cache would send "auto" to the XLA path); softmax and accumulation stay float32 on every path.
+    """
+    dtype = cache.dtype
+    cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
+    kc, vc = (cache.k, cache.v) if layer is None else cache.layer_kv(layer)
+    out = attend(q.astype(dtype), kc, vc, cache.chunk_positions(), cache.positions,
+                 mask=cache.spec.mask() if mask is None else mask, rope=rope, backend=backend)
+    return out.astype(q.dtype), cache
