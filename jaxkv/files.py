@@ -142,6 +142,16 @@ def directory_problem(path: str, *, required: Collection[str], optional: Collect
     return None
 
 
+def _replace_problem(path: str, replaceable: Callable[[str], str | None] | None) -> str | None:
+    """An empty real directory may always be replaced (nothing is lost); anything else only if ``replaceable``
+    recognises it."""
+    if not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path):
+        return None
+    if replaceable is None:
+        return f"{path} is not known to be a jaxkv output"
+    return replaceable(path)
+
+
 def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = False,
                       replaceable: Callable[[str], str | None] | None = None) -> None:
     """Raises DestinationError unless writing the directory ``dst`` destroys nothing but a previous output.
@@ -149,8 +159,8 @@ def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = Fa
     Always refused: ``dst`` equal to, inside, or containing any of ``sources`` (compared both as given and with
     symlinks resolved, so a source file's own directory counts as containing it), and an existing ``dst`` that is
     the current directory or contains it. An existing ``dst`` needs ``force``, and is then replaced only if
-    ``replaceable(dst)`` (e.g. a `functools.partial` of `directory_problem`) returns None; its reason is reported
-    otherwise. Checks only; touches nothing.
+    ``replaceable(dst)`` (e.g. a `functools.partial` of `directory_problem`) returns None, or if it is an empty
+    directory; the reason is reported otherwise. Checks only; touches nothing.
     """
     targets = {os.path.abspath(dst), os.path.realpath(dst)}
     for src in sources:
@@ -171,7 +181,7 @@ def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = Fa
     cwd = os.path.realpath(os.getcwd())
     if any(d == cwd or _inside(cwd, d) for d in targets):
         raise DestinationError(f"refusing to replace {dst}: it is (or contains) the current directory")
-    problem = replaceable(dst) if replaceable is not None else f"{dst} is not known to be a jaxkv output"
+    problem = _replace_problem(dst, replaceable)
     if problem is not None:
         raise DestinationError(f"refusing to replace {dst} even with --force: {problem}; --force only replaces a "
                                f"directory that jaxkv wrote (remove it yourself or choose another output path)")
@@ -274,7 +284,7 @@ def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None =
     """Yields an empty directory to fill; on normal exit it becomes ``path``, on any exception it is removed.
 
     ``path`` must not exist, unless ``replace`` is given: then an existing ``path`` is replaced (only after the new
-    directory is complete) if ``replace(path)`` returns None, and DestinationError with its reason is raised
+    directory is complete) if it is empty or ``replace(path)`` returns None, and DestinationError with its reason is raised
     before anything is created otherwise. SIGTERM / SIGHUP at their default disposition raise `Terminated` while
     the block runs, so they clean up as Ctrl-C does. Stale temporaries of ``path`` left by killed writers are
     removed first, each action reported through ``log``. The yielded directory lies inside a hidden
@@ -287,7 +297,7 @@ def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None =
     if os.path.lexists(path):
         if replace is None:
             raise FileExistsError(f"{path} already exists")
-        problem = replace(path)
+        problem = _replace_problem(path, replace)
         if problem is not None:
             raise DestinationError(f"refusing to replace {path}: {problem}")
     parent = os.path.dirname(path)
