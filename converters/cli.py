@@ -18,7 +18,10 @@ The format and the config are detected; the head count comes from a config.json 
 preset, else pass --num-heads or --preset.
 
 DST is a directory (config.json + params.safetensors) for `jaxkv generate --checkpoint DST` and
-jaxkv.models.wan.checkpoint.load(DST).
+jaxkv.models.wan.checkpoint.load(DST). It is built beside DST in a hidden .DST.tmp-* directory and renamed into
+place when complete; an error, Ctrl-C, SIGTERM or SIGHUP leaves nothing behind, and a leftover of a killed run is
+removed by the next conversion into DST. --force replaces only a jaxkv checkpoint directory (or an empty one);
+DST may never be, contain or lie inside SRC.
 """
 
 
