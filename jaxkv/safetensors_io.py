@@ -119,6 +119,16 @@ def read_tensor(path: str, info: TensorInfo) -> np.ndarray:
     return flat.view(dtype).reshape(info.shape)
 
 
+def _read_exactly(f, path: str, buffer: np.ndarray) -> None:
+    raw = buffer.reshape(-1).view(np.uint8)
+    done = 0
+    while done < raw.size:
+        n = f.readinto(memoryview(raw[done:]))
+        if not n:
+            raise FormatError(f"{path} is truncated: tensor data ends early")
+        done += n
+
+
 def read_array(path: str, info: TensorInfo, dtype=None, *, block_bytes: int = 16 * 2**20) -> np.ndarray:
     """Reads one tensor into a new array ``[*info.shape]`` of ``dtype`` (None: the stored dtype).
 
@@ -131,29 +141,16 @@ def read_array(path: str, info: TensorInfo, dtype=None, *, block_bytes: int = 16
                           f"{sorted(DTYPES)}")
     out = np.empty(info.shape, stored if dtype is None else np.dtype(dtype))
     flat = out.reshape(-1)
-    count = flat.size
     with open(path, "rb", buffering=0) as f:
         f.seek(info.start)
         if out.dtype == stored:
-            view = flat.view(np.uint8)
-            done = 0
-            while done < view.size:
-                n = f.readinto(memoryview(view[done:]))
-                if not n:
-                    raise FormatError(f"{path} is truncated: tensor data ends early")
-                done += n
+            _read_exactly(f, path, flat)
             return out
         step = max(1, block_bytes // stored.itemsize)
-        scratch = np.empty(min(step, count), stored)
-        for begin in range(0, count, step):
-            part = scratch[: min(step, count - begin)]
-            raw = part.view(np.uint8)
-            done = 0
-            while done < raw.size:
-                n = f.readinto(memoryview(raw[done:]))
-                if not n:
-                    raise FormatError(f"{path} is truncated: tensor data ends early")
-                done += n
+        scratch = np.empty(min(step, flat.size), stored)
+        for begin in range(0, flat.size, step):
+            part = scratch[: min(step, flat.size - begin)]
+            _read_exactly(f, path, part)
             flat[begin: begin + part.size] = part  # the cast, one block at a time
     return out
 

@@ -234,3 +234,20 @@ def test_directory_problem_names_what_is_wrong(tmp_path):
     assert "lacks params.safetensors" in checkpoint.replace_problem(str(tmp_path / "ck"))
     generic = files.directory_problem(str(tmp_path / "ck"), required=("config.json",))
     assert generic is None  # any "jaxkv-..." format marker, for writers of other kinds
+
+
+def test_read_array_casts_in_blocks_exactly_like_numpy(tmp_path):
+    from safetensors.numpy import save_file
+
+    from jaxkv import safetensors_io
+    rng = np.random.default_rng(0)
+    data = {"a": rng.standard_normal((37, 11)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float64),
+            "c": rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16), "e": np.zeros((0, 3), np.float32)}
+    save_file(data, str(tmp_path / "t.safetensors"))
+    infos, _ = safetensors_io.read_header(str(tmp_path / "t.safetensors"))
+    for key, want in data.items():
+        for dtype in (None, np.float32, ml_dtypes.bfloat16):
+            got = safetensors_io.read_array(str(tmp_path / "t.safetensors"), infos[key], dtype, block_bytes=24)
+            ref = want if dtype is None else want.astype(dtype)
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8), err_msg=f"{key} {dtype}")
