@@ -11,7 +11,9 @@ wait4() (ru_maxrss) and whose anonymous / file-backed RSS is sampled from /proc 
   load-all: `safetensors.numpy.load_file(SRC)` (what holding the checkpoint costs: shows the measure can tell)
 
 "convert - dry-run" is the memory the conversion itself needs; compare it with the checkpoint size and the largest
-single tensor.
+single tensor. The .pt path reads tensors through one mapping of the whole file, so its file-backed RSS would grow with
+the pages read unless they are dropped: the reader releases each tensor's pages (madvise) once it is written, so
+that stays flat too. Anonymous and file-backed peaks are reported separately.
 
 With --load, the same weights converted to a float32 and a bfloat16 jaxkv checkpoint are read back with
 `jaxkv.models.wan.load` (each in a fresh subprocess, arrays ready on the device):
@@ -21,9 +23,7 @@ With --load, the same weights converted to a float32 and a bfloat16 jaxkv checkp
   load-f32:             load(f32 checkpoint)
   load-bf16:            load(bf16 checkpoint)
 
-"load-X - load-baseline" against the weights' size in the loaded dtype is what `load` costs beyond its result. The .pt path reads tensors through one mapping of the whole file, so its file-backed RSS would grow with
-the pages read unless they are dropped: the reader releases each tensor's pages (madvise) once it is written, so
-that stays flat too. Anonymous and file-backed peaks are reported separately.
+"load-X - load-baseline" against the weights' size in the loaded dtype is what `load` costs beyond its result.
 
     python benchmarks/convert_memory.py [--size-mb 600] [--pt] [--load] [--json PATH]
 """

@@ -172,8 +172,8 @@ def _infer_config(mapped, shapes, hints: dict[str, Any], num_heads: int | None,
         raise ConversionError(f"{where}: the number of attention heads cannot be inferred from tensors (dim "
                               f"{w['dim']}, ffn_dim {w['ffn_dim']}, no config.json with num_heads, no preset with "
                               f"these widths); pass --num-heads N or --preset NAME (known: {sorted(PRESETS)})")
-    head_dim = hints.get("attention_head_dim")
-    if heads_origin.startswith("config.json") and isinstance(head_dim, int) and head_dim * unseen["num_heads"] != w["dim"]:
+    head_dim, heads = hints.get("attention_head_dim"), unseen["num_heads"]
+    if heads_origin.startswith("config.json") and isinstance(head_dim, int) and head_dim * heads != w["dim"]:
         raise ConversionError(f"{where}: config.json says {unseen['num_heads']} heads of {head_dim} channels, but "
                               f"the tensors have dim {w['dim']}")
     try:

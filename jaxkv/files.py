@@ -284,8 +284,8 @@ def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None =
     """Yields an empty directory to fill; on normal exit it becomes ``path``, on any exception it is removed.
 
     ``path`` must not exist, unless ``replace`` is given: then an existing ``path`` is replaced (only after the new
-    directory is complete) if it is empty or ``replace(path)`` returns None, and DestinationError with its reason is raised
-    before anything is created otherwise. SIGTERM / SIGHUP at their default disposition raise `Terminated` while
+    directory is complete) if it is empty or ``replace(path)`` returns None, and DestinationError with its reason
+    is raised before anything is created otherwise. SIGTERM / SIGHUP at their default disposition raise `Terminated` while
     the block runs, so they clean up as Ctrl-C does. Stale temporaries of ``path`` left by killed writers are
     removed first, each action reported through ``log``. The yielded directory lies inside a hidden
     ``.NAME.tmp-*`` sibling that holds a `MARKER`; directories are created with the user's umask.
