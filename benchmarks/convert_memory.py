@@ -2,7 +2,8 @@
 
 Writes a synthetic original-layout Wan checkpoint (float32 safetensors, random weights, itself written tensor by
 tensor) of about --size-mb, then runs, each in a fresh subprocess whose peak resident memory is taken from
-wait4() (ru_maxrss) and whose anonymous / file-backed RSS is sampled from /proc every few ms:
+its own high-water mark (VmHWM, see `measure`) and whose anonymous / file-backed RSS is sampled from /proc every few
+ms:
 
   dry-run:  `jaxkv convert SRC --dry-run` (imports + header parsing: the fixed cost of the process)
   convert:  `jaxkv convert SRC DST --dtype bf16` (the streamed conversion)
@@ -15,7 +16,17 @@ single tensor. The .pt path reads tensors through one mapping of the whole file,
 the pages read unless they are dropped: the reader releases each tensor's pages (madvise) once it is written, so
 that stays flat too. Anonymous and file-backed peaks are reported separately.
 
-    python benchmarks/convert_memory.py [--size-mb 600] [--pt] [--json PATH]
+With --load, the same weights converted to a float32 and a bfloat16 jaxkv checkpoint are read back with
+`jaxkv.models.wan.load` (each in a fresh subprocess, arrays ready on the device):
+
+  load-baseline:        imports + one tiny jax array (the fixed cost)
+  load-f32-as-bf16:     load(f32 checkpoint, dtype=bfloat16): must not hold a float32 copy of the weights
+  load-f32:             load(f32 checkpoint)
+  load-bf16:            load(bf16 checkpoint)
+
+"load-X - load-baseline" against the weights' size in the loaded dtype is what `load` costs beyond its result.
+
+    python benchmarks/convert_memory.py [--size-mb 600] [--pt] [--load] [--json PATH]
 """
 
 from __future__ import annotations
@@ -82,7 +93,7 @@ def _status(pid: int) -> dict[str, int]:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(("VmRSS", "RssAnon", "RssFile")):
+                if line.startswith(("VmRSS", "VmHWM", "RssAnon", "RssFile")):
                     name, value = line.split(":")
                     out[name] = int(value.split()[0]) * 1024
     except OSError:
@@ -91,10 +102,15 @@ def _status(pid: int) -> dict[str, int]:
 
 
 def measure(cmd: list[str]) -> dict:
-    """Runs cmd; returns wall time, exact peak RSS (wait4) and sampled peak anonymous / file-backed RSS, bytes."""
+    """Runs cmd; returns wall time, peak RSS and sampled peak anonymous / file-backed RSS, bytes.
+
+    The peak is the child's own high-water mark (VmHWM, sampled from /proc; it belongs to the program after exec).
+    wait4's ru_maxrss is kept as ``peak_rss_wait4`` but is not used: Linux starts a child's ru_maxrss at the RSS of
+    the parent it forked from, so under a large parent (a long pytest run) every row would read the parent's size.
+    """
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
-    peaks = {"RssAnon": 0, "RssFile": 0}
+    peaks = {"RssAnon": 0, "RssFile": 0, "VmHWM": 0}
     done = threading.Event()
 
     def sample():
@@ -113,8 +129,9 @@ def measure(cmd: list[str]) -> dict:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {stderr.decode()[-2000:]}")
-    return {"wall_s": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024,
-            "peak_anon": peaks["RssAnon"], "peak_file": peaks["RssFile"]}
+    wait4_peak = usage.ru_maxrss * 1024
+    return {"wall_s": time.perf_counter() - start, "peak_rss": peaks["VmHWM"] or wait4_peak,
+            "peak_rss_wait4": wait4_peak, "peak_anon": peaks["RssAnon"], "peak_file": peaks["RssFile"]}
 
 
 def _generate(path: str, dim: int, ffn_dim: int, layers: int) -> None:
@@ -128,10 +145,7 @@ def run(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8, pt
         workdir: str | None = None, safetensors: bool = True) -> dict:
     """Builds the synthetic checkpoint(s) and measures every row; ``safetensors=False`` keeps only the control
     and the .pt rows."""
-    per_layer = sum(int(np.prod(s)) * 4 for k, s in synthetic_shapes(dim, ffn_dim, 1).items() if k.startswith("b"))
-    top = sum(int(np.prod(s)) * 4 for k, s in synthetic_shapes(dim, ffn_dim, 0).items())
-    layers = max(1, round((size_mb * 2**20 - top) / per_layer))
-    shapes = synthetic_shapes(dim, ffn_dim, layers)
+    shapes, layers = _sized(size_mb, dim, ffn_dim)
     tmp = tempfile.mkdtemp(prefix="convert_memory_", dir=workdir)
     try:
         src = os.path.join(tmp, "diffusion_pytorch_model.safetensors")
@@ -157,12 +171,83 @@ def run(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8, pt
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_LOAD = """
+import sys, jax, jax.numpy as jnp
+from jaxkv.models.wan import checkpoint
+path, dtype = sys.argv[1], sys.argv[2]
+if path == "-":
+    jax.block_until_ready(jnp.zeros(1))
+else:
+    _, params = checkpoint.load(path, dtype=None if dtype == "stored" else jnp.dtype(dtype))
+    jax.block_until_ready(params)
+"""
+
+
+def run_load(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8,
+             workdir: str | None = None) -> dict:
+    """Peak RSS of `wan.load` on float32 / bfloat16 checkpoints of about ``size_mb`` (float32) MiB."""
+    shapes, layers = _sized(size_mb, dim, ffn_dim)
+    tmp = tempfile.mkdtemp(prefix="load_memory_", dir=workdir)
+    try:
+        src = os.path.join(tmp, "diffusion_pytorch_model.safetensors")
+        _generate(src, dim, ffn_dim, layers)
+        cks = {}
+        for dtype in ("f32", "bf16"):
+            cks[dtype] = os.path.join(tmp, f"ck_{dtype}")
+            subprocess.run([sys.executable, "-m", "converters.cli", src, cks[dtype], "--dtype", dtype, "--num-heads",
+                            str(heads), "--no-progress"], check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
+        os.remove(src)
+        load = [sys.executable, "-c", _LOAD]
+        rows = {"load-baseline": measure(load + ["-", "stored"]),
+                "load-f32-as-bf16": measure(load + [cks["f32"], "bfloat16"]),
+                "load-f32": measure(load + [cks["f32"], "stored"]),
+                "load-bf16": measure(load + [cks["bf16"], "stored"])}
+        f32 = sum(int(np.prod(s)) * 4 for s in shapes.values())
+        return {"weights_f32_bytes": f32, "weights_bf16_bytes": f32 // 2,
+                "largest_tensor_f32_bytes": _largest_stacked(shapes, layers), "layers": layers, "dim": dim,
+                "ffn_dim": ffn_dim, "rows": rows}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sized(size_mb: float, dim: int, ffn_dim: int):
+    per_layer = sum(int(np.prod(s)) * 4 for k, s in synthetic_shapes(dim, ffn_dim, 1).items() if k.startswith("b"))
+    top = sum(int(np.prod(s)) * 4 for k, s in synthetic_shapes(dim, ffn_dim, 0).items())
+    layers = max(1, round((size_mb * 2**20 - top) / per_layer))
+    return synthetic_shapes(dim, ffn_dim, layers), layers
+
+
+def _largest_stacked(shapes, layers: int) -> int:
+    """Bytes (float32) of the largest jaxkv parameter: block tensors are stacked over the layers."""
+    per_key = {}
+    for k, s in shapes.items():
+        name = k.split(".", 2)[2] if k.startswith("blocks.") else k
+        per_key[name] = per_key.get(name, 0) + int(np.prod(s)) * 4
+    return max(per_key.values())
+
+
+def _print_load(result) -> None:
+    mib = lambda b: f"{b / 2**20:8.1f}"  # noqa: E731
+    print(f"weights: {mib(result['weights_f32_bytes'])} MiB float32 = {mib(result['weights_bf16_bytes'])} MiB "
+          f"bfloat16 ({result['layers']} layers, dim {result['dim']}, ffn {result['ffn_dim']}); largest stacked "
+          f"parameter {mib(result['largest_tensor_f32_bytes'])} MiB float32")
+    rows = result["rows"]
+    base = rows["load-baseline"]["peak_rss"]
+    print(f"{'run':<18}{'wall s':>8}{'peak RSS MiB':>14}{'- baseline MiB':>16}{'/ result size':>15}")
+    for name, r in rows.items():
+        size = {"load-f32": result["weights_f32_bytes"]}.get(name, result["weights_bf16_bytes"])
+        extra = r["peak_rss"] - base
+        ratio = f"{extra / size:15.2f}" if name != "load-baseline" else f"{'':15}"
+        print(f"{name:<18}{r['wall_s']:8.1f}{mib(r['peak_rss']):>14}{mib(extra):>16}{ratio}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-mb", type=float, default=600, help="synthetic checkpoint size (float32), MiB")
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--ffn-dim", type=int, default=4096)
     p.add_argument("--pt", action="store_true", help="also convert the same weights saved as a .pt (needs torch)")
+    p.add_argument("--load", action="store_true", help="measure wan.load instead of the conversion")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--generate", metavar="PATH", help=argparse.SUPPRESS)  # internal: write one synthetic file
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -170,6 +255,13 @@ def main(argv=None) -> int:
     if args.generate:
         shapes = synthetic_shapes(args.dim, args.ffn_dim, args.layers)
         (write_synthetic_pt if args.generate.endswith(".pt") else write_synthetic)(args.generate, shapes)
+        return 0
+    if args.load:
+        result = run_load(args.size_mb, args.dim, args.ffn_dim)
+        _print_load(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
         return 0
     result = run(args.size_mb, args.dim, args.ffn_dim, pt=args.pt)
     mib = lambda b: f"{b / 2**20:8.1f}"  # noqa: E731

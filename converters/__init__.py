@@ -4,12 +4,15 @@
     plan = convert_checkpoint("Wan2.1-T2V-1.3B/", "wan13b-jaxkv/", dtype="bf16")
 
 `plan_conversion` checks a checkpoint from its headers alone; `write_checkpoint` streams a checked plan to disk;
-every problem is a `ConversionError`. Names load lazily, so `jaxkv convert --help` does not import JAX.
+every problem is a `ConversionError`. Converters of other model families reuse `write_tensor_directory` /
+`Piece` (converters/stream.py: plan -> stream -> atomic write, with the destination and NaN/Inf rules) and
+`open_source`. Names load lazily, so `jaxkv convert --help` does not import JAX.
 """
 
 _API = {"convert_checkpoint": "converters.convert", "plan_conversion": "converters.convert",
-        "write_checkpoint": "converters.convert", "Plan": "converters.convert",
-        "ConversionError": "converters.errors", "open_source": "converters.sources"}
+        "write_checkpoint": "converters.convert", "check_output": "converters.convert", "Plan": "converters.convert",
+        "ConversionError": "converters.errors", "open_source": "converters.sources",
+        "write_tensor_directory": "converters.stream", "Piece": "converters.stream"}
 
 __all__ = sorted(_API)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 _EPILOG = """\
@@ -18,7 +17,10 @@ The format and the config are detected; the head count comes from a config.json 
 preset, else pass --num-heads or --preset.
 
 DST is a directory (config.json + params.safetensors) for `jaxkv generate --checkpoint DST` and
-jaxkv.models.wan.checkpoint.load(DST).
+jaxkv.models.wan.checkpoint.load(DST). It is built beside DST in a hidden .DST.tmp-* directory and renamed into
+place when complete; an error, Ctrl-C, SIGTERM or SIGHUP leaves nothing behind, and a leftover of a killed run is
+removed by the next conversion into DST. --force replaces only a jaxkv checkpoint directory (or an empty one);
+DST may never be, contain or lie inside SRC.
 """
 
 
@@ -40,56 +42,86 @@ def _parser() -> argparse.ArgumentParser:
                                       "(wan2.1-t2v-1.3b, wan2.1-t2v-14b, tiny)")
     cfg.add_argument("--config", metavar="JSON", help="a JSON file of WanConfig fields to check against")
     p.add_argument("--num-heads", type=int, help="attention heads (tensors cannot show them)")
-    p.add_argument("--force", action="store_true", help="replace an existing DST (only once the new one is complete)")
+    p.add_argument("--text-len", type=int, help="text tokens the model was trained with (tensors cannot show it and "
+                                                "diffusers configs do not store it; default: the matching preset's)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing DST, only if it is a jaxkv checkpoint directory (config.json + "
+                        "params.safetensors and nothing else), and only once the new one is complete")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert tensors holding NaN/Inf (listed in the summary) instead of refusing")
     p.add_argument("--dry-run", action="store_true", help="check and report; write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.dst is None and not args.dry_run:
         _parser().error("DST is required (or pass --dry-run)")
-    from converters.convert import plan_conversion, write_checkpoint
-    from converters.errors import ConversionError
+    from jaxkv import files
 
-    if args.dst is not None and not args.dry_run and os.path.lexists(args.dst) and not args.force:
-        print(f"jaxkv convert: error: {args.dst} already exists; pass --force to replace it", file=sys.stderr)
-        return 1
+    # SIGTERM / SIGHUP clean up like Ctrl-C: the temporary directory goes, one line, exit 128 + signal.
+    with files.signals_as_exceptions():
+        try:
+            return _run(args)
+        except KeyboardInterrupt:
+            _say("jaxkv convert: interrupted; nothing was written")
+            return 130
+        except files.Terminated as e:
+            _say(f"jaxkv convert: {e}; nothing was written")
+            return e.exit_code
+
+
+def _run(args) -> int:
+    from converters.convert import check_output, plan_conversion, write_checkpoint
+    from converters.errors import ConversionError
+    from converters.stream import describe_nonfinite
+
     try:
+        if args.dst is not None and not args.dry_run:
+            check_output(args.src, args.dst, force=args.force)
         plan = plan_conversion(args.src, preset=args.preset, config=args.config, num_heads=args.num_heads,
-                               ema=args.ema)
+                               text_len=args.text_len, ema=args.ema)
     except ConversionError as e:
-        print(f"jaxkv convert: error: {e}", file=sys.stderr)
+        _say(f"jaxkv convert: error: {e}")
         return 1
     except OSError as e:
-        print(f"jaxkv convert: error: cannot read {args.src} ({e})", file=sys.stderr)
+        _say(f"jaxkv convert: error: cannot read {args.src} ({e})")
         return 1
-    c = plan.config
-    entry = getattr(plan.source, "entry", None)
-    print(f"source: {plan.source.description}, {plan.naming} naming, {len(plan.source.shapes)} tensors"
-          + (f", using entry {entry!r}" if entry else ""), file=sys.stderr)
-    print(f"config: dim {c.dim}, ffn_dim {c.ffn_dim}, {c.num_heads} heads, {c.num_layers} layers, patch "
-          f"{list(c.patch_size)}, in/out {c.in_dim}/{c.out_dim}, text_dim {c.text_dim} ({plan.config_origin})",
-          file=sys.stderr)
-    if args.dry_run:
-        plan.source.close()
-        print("dry run: nothing written", file=sys.stderr)
-        return 0
     try:
-        size = write_checkpoint(plan, args.dst, dtype=args.dtype, force=args.force, progress=not args.no_progress)
-    except ConversionError as e:
-        print(f"jaxkv convert: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("jaxkv convert: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except OSError as e:
-        print(f"jaxkv convert: error: writing {args.dst} failed, nothing was written ({e})", file=sys.stderr)
-        return 1
+        c = plan.config
+        entry = getattr(plan.source, "entry", None)
+        _say(f"source: {plan.source.description}, {plan.naming} naming, {len(plan.source.shapes)} tensors"
+             + (f", using entry {entry!r}" if entry else ""))
+        _say(f"config: dim {c.dim}, ffn_dim {c.ffn_dim}, {c.num_heads} heads, {c.num_layers} layers, patch "
+             f"{list(c.patch_size)}, in/out {c.in_dim}/{c.out_dim}, text_dim {c.text_dim}, text_len {c.text_len} "
+             f"({plan.config_origin})")
+        if plan.defaulted:
+            hint = " (set it with --text-len N if the model was trained with another)" if "text_len" in plan.defaulted \
+                else ""
+            _say("defaulted (not stored in the checkpoint): " + ", ".join(
+                f"{field} {getattr(c, field)} from the {origin}" for field, origin in plan.defaulted.items()) + hint)
+        if args.dry_run:
+            _say("dry run: nothing written (tensor values are not read, so NaN/Inf are not checked)")
+            return 0
+        try:
+            result = write_checkpoint(plan, args.dst, dtype=args.dtype, force=args.force,
+                                      progress=not args.no_progress, allow_nonfinite=args.allow_nonfinite, log=_say)
+        except ConversionError as e:
+            _say(f"jaxkv convert: error: {e}")
+            return 1
+        except OSError as e:
+            _say(f"jaxkv convert: error: writing {args.dst} failed, nothing was written ({e})")
+            return 1
     finally:
         plan.source.close()
-    print(f"wrote {args.dst} ({size / 2**20:.1f} MiB of {args.dtype} params)", file=sys.stderr)
+    if result.nonfinite:
+        _say("warning: " + describe_nonfinite(result.nonfinite))
+    _say(f"wrote {args.dst} ({result.params_bytes / 2**20:.1f} MiB of {args.dtype} params)")
     return 0
 
 

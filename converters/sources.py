@@ -33,9 +33,11 @@ class Source:
       shapes: {prefix-stripped key: shape}.
       dtypes: {key: dtype name}.
       hints: config values stored beside the weights (a config.json), possibly empty.
+      paths: every file this source reads (an output must never replace one of them).
     """
 
     description: str
+    paths: list[str]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
     hints: dict[str, Any]
@@ -65,8 +67,9 @@ def _strip_all(keys, where: str) -> dict[str, str]:
 
 class SafetensorsSource(Source):
     def __init__(self, files: list[str], description: str, hints: dict[str, Any] | None = None,
-                 weight_map: dict[str, str] | None = None):
+                 weight_map: dict[str, str] | None = None, extra_paths: list[str] = ()):
         self.description, self.hints = description, hints or {}
+        self.paths = [*files, *extra_paths]
         self._where: dict[str, tuple[str, TensorInfo]] = {}
         for path in files:
             infos, _ = read_header(path)
@@ -101,6 +104,7 @@ class TorchSource(Source):
             raise ConversionError(f"{path} is a PyTorch checkpoint; reading it needs torch (pip install "
                                   f"'jaxkv[torch]'), which is not installed") from None
         self._torch = torch
+        self.paths = [path]
         obj = _torch_load(torch, path)
         state, entry = _select_state_dict(torch, obj, path, ema)
         tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -182,25 +186,59 @@ def _madvise_dontneed(address: int, length: int) -> None:
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), 4)  # MADV_DONTNEED (Linux)
 
 
+# torch.save writes a zip archive since torch 1.6; before, a pickle stream that starts with this magic number.
+_ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _container(path: str) -> str:
+    """'zip', 'legacy' or 'other', from the file's first bytes (nothing is unpickled)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(_ZIP_MAGIC):
+        return "zip"
+    if head[:1] == b"\x80" and _LEGACY_MAGIC in head:
+        return "legacy"
+    return "other"
+
+
+def _refusal(text: str) -> str:
+    """The reason inside torch's weights_only refusal: which global it met and why it was blocked."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    glob_name = re.search(r"GLOBAL ([\w.]+)", text)
+    why = ""
+    blocked = re.search(r"whose module ([\w.]+) is blocked", text)
+    if blocked:
+        why = f", from module {blocked.group(1)}, which the weights-only loader blocks"
+    elif "not an allowed global" in text:
+        why = ", which is not an allowed global"
+    if glob_name:
+        return f"it references the Python object {glob_name.group(1)}{why}"
+    return "it holds: " + " ".join(text.split())[:300]
+
+
 def _torch_load(torch, path: str):
+    kind = _container(path)
+    if kind == "legacy":
+        raise ConversionError(f"{path} uses the legacy (pre-1.6) torch.save format, which cannot be memory-mapped; "
+                              f"re-save it with a current torch.save")
+    if kind == "other":
+        with open(path, "rb") as f:
+            head = f.read(8)
+        raise ConversionError(f"{path} is not a PyTorch checkpoint: torch.save files are zip archives (or, before "
+                              f"torch 1.6, a pickle starting with torch's magic number), but this file starts with "
+                              f"bytes {head!r}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
-        # torch's message is long; the WeightsUnpickler line names the offending object.
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-        culprit = next((line.strip() for line in text.splitlines() if "WeightsUnpickler error" in line), "")
-        culprit = culprit.split(". Please use")[0] or " ".join(text.split())[:200]
         raise ConversionError(
-            f"{path} was refused by torch.load(weights_only=True): it stores Python objects other than tensors and "
-            f"plain containers ({culprit}). Only weights-only files are read, since unpickling arbitrary objects can "
-            f"run code; re-save just the state dict (torch.save({{'generator': model.state_dict()}}, path)) from "
-            f"trusted code and convert that") from None
+            f"{path} was refused by torch.load(weights_only=True): {_refusal(str(e))}. Loading it without "
+            f"weights_only would import and call that object, i.e. execute code stored in the file, so jaxkv does "
+            f"not; if you trust the file, re-save just the state dict (torch.save({{'generator': "
+            f"model.state_dict()}}, path)) from trusted code and convert that") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         msg = " ".join(str(e).split())
         msg = msg if len(msg) <= 200 else msg[:200] + "..."
-        if "mmap" in msg and "zipfile" in msg:
-            raise ConversionError(f"{path} uses the legacy (pre-1.6) torch.save format, which cannot be memory-"
-                                  f"mapped; re-save it with a current torch.save") from None
         raise ConversionError(f"{path} is truncated or corrupt: torch.load could not read it ({msg})") from None
 
 
@@ -258,7 +296,8 @@ def open_source(src: str, ema: bool | None = None) -> Source:
         if src.endswith(".safetensors"):
             hints_path = os.path.join(os.path.dirname(src) or ".", "config.json")
             hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
-            return SafetensorsSource([src], f"safetensors file {src}", hints)
+            return SafetensorsSource([src], f"safetensors file {src}", hints,
+                                     extra_paths=[hints_path] if hints else [])
         if src.endswith(".index.json"):
             return _sharded(src)
         raise ConversionError(f"{src}: unknown checkpoint format; expected a .safetensors file, a "
@@ -276,7 +315,7 @@ def open_source(src: str, ema: bool | None = None) -> Source:
     if len(files) == 1:
         hints_path = os.path.join(src, "config.json")
         hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
-        return SafetensorsSource(files, f"safetensors file {files[0]}", hints)
+        return SafetensorsSource(files, f"safetensors file {files[0]}", hints, extra_paths=[src])
     if len(files) > 1:
         raise ConversionError(f"{src} holds {len(files)} .safetensors files but no *.safetensors.index.json to say "
                               f"how they fit together; pass the file to convert")
@@ -299,4 +338,5 @@ def _sharded(index_path: str) -> Source:
     hints_path = os.path.join(folder, "config.json")
     hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
     return SafetensorsSource([os.path.join(folder, s) for s in shards],
-                             f"sharded safetensors ({len(shards)} shards, index {index_path})", hints, weight_map)
+                             f"sharded safetensors ({len(shards)} shards, index {index_path})", hints, weight_map,
+                             extra_paths=[index_path, hints_path] if hints else [index_path])

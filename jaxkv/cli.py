@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import sys
 
+
+
+def _generate(argv: list[str]) -> int:
+    from jaxkv import generate
+
+    return generate.main(argv)
+
+
+def _convert(argv: list[str]) -> int:
+    from converters import cli
+
+    return cli.main(argv)
+
+
 _COMMANDS = {
-    "generate": ("jaxkv.generate", "streaming video-latent generation on ring caches (Wan 2.1, causal)"),
-    "convert": ("converters.cli", "convert a PyTorch/safetensors Wan 2.1 checkpoint to jaxkv params"),
+    "generate": (_generate, "streaming video-latent generation on ring caches (Wan 2.1, causal)"),
+    "convert": (_convert, "convert a PyTorch/safetensors Wan 2.1 checkpoint to jaxkv params"),
 }
 
 
@@ -30,10 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in _COMMANDS:
         print(f"jaxkv: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    import importlib
-
-    module = importlib.import_module(_COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return int(_COMMANDS[name][0](rest) or 0)
 
 
 if __name__ == "__main__":

@@ -120,3 +120,134 @@ def test_load_errors(tmp_path, how, expect):
 def test_load_missing_directory(tmp_path):
     with pytest.raises(CheckpointError, match="jaxkv convert"):
         load(str(tmp_path / "nothing"))
+
+
+# ------------------------------------------------------------------ jaxkv.files: the rules every writer shares
+
+from jaxkv import files  # noqa: E402
+
+
+def _fake_stale(parent, name: str, pid: int, *, old: bool = False, start=None, host=None):
+    """A temporary directory as a writer killed mid-way leaves it (the marker names its process)."""
+    import socket
+
+    tmp = parent / f".{name}.tmp-deadbeef"
+    (tmp / "new").mkdir(parents=True)
+    (tmp / "new" / "params.safetensors").write_bytes(b"partial")
+    (tmp / files.MARKER).write_text(json.dumps({"pid": pid, "start": start, "host": host or socket.gethostname()}))
+    if old:
+        save(str(tmp / "old"), CFG, random_params(CFG, 3))
+    return tmp
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no such process now (pids are not reused this quickly)
+
+
+def test_remove_stale_removes_only_dead_writers_temporaries(tmp_path):
+    dead = _dead_pid()
+    stale = _fake_stale(tmp_path, "ck", dead)
+    live = _fake_stale(tmp_path, "ck2", os.getpid())  # a running writer (this process): kept
+    other_host = _fake_stale(tmp_path, "ck3", dead, host="elsewhere")  # cannot tell on a shared disk: kept
+    unmarked = tmp_path / ".ck.tmp-cafef00d"  # our name pattern but no marker: not ours, kept
+    unmarked.mkdir()
+    assert files.remove_stale(str(tmp_path / "ck")) == [f"removed {stale}, left by an interrupted write (pid {dead})"]
+    assert not stale.exists() and unmarked.exists()
+    assert files.remove_stale(str(tmp_path / "ck2")) == [] and live.exists()
+    assert files.remove_stale(str(tmp_path / "ck3")) == [] and other_host.exists()
+    # A reused pid (alive, but started at another time than the writer) does not keep a stale directory.
+    reused = _fake_stale(tmp_path, "ck4", os.getpid(), start="1")
+    if os.path.exists(f"/proc/{os.getpid()}/stat"):
+        assert files.remove_stale(str(tmp_path / "ck4")) and not reused.exists()
+
+
+def test_remove_stale_restores_a_checkpoint_caught_between_the_two_renames(tmp_path):
+    stale = _fake_stale(tmp_path, "ck", _dead_pid(), old=True)
+    messages = files.remove_stale(str(tmp_path / "ck"))
+    assert messages[0] == f"restored {tmp_path / 'ck'} from {stale} (a replacement was interrupted)"
+    assert_same(load(str(tmp_path / "ck"))[1], random_params(CFG, 3))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_atomic_directory_puts_the_old_one_back_if_the_final_rename_fails(tmp_path, monkeypatch):
+    save(str(tmp_path / "ck"), CFG, random_params(CFG, 0))
+    real_rename, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append((a, b))
+        if len(calls) == 2:  # old moved aside; the new one cannot be moved in
+            raise OSError("disk vanished")
+        return real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="disk vanished"):
+        save(str(tmp_path / "ck"), CFG, random_params(CFG, 1), force=True)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert os.listdir(tmp_path) == ["ck"]
+    assert_same(load(str(tmp_path / "ck"))[1], random_params(CFG, 0))
+
+
+def test_save_force_replaces_only_a_checkpoint_or_an_empty_directory(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("mine")
+    with pytest.raises(files.DestinationError, match=r"a\.txt"):
+        save(str(tmp_path / "docs"), CFG, random_params(CFG), force=True)
+    assert os.listdir(tmp_path / "docs") == ["a.txt"] and sorted(os.listdir(tmp_path)) == ["docs"]
+    (tmp_path / "empty").mkdir()
+    save(str(tmp_path / "empty"), CFG, random_params(CFG), force=True)
+    assert sorted(os.listdir(tmp_path / "empty")) == ["config.json", "params.safetensors"]
+
+
+def test_signals_as_exceptions_takes_over_only_default_handlers():
+    import signal
+
+    with files.signals_as_exceptions():
+        with pytest.raises(files.Terminated) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs at the next bytecode boundary
+                pass
+    assert e.value.exit_code == 143 and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    seen = []
+    previous = signal.signal(signal.SIGHUP, lambda s, f: seen.append(s))
+    try:
+        with files.signals_as_exceptions():
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(1000):
+                pass
+        assert seen == [signal.SIGHUP]  # the program's own handler still ran, no exception
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_directory_problem_names_what_is_wrong(tmp_path):
+    save(str(tmp_path / "ck"), CFG, random_params(CFG))
+    assert checkpoint.replace_problem(str(tmp_path / "ck")) is None
+    (tmp_path / "ck" / "sub").mkdir()
+    assert "sub" in checkpoint.replace_problem(str(tmp_path / "ck"))
+    os.rmdir(tmp_path / "ck" / "sub")
+    os.remove(tmp_path / "ck" / "params.safetensors")
+    assert "lacks params.safetensors" in checkpoint.replace_problem(str(tmp_path / "ck"))
+    generic = files.directory_problem(str(tmp_path / "ck"), required=("config.json",))
+    assert generic is None  # any "jaxkv-..." format marker, for writers of other kinds
+
+
+def test_read_array_casts_in_blocks_exactly_like_numpy(tmp_path):
+    from safetensors.numpy import save_file
+
+    from jaxkv import safetensors_io
+    rng = np.random.default_rng(0)
+    data = {"a": rng.standard_normal((37, 11)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float64),
+            "c": rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16), "e": np.zeros((0, 3), np.float32)}
+    save_file(data, str(tmp_path / "t.safetensors"))
+    infos, _ = safetensors_io.read_header(str(tmp_path / "t.safetensors"))
+    for key, want in data.items():
+        for dtype in (None, np.float32, ml_dtypes.bfloat16):
+            got = safetensors_io.read_array(str(tmp_path / "t.safetensors"), infos[key], dtype, block_bytes=24)
+            ref = want if dtype is None else want.astype(dtype)
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8), err_msg=f"{key} {dtype}")

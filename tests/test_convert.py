@@ -170,8 +170,9 @@ def test_hand_written_layout_matches_the_documented_param_shapes():
 
 def test_original_layout_single_file(tmp_path):
     sd = random_original(CFG)
-    save_file(sd, str(tmp_path / "diffusion_pytorch_model.safetensors"))
-    plan = convert_checkpoint(str(tmp_path), str(tmp_path / "out"), num_heads=CFG.num_heads, dtype="f32")
+    (tmp_path / "src").mkdir()
+    save_file(sd, str(tmp_path / "src" / "diffusion_pytorch_model.safetensors"))
+    plan = convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "out"), num_heads=CFG.num_heads, dtype="f32")
     assert plan.naming == "wan"
     config, params = checkpoint.load(str(tmp_path / "out"))
     assert config == WanConfig(**{**CFG.to_dict(), "text_len": 512})  # text_len cannot be seen in tensors
@@ -194,24 +195,26 @@ def test_sharded_original_layout_with_config_hints(tmp_path):
 
 def test_trailing_blocks_missing_are_caught_with_a_config_json(tmp_path):
     sd = {k: v for k, v in random_original(CFG).items() if not k.startswith("blocks.2.")}
-    save_file(sd, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(sd, str(src / "diffusion_pytorch_model.safetensors"))
     # Without a config.json the tensors look like a complete 2-layer model...
-    assert plan_conversion(str(tmp_path), num_heads=2).config.num_layers == 2
+    assert plan_conversion(str(src), num_heads=2).config.num_layers == 2
     # ...with one, the missing third block is reported.
-    (tmp_path / "config.json").write_text(json.dumps({"num_heads": 2, "num_layers": 3}))
-    msg = _error(tmp_path, tmp_path)
+    (src / "config.json").write_text(json.dumps({"num_heads": 2, "num_layers": 3}))
+    msg = _error(tmp_path, src)
     assert "missing keys (27): blocks.2.cross_attn.k.bias" in msg  # a whole block: 27 tensors
 
 
 def test_diffusers_naming_gives_the_same_params(tmp_path):
     sd = random_original(CFG, seed=2)
-    src = tmp_path / "transformer"
-    src.mkdir()
+    src = tmp_path / "pipeline" / "transformer"
+    src.mkdir(parents=True)
     save_file({diffusers_name(k): v for k, v in sd.items()}, str(src / "diffusion_pytorch_model.safetensors"))
     (src / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel", "num_attention_heads": 2,
                                                  "attention_head_dim": 16}))
     # A diffusers pipeline root is entered at transformer/.
-    plan = convert_checkpoint(str(tmp_path), str(tmp_path / "out"), dtype="f32")
+    plan = convert_checkpoint(str(tmp_path / "pipeline"), str(tmp_path / "out"), dtype="f32")
     assert plan.naming == "diffusers" and plan.config.num_heads == 2
     assert_params_equal(checkpoint.load(str(tmp_path / "out"))[1], expected_params(sd, CFG))
 
@@ -353,21 +356,201 @@ def test_ema_flags_only_apply_to_training_checkpoints(tmp_path):
     assert "--ema" in _error(tmp_path, tmp_path / "m.safetensors", num_heads=2, ema=True)
 
 
+def test_evidence_table_matches_the_param_layout():
+    # The width table the config inference votes with, filled in with a config's values, is params.py's layout.
+    from converters.convert import EVIDENCE
+    from jaxkv.models.wan.params import flat_param_shapes
+    for c in (CFG, PRESETS["tiny"], PRESETS["wan2.1-t2v-14b"]):
+        values = {"dim": c.dim, "ffn_dim": c.ffn_dim, "in_dim": c.in_dim, "text_dim": c.text_dim,
+                  "freq_dim": c.freq_dim, "pt": c.patch_size[0], "ph": c.patch_size[1], "pw": c.patch_size[2],
+                  "head_out": c.patch_volume * c.out_dim}
+        filled = {k: tuple(a if isinstance(a, int) else values[a] if isinstance(a, str) else values[a[0]] * a[1]
+                           for a in template) for k, template in EVIDENCE.items()}
+        want = {k: v[1:] if k.startswith("blocks.") else v for k, v in flat_param_shapes(c).items()}
+        assert filled == want
+
+
+@pytest.mark.parametrize("key, bad", [
+    ("blocks.0.ffn.0.weight", (CFG.dim, CFG.ffn_dim)),           # transposed: used to set ffn_dim = dim
+    ("blocks.2.ffn.2.bias", (CFG.dim + 2,)),
+    ("text_embedding.2.weight", (CFG.dim, CFG.dim - 4)),
+    ("blocks.1.self_attn.q.weight", (CFG.dim * CFG.dim,)),        # wrong rank
+    ("head.modulation", (1, 3, CFG.dim)),
+])
+def test_a_mis_shaped_tensor_is_the_one_blamed(tmp_path, key, bad):
+    sd = random_original(CFG)
+    want = list(sd[key].shape)
+    sd[key] = np.zeros(bad, np.float32)
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    msg = _error(tmp_path, tmp_path / "m.safetensors", num_heads=2)
+    # The widths come from the majority of tensors, so the config is right and only the culprit is named.
+    assert f"dim {CFG.dim}, ffn_dim {CFG.ffn_dim}" in msg, msg
+    assert f"shape mismatches (1): {key}: expected {want}, found {list(bad)}" in msg, msg
+    assert "missing keys" not in msg and "unexpected keys" not in msg
+
+
+def test_widths_with_equal_support_are_not_guessed(tmp_path):
+    # A one-layer model has three tensors that show ffn_dim; if each says something else, none is the odd one out.
+    c1 = WanConfig(**{**CFG.to_dict(), "num_layers": 1})
+    sd = random_original(c1)
+    sd["blocks.0.ffn.0.weight"] = np.zeros((40, c1.dim), np.float32)   # says 40
+    sd["blocks.0.ffn.0.bias"] = np.zeros((44,), np.float32)             # says 44; ffn.2.weight says 48
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    msg = _error(tmp_path, tmp_path / "m.safetensors", num_heads=2)
+    assert "disagree on ffn_dim with equal support" in msg and "blocks.0.ffn.0.weight" in msg, msg
+
+
+def test_diffusers_config_defaults_text_len_and_says_so(tmp_path, capsys):
+    tiny = PRESETS["tiny"]
+    sd = random_original(tiny)
+    src = tmp_path / "transformer"
+    src.mkdir()
+    save_file({diffusers_name(k): v for k, v in sd.items()}, str(src / "diffusion_pytorch_model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel", "eps": 1e-6,
+                                                 "num_attention_heads": tiny.num_heads}))
+    plan = plan_conversion(str(src))
+    assert plan.config.text_len == tiny.text_len and plan.defaulted == {"text_len": "preset 'tiny'",
+                                                                        "rope_theta": "preset 'tiny'"}
+    assert cli.main([str(src), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert f"defaulted (not stored in the checkpoint): text_len {tiny.text_len} from the preset 'tiny'" in err
+    assert "--text-len" in err
+    # --text-len sets it, and it is no longer reported as defaulted.
+    plan = plan_conversion(str(src), text_len=77)
+    assert plan.config.text_len == 77 and "text_len" not in plan.defaulted
+    assert cli.main([str(src), str(tmp_path / "out"), "--text-len", "77", "--no-progress"]) == 0
+    assert "text_len 77" in capsys.readouterr().err
+    assert checkpoint.read_config(str(tmp_path / "out")).text_len == 77
+    # Without a preset of these widths the defaults are WanConfig's, also reported.
+    save_file(random_original(CFG), str(tmp_path / "m.safetensors"))
+    assert plan_conversion(str(tmp_path / "m.safetensors"), num_heads=2).defaulted == {
+        "text_len": "jaxkv default", "eps": "jaxkv default", "rope_theta": "jaxkv default"}
+
+
+@pytest.mark.parametrize("where, value, source_dtype", [
+    ("blocks.1.ffn.2.weight", np.nan, np.float32), ("head.head.bias", -np.inf, np.float32),
+    ("blocks.0.modulation", 3.4e38, np.float32),  # finite in float32, +Inf once rounded to bfloat16
+])
+def test_nonfinite_tensors_are_refused_by_name_unless_allowed(tmp_path, capsys, where, value, source_dtype):
+    sd = random_original(CFG)
+    sd[where] = sd[where].astype(source_dtype)
+    sd[where].reshape(-1)[[1, 3]] = value
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    msg = _error(tmp_path, tmp_path / "m.safetensors", num_heads=2, dtype="bf16")
+    kind = "NaN" if np.isnan(value) else "+Inf" if value > 0 else "-Inf"
+    assert f"tensor {where} holds non-finite values" in msg and f"2 {kind}" in msg and "--allow-nonfinite" in msg
+    if np.isfinite(value):
+        assert "after casting to bfloat16 (the source values are finite)" in msg
+    dst = tmp_path / "out"
+    assert cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--no-progress"]) == 1
+    assert "non-finite" in capsys.readouterr().err and not dst.exists() and not leftovers(tmp_path)
+    assert cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--no-progress",
+                     "--allow-nonfinite"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: non-finite values kept in 1 tensor(s): " + where in err
+    flat = flatten(checkpoint.load(str(dst), dtype=np.float32)[1])
+    bad = [k for k, v in flat.items() if not np.isfinite(np.asarray(v)).all()]
+    assert len(bad) == 1 and int((~np.isfinite(np.asarray(flat[bad[0]]))).sum()) == 2
+
+
 # ------------------------------------------------------------------------------------------------ atomic output
 
-def test_existing_destination_needs_force_and_is_replaced_whole(tmp_path):
+def test_existing_destination_needs_force_and_only_a_jaxkv_checkpoint_is_replaced_whole(tmp_path):
     sd = random_original(CFG)
     save_file(sd, str(tmp_path / "m.safetensors"))
     dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "stale.txt").write_text("old")
+    convert_checkpoint(str(tmp_path / "m.safetensors"), str(dst), num_heads=2, dtype="bf16")
     with pytest.raises(ConversionError, match="already exists"):
         convert_checkpoint(str(tmp_path / "m.safetensors"), str(dst), num_heads=2)
-    assert (dst / "stale.txt").exists()
     convert_checkpoint(str(tmp_path / "m.safetensors"), str(dst), num_heads=2, dtype="f32", force=True)
     assert sorted(os.listdir(dst)) == ["config.json", "params.safetensors"]
-    assert_params_equal(checkpoint.load(str(dst))[1], expected_params(sd, CFG))
+    assert_params_equal(checkpoint.load(str(dst))[1], expected_params(sd, CFG))  # f32: the new one, whole
     assert not leftovers(tmp_path)
+
+
+def snapshot(root) -> dict:
+    """Every path under ``root`` (itself included) -> its bytes, link target or None for a directory."""
+    root = str(root)
+    if os.path.islink(root) or os.path.isfile(root):
+        return {".": os.readlink(root) if os.path.islink(root) else open(root, "rb").read()}
+    out = {".": None}
+    for folder, dirs, names in os.walk(root):
+        for n in dirs + names:
+            p = os.path.join(folder, n)
+            out[os.path.relpath(p, root)] = (os.readlink(p) if os.path.islink(p) else None if os.path.isdir(p)
+                                             else open(p, "rb").read())
+    return out
+
+
+FORCE_REFUSED = ["current directory", "source directory", "source file's directory", "unrelated files",
+                 "regular file", "checkpoint plus a foreign file", "config without format marker",
+                 "symlink to a checkpoint", "inside the source", "symlinked alias of the source"]
+
+
+@pytest.mark.parametrize("case", FORCE_REFUSED)
+def test_force_refuses_anything_but_a_jaxkv_checkpoint_and_never_touches_it(tmp_path, monkeypatch, capsys, case):
+    sd = random_original(CFG)
+    src_dir = tmp_path / "weights"
+    src_dir.mkdir()
+    save_file(sd, str(src_dir / "diffusion_pytorch_model.safetensors"))
+    ck = tmp_path / "ck"  # a real jaxkv checkpoint, for the cases built from one
+    convert_checkpoint(str(src_dir), str(ck), num_heads=2)
+    src, dst, expect = str(src_dir), None, None
+    if case == "current directory":
+        monkeypatch.chdir(ck)  # even a checkpoint is not replaced while it is the current directory
+        dst, expect = ".", "current directory"
+    elif case == "source directory":
+        dst, expect = str(src_dir), "is the source"
+    elif case == "source file's directory":
+        src, dst, expect = str(src_dir / "diffusion_pytorch_model.safetensors"), str(src_dir), "contains the source"
+    elif case == "unrelated files":
+        dst = tmp_path / "docs"
+        dst.mkdir()
+        (dst / "thesis.tex").write_text("years of work")
+        expect = "thesis.tex"
+    elif case == "regular file":
+        dst = tmp_path / "notes.txt"
+        dst.write_text("keep me")
+        expect = "not a directory"
+    elif case == "checkpoint plus a foreign file":
+        (ck / "notes.txt").write_text("mine")
+        dst, expect = ck, "notes.txt"
+    elif case == "config without format marker":
+        data = json.loads((ck / "config.json").read_text())
+        del data["format"]
+        (ck / "config.json").write_text(json.dumps(data))
+        dst, expect = ck, "format marker"
+    elif case == "symlink to a checkpoint":
+        dst = tmp_path / "link"
+        dst.symlink_to(ck)
+        expect = "symbolic link"
+    elif case == "inside the source":
+        dst, expect = str(src_dir / "out"), "inside the source"
+    elif case == "symlinked alias of the source":
+        (tmp_path / "alias").symlink_to(src_dir)
+        dst, expect = str(tmp_path / "alias"), "is the source"
+    before = snapshot(tmp_path)
+    assert cli.main([src, str(dst), "--num-heads", "2", "--force", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxkv convert: error: ") and "\n" not in err and expect in err, err
+    assert snapshot(tmp_path) == before  # nothing touched, nothing left behind
+    with pytest.raises(ConversionError, match=expect):  # the library refuses the same way
+        convert_checkpoint(src, str(dst), num_heads=2, force=True)
+    assert snapshot(tmp_path) == before
+
+
+def test_output_directories_get_the_users_umask(tmp_path):
+    save_file(random_original(CFG), str(tmp_path / "m.safetensors"))
+    for umask, dir_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600), (0o002, 0o775, 0o664)):
+        old = os.umask(umask)
+        try:
+            dst = tmp_path / f"out{umask:o}"
+            convert_checkpoint(str(tmp_path / "m.safetensors"), str(dst), num_heads=2)
+        finally:
+            os.umask(old)
+        assert oct(os.stat(dst).st_mode & 0o777) == oct(dir_mode)
+        for name in ("config.json", "params.safetensors"):
+            assert oct(os.stat(dst / name).st_mode & 0o777) == oct(file_mode), name
 
 
 def test_interrupted_conversion_leaves_the_old_destination(tmp_path, monkeypatch):
@@ -391,6 +574,84 @@ def test_interrupted_conversion_leaves_the_old_destination(tmp_path, monkeypatch
         convert_checkpoint(str(tmp_path / "m.safetensors"), str(dst), num_heads=2, dtype="bf16", force=True)
     assert len(calls) == 20
     assert (dst / "params.safetensors").read_bytes() == before and not leftovers(tmp_path)
+
+
+_SLOW_CONVERT = """
+import sys, time
+from converters import cli, sources
+ready, calls, real = sys.argv[1], [], sources.SafetensorsSource.read
+def read(self, key):  # a slow disk: the conversion is still streaming when the test signals it
+    calls.append(key)
+    if len(calls) == 10:
+        open(ready, "w").close()
+    if len(calls) >= 10:
+        time.sleep(0.5)
+    return real(self, key)
+sources.SafetensorsSource.read = read
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def _start_slow_conversion(tmp_path, src, dst):
+    import subprocess
+    import sys
+    import time
+
+    script, ready = tmp_path / "slow_convert.py", tmp_path / "ready"
+    script.write_text(_SLOW_CONVERT)
+    if ready.exists():
+        ready.unlink()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, str(script), str(ready), str(src), str(dst), "--num-heads", "2",
+                             "--no-progress"], stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the conversion never started streaming"
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGHUP", 129), ("SIGINT", 130)])
+def test_signals_during_a_conversion_clean_up(tmp_path, signame, code):
+    import signal
+
+    save_file(random_original(CFG), str(tmp_path / "m.safetensors"))
+    dst = tmp_path / "out"
+    proc = _start_slow_conversion(tmp_path, tmp_path / "m.safetensors", dst)
+    assert leftovers(tmp_path), "the temporary directory should exist while streaming"
+    proc.send_signal(getattr(signal, signame))
+    err = proc.stderr.read().strip()
+    assert proc.wait(timeout=60) == code, err
+    lines = err.splitlines()
+    assert "Traceback" not in err and all(line.startswith(("source:", "config:", "defaulted"))
+                                          for line in lines[:-1]), err  # the summary, then one line for the stop
+    assert lines[-1].endswith("nothing was written") and (signame in lines[-1] or signame == "SIGINT"), err
+    assert not dst.exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.slow
+def test_after_sigkill_the_next_conversion_removes_its_stale_temporary(tmp_path, capsys):
+    import signal
+
+    sd = random_original(CFG)
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    (tmp_path / ".out.tmp-notours").mkdir()  # same pattern, no marker: someone else's, never touched
+    dst = tmp_path / "out"
+    proc = _start_slow_conversion(tmp_path, tmp_path / "m.safetensors", dst)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    proc.stderr.close()
+    stale = [n for n in leftovers(tmp_path) if n != ".out.tmp-notours"]
+    assert len(stale) == 1 and os.path.isfile(tmp_path / stale[0] / ".jaxkv-partial")
+    assert cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--dtype", "f32",
+                     "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"removed {tmp_path / stale[0]}, left by an interrupted write (pid {proc.pid})" in err
+    assert leftovers(tmp_path) == [".out.tmp-notours"]
+    assert_params_equal(checkpoint.load(str(dst))[1], expected_params(sd, CFG))
 
 
 # ------------------------------------------------------------------------------------------------ CLI

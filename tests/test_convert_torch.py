@@ -85,6 +85,37 @@ def test_weights_only_refusal_is_a_clear_error(tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
+class RunsAShellCommand:
+    """What a malicious checkpoint holds: unpickling it would call os.system."""
+
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+def test_refusal_names_the_refused_global_and_says_it_would_execute_code(tmp_path):
+    torch.save({"generator": as_torch(random_original(CFG)), "payload": RunsAShellCommand()}, tmp_path / "evil.pt")
+    with pytest.raises(ConversionError) as e:
+        plan_conversion(str(tmp_path / "evil.pt"), num_heads=2)
+    msg = str(e.value)
+    assert f"{os.system.__module__}.system" in msg and "blocks" in msg, msg  # posix.system on Linux
+    assert "execute code" in msg and "weights_only" in msg
+    torch.save({"generator": as_torch(random_original(CFG)), "args": NotAWeight()}, tmp_path / "obj.pt")
+    with pytest.raises(ConversionError, match=r"NotAWeight, which is not an allowed global.*execute code"):
+        plan_conversion(str(tmp_path / "obj.pt"), num_heads=2)
+
+
+def test_garbage_and_legacy_files_are_told_apart(tmp_path):
+    (tmp_path / "garbage.pt").write_bytes(b"<html>404 Not Found</html>" * 20)
+    with pytest.raises(ConversionError) as e:
+        plan_conversion(str(tmp_path / "garbage.pt"), num_heads=2)
+    assert "is not a PyTorch checkpoint" in str(e.value) and "legacy (pre-1.6)" not in str(e.value)
+    assert "b'<html>40'" in str(e.value)
+    torch.save({"generator": as_torch(random_original(CFG))}, tmp_path / "old.pt",
+               _use_new_zipfile_serialization=False)
+    with pytest.raises(ConversionError, match=r"legacy \(pre-1.6\) torch.save format"):
+        plan_conversion(str(tmp_path / "old.pt"), num_heads=2)
+
+
 def test_truncated_pt(tmp_path):
     torch.save({"generator": as_torch(random_original(CFG))}, tmp_path / "full.pt")
     data = (tmp_path / "full.pt").read_bytes()

@@ -6,23 +6,21 @@ Layout::
       config.json          WanConfig.to_dict() plus "format": "jaxkv-wan" and "format_version": 1
       params.safetensors   the params of `jaxkv.models.wan.params`, flattened with '.' ("blocks.self_attn.q.kernel")
 
-A directory is written atomically: into a temporary sibling directory that is renamed onto DST only when complete,
-so an interrupted write leaves either nothing or the previous checkpoint, never half of one.
+A directory is written atomically (`jaxkv.files.atomic_directory`): into a temporary sibling directory that is
+renamed onto DST only when complete, so an interrupted write leaves either nothing or the previous checkpoint, never
+half of one; ``force`` replaces only a directory that is itself a jaxkv Wan checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
-import uuid
-from typing import Any, Iterator
+from typing import Any
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
+from jaxkv import files, safetensors_io
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import flatten, unflatten, validate_params
 
@@ -69,48 +67,16 @@ def read_config(path: str) -> WanConfig:
         raise CheckpointError(f"{file} does not hold a valid WanConfig: {e}") from None
 
 
-@contextlib.contextmanager
-def atomic_directory(path: str, *, force: bool = False) -> Iterator[str]:
-    """Yields a fresh temporary directory beside ``path``; on normal exit it becomes ``path``, on any exception
-    (KeyboardInterrupt included) it is deleted. An existing ``path`` is an error unless ``force``, and is replaced
-    only after the new directory is complete."""
-    path = os.path.abspath(path)
-    if os.path.lexists(path) and not force:
-        raise FileExistsError(f"{path} already exists; pass force=True (--force) to replace it")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        if os.path.lexists(path):
-            # Move the old one aside first: rename cannot replace a non-empty directory.
-            old = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(path, old)
-            os.rename(tmp, path)
-            if os.path.isdir(old) and not os.path.islink(old):
-                shutil.rmtree(old)
-            else:
-                os.remove(old)
-        else:
-            os.rename(tmp, path)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def replace_problem(path: str) -> str | None:
+    """None if ``path`` is a jaxkv Wan checkpoint directory (config.json with the format marker +
+    params.safetensors, nothing else) that ``force`` may replace; otherwise why not."""
+    return files.directory_problem(path, required=(CONFIG_FILE, PARAMS_FILE), formats=(FORMAT,))
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def atomic_directory(path: str, *, force: bool = False, log=None):
+    """`jaxkv.files.atomic_directory` for a Wan checkpoint: with ``force`` an existing ``path`` is replaced only
+    if it is a jaxkv Wan checkpoint directory (see `replace_problem`)."""
+    return files.atomic_directory(path, replace=replace_problem if force else None, log=log)
 
 
 def save(path: str, config: WanConfig, params: dict[str, Any], *, force: bool = False) -> None:
@@ -130,28 +96,35 @@ def save(path: str, config: WanConfig, params: dict[str, Any], *, force: bool = 
 def load(path: str, dtype=None) -> tuple[WanConfig, dict[str, Any]]:
     """Reads a checkpoint directory -> (WanConfig, params as jax arrays).
 
-    ``dtype`` (e.g. ``jnp.float32``) casts every parameter; None keeps the stored dtype. Raises CheckpointError
-    naming the problem for a missing/foreign directory, a truncated or corrupt params file, and params that do not
-    match the config (missing / unexpected keys, shape mismatches).
+    ``dtype`` (e.g. ``jnp.float32``) casts every parameter; None keeps the stored dtype. Tensors are read and cast
+    one at a time with plain file reads (`jaxkv.safetensors_io.read_array`), so peak host memory is the params in
+    the requested dtype plus one tensor, whatever the stored dtype. Raises CheckpointError naming the problem for a
+    missing/foreign directory, a truncated or corrupt params file, and params that do not match the config
+    (missing / unexpected keys, shape mismatches), the last checked from the file's header before reading data.
     """
-    from safetensors import SafetensorError, safe_open
-
     config = read_config(path)
     file = os.path.join(path, PARAMS_FILE)
     if not os.path.isfile(file):
         raise CheckpointError(f"{path} is not a complete jaxkv checkpoint: {PARAMS_FILE} is missing")
-    flat = {}
+    target = None if dtype is None else np.dtype(dtype)
     try:
-        with safe_open(file, framework="numpy") as f:
-            for key in f.keys():
-                array = f.get_tensor(key)
-                flat[key] = jnp.asarray(array, dtype=dtype)
-                del array
-    except (SafetensorError, OSError) as e:
+        infos, _ = safetensors_io.read_header(file)
+        try:
+            validate_params(unflatten({k: _Shape(i.shape) for k, i in infos.items()}), config)
+        except ValueError as e:
+            raise CheckpointError(f"{file} does not match {os.path.join(path, CONFIG_FILE)}: {e}") from None
+        flat = {}
+        for key, info in infos.items():
+            array = safetensors_io.read_array(file, info, target)
+            flat[key] = jax.device_put(array)
+            del array  # the host copy goes as soon as the device holds it
+    except (safetensors_io.FormatError, OSError) as e:
         raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
-    params = unflatten(flat)
-    try:
-        validate_params(params, config)
-    except ValueError as e:
-        raise CheckpointError(f"{file} does not match {os.path.join(path, CONFIG_FILE)}: {e}") from None
-    return config, params
+    return config, unflatten(flat)
+
+
+class _Shape:
+    """Stands in for an array in `validate_params` (which reads only ``np.shape``) before any data is read."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = tuple(shape)

@@ -1,0 +1,139 @@
+"""The write half of every converter: stream planned tensors into ``DST/params.safetensors`` atomically.
+
+A converter (the Wan DiT one in convert.py; the VAE and text-encoder ones alike) first plans from headers alone,
+then hands `write_tensor_directory` the output tensors in file order, each as one or more `Piece`s that are read
+one at a time (a stacked ``[L, ...]`` parameter is L pieces). The shared rules live here once:
+
+* the destination is checked first (`jaxkv.files.check_destination`: never a source, never something that is not
+  a previous output of this converter), and written through `jaxkv.files.atomic_directory` (nothing left behind on
+  an error, Ctrl-C, SIGTERM or SIGHUP; stale temporaries of killed runs removed and reported);
+* each piece is cast to the output dtype and checked for NaN / Inf as it streams (bounded memory); a non-finite
+  tensor stops the conversion with its name unless ``allow_nonfinite``, and is listed in the result otherwise;
+* a progress bar per piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from converters.errors import ConversionError, listing
+from converters.safetensors_io import StreamWriter
+from jaxkv import files
+
+_CHECK_BLOCK = 1 << 20  # elements per finiteness test: the boolean scratch stays at 1 MiB
+
+
+class Piece(NamedTuple):
+    """One source array of an output tensor.
+
+    label: what messages call it (the source key, e.g. ``blocks.3.ffn.0.weight``).
+    read: () -> the piece's values in the output layout (any float dtype; a view is fine).
+    release: called once the piece is written (e.g. to drop a memory map's pages), or None.
+    """
+
+    label: str
+    read: Callable[[], np.ndarray]
+    release: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass
+class WriteResult:
+    """What `write_tensor_directory` wrote: ``params_bytes`` (size of the params file) and ``nonfinite``
+    (one "label: n NaN, n +Inf, n -Inf of N values" line per non-finite piece, only with allow_nonfinite)."""
+
+    params_bytes: int
+    nonfinite: list[str]
+
+
+def nonfinite_summary(array: np.ndarray) -> str | None:
+    """None if every value is finite, else "n NaN, n +Inf, n -Inf of N values"; checked in blocks so the boolean
+    scratch stays small whatever the array size."""
+    flat = array.reshape(-1)
+    counts = None
+    for begin in range(0, flat.size, _CHECK_BLOCK):
+        block = flat[begin: begin + _CHECK_BLOCK]
+        if np.isfinite(block).all():
+            continue
+        if counts is None:
+            counts = [0, 0, 0]
+        counts[0] += int(np.isnan(block).sum())
+        counts[1] += int(np.isposinf(block).sum())
+        counts[2] += int(np.isneginf(block).sum())
+    if counts is None:
+        return None
+    return f"{counts[0]} NaN, {counts[1]} +Inf, {counts[2]} -Inf of {flat.size} values"
+
+
+def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...], Sequence[Piece]]], *,
+                           dtype, extra_files: Mapping[str, str], metadata: Mapping[str, str] | None = None,
+                           replaceable: Callable[[str], str | None], force: bool = False,
+                           sources: Iterable[str] = (), allow_nonfinite: bool = False, progress: bool = False,
+                           log: Callable[[str], None] | None = None,
+                           params_file: str = "params.safetensors") -> WriteResult:
+    """Streams ``tensors`` [(output key, output shape, pieces)] into ``dst/params_file`` and writes
+    ``extra_files`` {name: text} (e.g. config.json) beside it, all atomically.
+
+    Every piece is cast to ``dtype`` (round to nearest even when narrowing), made contiguous, checked for NaN/Inf
+    and appended; the pieces of one tensor must concatenate (C order) to its shape. ``replaceable`` says whether an
+    existing ``dst`` may be replaced under ``force`` (see `jaxkv.files.check_destination`); ``sources`` are the
+    paths being read, which ``dst`` must not be, contain or lie in. ``log`` receives one-line notes (stale
+    temporaries removed). Raises ConversionError (nothing written, nothing touched) for a refused destination or
+    a non-finite piece without ``allow_nonfinite``; KeyboardInterrupt / `jaxkv.files.Terminated` pass through
+    after cleanup.
+    """
+    out = np.dtype(dtype)
+    sources = list(sources)
+    try:
+        files.check_destination(dst, sources=sources, force=force, replaceable=replaceable)
+    except files.DestinationError as e:
+        raise ConversionError(str(e)) from None
+    from tqdm import tqdm
+
+    bad: list[str] = []
+    try:
+        with files.atomic_directory(dst, replace=replaceable if force else None, log=log) as tmp:
+            params_path = os.path.join(tmp, params_file)
+            writer = StreamWriter(params_path, [(key, out, shape) for key, shape, _ in tensors], metadata)
+            try:
+                total = sum(len(p) for _, _, p in tensors)
+                with tqdm(total=total, unit="tensor", desc="convert", disable=not progress,
+                          dynamic_ncols=True) as bar:
+                    for key, _, pieces in tensors:
+                        for piece in pieces:
+                            source = piece.read()
+                            values = np.ascontiguousarray(source, dtype=out)
+                            problem = nonfinite_summary(values)
+                            if problem is not None:
+                                if nonfinite_summary(source) is None:
+                                    problem += f" after casting to {out.name} (the source values are finite)"
+                                if not allow_nonfinite:
+                                    raise ConversionError(
+                                        f"tensor {piece.label} holds non-finite values ({problem}); the "
+                                        f"conversion stopped and nothing was written; pass --allow-nonfinite "
+                                        f"(allow_nonfinite=True) to convert it anyway")
+                                bad.append(f"{piece.label}: {problem}")
+                            writer.write(key, values)
+                            del values, source
+                            if piece.release is not None:
+                                piece.release()
+                            bar.update(1)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            for name, text in extra_files.items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
+            size = os.path.getsize(params_path)
+    except files.DestinationError as e:  # the destination changed between the check and the write
+        raise ConversionError(str(e)) from None
+    return WriteResult(size, bad)
+
+
+def describe_nonfinite(bad: Sequence[str]) -> str:
+    """One line for a summary: the non-finite tensors that were converted anyway."""
+    return f"non-finite values kept in {len(bad)} tensor(s): {listing(bad, 6)}"

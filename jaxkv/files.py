@@ -1,0 +1,332 @@
+"""Writing output directories without ever losing a user's files.
+
+One home for what every jaxkv writer of a directory needs (`jaxkv convert`, the VAE / text-encoder converters,
+`jaxkv generate`'s output, `wan.save`):
+
+* `atomic_directory(path)`: the directory is built in a hidden temporary sibling ``.NAME.tmp-XXXXXXXX`` and renamed
+  onto ``path`` only when complete; an exception, Ctrl-C, SIGTERM or SIGHUP removes it. Directories get the
+  user's umask (not ``mkdtemp``'s 0700).
+* After a SIGKILL (or a power cut) nothing can clean up at once; the temporary directory holds a marker file
+  naming the process that wrote it, and the next `atomic_directory` for the same ``path`` removes such leftovers
+  once that process is gone (`remove_stale`), and says so.
+* `check_destination(dst, sources=..., force=..., replaceable=...)`: refuses a destination that is, contains or
+  lies inside a source, the current directory, or an existing path that the caller's `replaceable` test (usually
+  `directory_problem` with the caller's own file names) does not recognise as one of its own outputs.
+* `signals_as_exceptions()`: SIGTERM / SIGHUP raise `Terminated` (like SIGINT raises KeyboardInterrupt), so
+  ``finally`` blocks run and a command can exit 143 / 129 with one line instead of leaving debris.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import threading
+import time
+from typing import Callable, Collection, Iterable, Iterator
+
+MARKER = ".jaxkv-partial"  # inside every temporary directory while it is written: {"pid", "start", "host", ...}
+_NEW, _OLD = "new", "old"  # the directory being built / the replaced one, both inside the marked temporary dir
+
+
+class DestinationError(ValueError):
+    """The output path cannot be written without destroying something that is not ours."""
+
+
+class Terminated(BaseException):
+    """SIGTERM / SIGHUP turned into an exception (a BaseException, like KeyboardInterrupt, so ``except Exception``
+    does not swallow it). ``exit_code`` is the shell's 128 + signal number."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+
+# ------------------------------------------------------------------------------------------------ signals
+
+_TERMINATING = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def signals_as_exceptions(signals: Iterable[int] = _TERMINATING) -> Iterator[None]:
+    """Within the block, SIGTERM / SIGHUP raise `Terminated` in the main thread instead of killing the process.
+
+    Only signals still at their default disposition are taken over (a handler the program installed itself, or an
+    ignored signal, is left alone), and the previous handlers come back on exit. Outside the main thread (where
+    Python cannot install handlers) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for s in signals:
+        if signal.getsignal(s) is signal.SIG_DFL:
+            previous[s] = signal.signal(s, _raise_terminated)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _deferred_signals() -> Iterator[None]:
+    """Holds SIGINT / SIGTERM / SIGHUP (when at their default or our handler) until the block is done, so a second
+    Ctrl-C cannot stop a cleanup or a rename pair half way; a signal that came is raised at the end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {}
+    for s in (signal.SIGINT, *_TERMINATING):
+        current = signal.getsignal(s)
+        if current in (signal.SIG_DFL, signal.default_int_handler, _raise_terminated):
+            previous[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if pending:
+        s = pending[0]
+        if s == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(s)
+
+
+# ------------------------------------------------------------------------------------------------ destinations
+
+def _inside(child: str, parent: str) -> bool:
+    return os.path.commonpath([child, parent]) == parent and child != parent
+
+
+def directory_problem(path: str, *, required: Collection[str], optional: Collection[str] = (),
+                      formats: Collection[str] | None = None, marker_file: str = "config.json") -> str | None:
+    """Why ``path`` is not a directory that a jaxkv writer made, or None if it is one.
+
+    One of ours is a real directory (not a symlink) whose entries are all regular files, that holds every name in
+    ``required``, nothing outside ``required`` and ``optional``, and whose ``marker_file`` (JSON) has a ``"format"``
+    in ``formats`` (None: any format starting with ``"jaxkv-"``).
+    """
+    if os.path.islink(path):
+        return f"{path} is a symbolic link"
+    if not os.path.isdir(path):
+        return f"{path} is not a directory" if os.path.lexists(path) else f"{path} does not exist"
+    entries = sorted(os.listdir(path))
+    missing = sorted(set(required) - set(entries))
+    foreign = [e for e in entries if e not in required and e not in optional
+               or not os.path.isfile(os.path.join(path, e)) or os.path.islink(os.path.join(path, e))]
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" ... and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        return f"{path} holds entries a jaxkv writer does not make ({shown})"
+    if missing:
+        return f"{path} lacks {', '.join(missing)}"
+    try:
+        with open(os.path.join(path, marker_file)) as f:
+            found = json.load(f).get("format")
+    except (OSError, ValueError, AttributeError):
+        found = None
+    ok = found in formats if formats is not None else isinstance(found, str) and found.startswith("jaxkv-")
+    if not ok:
+        want = f"one of {sorted(formats)}" if formats is not None else "'jaxkv-...'"
+        return f"{os.path.join(path, marker_file)} has no jaxkv format marker (\"format\": {want}; found {found!r})"
+    return None
+
+
+def _replace_problem(path: str, replaceable: Callable[[str], str | None] | None) -> str | None:
+    """An empty real directory may always be replaced (nothing is lost); anything else only if ``replaceable``
+    recognises it."""
+    if not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path):
+        return None
+    if replaceable is None:
+        return f"{path} is not known to be a jaxkv output"
+    return replaceable(path)
+
+
+def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = False,
+                      replaceable: Callable[[str], str | None] | None = None) -> None:
+    """Raises DestinationError unless writing the directory ``dst`` destroys nothing but a previous output.
+
+    Always refused: ``dst`` equal to, inside, or containing any of ``sources`` (compared both as given and with
+    symlinks resolved, so a source file's own directory counts as containing it), and an existing ``dst`` that is
+    the current directory or contains it. An existing ``dst`` needs ``force``, and is then replaced only if
+    ``replaceable(dst)`` (e.g. a `functools.partial` of `directory_problem`) returns None, or if it is an empty
+    directory; the reason is reported otherwise. Checks only; touches nothing.
+    """
+    targets = {os.path.abspath(dst), os.path.realpath(dst)}
+    for src in sources:
+        for s in {os.path.abspath(src), os.path.realpath(src)}:
+            for d in targets:
+                if d == s:
+                    raise DestinationError(f"the output {dst} is the source {src}; choose another output path")
+                if _inside(d, s):
+                    raise DestinationError(f"the output {dst} lies inside the source {src}; choose a path outside it")
+                if _inside(s, d):
+                    raise DestinationError(f"the output {dst} contains the source {src}; replacing it would delete "
+                                           f"the source; choose another output path")
+    if not os.path.lexists(dst):
+        return
+    if not force:
+        raise DestinationError(f"{dst} already exists; pass --force to replace it (only a previous jaxkv output "
+                               f"directory is replaced)")
+    cwd = os.path.realpath(os.getcwd())
+    if any(d == cwd or _inside(cwd, d) for d in targets):
+        raise DestinationError(f"refusing to replace {dst}: it is (or contains) the current directory")
+    problem = _replace_problem(dst, replaceable)
+    if problem is not None:
+        raise DestinationError(f"refusing to replace {dst} even with --force: {problem}; --force only replaces a "
+                               f"directory that jaxkv wrote (remove it yourself or choose another output path)")
+
+
+# ------------------------------------------------------------------------------------------------ temporaries
+
+def _prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of process ``pid`` (Linux; tells a live writer from a reused pid), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _writer_alive(info: dict) -> bool:
+    if info.get("host") != socket.gethostname():
+        return True  # another machine's writer (a shared disk): cannot tell, keep it
+    pid = info.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    start = info.get("start")
+    return start is None or _process_start(pid) in (None, start)
+
+
+def remove_stale(path: str) -> list[str]:
+    """Removes the temporary directories an interrupted (killed) `atomic_directory` for ``path`` left beside it.
+
+    Only directories named ``.NAME.tmp-*`` holding our marker whose writing process no longer runs on this host are
+    touched. If one holds the previous ``path`` (killed between the two renames of a replacement) and ``path`` is
+    gone, that previous directory is moved back to ``path`` first. Returns one sentence per action taken.
+    """
+    path = os.path.abspath(path)
+    parent, prefix = os.path.dirname(path), _prefix(path)
+    done = []
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return done
+    for name in names:
+        tmp = os.path.join(parent, name)
+        if not name.startswith(prefix) or os.path.islink(tmp) or not os.path.isdir(tmp):
+            continue
+        try:
+            with open(os.path.join(tmp, MARKER)) as f:
+                info = json.load(f)
+            if not isinstance(info, dict):
+                continue
+        except (OSError, ValueError):
+            continue  # not recognisably ours: leave it
+        if _writer_alive(info):
+            continue
+        old = os.path.join(tmp, _OLD)
+        if os.path.isdir(old) and not os.path.lexists(path):
+            os.rename(old, path)
+            done.append(f"restored {path} from {tmp} (a replacement was interrupted)")
+        shutil.rmtree(tmp)
+        done.append(f"removed {tmp}, left by an interrupted write (pid {info.get('pid')})")
+    return done
+
+
+def _mkdir_unique(parent: str, prefix: str) -> str:
+    for _ in range(100):
+        candidate = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(candidate, 0o777)  # the umask applies, as for any other tool's output
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temporary directory {prefix}* in {parent}")
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None = None,
+                     log: Callable[[str], None] | None = None) -> Iterator[str]:
+    """Yields an empty directory to fill; on normal exit it becomes ``path``, on any exception it is removed.
+
+    ``path`` must not exist, unless ``replace`` is given: then an existing ``path`` is replaced (only after the new
+    directory is complete) if it is empty or ``replace(path)`` returns None, and DestinationError with its reason
+    is raised before anything is created otherwise. SIGTERM / SIGHUP at their default disposition raise `Terminated` while
+    the block runs, so they clean up as Ctrl-C does. Stale temporaries of ``path`` left by killed writers are
+    removed first, each action reported through ``log``. The yielded directory lies inside a hidden
+    ``.NAME.tmp-*`` sibling that holds a `MARKER`; directories are created with the user's umask.
+    """
+    path = os.path.abspath(path)
+    for message in remove_stale(path):
+        if log is not None:
+            log(message)
+    if os.path.lexists(path):
+        if replace is None:
+            raise FileExistsError(f"{path} already exists")
+        problem = _replace_problem(path, replace)
+        if problem is not None:
+            raise DestinationError(f"refusing to replace {path}: {problem}")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    with signals_as_exceptions():
+        tmp = None
+        try:
+            with _deferred_signals():  # the marker must exist as soon as the directory does
+                tmp = _mkdir_unique(parent, _prefix(path))
+                with open(os.path.join(tmp, MARKER), "w") as f:
+                    json.dump({"pid": os.getpid(), "start": _process_start(os.getpid()),
+                               "host": socket.gethostname(), "created": time.time(), "target": path}, f)
+                new = os.path.join(tmp, _NEW)
+                os.mkdir(new, 0o777)
+            yield new
+            _fsync_dir(new)
+            with _deferred_signals():
+                if os.path.lexists(path):
+                    # rename cannot replace a non-empty directory: move the old one into our marked directory
+                    # first, so that even a SIGKILL between the two renames leaves something remove_stale repairs.
+                    os.rename(path, os.path.join(tmp, _OLD))
+                os.rename(new, path)
+                _fsync_dir(parent)
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            if tmp is not None:
+                with _deferred_signals():
+                    old = os.path.join(tmp, _OLD)
+                    if os.path.isdir(old) and not os.path.lexists(path):
+                        os.rename(old, path)  # the replacement failed half way: put the previous one back
+                    shutil.rmtree(tmp, ignore_errors=True)
+            raise
