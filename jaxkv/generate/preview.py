@@ -16,6 +16,7 @@ import collections
 import numpy as np
 
 from jaxkv.generate.png import write_png
+from jaxkv.validate import check_int
 
 
 def latent_to_rgb(latents: np.ndarray) -> np.ndarray:
@@ -60,7 +61,8 @@ class PreviewSink:
     """
 
     def __init__(self, path: str, frames: int, scale: int):
-        self.path, self.frames, self.scale = path, frames, scale
+        self.path = path
+        self.frames, self.scale = check_int("frames", frames, minimum=1), check_int("scale", scale, minimum=1)
         self.head: list[np.ndarray] = []                       # each [batch, h, w, channels]
         self.tail: collections.deque = collections.deque(maxlen=frames)
         self.total = 0
