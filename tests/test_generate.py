@@ -1,5 +1,5 @@
 """`jaxkv generate`: the default run works offline and writes readable outputs; checkpoints and context files are
-used; bad arguments get one clear line and exit code 2."""
+used; bad arguments get one clear line and exit code 2 before anything is compiled or written."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
     assert G.main(["--out", str(out), *FAST]) == 0
     printed = capsys.readouterr().out
     assert "per chunk" in printed and "compile" in printed
-    latents = np.load(out / "latents.npy")
+    latents = G.load_latents(str(out))
     d = G.DEFAULTS
     assert latents.shape == (1, 3 * d["chunk_frames"], d["height"], d["width"], 16)
     assert np.isfinite(latents).all() and latents.std() > 0.1
@@ -57,12 +57,17 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["compilations"] == 1 and summary["cache_bytes"] > 0
     assert summary["param_dtype"] == "float32"
+    assert summary["status"] == "complete" and summary["chunks_written"] == 3
+    # one file per chunk, each the chunk's frames of the whole
+    for i in range(3):
+        chunk = np.load(out / "latents" / f"chunk_{i:06d}.npy")
+        np.testing.assert_array_equal(chunk, latents[:, 3 * i:3 * i + 3])
     # the same seed gives the same latents (from the same program: no new compilation); another seed does not
     assert G.main(["--out", str(tmp_path / "again"), *FAST]) == 0
-    np.testing.assert_array_equal(np.load(tmp_path / "again" / "latents.npy"), latents)
+    np.testing.assert_array_equal(G.load_latents(str(tmp_path / "again")), latents)
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["compilations"] == 0
     assert G.main(["--out", str(tmp_path / "other"), "--seed", "1", *FAST]) == 0
-    assert np.abs(np.load(tmp_path / "other" / "latents.npy") - latents).max() > 1e-3
+    assert np.abs(G.load_latents(str(tmp_path / "other")) - latents).max() > 1e-3
 
 
 def test_checkpoint_and_context_files_are_used(tmp_path):
@@ -84,19 +89,21 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
         assert G.main(["--out", str(out), *FAST, *extra]) == 0
         if "safetensors" in extra:
             from safetensors.numpy import load_file
-            got = load_file(str(out / "latents.safetensors"))["latents"]
-        else:
-            got = np.load(out / "latents.npy")
+            assert sorted(os.listdir(out / "latents"))[0] == "chunk_000000.safetensors"
+            first = load_file(str(out / "latents" / "chunk_000000.safetensors"))["latents"]
+        got = G.load_latents(str(out))
+        if "safetensors" in extra:
+            np.testing.assert_array_equal(first, got[:, :3])
         if "bfloat16" in extra:     # weights rounded to bf16, bf16 matmul inputs: close, not equal
-            want = np.load(base / "latents.npy")
+            want = G.load_latents(str(base))
             assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
             assert json.loads((out / "summary.json").read_text())["param_dtype"] == "bfloat16"
             continue
-        np.testing.assert_allclose(got, np.load(base / "latents.npy"), atol=1e-5)
+        np.testing.assert_allclose(got, G.load_latents(str(base)), atol=1e-5)
     # a different context changes the video
     np.save(tmp_path / "ctx2.npy", ctx + 1.0)
     assert G.main(["--out", str(tmp_path / "c2"), *FAST, "--context", str(tmp_path / "ctx2.npy")]) == 0
-    assert np.abs(np.load(tmp_path / "c2" / "latents.npy") - np.load(base / "latents.npy")).max() > 1e-3
+    assert np.abs(G.load_latents(str(tmp_path / "c2")) - G.load_latents(str(base))).max() > 1e-3
 
 
 @pytest.mark.parametrize("argv,expect", [
@@ -113,18 +120,28 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     (["--guidance-scale", "inf"], "guidance_scale"),
     (["--shift", "inf"], "shift"),
     (["--param-dtype", "float16"], "invalid choice"),
+    (["--seed", "-1"], "--seed: expected an int in [0, 9223372036854775807], got -1"),
+    (["--seed", str(2 ** 63)], "--seed: expected an int in [0, 9223372036854775807]"),
+    (["--weights-seed", str(2 ** 64)], "--weights-seed: expected an int in [0,"),
+    (["--seed", "1.5"], "--seed: expected an int"),
+    (["--preview-frames", "0"], "--preview-frames"),
+    (["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"], "no effect with --checkpoint"),
+    (["--num-chunks", str(2 ** 31 // 192 + 1)], "int32 token positions (at most 11184810 chunks"),
 ])
 def test_bad_arguments_print_one_clear_line(tmp_path, capsys, argv, expect):
-    code = G.main(["--out", str(tmp_path), "--no-progress", *argv])
+    out = tmp_path / "out"
+    code = G.main(["--out", str(out), "--no-progress", *argv])
     err = capsys.readouterr().err
     assert code == 2
     assert expect in err and "Traceback" not in err
+    assert not out.exists()                       # refused before anything is written
 
 
 def test_bad_context_file_shapes(tmp_path, capsys):
     np.save(tmp_path / "wrong.npy", np.zeros((3, 5), np.float32))
-    assert G.main(["--out", str(tmp_path), "--context", str(tmp_path / "wrong.npy")]) == 2
+    assert G.main(["--out", str(tmp_path / "o"), "--context", str(tmp_path / "wrong.npy")]) == 2
     assert "text_dim=32" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_latent_to_rgb_is_a_fixed_linear_map():

@@ -1,0 +1,135 @@
+"""What ``jaxkv generate`` reads: the model (config first, cheaply; params later) and the text context, each
+checked for shapes and for non-finite numbers before anything is generated."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.generate.options import UsageError
+from jaxkv.models import wan
+from jaxkv.models.wan.checkpoint import CheckpointError, load, read_config
+
+
+def resolve_config(args):
+    """(WanConfig, description) from ``--checkpoint`` (reads only its config.json) or ``--preset``."""
+    if args.checkpoint:
+        try:
+            config = read_config(args.checkpoint)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+        if config.in_dim != config.out_dim:
+            raise UsageError(f"checkpoint {args.checkpoint} predicts {config.out_dim} channels from {config.in_dim}; "
+                             f"streaming generation needs in_dim == out_dim (a text-to-video model)")
+        return config, f"checkpoint {args.checkpoint}"
+    try:
+        config = wan.preset(args.preset)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return config, f"preset {args.preset!r} with random weights (seed {args.weights_seed})"
+
+
+def load_params(args, config):
+    """The params in ``--param-dtype``: the checkpoint's, or random ones of the preset. Every parameter must be
+    finite (checked once, on device)."""
+    dtype = jnp.dtype(args.param_dtype)
+    if args.checkpoint:
+        try:
+            loaded, params = load(args.checkpoint, dtype=dtype)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+        if loaded != config:
+            raise UsageError(f"checkpoint {args.checkpoint} changed while it was read; run again")
+    else:
+        params = wan.init_params(config, jax.random.key(args.weights_seed), dtype)
+    bad = nonfinite_leaves(params)
+    if bad:
+        where = f"checkpoint {args.checkpoint}" if args.checkpoint else "the random weights"
+        raise UsageError(f"{where} hold NaN or Inf values in {', '.join(bad)}; refusing to generate from them")
+    return params
+
+
+def nonfinite_leaves(params) -> list[str]:
+    """Names ("blocks.ffn.fc1.kernel") of the parameter leaves holding NaN or Inf; one fused check on device
+    for all leaves, and a per-leaf look only when it fails."""
+    if bool(_all_finite(jax.tree.leaves(params))):
+        return []
+    named = jax.tree.flatten_with_path(params)[0]
+    return [jax.tree_util.keystr(path, simple=True, separator=".") for path, x in named
+            if not bool(jnp.isfinite(x).all())]
+
+
+@jax.jit
+def _all_finite(leaves) -> jax.Array:
+    """bool []: every element of every array in ``leaves`` is finite."""
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+
+
+def load_context(path: str, text_dim: int, text_len: int, flag: str = "--context") -> np.ndarray:
+    """Text embeddings [tokens, text_dim] (or [1, tokens, text_dim]) from .npy or .safetensors -> float32
+    [tokens, text_dim]. A .safetensors file must hold one tensor, or one named ``context`` or ``prompt_embeds``.
+    NaN or Inf anywhere is a UsageError naming the file and the first bad position."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag} file {path!r} does not exist")
+    if path.endswith(".npy"):
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"cannot read {path!r} as .npy ({e})") from None
+    elif path.endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError) as e:
+            raise UsageError(f"cannot read {path!r} as .safetensors ({e})") from None
+        names = [n for n in ("context", "prompt_embeds") if n in tensors]
+        if names:
+            array = tensors[names[0]]
+        elif len(tensors) == 1:
+            array = next(iter(tensors.values()))
+        else:
+            raise UsageError(f"{path!r} holds {sorted(tensors)}; expected one tensor or one named 'context' or "
+                             f"'prompt_embeds'")
+    else:
+        raise UsageError(f"{flag} file {path!r} must end in .npy or .safetensors")
+    if array.ndim == 3 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 2 or array.shape[1] != text_dim:
+        raise UsageError(f"{flag} in {path!r} must be [tokens, text_dim={text_dim}], got {list(array.shape)}")
+    if not 1 <= array.shape[0] <= text_len:
+        raise UsageError(f"{flag} in {path!r} has {array.shape[0]} tokens; the model takes 1..{text_len}")
+    if not np.issubdtype(array.dtype, np.floating):
+        raise UsageError(f"{flag} in {path!r} must be floating point, got {array.dtype}")
+    array = array.astype(np.float32)
+    finite = np.isfinite(array)
+    if not finite.all():
+        token, channel = np.argwhere(~finite)[0]
+        raise UsageError(f"{flag} in {path!r} holds {int((~finite).sum())} NaN/Inf value(s), the first at token "
+                         f"{token}, channel {channel} ({array[token, channel]})")
+    return array
+
+
+def standin_context(seed: int, text_dim: int, text_len: int) -> np.ndarray:
+    """A seeded stand-in for text embeddings: min(8, text_len) tokens of N(0, 1) values [tokens, text_dim]."""
+    return np.random.default_rng(seed).standard_normal((min(8, text_len), text_dim)).astype(np.float32)
+
+
+def contexts(args, config) -> tuple[np.ndarray, np.ndarray | None]:
+    """(context float32 [batch, tokens, text_dim], negative context likewise or None without guidance)."""
+    if args.context:
+        context = load_context(args.context, config.text_dim, config.text_len)
+    else:
+        context = standin_context(args.seed, config.text_dim, config.text_len)
+    negative = None
+    if args.guidance_scale is not None:
+        if args.negative_context:
+            negative = load_context(args.negative_context, config.text_dim, config.text_len, "--negative-context")
+        else:   # only with the stand-in context (options.check): an empty prompt's stand-in
+            negative = np.zeros((1, config.text_dim), np.float32)
+        negative = np.broadcast_to(negative, (args.batch, *negative.shape))
+    return np.broadcast_to(context, (args.batch, *context.shape)), negative

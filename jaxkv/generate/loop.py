@@ -1,0 +1,264 @@
+"""The generation loop of ``jaxkv generate``: check everything, build the stream, hand each chunk to the output
+sinks as it finishes, stop cleanly on a signal, summarise.
+
+Order of work: arguments and their combinations (`options`), the model config (a checkpoint's config.json only),
+the rollout settings, the context files, ``--out``; then the params (checked finite) and only then compilation and
+generation. So a mistake costs no compile time and leaves no files.
+
+Per chunk the device computes the latents and one fused ``isfinite(...).all()``, fetched together; chunk k+1 is
+dispatched before chunk k is fetched and written, so writing overlaps the next chunk's compute. Host memory holds
+one or two chunks (plus the bounded preview frames) however many chunks run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import rollout as R
+from jaxkv.compilation import count_compiles
+from jaxkv.generate import inputs, options, outputs
+from jaxkv.generate.options import UsageError
+from jaxkv.generate.preview import PreviewSink
+from jaxkv.schedule import Schedule
+
+# Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
+# its own limit; use it here when it does.)
+POSITION_LIMIT = 2 ** 31 - 1
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+# Latencies kept for the median (the mean runs over every chunk): bounded, so memory does not grow with the run.
+LATENCY_WINDOW = 1000
+
+
+class GenerationError(RuntimeError):
+    """Generation stopped on bad numbers; the files written before it are finished (status "failed").
+    ``summary`` is what summary.json holds."""
+
+    def __init__(self, message: str, summary: dict):
+        super().__init__(message)
+        self.summary = summary
+
+
+class Stop:
+    """Set by a stop signal (`stop_on_signals`): the loop finishes the current chunk and returns. A second signal
+    restores the default action and re-raises it (kills the process at once; the files stay readable)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def handler(self, signum, frame) -> None:
+        if self.signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        print(f"\njaxkv generate: {signal.Signals(signum).name}: stopping after the current chunk (send it again to "
+              f"abort at once)", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Installs `Stop` for SIGINT, SIGTERM and SIGHUP while the block runs (main thread only; elsewhere the
+    returned Stop is never set)."""
+    stop = Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {s: signal.signal(s, stop.handler) for s in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@jax.jit
+def _chunk_finite(x) -> jax.Array:
+    return jnp.isfinite(x).all()
+
+
+def _settings(args, config):
+    """(Schedule, RolloutConfig) from the arguments; UsageError for any inconsistency."""
+    try:
+        schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
+        rc = R.RolloutConfig(args.height, args.width, chunk_frames=args.chunk_frames,
+                             window_frames=args.window_frames, sink_frames=args.sink_frames, schedule=schedule,
+                             guidance_scale=args.guidance_scale, policy=args.policy, cache_dtype=args.cache_dtype)
+        spec = rc.spec(config)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.num_chunks * spec.chunk > POSITION_LIMIT:
+        raise UsageError(f"--num-chunks {args.num_chunks} of {spec.chunk} tokens would pass the int32 token "
+                         f"positions (at most {POSITION_LIMIT // spec.chunk} chunks at this size)")
+    return schedule, rc
+
+
+def run(args, stop: Stop | None = None) -> dict:
+    """Runs ``jaxkv generate`` for parsed arguments (`options.build_parser`); returns the summary dict (as written
+    to summary.json; ``"status"`` is "complete", or "interrupted" when ``stop`` was set by a signal).
+
+    Raises UsageError for bad settings or inputs (nothing written), GenerationError when the latents turn
+    non-finite (the chunks before it are written and the files finished), OSError for I/O failures.
+    """
+    stop = stop or Stop()
+    options.check(args)
+    config, source = inputs.resolve_config(args)
+    schedule, rc = _settings(args, config)
+    context, negative = inputs.contexts(args, config)
+    outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False)
+    params = inputs.load_params(args, config)
+    if stop.signum is not None:
+        return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
+
+    key = jax.random.key(args.seed)
+    stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
+                      negative_context=None if negative is None else jnp.asarray(negative))
+    out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True)
+    sinks = [outputs.LatentsSink(out, args.format),
+             PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale)]
+    chunk_shape = rc.chunk_shape(config, args.batch)
+    files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
+
+    summary = {
+        "model": source, "param_dtype": args.param_dtype, "config": config.to_dict(),
+        "tokens_per_frame": rc.tokens_per_frame(config),
+        "chunk_frames": rc.chunk_frames, "window_frames": rc.window_frames, "sink_frames": rc.sink_frames,
+        "num_chunks": args.num_chunks, "policy": rc.policy, "cache_dtype": rc.cache_dtype,
+        "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
+        "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
+        "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
+    }
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.num_chunks, unit="chunk", desc="generate", file=sys.stderr)
+    recent = collections.deque(maxlen=LATENCY_WINDOW)
+    first_s, total_s, steady_n, status, reason = None, 0.0, 0, "complete", None
+    try:
+        with count_compiles(R.stream_step) as compiles:
+            start = time.perf_counter()
+            pending = next(stream)
+            pending = (pending, _chunk_finite(pending))
+            for index in range(args.num_chunks):
+                x, finite = pending
+                if index + 1 < args.num_chunks and stop.signum is None:
+                    nxt = next(stream)      # dispatched now: the device computes it while this chunk is written
+                    pending = (nxt, _chunk_finite(nxt))
+                x, finite = jax.device_get((x, finite))
+                now = time.perf_counter()
+                latency, start = now - start, now
+                if first_s is None:
+                    first_s = latency
+                else:
+                    recent.append(latency)
+                    total_s, steady_n = total_s + latency, steady_n + 1
+                if not finite:
+                    status = "failed"
+                    reason = (f"chunk {index} holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); "
+                              f"stopped, chunks 0..{index - 1} are written" if index else
+                              f"chunk 0 holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); stopped "
+                              f"before writing any chunk")
+                    break
+                files.write_chunk(index, x)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix_str(f"{latency * 1e3:.0f} ms")
+                if stop.signum is not None:
+                    break
+        if stop.signum is not None and status == "complete" and files.chunks < args.num_chunks:
+            status = "interrupted"
+            reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
+    except BaseException as e:       # KeyboardInterrupt included: finish the files, then let it propagate
+        files.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary,
+                    f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+    steady = bool(steady_n)
+    summary.update(
+        latents_shape=[args.batch, files.chunks * rc.chunk_frames, *chunk_shape[2:]],
+        first_chunk_s=first_s,
+        chunk_latency_ms_median=float(np.median(recent) * 1e3) if steady else None,
+        chunk_latency_ms_mean=float(total_s / steady_n * 1e3) if steady else None,
+        compile_s_estimate=float(first_s - (np.median(recent) if steady else 0.0)) if first_s is not None else None,
+        compilations=compiles(),
+    )
+    if stop.signum is not None:
+        summary["signal"] = signal.Signals(stop.signum).name
+    summary = files.close(status, summary, reason)
+    if status == "failed":
+        raise GenerationError(reason, summary)
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    """The human-readable summary on stdout."""
+    mib = s["cache_bytes"] / 2 ** 20
+    lat = (f"{s['chunk_latency_ms_median']:.1f} ms median, {s['chunk_latency_ms_mean']:.1f} ms mean"
+           if s["chunk_latency_ms_median"] is not None else "n/a (one chunk)")
+    shape = s["latents_shape"]
+    print(f"model        {s['model']}")
+    print(f"video        {shape[1]} latent frames of {shape[2]}x{shape[3]} ({s['tokens_per_frame']} tokens/frame), "
+          f"batch {shape[0]}")
+    print(f"cache        {s['policy']}: sink {s['sink_frames']} + window {s['window_frames']} frames, chunks of "
+          f"{s['chunk_frames']}; {mib:.2f} MiB for {s['cache_sessions']} session(s)")
+    print(f"sampler      steps {s['steps']} -> timesteps {s['timesteps']}"
+          + (f", guidance {s['guidance_scale']}" if s["guidance_scale"] is not None else ""))
+    if s["first_chunk_s"] is not None:
+        print(f"compile      {s['compile_s_estimate']:.2f} s (first chunk {s['first_chunk_s']:.2f} s), "
+              f"{s['compilations']} compilation(s) of the chunk step")
+        print(f"per chunk    {lat} after compilation ({s['backend']})")
+    print_written(s)
+
+
+def print_written(s: dict) -> None:
+    chunks = s.get("chunks_written", 0)
+    if not chunks and "manifest" not in s:
+        print("wrote        nothing")
+        return
+    print(f"wrote        {chunks} chunk(s) to {s.get('latents_dir')} ({s['status']}), {s.get('preview', 'no preview')}, "
+          f"{os.path.join(os.path.dirname(s['manifest']), outputs.SUMMARY)}; read them with "
+          f"jaxkv.generate.load_latents({os.path.dirname(s['manifest'])!r})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``jaxkv generate``: 0 when complete, 2 for bad arguments or inputs, 1 for failures (non-finite latents, I/O),
+    128 + signal number when stopped by SIGINT (130), SIGTERM (143) or SIGHUP (129)."""
+    parser = options.build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:       # --help (0) or an argparse error (2, message already printed)
+        return int(e.code or 0)
+    with stop_on_signals() as stop:
+        try:
+            summary = run(args, stop)
+        except UsageError as e:
+            print(f"jaxkv generate: error: {e}", file=sys.stderr)
+            return 2
+        except GenerationError as e:
+            print(f"jaxkv generate: error: {e}", file=sys.stderr)
+            print_written(e.summary)
+            return 1
+        except OSError as e:
+            print(f"jaxkv generate: error: {e}", file=sys.stderr)
+            return 1
+    if summary["status"] == "interrupted":
+        print(f"jaxkv generate: interrupted by {summary['signal']}", file=sys.stderr)
+        if "manifest" in summary:
+            print_summary(summary)
+        else:
+            print("wrote        nothing (stopped before the first chunk)")
+        return 128 + int(signal.Signals[summary["signal"]])
+    print_summary(summary)
+    return 0

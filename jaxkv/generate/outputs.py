@@ -1,0 +1,249 @@
+"""``jaxkv generate``'s output directory, written as chunks arrive, and `load_latents` to read it back.
+
+Layout of ``--out``::
+
+    manifest.json              what this run wrote so far (rewritten atomically after every chunk, see below)
+    latents/chunk_000000.npy   float32 [batch, chunk_frames, latent_height, latent_width, channels], one per chunk
+    latents/...                (``--format safetensors``: chunk_000000.safetensors holding one tensor "latents")
+    preview.png                first and last frames through a fixed latent-to-RGB projection (`preview`)
+    summary.json               settings, timings and how the run ended
+
+``manifest.json`` holds ``"format": "jaxkv-generate"``, ``"format_version"``, ``"status"`` (``running``,
+``complete``, ``interrupted`` or ``failed``, with a ``"reason"`` unless complete), ``"chunks"`` (how many chunk
+files are complete: chunk files are written under a temporary name and renamed, and the manifest is updated only
+after the rename), ``"chunk_shape"``, ``"dtype"``, ``"latents_format"`` and ``"entries"`` (every name this run
+created in the directory). A run killed outright (SIGKILL, power loss) leaves ``"status": "running"`` with every
+chunk it counts readable.
+
+Each output kind is a *sink* with ``names`` (the directory entries it writes), ``write_chunk(index, latents)`` and
+``close() -> dict`` (what it adds to the summary); `OutputDir` feeds every sink each chunk in order, so another
+output (e.g. an mp4 of decoded frames) is one more sink, not a change to the generation loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from jaxkv.generate.options import UsageError
+
+FORMAT = "jaxkv-generate"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SUMMARY = "summary.json"
+LATENTS_DIR = "latents"
+
+
+class Sink(Protocol):
+    names: tuple[str, ...]
+
+    def write_chunk(self, index: int, latents: np.ndarray) -> None: ...
+
+    def close(self) -> dict: ...
+
+
+# ------------------------------------------------------------------------------------------------ directory safety
+
+
+def _read_manifest(path: str) -> dict | None:
+    """The manifest of a jaxkv generate output directory, or None if ``path`` holds none (or a foreign one)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+
+
+def _is_previous_output(path: str) -> bool:
+    """True when every entry of directory ``path`` is one a previous `OutputDir` recorded in its manifest (and,
+    inside ``latents/``, only chunk files): the only kind of directory ``--overwrite`` may replace."""
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return False
+    own = set(manifest.get("entries", [])) | {MANIFEST}
+    own |= {f"{name}.tmp" for name in own}           # a file being replaced when the run was killed
+    if not set(os.listdir(path)) <= own:
+        return False
+    latents = os.path.join(path, LATENTS_DIR)
+    if os.path.lexists(latents):
+        if os.path.islink(latents) or not os.path.isdir(latents):
+            return False
+        if any(not n.startswith("chunk_") for n in os.listdir(latents)):
+            return False
+    return True
+
+
+def prepare_output_dir(path: str, *, overwrite: bool, create: bool) -> str:
+    """The one place that decides whether ``--out`` may be written (a later shared atomic-directory helper,
+    jaxkv.files, can take its place). Returns the absolute path.
+
+    Accepted: a path that does not exist (its parents are created), or an empty directory. A previous jaxkv
+    generate output (see `_is_previous_output`) is accepted only with ``overwrite``, and then replaced whole: the old
+    directory is renamed aside and deleted before anything new is written, so old and new files never mix.
+    Refused with a UsageError: a file, a directory of anything else (even with ``overwrite``), a place that is not
+    writable. With ``create=False`` only checks (run it again with ``create=True`` right before writing).
+    """
+    path = os.path.abspath(path)
+    if os.path.lexists(path):
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise UsageError(f"--out {path} exists and is not a directory; choose another --out")
+        if os.listdir(path):
+            if not _is_previous_output(path):
+                raise UsageError(f"--out {path} is a non-empty directory that is not a jaxkv generate output; "
+                                 f"nothing was touched (choose another --out)")
+            if not overwrite:
+                raise UsageError(f"--out {path} holds a previous jaxkv generate output; pass --overwrite to replace "
+                                 f"it, or choose another --out")
+        parent = path
+    else:
+        parent = os.path.dirname(path)
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise UsageError(f"cannot create --out {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write --out {path}: {parent} is not writable")
+    if not create:
+        return path
+    if os.path.isdir(path) and os.listdir(path):      # a previous output, overwrite checked above
+        aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(path, aside)
+        shutil.rmtree(aside)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Writes ``data`` to ``path`` atomically (temporary file + rename): a reader sees the old or the new file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+class LatentsSink:
+    """Output sink for ``latents/chunk_NNNNNN.{npy,safetensors}``: one file per chunk, written as it arrives."""
+
+    def __init__(self, out: str, fmt: str):
+        if fmt not in ("npy", "safetensors"):
+            raise ValueError(f"latents format must be 'npy' or 'safetensors', got {fmt!r}")
+        self.dir, self.format = os.path.join(out, LATENTS_DIR), fmt
+        os.makedirs(self.dir, exist_ok=True)
+
+    names = (LATENTS_DIR,)
+
+    def write_chunk(self, index: int, latents: np.ndarray) -> None:
+        path = os.path.join(self.dir, chunk_name(index, self.format))
+        tmp = f"{path}.tmp"
+        latents = np.ascontiguousarray(latents)
+        if self.format == "npy":
+            with open(tmp, "wb") as f:
+                np.save(f, latents)
+        else:
+            from safetensors.numpy import save_file
+
+            save_file({"latents": latents}, tmp)
+        os.replace(tmp, path)
+
+    def close(self) -> dict:
+        return {"latents_dir": self.dir}
+
+
+def chunk_name(index: int, fmt: str) -> str:
+    return f"chunk_{index:06d}.{fmt}"
+
+
+class OutputDir:
+    """The output directory of one run: the manifest, the sinks, and the summary.
+
+    ``write_chunk`` hands chunk ``index`` (float32 [batch, chunk_frames, h, w, channels], in order from 0) to every
+    sink, then records it in the manifest; ``close(status, summary)`` closes the sinks and writes the final
+    manifest and ``summary.json``.
+    """
+
+    def __init__(self, path: str, sinks: list[Sink], *, chunk_shape: tuple[int, ...], latents_format: str):
+        self.path, self.sinks = path, list(sinks)
+        self.chunks = 0
+        entries = sorted({n for s in self.sinks for n in s.names} | {SUMMARY})
+        self.manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "status": "running", "chunks": 0,
+                         "chunk_shape": list(chunk_shape), "dtype": "float32", "latents_format": latents_format,
+                         "entries": entries}
+        _write_json(os.path.join(path, MANIFEST), self.manifest)
+
+    def write_chunk(self, index: int, latents: np.ndarray) -> None:
+        if index != self.chunks:
+            raise ValueError(f"chunks must arrive in order: expected chunk {self.chunks}, got {index}")
+        if list(latents.shape) != self.manifest["chunk_shape"] or latents.dtype != np.float32:
+            raise ValueError(f"chunk {index} is {latents.dtype}{list(latents.shape)}, expected float32"
+                             f"{self.manifest['chunk_shape']}")
+        for sink in self.sinks:
+            sink.write_chunk(index, latents)
+        self.chunks += 1
+        self.manifest["chunks"] = self.chunks
+        _write_json(os.path.join(self.path, MANIFEST), self.manifest)
+
+    def close(self, status: str, summary: dict, reason: str | None = None) -> dict:
+        """Closes every sink, writes the summary (with what the sinks report) and the final manifest; returns the
+        summary."""
+        for sink in self.sinks:
+            summary.update(sink.close())
+        summary.update(status=status, chunks_written=self.chunks, manifest=os.path.join(self.path, MANIFEST))
+        if reason:
+            summary["reason"] = reason
+        _write_json(os.path.join(self.path, SUMMARY), summary)
+        self.manifest["status"] = status
+        if reason:
+            self.manifest["reason"] = reason
+        _write_json(os.path.join(self.path, MANIFEST), self.manifest)
+        return summary
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def latent_chunks(out_dir: str) -> Iterator[np.ndarray]:
+    """Yields the chunks the manifest of ``out_dir`` counts, in order: each float32 [batch, chunk_frames, h, w, c].
+    Raises ValueError naming the problem for a directory that is not a jaxkv generate output or a missing or
+    mis-shaped chunk file."""
+    manifest = _read_manifest(out_dir)
+    if manifest is None:
+        raise ValueError(f"{out_dir} is not a jaxkv generate output ({MANIFEST} with \"format\": {FORMAT!r} "
+                         f"missing)")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{out_dir}/{MANIFEST} has format_version {manifest.get('format_version')!r}; this jaxkv "
+                         f"reads version {FORMAT_VERSION}")
+    fmt, shape = manifest["latents_format"], list(manifest["chunk_shape"])
+    for i in range(manifest["chunks"]):
+        path = os.path.join(out_dir, LATENTS_DIR, chunk_name(i, fmt))
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing: the manifest counts {manifest['chunks']} chunks")
+        if fmt == "npy":
+            chunk = np.load(path, allow_pickle=False)
+        else:
+            from safetensors.numpy import load_file
+
+            chunk = load_file(path)["latents"]
+        if list(chunk.shape) != shape:
+            raise ValueError(f"{path} is {list(chunk.shape)}, the manifest says {shape}")
+        yield chunk
+
+
+def load_latents(out_dir: str) -> np.ndarray:
+    """Every chunk of a ``jaxkv generate`` output directory, reassembled: float32 [batch, frames, h, w, channels]
+    with frames = chunks * chunk_frames (also for an interrupted or still running one: the chunks written so far)."""
+    manifest = _read_manifest(out_dir)
+    chunks = list(latent_chunks(out_dir))
+    if not chunks:
+        b, f, h, w, c = manifest["chunk_shape"]
+        return np.zeros((b, 0, h, w, c), np.float32)
+    return np.concatenate(chunks, axis=1)
