@@ -429,3 +429,36 @@ def test_bad_writes_are_rejected_before_any_state_changes():
         DilatedCache.init(spec, 0, 1, 1)
     with pytest.raises(NotImplementedError, match="no single slot"):
         cache.slot_of_chunk(jnp.zeros((2,), jnp.int32))
+
+
+# ------------------------------------------------------------------ drop-in use by the Wan model's forward_chunk
+
+@pytest.mark.slow
+def test_wan_forward_chunk_on_a_dilation_1_cache_equals_the_ring_window():
+    """DilatedCache(d=1, buckets=W) holds the same W frames as RingCache(window=W): history W - c frames in the
+    ring plus the chunk in the scratch. forward_chunk (layer scan, in-place writes) takes either unchanged."""
+    from jaxkv.models import wan
+
+    config = wan.preset("tiny")
+    params = wan.init_params(config, jax.random.key(0))
+    cross = wan.cross_kv(params, config, jax.random.normal(jax.random.key(1), (1, config.text_len, config.text_dim)))
+    hw, c, window = (4, 4), 3, 6
+    t = config.tokens_per_frame(*hw)
+    ring = wan.init_cache(config, jaxkv.RingSpec.from_frames(t, c, window), 1)
+    dilated = DilatedCache.init(DilatedSpec(t, c, 1, window), 1, config.num_heads, config.head_dim,
+                                layers=config.num_layers)
+    step = jax.jit(lambda cache, x, ts: wan.forward_chunk(params, config, cache.begin_chunk(), cross, x, ts))
+    again = jax.jit(lambda cache, x, ts: wan.forward_chunk(params, config, cache, cross, x, ts))
+    rng = np.random.default_rng(0)
+    for n in range(6):  # past two wraps of the ring
+        x = jnp.asarray(rng.standard_normal((1, c, *hw, config.in_dim)), jnp.float32)
+        ts = jnp.full((1,), 700.0)
+        out_r, ring = step(ring, x, ts)
+        out_d, dilated = step(dilated, x, ts)
+        np.testing.assert_allclose(out_d, out_r, rtol=1e-5, atol=1e-5, err_msg=f"chunk {n}, first pass")
+        out_r, ring = again(ring, x * 0.5, jnp.zeros((1,)))   # the context pass: last write wins
+        out_d, dilated = again(dilated, x * 0.5, jnp.zeros((1,)))
+        np.testing.assert_allclose(out_d, out_r, rtol=1e-5, atol=1e-5, err_msg=f"chunk {n}, context pass")
+    assert step._cache_size() == 2 and again._cache_size() == 2   # one program per cache type
+    _, _, pos = ring.chronological()
+    assert _frames_seen(dilated, t) == sorted(set((np.asarray(pos[0])[np.asarray(pos[0]) >= 0] // t).tolist()))
