@@ -40,6 +40,7 @@ def read_png(path):
     return raw[:, 1:].reshape(h, w, 3)
 
 
+@pytest.mark.slow
 def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
     from jaxkv import rollout as R
 
@@ -70,6 +71,7 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
     assert np.abs(G.load_latents(str(tmp_path / "other")) - latents).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_checkpoint_and_context_files_are_used(tmp_path):
     from jaxkv.models.wan import checkpoint
 

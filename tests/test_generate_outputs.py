@@ -128,6 +128,7 @@ def test_unwritable_out_is_refused_even_as_root(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "ro") == []
 
 
+@pytest.mark.slow
 def test_generate_refuses_existing_output_then_overwrites_without_mixing(tmp_path, capsys):
     out = tmp_path / "out"
     assert G.main(["--out", str(out), *FAST, "--format", "safetensors"]) == 0
