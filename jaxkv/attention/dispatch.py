@@ -14,8 +14,9 @@ from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec
 from jaxkv.attention.reference import dense_attention
 from jaxkv.attention.rope import CacheRope
+from jaxkv.attention.xla_cpu import xla_cpu_attention
 
-BACKENDS = ("auto", "xla", "xla_dense", "xla_blockwise", "pallas")
+BACKENDS = ("auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas")
 
 # "xla" runs the dense path while its float32 logits fit in this many elements (16 MiB), blockwise beyond: on
 # XLA:CPU the blockwise path was already faster at 5M logits (benchmarks/attention.py --quick: 31 vs 47 ms).
@@ -37,13 +38,16 @@ class _Config:
 
 
 def resolve_backend(backend: str, *, head_dim: int, dtypes, rope, logits: int, platform: str | None = None) -> str:
-    """The concrete path ("xla_dense", "xla_blockwise" or "pallas") that `attend` runs for `backend`."""
+    """The concrete path ("xla_dense", "xla_blockwise", "xla_cpu" or "pallas") that `attend` runs for `backend`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         platform = platform or jax.default_backend()
         kernel_ok = (pallas_gpu.supported(head_dim) and len(set(dtypes)) == 1
                      and (rope is None or head_dim >= 32))
+        if platform == "cpu":
+            # Faster than dense and blockwise at every measured shape on XLA:CPU (jaxkv/attention/xla_cpu.py).
+            return "xla_cpu"
         backend = "pallas" if platform == "gpu" and kernel_ok else "xla"
     if backend == "xla":
         backend = "xla_dense" if logits <= DENSE_MAX_LOGITS else "xla_blockwise"
@@ -63,8 +67,9 @@ def attend(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, wind
       kv_positions: int [batch, kv_len] absolute token positions of the keys; negative = empty slot.
       causal, chunk, window, sink: the position mask, see `jaxkv.attention.masks.MaskSpec`.
       scale: softmax scale, default head_dim ** -0.5.
-      backend: "auto" (Pallas on GPU when the kernel supports the shapes, XLA elsewhere), "xla" (dense while the
-        logits are small, else blockwise), "xla_dense", "xla_blockwise" or "pallas".
+      backend: "auto" (Pallas on GPU when the kernel supports the shapes, "xla_cpu" on CPU, "xla" elsewhere),
+        "xla" (dense while the logits are small, else blockwise), "xla_dense", "xla_blockwise", "xla_cpu" (the
+        CPU-tuned layout, `jaxkv.attention.xla_cpu`) or "pallas".
       rope: optional `CacheRope`: cache-relative RoPE — keys (cached unrotated) rotated by their rank among the
         cached positions, queries by the number of cached positions below them.
       block_k: key block size of the blockwise XLA path (see `blockwise_attention`).
@@ -93,6 +98,8 @@ def attend(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, wind
         return dense_attention(q, k, v, q_positions, kv_positions, scale=cfg.scale, rope=rope, **cfg.mask_kwargs())
     if path == "xla_blockwise":
         return _blockwise(q, k, v, q_positions, kv_positions, cfg)
+    if path == "xla_cpu":
+        return xla_cpu_attention(q, k, v, q_positions, kv_positions, scale=cfg.scale, rope=rope, **cfg.mask_kwargs())
     return _pallas(q, k, v, q_positions, kv_positions, cfg)
 
 
