@@ -370,12 +370,13 @@ def test_attend_backends_agree(monkeypatch):
 
 def test_resolve_backend():
     kw = dict(head_dim=128, dtypes=(jnp.bfloat16,) * 3, rope=None, logits=10)
-    assert resolve_backend("auto", platform="gpu", **kw) == "pallas"
+    assert resolve_backend("auto", platform="gpu", **kw) == "cudnn"
+    assert resolve_backend("auto", platform="gpu", **{**kw, "rope": CacheRope()}) == "pallas"
     assert resolve_backend("auto", platform="cpu", **kw) == "xla_cpu"
     assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96}) == "xla_dense"
     assert resolve_backend("xla", **{**kw, "logits": 1 << 30}) == "xla_blockwise"
     assert resolve_backend("pallas", **kw) == "pallas"
-    assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas"}
+    assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas", "cudnn"}
 
 
 def test_attend_is_one_compilation_across_positions():

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import pallas_gpu
+from jaxkv.attention import cudnn, pallas_gpu
 from jaxkv.attention.blockwise import blockwise_attention
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec
@@ -16,7 +16,7 @@ from jaxkv.attention.reference import dense_attention
 from jaxkv.attention.rope import CacheRope
 from jaxkv.attention.xla_cpu import xla_cpu_attention
 
-BACKENDS = ("auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas")
+BACKENDS = ("auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas", "cudnn")
 
 # "xla" runs the dense path while its float32 logits fit in this many elements (16 MiB), blockwise beyond: on
 # XLA:CPU the blockwise path was already faster at 5M logits (benchmarks/attention.py --quick: 31 vs 47 ms).
@@ -38,7 +38,8 @@ class _Config:
 
 
 def resolve_backend(backend: str, *, head_dim: int, dtypes, rope, logits: int, platform: str | None = None) -> str:
-    """The concrete path ("xla_dense", "xla_blockwise", "xla_cpu" or "pallas") that `attend` runs for `backend`."""
+    """The concrete path ("xla_dense", "xla_blockwise", "xla_cpu", "pallas" or "cudnn") that `attend` runs for
+    `backend`. "cudnn" still falls back at run time (see `jaxkv.attention.cudnn`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -48,7 +49,13 @@ def resolve_backend(backend: str, *, head_dim: int, dtypes, rope, logits: int, p
         if platform == "cpu":
             # Faster than dense and blockwise at every measured shape on XLA:CPU (jaxkv/attention/xla_cpu.py).
             return "xla_cpu"
+        if platform == "gpu" and cudnn.static_ok(head_dim, dtypes, rope):
+            return "cudnn"
         backend = "pallas" if platform == "gpu" and kernel_ok else "xla"
+    if backend == "cudnn" and not cudnn.static_ok(head_dim, dtypes, rope):
+        raise ValueError(f"backend 'cudnn' needs float16/bfloat16 q, k, v of one dtype, head_dim % 8 == 0 and "
+                         f"<= 256, and no cache-relative rope; got dtypes {tuple(map(str, dtypes))}, head_dim "
+                         f"{head_dim}, rope {rope!r}")
     if backend == "xla":
         backend = "xla_dense" if logits <= DENSE_MAX_LOGITS else "xla_blockwise"
     return backend
@@ -67,7 +74,9 @@ def attend(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, wind
       kv_positions: int [batch, kv_len] absolute token positions of the keys; negative = empty slot.
       causal, chunk, window, sink: the position mask, see `jaxkv.attention.masks.MaskSpec`.
       scale: softmax scale, default head_dim ** -0.5.
-      backend: "auto" (Pallas on GPU when the kernel supports the shapes, "xla_cpu" on CPU, "xla" elsewhere),
+      backend: "auto" (on GPU: "cudnn" for half-precision q/k/v without rope, else Pallas when the kernel
+        supports the shapes; "xla_cpu" on CPU; "xla" elsewhere), "cudnn" (cuDNN flash attention with per-session
+        valid lengths when the mask reduces to them at run time, else the Pallas kernel or blockwise XLA),
         "xla" (dense while the logits are small, else blockwise), "xla_dense", "xla_blockwise", "xla_cpu" (the
         CPU-tuned layout, `jaxkv.attention.xla_cpu`) or "pallas".
       rope: optional `CacheRope`: cache-relative RoPE — keys (cached unrotated) rotated by their rank among the
@@ -100,6 +109,11 @@ def attend(q, k, v, q_positions, kv_positions, *, causal=False, chunk=None, wind
         return _blockwise(q, k, v, q_positions, kv_positions, cfg)
     if path == "xla_cpu":
         return xla_cpu_attention(q, k, v, q_positions, kv_positions, scale=cfg.scale, rope=rope, **cfg.mask_kwargs())
+    if path == "cudnn":
+        inner = _pallas if pallas_gpu.supported(d) else _blockwise
+        fallback = lambda q_, k_, v_, qp_, kp_: inner(q_, k_, v_, qp_, kp_, cfg)
+        return cudnn.cudnn_attention(q, k, v, q_positions, kv_positions, fallback=fallback, scale=cfg.scale,
+                                     **cfg.mask_kwargs())
     return _pallas(q, k, v, q_positions, kv_positions, cfg)
 
 
