@@ -373,7 +373,9 @@ def test_resolve_backend():
     assert resolve_backend("auto", platform="gpu", **kw) == "cudnn"
     assert resolve_backend("auto", platform="gpu", **{**kw, "rope": CacheRope()}) == "pallas"
     assert resolve_backend("auto", platform="cpu", **kw) == "xla_cpu"
-    assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96}) == "xla_dense"
+    assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96}) == "cudnn"  # cuDNN takes 96
+    assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96, "dtypes": (jnp.float32,) * 3}) \
+        == "xla_dense"
     assert resolve_backend("xla", **{**kw, "logits": 1 << 30}) == "xla_blockwise"
     assert resolve_backend("pallas", **kw) == "pallas"
     assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas", "cudnn"}
@@ -389,7 +391,8 @@ def test_attend_is_one_compilation_across_positions():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(backend="cudnn"), "unknown attention backend"),
+    (dict(backend="flash"), "unknown attention backend"),
+    (dict(backend="cudnn"), "backend .cudnn. needs float16/bfloat16"),  # float32, head_dim 8
     (dict(chunk=0), "chunk must be"),
     (dict(window=-3), "window must be"),
     (dict(sink=-1), "sink must be"),
