@@ -355,16 +355,17 @@ def test_attend_backends_agree(monkeypatch):
     run = lambda backend: np.asarray(attend(*args, backend=backend, block_k=4, segments=(4,), **mask))
     logits = q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1]
     resolve = lambda name: resolve_backend(name, head_dim=8, dtypes=(q.dtype,) * 3, rope=None, logits=logits)
-    # head_dim 8 is not a kernel shape, so "auto" is "xla" on every platform; small logits make "xla" dense.
-    assert {name: resolve(name) for name in ("auto", "xla", "xla_dense", "xla_blockwise")} == {
-        "auto": "xla_dense", "xla": "xla_dense", "xla_dense": "xla_dense", "xla_blockwise": "xla_blockwise"}
+    # "auto" on a GPU without a kernel shape (head_dim 8) is "xla"; small logits make "xla" dense.
+    assert resolve_backend("auto", head_dim=8, dtypes=(q.dtype,) * 3, rope=None, logits=logits,
+                           platform="gpu") == "xla_dense"
+    assert {name: resolve(name) for name in ("xla", "xla_dense", "xla_blockwise")} == {
+        "xla": "xla_dense", "xla_dense": "xla_dense", "xla_blockwise": "xla_blockwise"}
     want = numpy_attention(*args, **mask)
     paths = {name: run(name) for name in ("xla_dense", "xla_blockwise")}
     for name, got in paths.items():
         np.testing.assert_allclose(got, want, atol=2e-5, err_msg=name)
     assert np.abs(paths["xla_dense"] - paths["xla_blockwise"]).max() > 0  # two different computations
-    for name in ("auto", "xla"):
-        np.testing.assert_array_equal(run(name), paths["xla_dense"], err_msg=name)
+    np.testing.assert_array_equal(run("xla"), paths["xla_dense"])
     monkeypatch.setattr(dispatch, "DENSE_MAX_LOGITS", logits - 1)  # now "xla" must take the blockwise path
     assert resolve("xla") == "xla_blockwise"
     np.testing.assert_array_equal(run("xla"), paths["xla_blockwise"])
@@ -372,12 +373,15 @@ def test_attend_backends_agree(monkeypatch):
 
 def test_resolve_backend():
     kw = dict(head_dim=128, dtypes=(jnp.bfloat16,) * 3, rope=None, logits=10)
-    assert resolve_backend("auto", platform="gpu", **kw) == "pallas"
-    assert resolve_backend("auto", platform="cpu", **kw) == "xla_dense"
-    assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96}) == "xla_dense"
+    assert resolve_backend("auto", platform="gpu", **kw) == "cudnn"
+    assert resolve_backend("auto", platform="gpu", **{**kw, "rope": CacheRope()}) == "pallas"
+    assert resolve_backend("auto", platform="cpu", **kw) == "xla_cpu"
+    assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96}) == "cudnn"  # cuDNN takes 96
+    assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96, "dtypes": (jnp.float32,) * 3}) \
+        == "xla_dense"
     assert resolve_backend("xla", **{**kw, "logits": 1 << 30}) == "xla_blockwise"
     assert resolve_backend("pallas", **kw) == "pallas"
-    assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "pallas"}
+    assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas", "cudnn"}
 
 
 def test_attend_is_one_compilation_across_positions():
@@ -390,7 +394,8 @@ def test_attend_is_one_compilation_across_positions():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(backend="cudnn"), "unknown attention backend"),
+    (dict(backend="flash"), "unknown attention backend"),
+    (dict(backend="cudnn"), "backend .cudnn. needs float16/bfloat16"),  # float32, head_dim 8
     (dict(chunk=0), "chunk must be"),
     (dict(window=-3), "window must be"),
     (dict(sink=-1), "sink must be"),

@@ -14,12 +14,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import pallas_gpu
+from jaxkv.attention import cudnn, pallas_gpu
 from jaxkv.attention.blockwise import blockwise_attention
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask
 from jaxkv.attention.reference import dense_attention
 from jaxkv.attention.rope import CacheRope
+from jaxkv.attention.xla_cpu import xla_cpu_attention
 
 # "xla" runs the dense path while its float32 logits fit in this many elements (16 MiB), blockwise beyond: on
 # XLA:CPU the blockwise path was already faster at 5M logits (benchmarks/attention.py --quick: 31 vs 47 ms).
@@ -67,8 +68,22 @@ def _pallas_bwd(cfg, residuals, g):
 
 _pallas.defvjp(_pallas_fwd, _pallas_bwd)
 
+
+def _xla_cpu(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
+    return xla_cpu_attention(q, k, v, q_positions, kv_positions, mask=cfg.mask, scale=cfg.scale, rope=cfg.rope)
+
+
+def _cudnn(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
+    # cuDNN where the mask reduces to valid lengths at run time, else the ring kernel (or blockwise XLA).
+    inner = _pallas if pallas_gpu.supported(q.shape[-1]) else _blockwise
+    fallback = lambda q_, k_, v_, qp_, kp_: inner(q_, k_, v_, qp_, kp_, cfg)
+    return cudnn.cudnn_attention(q, k, v, q_positions, kv_positions, fallback=fallback, mask=cfg.mask,
+                                 scale=cfg.scale)
+
+
 # Concrete paths by backend name.
-PATHS: dict[str, Callable] = {"xla_dense": _dense, "xla_blockwise": _blockwise, "pallas": _pallas}
+PATHS: dict[str, Callable] = {"xla_dense": _dense, "xla_blockwise": _blockwise, "xla_cpu": _xla_cpu,
+                              "pallas": _pallas, "cudnn": _cudnn}
 BACKENDS = ("auto", "xla", *PATHS)
 
 
@@ -78,9 +93,18 @@ def resolve_backend(backend: str, *, head_dim: int, dtypes, rope, logits: int, p
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         platform = platform or jax.default_backend()
+        if platform == "cpu":
+            # Faster than dense and blockwise at every measured shape on XLA:CPU (jaxkv/attention/xla_cpu.py).
+            return "xla_cpu"
+        if platform == "gpu" and cudnn.static_ok(head_dim, dtypes, rope):
+            return "cudnn"
         kernel_ok = (pallas_gpu.supported(head_dim) and len(set(dtypes)) == 1
                      and (rope is None or head_dim >= 32))
         backend = "pallas" if platform == "gpu" and kernel_ok else "xla"
+    if backend == "cudnn" and not cudnn.static_ok(head_dim, dtypes, rope):
+        raise ValueError(f"backend 'cudnn' needs float16/bfloat16 q, k, v of one dtype, head_dim % 8 == 0 and "
+                         f"<= 256, and no cache-relative rope; got dtypes {tuple(map(str, dtypes))}, head_dim "
+                         f"{head_dim}, rope {rope!r}")
     if backend == "xla":
         backend = "xla_dense" if logits <= DENSE_MAX_LOGITS else "xla_blockwise"
     return backend
@@ -102,8 +126,11 @@ def attend(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, 
       mask: the position mask, a `jaxkv.attention.MaskSpec` (e.g. a cache's ``spec.mask()``); or give its fields
         as the keywords causal, chunk, window, sink (not both).
       scale: softmax scale, default head_dim ** -0.5.
-      backend: "auto" (Pallas on GPU when the kernel supports the shapes, XLA elsewhere), "xla" (dense while the
-        logits are small, else blockwise), or a path of `PATHS`: "xla_dense", "xla_blockwise", "pallas".
+      backend: "auto" ("xla_cpu" on CPU; on GPU "cudnn" for half-precision q/k/v without rope, else "pallas" when
+        the kernel supports the shapes; "xla" elsewhere), "xla" (dense while the logits are small, else
+        blockwise), or a path of `PATHS`: "xla_dense", "xla_blockwise", "xla_cpu" (the CPU-tuned layout,
+        `jaxkv.attention.xla_cpu`), "pallas", "cudnn" (cuDNN flash attention with per-session valid lengths when
+        the mask reduces to them at run time, else the Pallas kernel or blockwise XLA).
       rope: optional `CacheRope`: cache-relative RoPE — keys (cached unrotated) rotated by their rank among the
         cached positions, queries by the number of cached positions below them.
       block_k: key block size of the blockwise XLA path (see `blockwise_attention`).
