@@ -102,7 +102,8 @@ def _block_state(qs, kb, vb, mask):
 
 
 def xla_cpu_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False,
-                      chunk=None, window=None, sink=0, scale=None, rope=None, block_k: int = DEFAULT_BLOCK_K, return_lse=False):
+                      chunk=None, window=None, sink=0, scale=None, rope=None, block_k: int = DEFAULT_BLOCK_K,
+                      return_lse=False):
     """Softmax attention by position, in the layout XLA:CPU runs fastest; equals `dense_attention`.
 
     Args:
