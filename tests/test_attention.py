@@ -497,7 +497,7 @@ def test_attention_over_ring_cache_stream_matches_history():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-@pytest.mark.parametrize("backend", ["xla_dense", "xla_blockwise", "pallas"])
+@pytest.mark.parametrize("backend", ["xla_dense", "xla_blockwise", "xla_cpu", "pallas"])
 def test_stale_nan_in_empty_slots_never_reaches_the_output(backend, bad):
     """A session that diverged (NaN/Inf K/V) and was reset: its stale slots are empty (positions -1) but keep their
     bytes. p is 0 there, yet 0 x NaN = NaN in p @ v unless the values of empty slots are kept out."""

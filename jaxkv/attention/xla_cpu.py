@@ -146,6 +146,8 @@ def xla_cpu_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | No
                     jnp.zeros((b, hk, g * lq), jnp.float32))
 
         def masked(kb, vb, pos):
+            # Only a mixed block can hold empty slots: zero their values (0 x NaN would be NaN in p @ v).
+            vb = jnp.where((pos >= 0)[:, None, :, None], vb, 0.0)
             return _block_state(qs, kb, vb, pair_visible(q_rows[:, :, None], pos[:, None, :], spec)[:, None])
 
         def open_(kb, vb, pos):
