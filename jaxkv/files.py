@@ -153,14 +153,15 @@ def _replace_problem(path: str, replaceable: Callable[[str], str | None] | None)
 
 
 def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = False,
-                      replaceable: Callable[[str], str | None] | None = None) -> None:
+                      replaceable: Callable[[str], str | None] | None = None, flag: str = "--force") -> None:
     """Raises DestinationError unless writing the directory ``dst`` destroys nothing but a previous output.
 
     Always refused: ``dst`` equal to, inside, or containing any of ``sources`` (compared both as given and with
     symlinks resolved, so a source file's own directory counts as containing it), and an existing ``dst`` that is
     the current directory or contains it. An existing ``dst`` needs ``force``, and is then replaced only if
     ``replaceable(dst)`` (e.g. a `functools.partial` of `directory_problem`) returns None, or if it is an empty
-    directory; the reason is reported otherwise. Checks only; touches nothing.
+    directory; the reason is reported otherwise. ``flag`` is the option that sets ``force``, for the messages.
+    Checks only; touches nothing.
     """
     targets = {os.path.abspath(dst), os.path.realpath(dst)}
     for src in sources:
@@ -176,14 +177,14 @@ def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = Fa
     if not os.path.lexists(dst):
         return
     if not force:
-        raise DestinationError(f"{dst} already exists; pass --force to replace it (only a previous jaxkv output "
+        raise DestinationError(f"{dst} already exists; pass {flag} to replace it (only a previous jaxkv output "
                                f"directory is replaced)")
     cwd = os.path.realpath(os.getcwd())
     if any(d == cwd or _inside(cwd, d) for d in targets):
         raise DestinationError(f"refusing to replace {dst}: it is (or contains) the current directory")
     problem = _replace_problem(dst, replaceable)
     if problem is not None:
-        raise DestinationError(f"refusing to replace {dst} even with --force: {problem}; --force only replaces a "
+        raise DestinationError(f"refusing to replace {dst} even with {flag}: {problem}; {flag} only replaces a "
                                f"directory that jaxkv wrote (remove it yourself or choose another output path)")
 
 

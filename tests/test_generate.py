@@ -128,7 +128,7 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     (["--seed", "1.5"], "--seed: expected an int"),
     (["--preview-frames", "0"], "--preview-frames"),
     (["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"], "no effect with --checkpoint"),
-    (["--num-chunks", str(2 ** 31 // 192 + 1)], "int32 token positions (at most 11184810 chunks"),
+    (["--num-chunks", str(2 ** 31 // 192 + 1)], "int32 position limit: chunks of 192 tokens fit 11184810"),
 ])
 def test_bad_arguments_print_one_clear_line(tmp_path, capsys, argv, expect):
     out = tmp_path / "out"

@@ -33,7 +33,6 @@ from jaxkv.schedule import Schedule
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
 # its own limit; use it here when it does.)
-POSITION_LIMIT = 2 ** 31 - 1
 STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 # Latencies kept for the median (the mean runs over every chunk): bounded, so memory does not grow with the run.
 LATENCY_WINDOW = 1000
@@ -96,9 +95,10 @@ def _settings(args, config):
         spec = rc.spec(config)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.num_chunks * spec.chunk > POSITION_LIMIT:
-        raise UsageError(f"--num-chunks {args.num_chunks} of {spec.chunk} tokens would pass the int32 token "
-                         f"positions (at most {POSITION_LIMIT // spec.chunk} chunks at this size)")
+    try:
+        R.check_position_room(config, rc, args.num_chunks)
+    except ValueError as e:
+        raise UsageError(f"--num-chunks: {e}") from None
     return schedule, rc
 
 
@@ -114,7 +114,8 @@ def run(args, stop: Stop | None = None) -> dict:
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
     context, negative = inputs.contexts(args, config)
-    outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False)
+    sources = [p for p in (args.checkpoint, args.context, args.negative_context) if p]
+    outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
     params = inputs.load_params(args, config)
     if stop.signum is not None:
         return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
@@ -122,7 +123,7 @@ def run(args, stop: Stop | None = None) -> dict:
     key = jax.random.key(args.seed)
     stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
                       negative_context=None if negative is None else jnp.asarray(negative))
-    out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True)
+    out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True, sources=sources)
     sinks = [outputs.LatentsSink(out, args.format),
              PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale)]
     chunk_shape = rc.chunk_shape(config, args.batch)

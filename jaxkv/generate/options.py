@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-# Cache policy names. The cache layer will export a name -> class registry (jaxkv.cache.POLICIES); swap it in here.
-POLICIES = ("ring", "rolling")
+from jaxkv.cache import POLICIES as CACHE_POLICIES
+
+POLICIES = tuple(sorted(CACHE_POLICIES))   # the cache layer's registry: name -> class
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("npy", "safetensors")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).

@@ -30,6 +30,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
+from jaxkv import files
 from jaxkv.generate.options import UsageError
 
 FORMAT = "jaxkv-generate"
@@ -79,39 +80,41 @@ def _is_previous_output(path: str) -> bool:
     return True
 
 
-def prepare_output_dir(path: str, *, overwrite: bool, create: bool) -> str:
-    """The one place that decides whether ``--out`` may be written (a later shared atomic-directory helper,
-    jaxkv.files, can take its place). Returns the absolute path.
+def prepare_output_dir(path: str, *, overwrite: bool, create: bool, sources=()) -> str:
+    """Decides whether ``--out`` may be written (the rules are `jaxkv.files.check_destination`'s, as for
+    ``jaxkv convert``); returns the absolute path.
 
     Accepted: a path that does not exist (its parents are created), or an empty directory. A previous jaxkv
     generate output (see `_is_previous_output`) is accepted only with ``overwrite``, and then replaced whole: the old
     directory is renamed aside and deleted before anything new is written, so old and new files never mix.
-    Refused with a UsageError: a file, a directory of anything else (even with ``overwrite``), a place that is not
-    writable. With ``create=False`` only checks (run it again with ``create=True`` right before writing).
+    Refused with a UsageError: a file, a directory of anything else (even with ``overwrite``), the current
+    directory or one containing it, a directory equal to / inside / containing one of ``sources`` (the input
+    files), a place that is not writable. With ``create=False`` only checks (run it again with ``create=True``
+    right before writing).
     """
     path = os.path.abspath(path)
-    if os.path.lexists(path):
-        if os.path.islink(path) or not os.path.isdir(path):
-            raise UsageError(f"--out {path} exists and is not a directory; choose another --out")
-        if os.listdir(path):
-            if not _is_previous_output(path):
-                raise UsageError(f"--out {path} is a non-empty directory that is not a jaxkv generate output; "
-                                 f"nothing was touched (choose another --out)")
-            if not overwrite:
-                raise UsageError(f"--out {path} holds a previous jaxkv generate output; pass --overwrite to replace "
-                                 f"it, or choose another --out")
-        parent = path
-    else:
-        parent = os.path.dirname(path)
-        while not os.path.lexists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise UsageError(f"cannot create --out {path}: {parent} is not a directory")
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+        raise UsageError(f"--out {path} exists and is not a directory; choose another --out")
+    exists = os.path.isdir(path) and bool(os.listdir(path))
+    try:
+        # A foreign directory is refused for what it is, with or without --overwrite; only our own previous
+        # output asks for --overwrite.
+        force = overwrite or not exists or not _is_previous_output(path)
+        files.check_destination(path, sources=sources, force=force, flag="--overwrite",
+                                replaceable=lambda p: None if _is_previous_output(p) else
+                                "it is not a jaxkv generate output")
+    except files.DestinationError as e:
+        raise UsageError(f"--out: {e}; nothing was touched") from None
+    parent = path if os.path.isdir(path) else os.path.dirname(path)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"cannot create --out {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write --out {path}: {parent} is not writable")
     if not create:
         return path
-    if os.path.isdir(path) and os.listdir(path):      # a previous output, overwrite checked above
+    if exists:                                        # a previous output, overwrite checked above
         aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
         os.rename(path, aside)
         shutil.rmtree(aside)
