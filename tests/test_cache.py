@@ -300,28 +300,34 @@ def test_donated_scanned_multilayer_write_is_in_place(dtype):
     assert temps[0] == temps[1], temps
 
 
-def test_write_time_does_not_grow_with_window():
-    """A loose timing guard (the benchmark holds the precise figures): 16x the window, far less than 16x the time.
-
-    (A one-chunk window is not used as the baseline: there the write replaces the whole buffer, a cheaper case.)
-
-    The two windows are timed alternately so that load from other processes hits both alike; best of 40 each.
-    """
-    import time
+def test_single_layer_bf16_write_is_in_place_in_the_compiled_program():
+    """The compiled write (not a timing, which is flaky on shared machines): the donated buffers alias the
+    outputs, no whole-buffer float32 conversion appears (XLA:CPU's bf16 dynamic_update_slice becomes a
+    bf16->f32->bf16 pass over the whole buffer, O(window) per write, unless written through the integer view),
+    and scratch memory does not depend on the window."""
+    from jaxkv.cache import base
 
     heads, dim, chunk = 4, 64, 256
-    write = jax.jit(lambda c, k, v: c.write(k, v), donate_argnums=0)
     k = jnp.ones((1, chunk, heads, dim), jnp.bfloat16)
-    caches = [jaxkv.RingCache.init(jaxkv.RingSpec(chunk=chunk, window=chunk * w), 1, heads, dim,
-                                   dtype=jnp.bfloat16).begin_chunk() for w in (2, 32)]
-    caches = [jax.block_until_ready(write(c, k, k)) for c in caches]
-    best = [float("inf")] * 2
-    for _ in range(40):
-        for i in range(2):
-            t = time.perf_counter()
-            caches[i] = jax.block_until_ready(write(caches[i], k, k))
-            best[i] = min(best[i], time.perf_counter() - t)
-    assert best[1] < 4 * best[0], best
+
+    def compiled(window_chunks, write):
+        cache = jaxkv.RingCache.init(jaxkv.RingSpec(chunk=chunk, window=chunk * window_chunks), 1, heads, dim,
+                                     dtype=jnp.bfloat16).begin_chunk()
+        return jax.jit(write, donate_argnums=0).lower(cache, k, k).compile()
+
+    temps = []
+    for w in (2, 32):
+        program = compiled(w, lambda c, k, v: c.write(k, v))
+        text = program.as_text()
+        whole = f"[1,{chunk * w},{heads},{dim}]"
+        assert "input_output_alias" in text
+        assert f"f32{whole}" not in text, f"whole-buffer float32 conversion at window {w} chunks"
+        temps.append(program.memory_analysis().temp_size_in_bytes)
+    assert temps[0] == temps[1] <= 2 * chunk * heads * dim * 4, temps
+
+    # The check can fail: a native bf16 update (no integer view) shows the whole-buffer conversion.
+    native = compiled(32, lambda c, k, v: c.replace(k=base._write_rows(c.k, k, c.chunk_start, None)))
+    assert f"f32[1,{chunk * 32},{heads},{dim}]" in native.as_text()
 
 
 # ------------------------------------------------------------------ bad input
