@@ -60,11 +60,7 @@ class _Caches:
     def conv(self, name: str, p: dict, x: jax.Array, keep: jax.Array | None) -> jax.Array:
         if keep is not None:  # padding frames of a first chunk: zero, as the reference's zero padding
             x = jnp.where(keep[None, :, None, None, None], x, jnp.zeros((), x.dtype))
-        if self.old is None:
-            cache = jnp.zeros((x.shape[0], CACHE_FRAMES, *x.shape[2:]), x.dtype)
-        else:
-            cache = self.old[name]
-        y, self.new[name] = conv3d_causal(p, x, cache)
+        y, self.new[name] = conv3d_causal(p, x, None if self.old is None else self.old[name])
         return y
 
 
@@ -212,10 +208,10 @@ def decode(params: dict, config: WanVAEConfig, latents: jax.Array, *, clamp: boo
     ``[B, 1 + temporal_factor * (T - 1), 8h, 8w, 3]`` in [-1, 1] (with ``clamp``)."""
     if latents.ndim != 5:
         raise ValueError(f"latents must be [batch, frames, height, width, {config.z_dim}], got {latents.shape}")
-    b, _, h, w, _ = latents.shape
-    state = init_decoder_state(config, b, h, w, params["post_quant_conv"]["kernel"].dtype)
-    _check(config, state, latents)
-    frames = _decode(params, config, _Caches(state.caches), state.first, latents)
+    if latents.shape[-1] != config.z_dim or latents.shape[1] < 1:
+        raise ValueError(f"latents must be [batch, frames >= 1, height, width, {config.z_dim}] (channels last), got "
+                         f"shape {tuple(latents.shape)}")
+    frames = _decode(params, config, _Caches(None), jnp.asarray(True), latents)
     if clamp:
         frames = jnp.clip(frames, -1.0, 1.0)
     return frames[:, config.first_chunk_padding:]

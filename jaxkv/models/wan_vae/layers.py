@@ -40,17 +40,22 @@ def rms_norm(p: dict, x: jax.Array, eps: float = 1e-12) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def conv3d_causal(p: dict, x: jax.Array, cache: jax.Array) -> tuple[jax.Array, jax.Array]:
+def conv3d_causal(p: dict, x: jax.Array, cache: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Causal 3-D conv over ``cache [B, 2, H, W, Cin]`` followed by ``x [B, T, H, W, Cin]``.
 
-    Time is padded at the front only (by the cache); height and width by ``k // 2`` on both sides.
-    Returns (``[B, T, H, W, Cout]``, the new cache: the last 2 frames of cache + x).
+    Time is padded at the front only (by the cache; by zeros when ``cache`` is None, the start of a stream);
+    height and width by ``k // 2`` on both sides. Returns (``[B, T, H, W, Cout]``, the new cache: the last 2
+    frames of cache + x).
     """
     k = p["kernel"]
     kt, kh, kw = k.shape[:3]
     if kt != CACHE_FRAMES + 1:
         raise ValueError(f"conv3d_causal expects a temporal kernel of {CACHE_FRAMES + 1}, got {k.shape}")
-    full = jnp.concatenate([_cast(cache, x.dtype), x], axis=1)
+    if cache is None:
+        # A pad, not a concatenated zero constant: XLA would constant-fold convolutions of the latter (minutes).
+        full = jnp.pad(x, [(0, 0), (CACHE_FRAMES, 0), (0, 0), (0, 0), (0, 0)])
+    else:
+        full = jnp.concatenate([_cast(cache, x.dtype), x], axis=1)
     y = lax.conv_general_dilated(_cast(full, k.dtype), k, (1, 1, 1),
                                  [(0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)], dimension_numbers=_DN3,
                                  preferred_element_type=jnp.float32)

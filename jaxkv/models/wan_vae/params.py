@@ -113,21 +113,22 @@ def num_params(config: WanVAEConfig, part: str | None = None) -> int:
     return sum(int(np.prod(s)) for k, s in flat.items() if part is None or k.startswith(part + "."))
 
 
-def init_params(key: jax.Array, config: WanVAEConfig, dtype=jnp.float32) -> dict[str, Any]:
-    """Random params (kernels ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), norm scales ~ 1 + N(0, 0.1^2)): a VAE that
-    decodes to frames of order 1 for tests and the embedded default. Not a trained model."""
-    flat = flat_param_shapes(config)
-    keys = jax.random.split(key, len(flat))
+def init_params(seed: int, config: WanVAEConfig, dtype=jnp.float32) -> dict[str, Any]:
+    """Random params (kernels ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), norm scales ~ 1 + N(0, 0.1^2)) from the
+    integer ``seed``: a VAE that decodes to frames of order 1, for tests and the embedded default; not a trained
+    model. Drawn with NumPy on the host: one JAX random call per parameter shape would compile ~100 programs."""
+    from jaxkv.validate import check_int
+
+    rng = np.random.default_rng(check_int("seed", seed, minimum=0))
     out = {}
-    for k, (name, shape) in zip(keys, sorted(flat.items())):
+    for name, shape in sorted(flat_param_shapes(config).items()):
         if name.endswith(".kernel"):
-            fan_in = int(np.prod(shape[:-1]))
-            value = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
+            value = rng.standard_normal(shape) / np.sqrt(int(np.prod(shape[:-1])))
         elif name.endswith(".scale"):
-            value = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
-            value = 0.1 * jax.random.normal(k, shape, jnp.float32)
-        out[name] = value.astype(dtype)
+            value = 0.1 * rng.standard_normal(shape)
+        out[name] = jnp.asarray(value.astype(np.float32), dtype=dtype)
     return unflatten(out)
 
 
