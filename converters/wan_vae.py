@@ -106,7 +106,7 @@ def _res(dst: str, src: str, has_shortcut: bool, naming: str) -> dict:
     return table
 
 
-def _mid(dst: str, src: str, naming: str, shortcuts: set[str]) -> dict:
+def _mid(dst: str, src: str, naming: str) -> dict:
     if naming == "wan":
         res0, attn, res1 = f"{src}.middle.0", f"{src}.middle.1", f"{src}.middle.2"
     else:
@@ -136,14 +136,14 @@ def mapping(config: WanVAEConfig, naming: str) -> dict[str, tuple[str, str]]:
             t.update(_conv(f"encoder.down.{i}.resample.conv", f"{src}.resample.1", CONV2D))
             if config.temporal_downsample[i]:
                 t.update(_conv(f"encoder.down.{i}.resample.time_conv", f"{src}.time_conv"))
-    t.update(_mid("encoder", "encoder", naming, set()))
+    t.update(_mid("encoder", "encoder", naming))
     t["encoder.norm_out.scale"] = ("encoder.head.0.gamma" if wan else "encoder.norm_out.gamma", NORM3)
     t.update(_conv("encoder.conv_out", "encoder.head.2" if wan else "encoder.conv_out"))
     t.update(_conv("quant_conv", "conv1" if wan else "quant_conv", DENSE3))
     t.update(_conv("post_quant_conv", "conv2" if wan else "post_quant_conv", DENSE3))
     # Decoder: the original keeps one flat list (stage i at i * (nrb + 2)); diffusers nests it per stage.
     t.update(_conv("decoder.conv_in", "decoder.conv1" if wan else "decoder.conv_in"))
-    t.update(_mid("decoder", "decoder", naming, set()))
+    t.update(_mid("decoder", "decoder", naming))
     for i in range(stages):
         for j in range(nrb + 1):
             dst = f"decoder.up.{i}.res.{j}"
