@@ -207,6 +207,7 @@ def write_tokenizer_json(folder):
     small_tokenizer().save(os.path.join(folder, "tokenizer.json"))
 
 
+@pytest.mark.slow
 def test_convert_wan_pth_then_load_matches_transformers(hf_model, tmp_path):
     release = tmp_path / "Wan2.1-T2V-1.3B"
     release.mkdir()
@@ -253,6 +254,7 @@ def test_convert_hf_sharded_matches_transformers(hf_model, tmp_path, embeddings)
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_convert_bf16_and_fingerprint(hf_model, tmp_path):
     from jaxkv.models.umt5 import checkpoint
 

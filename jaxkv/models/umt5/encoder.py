@@ -140,7 +140,7 @@ class TextEncoder:
         """The embedded default: the ``tiny`` preset with seeded random float32 weights (feeds the tiny Wan DiT)."""
         seed = check_int("seed", seed, minimum=0)
         config = preset("tiny")
-        params = init_params(config, jax.random.key(seed))
+        params = init_params(config, seed)
         return cls(config, params, tiny_tokenizer(), fingerprint=f"embedded-tiny-v1-seed{seed}", cache_dir=cache_dir,
                    name=f"embedded tiny (seed {seed})")
 

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.models.umt5.config import UMT5Config
+from jaxkv.validate import check_int
 from jaxkv.models.wan.params import flatten, unflatten  # noqa: F401  (re-exported: one flatten for all layouts)
 
 
@@ -80,22 +80,21 @@ def validate_params(params: dict[str, Any], config: UMT5Config) -> None:
         raise ValueError("params do not match the umT5 config:\n  " + "\n  ".join(problems))
 
 
-def init_params(config: UMT5Config, key: jax.Array, dtype=jnp.float32) -> dict[str, Any]:
-    """Random params with the scales of Wan's ``init_weights`` (unit-variance activations through the stack), so a
-    random encoder gives well-conditioned outputs; norms start at 1 plus noise so tests see their effect."""
-    flat = flat_param_shapes(config)
+def init_params(config: UMT5Config, seed: int = 0, dtype=jnp.float32) -> dict[str, Any]:
+    """Random params (seeded NumPy, so no compilation) with the scales of Wan's ``init_weights``: unit-variance
+    activations through the stack, hence well-conditioned outputs; norm scales are 1 plus noise so tests see them.
+    Returns jax arrays in ``dtype``."""
+    rng = np.random.default_rng(check_int("seed", seed, minimum=0))
     d, a, f, h = config.dim, config.attn_dim, config.ffn_dim, config.num_heads
     std = {
         "embedding": 1.0,
-        "blocks.attn.q.kernel": (d * a) ** -0.5 * d ** 0.5, "blocks.attn.k.kernel": d ** -0.5,
-        "blocks.attn.v.kernel": d ** -0.5, "blocks.attn.o.kernel": (h * a) ** -0.5 * h ** 0.5,
-        "blocks.attn.rel_bias": 1.0, "blocks.ffn.gate.kernel": d ** -0.5, "blocks.ffn.up.kernel": d ** -0.5,
-        "blocks.ffn.down.kernel": f ** -0.5,
+        "blocks.attn.q.kernel": a ** -0.5, "blocks.attn.k.kernel": d ** -0.5, "blocks.attn.v.kernel": d ** -0.5,
+        "blocks.attn.o.kernel": a ** -0.5, "blocks.attn.rel_bias": 1.0, "blocks.ffn.gate.kernel": d ** -0.5,
+        "blocks.ffn.up.kernel": d ** -0.5, "blocks.ffn.down.kernel": f ** -0.5,
     }
-    keys = jax.random.split(key, len(flat))
     out = {}
-    for k, (name, shape) in zip(keys, sorted(flat.items())):
-        noise = jax.random.normal(k, shape, jnp.float32)
-        out[name] = (1.0 + 0.1 * noise if name.endswith("norm1.scale") or name.endswith("norm2.scale")
-                     or name == "final_norm.scale" else std[name] * noise).astype(dtype)
+    for name, shape in sorted(flat_param_shapes(config).items()):
+        noise = rng.standard_normal(shape, dtype=np.float32)
+        value = 1.0 + 0.1 * noise if name.endswith("scale") else std[name] * noise
+        out[name] = jnp.asarray(value, dtype)
     return unflatten(out)

@@ -8,7 +8,7 @@ and right-pads with ``<pad>`` (attention mask 0).
 ftfy is an optional dependency (``pip install 'jaxkv[text]'``): when it is installed `clean_text` calls
 ``ftfy.fix_text`` itself, exactly as Wan does. Without it, `fix_text_subset` applies the parts of ftfy's default
 pipeline that change real prompts: curly quotes to straight ones, Latin ligatures, full-width forms, ANSI escapes,
-control characters, NFC, and the commonest mojibake (UTF-8 read as Windows-1252 or Latin-1, repaired once).
+control characters, NFC, one HTML unescape (unless the text holds '<'), and the commonest mojibake (UTF-8 read as Windows-1252 or Latin-1, repaired once).
 `tests/test_umt5_tokenizer.py` checks the subset against ftfy on those cases; rarer repairs (nested or partial
 mojibake, lossy sequences) are only done by ftfy.
 
@@ -73,13 +73,21 @@ def _repair_mojibake(text: str) -> str:
 
 
 def fix_text_subset(text: str) -> str:
-    """The parts of ``ftfy.fix_text`` (default config) that matter for prompts, without ftfy (module docstring)."""
-    text = _ANSI.sub("", text)
-    text = _repair_mojibake(text)
-    text = text.translate(_LIGATURES).translate(_WIDTH)
-    text = _DOUBLE_QUOTES.sub('"', _SINGLE_QUOTES.sub("'", text))
-    text = text.translate(_CONTROL)
-    return unicodedata.normalize("NFC", text)
+    """The parts of ``ftfy.fix_text`` (default config) that matter for prompts, without ftfy (module docstring).
+    Like ftfy, the steps repeat until the text stops changing."""
+    markup = "<" in text  # ftfy decides once: entities are unescaped only in text that does not look like HTML
+    while True:
+        before = text
+        if not markup:
+            text = html.unescape(text)
+        text = _ANSI.sub("", text)
+        text = _repair_mojibake(text)
+        text = text.translate(_LIGATURES).translate(_WIDTH)
+        text = _DOUBLE_QUOTES.sub('"', _SINGLE_QUOTES.sub("'", text))
+        text = text.translate(_CONTROL)
+        text = unicodedata.normalize("NFC", text)
+        if text == before:
+            return text
 
 
 def fix_text(text: str) -> str:
