@@ -42,6 +42,7 @@ from jaxkv.models.umt5.tokenizer import TOKENIZER_FILES, Tokenizer, TokenizerNot
 
 OUTPUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
 SPIECE_TENSORS = ("spiece_model", "tokenizer.spiece_model")
+PIECE_BYTES = 64 << 20  # untransposed tensors are cast and written in row blocks of about this size
 
 # Per-block source name -> (jaxkv stacked key, transpose?). Linear weights are [out, in] in PyTorch.
 _WAN_BLOCK = {
@@ -160,7 +161,7 @@ def _spiece_bytes(source: Source, key: str) -> bytes:
     raise ConversionError(f"cannot read tensor {key!r} from {source.description}")
 
 
-def _find_tokenizer(source: Source, src: str, tokenizer: str | None, skipped: list[str]):
+def _find_tokenizer(source: Source, src: str, tokenizer: str | None):
     """-> ({file name: path or bytes}, origin, Tokenizer)."""
     if tokenizer is not None:
         path = tokenizer if os.path.isfile(tokenizer) else None
@@ -287,7 +288,7 @@ def _plan(source: Source, src: str, tokenizer, text_len, max_distance) -> UMT5Pl
         raise ConversionError(f"{where} does not match the inferred umT5 config ({origin}):\n  "
                               + "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more"
                                                               if len(problems) > 20 else ""))
-    files, tok_origin, tok = _find_tokenizer(source, src, tokenizer, skipped)
+    files, tok_origin, tok = _find_tokenizer(source, src, tokenizer)
     if (tok.eos_id, tok.pad_id) != (config.eos_id, config.pad_id) or tok.vocab_size > config.vocab_size:
         raise ConversionError(f"tokenizer {tok_origin} (eos {tok.eos_id}, pad {tok.pad_id}, {tok.vocab_size} "
                               f"pieces) does not fit the encoder (eos {config.eos_id}, pad {config.pad_id}, vocab "
@@ -373,10 +374,17 @@ def write_umt5_checkpoint(plan: UMT5Plan, dst: str, *, dtype: str = "bf16", forc
                 for key, parts in plan.items.items():
                     for src_key, transpose in parts:
                         array = plan.source.read(src_key)
-                        piece = np.ascontiguousarray(array.T if transpose else array, dtype=out)
-                        data.update(piece.reshape(-1).view(np.uint8).data)
-                        writer.write(key, piece)
-                        del piece, array
+                        if transpose:  # a linear weight (at most ffn x dim): one transposed copy
+                            pieces = [array.T]
+                        else:  # e.g. the 256,384-row embedding: row blocks of ~64 MiB, so a cast copy stays small
+                            rows = max(1, PIECE_BYTES // max(1, array[:1].nbytes))
+                            pieces = [array[i:i + rows] for i in range(0, max(1, array.shape[0]), rows)]
+                        for part in pieces:
+                            piece = np.ascontiguousarray(part, dtype=out)
+                            data.update(piece.reshape(-1).view(np.uint8).data)
+                            writer.write(key, piece)
+                            del piece
+                        del pieces, array
                         plan.source.release(src_key)
                         bar.update(1)
             writer.close()

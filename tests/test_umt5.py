@@ -316,11 +316,14 @@ def wan_layout(params, cfg) -> dict[str, np.ndarray]:
     return out
 
 
-def test_convert_single_file_with_embedded_sentencepiece(tmp_path):
+def test_convert_single_file_with_embedded_sentencepiece(tmp_path, monkeypatch):
     from safetensors.numpy import save_file
 
+    from converters import umt5 as conv
     from converters.errors import ConversionError
     from converters.umt5 import convert_umt5, is_umt5_source
+
+    monkeypatch.setattr(conv, "PIECE_BYTES", 200)  # the embedding then goes out in many row blocks
 
     data = sentencepiece_model()
     cfg = UMT5Config(**{**CFG.to_dict(), "vocab_size": 40, "max_distance": 128, "text_len": 512})
@@ -332,6 +335,8 @@ def test_convert_single_file_with_embedded_sentencepiece(tmp_path):
     plan = convert_umt5(str(tmp_path / "umt5.safetensors"), str(tmp_path / "out"), dtype="f32")
     assert plan.config == cfg and plan.skipped == ["spiece_model"] and "spiece_model" in plan.tokenizer_origin
     assert (tmp_path / "out" / "spiece.model").read_bytes() == data
+    meta = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert meta["fingerprint"] == checkpoint.params_fingerprint(str(tmp_path / "out" / "params.safetensors"))
     enc = TextEncoder.load(str(tmp_path / "out"))
     ids, mask, _ = enc.tokenizer(["a red fox"], 512)
     np.testing.assert_array_equal(np.asarray(encode_jit(enc._params, cfg, ids, mask)),
