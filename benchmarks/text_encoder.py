@@ -8,7 +8,7 @@ adds on top of the weights. A last section times `TextEncoder.encode` end to end
 encode, zero the padding) against the same prompts served from the on-disk embeddings cache.
 
 Models: ``tiny`` (the preset: dim 32, 2 layers) and ``medium`` (dim 512, ffn 1280, 8 heads of 64, 6 layers, vocab
-32,000: ~1/150 of umT5-XXL's per-token FLOPs).
+32,000: ~1/250 of umT5-XXL's matmul FLOPs per token).
 
     python benchmarks/text_encoder.py [--quick] [--json PATH]
 """
