@@ -23,7 +23,7 @@ from converters.errors import ConversionError  # noqa: E402
 from converters.umt5 import convert_umt5, is_umt5_source, plan_umt5_conversion  # noqa: E402
 from jaxkv.models.umt5 import TextEncoder, UMT5Config, encode, encode_prompts, relative_buckets  # noqa: E402
 from jaxkv.models.umt5.params import unflatten  # noqa: E402
-from jaxkv.models.umt5.tokenizer import Tokenizer, clean_text  # noqa: E402
+from jaxkv.models.umt5.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -167,8 +167,7 @@ def wan_clean(text: str) -> str:
 
 
 def reference_ids(tok, prompts, text_len):
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
-                                                unk_token="<unk>")
+    """Wan's HuggingfaceTokenizer call (padding to max_length, truncation, special tokens) via transformers."""
     from tokenizers import processors
 
     # What the google/umt5-xxl tokenizer.json post-processor does: append </s>.

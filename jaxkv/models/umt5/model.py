@@ -10,7 +10,6 @@ accumulate in float32, RMS norms and the softmax run in float32 and are cast bac
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
