@@ -362,3 +362,22 @@ def test_readme_text_encoder_example_runs(tmp_path, monkeypatch):
     assert scope["context"].shape == (2, 16, 32) and scope["enc"].released
     np.testing.assert_array_equal(np.load(tmp_path / "prompt_embeds.npy"), scope["context"][0])
     assert len(os.listdir(tmp_path / "embeddings-cache")) == 2
+
+
+def test_without_ftfy_the_subset_is_used_and_keyed(monkeypatch):
+    import importlib.util
+    import sys
+
+    from jaxkv.models.umt5.tokenizer import fix_text
+
+    enc = TextEncoder.tiny()
+    monkeypatch.setitem(sys.modules, "ftfy", None)  # `import ftfy` now raises ImportError
+    text = "\u00c3 la carte"  # ftfy reads 'Ã ' as a mangled 'à'; the subset leaves it
+    assert fix_text(text) == fix_text_subset(text) == text
+    with pytest.raises(ImportError, match=r"jaxkv\[text\]"):
+        clean_text("x", use_ftfy=True)
+    key_subset = enc.cache_key("a cat")
+    monkeypatch.undo()
+    if importlib.util.find_spec("ftfy") is not None:
+        # Different cleaning can give different ids: the embeddings cache must not mix them.
+        assert enc.cache_key("a cat") != key_subset
