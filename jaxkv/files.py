@@ -331,3 +331,17 @@ def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None =
                         os.rename(old, path)  # the replacement failed half way: put the previous one back
                     shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def atomic_checkpoint_directory(path: str, *, force: bool, formats: Collection[str],
+                                required: Collection[str] = ("config.json", "params.safetensors"),
+                                optional: Collection[str] = (), log: Callable[[str], None] | None = None):
+    """`atomic_directory` for a jaxkv checkpoint directory: with ``force`` an existing ``path`` is replaced only if
+    it is a checkpoint of one of ``formats`` (``config.json`` marker) holding ``required`` and nothing beyond
+    ``optional`` (see `directory_problem`); without ``force`` an existing ``path`` is an error."""
+    replace = None
+    if force:
+        def replace(p):
+            return directory_problem(p, required=required, optional=optional, formats=formats)
+    return atomic_directory(path, replace=replace, log=log)
+

@@ -25,10 +25,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-# The Wan checkpoint module owns atomic_directory until it moves to jaxkv/files.py.
-from jaxkv.models.wan.checkpoint import CheckpointError, atomic_directory
+from jaxkv import files
+from jaxkv.models.wan.checkpoint import CheckpointError
 from jaxkv.models.umt5.config import UMT5Config
 from jaxkv.models.umt5.params import flat_param_shapes, flatten, unflatten, validate_params
+from jaxkv.models.umt5.tokenizer import TOKENIZER_FILES
 
 FORMAT = "jaxkv-umt5"
 FORMAT_VERSION = 1
@@ -90,6 +91,12 @@ def read_config(path: str) -> tuple[UMT5Config, dict[str, Any]]:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file} does not hold a valid UMT5Config: {e}") from None
 
+
+
+def atomic_directory(path: str, *, force: bool = False, log=None):
+    """`jaxkv.files.atomic_directory` for this format: with ``force`` an existing ``path`` is replaced only if it is
+    a jaxkv text-encoder checkpoint directory (its tokenizer files included)."""
+    return files.atomic_checkpoint_directory(path, force=force, formats=(FORMAT,), optional=TOKENIZER_FILES, log=log)
 
 def save(path: str, config: UMT5Config, params: dict[str, Any], *, tokenizer_files: dict[str, str | bytes] = (),
          force: bool = False) -> str:

@@ -76,7 +76,7 @@ def replace_problem(path: str) -> str | None:
 def atomic_directory(path: str, *, force: bool = False, log=None):
     """`jaxkv.files.atomic_directory` for a Wan checkpoint: with ``force`` an existing ``path`` is replaced only
     if it is a jaxkv Wan checkpoint directory (see `replace_problem`)."""
-    return files.atomic_directory(path, replace=replace_problem if force else None, log=log)
+    return files.atomic_checkpoint_directory(path, force=force, formats=(FORMAT,), log=log)
 
 
 def save(path: str, config: WanConfig, params: dict[str, Any], *, force: bool = False) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-# TODO(lead): atomic_directory moves to jaxkv/files.py on another branch.
-from jaxkv.models.wan.checkpoint import CheckpointError, atomic_directory
+from jaxkv import files
+from jaxkv.models.wan.checkpoint import CheckpointError
 from jaxkv.models.wan_vae.config import WanVAEConfig
 from jaxkv.models.wan_vae.params import flatten, unflatten, validate_params
 
@@ -66,6 +66,12 @@ def read_config(path: str) -> WanVAEConfig:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{file} does not hold a valid WanVAEConfig: {e}") from None
 
+
+
+def atomic_directory(path: str, *, force: bool = False, log=None):
+    """`jaxkv.files.atomic_directory` for this format: with ``force`` an existing ``path`` is replaced only if it is
+    a jaxkv VAE checkpoint directory."""
+    return files.atomic_checkpoint_directory(path, force=force, formats=(FORMAT,), log=log)
 
 def save(path: str, config: WanVAEConfig, params: dict[str, Any], *, force: bool = False) -> None:
     """Writes ``params`` and ``config`` to the directory ``path``, atomically; validates first (nothing is written
