@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import rollout as R
-from jaxkv.attention import attend, dense_attention, resolve_backend
+from jaxkv.attention import attend, dense_attention
+from jaxkv.attention.dispatch import resolve_backend
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 

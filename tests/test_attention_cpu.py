@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention, resolve_backend
+from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention
+from jaxkv.attention.dispatch import resolve_backend
 from jaxkv.attention import xla_cpu
 from jaxkv.attention.xla_cpu import HIDDEN, MASKED, OPEN, key_blocks
 from jaxkv.compilation import count_compiles

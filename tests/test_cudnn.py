@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
-from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention, resolve_backend, visible
+from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention, visible
+from jaxkv.attention.dispatch import resolve_backend
 from jaxkv.attention import cudnn
 from jaxkv.models.wan.model import init_cache
 from tests.test_attention import make_case, permuted, physical
