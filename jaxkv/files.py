@@ -339,9 +339,8 @@ def atomic_checkpoint_directory(path: str, *, force: bool, formats: Collection[s
     """`atomic_directory` for a jaxkv checkpoint directory: with ``force`` an existing ``path`` is replaced only if
     it is a checkpoint of one of ``formats`` (``config.json`` marker) holding ``required`` and nothing beyond
     ``optional`` (see `directory_problem`); without ``force`` an existing ``path`` is an error."""
-    replace = None
-    if force:
-        def replace(p):
-            return directory_problem(p, required=required, optional=optional, formats=formats)
-    return atomic_directory(path, replace=replace, log=log)
+    def ours(p: str) -> str | None:
+        return directory_problem(p, required=required, optional=optional, formats=formats)
+
+    return atomic_directory(path, replace=ours if force else None, log=log)
 

@@ -92,7 +92,7 @@ def _settings(args, config):
         rc = R.RolloutConfig(args.height, args.width, chunk_frames=args.chunk_frames,
                              window_frames=args.window_frames, sink_frames=args.sink_frames, schedule=schedule,
                              guidance_scale=args.guidance_scale, policy=args.policy, cache_dtype=args.cache_dtype)
-        spec = rc.spec(config)
+        rc.spec(config)                      # validates the frame settings against the model
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:

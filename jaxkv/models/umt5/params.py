@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxkv.models.umt5.config import UMT5Config
 from jaxkv.validate import check_int
-from jaxkv.models.wan.params import flatten, unflatten  # noqa: F401  (re-exported: one flatten for all layouts)
+from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # noqa: F401  (flatten re-exported)
 
 
 def param_shapes(config: UMT5Config) -> dict[str, Any]:
@@ -64,20 +64,7 @@ def flat_param_shapes(config: UMT5Config) -> dict[str, tuple[int, ...]]:
 
 def validate_params(params: dict[str, Any], config: UMT5Config) -> None:
     """Raises ValueError naming every missing key, unexpected key and shape mismatch."""
-    expected = flat_param_shapes(config)
-    found = {k: tuple(np.shape(v)) for k, v in flatten(params).items()}
-    problems = []
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing keys: {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys: {unexpected}")
-    for key in sorted(set(expected) & set(found)):
-        if expected[key] != found[key]:
-            problems.append(f"{key}: expected shape {expected[key]}, found {found[key]}")
-    if problems:
-        raise ValueError("params do not match the umT5 config:\n  " + "\n  ".join(problems))
+    check_shapes(params, flat_param_shapes(config), "umT5")
 
 
 def init_params(config: UMT5Config, seed: int = 0, dtype=jnp.float32) -> dict[str, Any]:
@@ -85,7 +72,7 @@ def init_params(config: UMT5Config, seed: int = 0, dtype=jnp.float32) -> dict[st
     activations through the stack, hence well-conditioned outputs; norm scales are 1 plus noise so tests see them.
     Returns jax arrays in ``dtype``."""
     rng = np.random.default_rng(check_int("seed", seed, minimum=0))
-    d, a, f, h = config.dim, config.attn_dim, config.ffn_dim, config.num_heads
+    d, a, f = config.dim, config.attn_dim, config.ffn_dim
     std = {
         "embedding": 1.0,
         "blocks.attn.q.kernel": a ** -0.5, "blocks.attn.k.kernel": d ** -0.5, "blocks.attn.v.kernel": d ** -0.5,

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
+from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # noqa: F401  (flatten, unflatten re-exported)
 from jaxkv.models.wan.config import WanConfig
 
 
@@ -69,33 +69,6 @@ def param_shapes(config: WanConfig) -> dict[str, Any]:
     }
 
 
-def flatten(tree: dict[str, Any], sep: str = ".") -> dict[str, Any]:
-    """{"a": {"b": x}} -> {"a.b": x}. Used for safetensors files."""
-    out: dict[str, Any] = {}
-
-    def visit(prefix: str, node):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                visit(f"{prefix}{sep}{key}" if prefix else key, value)
-        else:
-            out[prefix] = node
-
-    visit("", tree)
-    return out
-
-
-def unflatten(flat: dict[str, Any], sep: str = ".") -> dict[str, Any]:
-    """Inverse of `flatten`."""
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split(sep)
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return tree
-
-
 def flat_param_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
     """{"blocks.self_attn.q.kernel": (L, D, D), ...} for every parameter."""
     return flatten(param_shapes(config))
@@ -103,17 +76,4 @@ def flat_param_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
 
 def validate_params(params: dict[str, Any], config: WanConfig) -> None:
     """Raises ValueError naming every missing key, unexpected key and shape mismatch."""
-    expected = flat_param_shapes(config)
-    found = {k: tuple(np.shape(v)) for k, v in flatten(params).items()}
-    problems = []
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing keys: {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys: {unexpected}")
-    for key in sorted(set(expected) & set(found)):
-        if expected[key] != found[key]:
-            problems.append(f"{key}: expected shape {expected[key]}, found {found[key]}")
-    if problems:
-        raise ValueError("params do not match the Wan config:\n  " + "\n  ".join(problems))
+    check_shapes(params, flat_param_shapes(config), "Wan")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.models.wan_vae.config import WanVAEConfig
-from jaxkv.models.wan_vae.layers import (CACHE_FRAMES, attention, conv3d_causal, dense, rms_norm, upsample2d)
+from jaxkv.models.wan_vae.layers import attention, conv3d_causal, dense, rms_norm, upsample2d
 from jaxkv.models.wan_vae.params import param_shapes
 
 __all__ = ["DecoderState", "init_decoder_state", "decode_chunk", "decode", "cache_bytes"]

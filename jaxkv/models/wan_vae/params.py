@@ -23,11 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.models.wan.params import flatten, unflatten
+from jaxkv.models.param_tree import check_shapes, flatten, unflatten
 from jaxkv.models.wan_vae.config import WanVAEConfig
 
 __all__ = ["param_shapes", "flat_param_shapes", "init_params", "validate_params", "flatten", "unflatten",
@@ -135,23 +134,6 @@ def init_params(seed: int, config: WanVAEConfig, dtype=jnp.float32) -> dict[str,
 def validate_params(params: dict[str, Any], config: WanVAEConfig, part: str | None = None) -> None:
     """Raises ValueError naming every missing key, unexpected key and shape mismatch. ``part`` ("encoder" /
     "decoder") checks only that sub-tree (a decode-only caller may hold just the decoder)."""
-    expected = flat_param_shapes(config)
-    found = {k: tuple(np.shape(v)) for k, v in flatten(params).items()}
-    if part is not None:
-        keep = ("decoder.", "post_quant_conv.") if part == "decoder" else ("encoder.", "quant_conv.")
-        expected = {k: v for k, v in expected.items() if k.startswith(keep)}
-        found = {k: v for k, v in found.items() if k.startswith(keep)}
-    problems = []
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing keys: {missing[:12]}" + (f" and {len(missing) - 12} more" if len(missing) > 12
-                                                             else ""))
-    if unexpected:
-        problems.append(f"unexpected keys: {unexpected[:12]}" + (f" and {len(unexpected) - 12} more"
-                                                                   if len(unexpected) > 12 else ""))
-    for key in sorted(set(expected) & set(found)):
-        if expected[key] != found[key]:
-            problems.append(f"{key}: expected shape {expected[key]}, found {found[key]}")
-    if problems:
-        raise ValueError("params do not match the Wan VAE config:\n  " + "\n  ".join(problems))
+    prefixes = None if part is None else (("decoder.", "post_quant_conv.") if part == "decoder" else
+                                          ("encoder.", "quant_conv."))
+    check_shapes(params, flat_param_shapes(config), "Wan VAE", prefixes)

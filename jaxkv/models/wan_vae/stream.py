@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from jaxkv.models.wan_vae.config import WanVAEConfig
 from jaxkv.models.wan_vae.decoder import decode_chunk, init_decoder_state
