@@ -204,7 +204,7 @@ def test_checkpoint_round_trip_and_foreign_dirs(tmp_path, params):
     dit = tmp_path / "dit"
     dit.mkdir()
     (dit / "config.json").write_text(json.dumps({"format": "jaxkv-wan", "format_version": 1}))
-    with pytest.raises(CheckpointError, match="jaxkv DiT checkpoint, not a VAE"):
+    with pytest.raises(CheckpointError, match="jaxkv DiT checkpoint, not a VAE one"):
         load(str(dit))
     with pytest.raises(ValueError, match="params do not match the Wan VAE config"):
         save(str(tmp_path / "bad"), preset("wan2.1-vae"), params)

@@ -16,7 +16,6 @@ while writing), so an embeddings cache can key on it without re-reading 11 GB. W
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import struct
@@ -26,15 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import files
-from jaxkv.models.wan.checkpoint import CheckpointError
+from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text,
+                                         read_marked_config)
 from jaxkv.models.umt5.config import UMT5Config
 from jaxkv.models.umt5.params import flat_param_shapes, flatten, unflatten, validate_params
 from jaxkv.models.umt5.tokenizer import TOKENIZER_FILES
 
 FORMAT = "jaxkv-umt5"
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-PARAMS_FILE = "params.safetensors"
 _CHUNK = 64 << 20
 
 
@@ -59,38 +57,20 @@ def params_fingerprint(file: str) -> str:
 
 def config_json(config: UMT5Config, fingerprint: str, **extra) -> str:
     """The text of ``config.json``; ``extra`` records provenance (e.g. "source")."""
-    return json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fingerprint, **extra,
-                       **config.to_dict()}, indent=2, sort_keys=True) + "\n"
+    return config_text(FORMAT, FORMAT_VERSION, {"fingerprint": fingerprint, **extra, **config.to_dict()})
 
 
 def read_config(path: str) -> tuple[UMT5Config, dict[str, Any]]:
     """(UMT5Config, the other entries of config.json) of the checkpoint directory ``path``; CheckpointError for a
     missing directory, a missing or foreign config.json (a Wan DiT checkpoint included)."""
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a jaxkv text-encoder directory (it does not exist or is a file); "
-                              f"create one with converters.umt5 (jaxkv convert)")
-    try:
-        with open(file) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a jaxkv text-encoder checkpoint: {CONFIG_FILE} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} is not readable JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{file} is not a jaxkv umT5 config: expected \"format\": {FORMAT!r}, found {found!r} "
-                              f"(a PyTorch / Hugging Face text encoder must first be converted)")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file} has format_version {data.get('format_version')!r}; this jaxkv reads version "
-                              f"{FORMAT_VERSION}")
+    data = read_marked_config(path, fmt=FORMAT, version=FORMAT_VERSION, kind="umT5",
+                              hint="a PyTorch / Hugging Face text encoder must first be converted (`jaxkv convert`)")
     fields = {f: data[f] for f in UMT5Config.__dataclass_fields__ if f in data}
     meta = {k: v for k, v in data.items() if k not in fields}
     try:
         return UMT5Config.from_dict(fields), meta
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file} does not hold a valid UMT5Config: {e}") from None
-
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} does not hold a valid UMT5Config: {e}") from None
 
 
 def atomic_directory(path: str, *, force: bool = False, log=None):

@@ -13,7 +13,6 @@ half of one; ``force`` replaces only a directory that is itself a jaxkv Wan chec
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -21,50 +20,30 @@ import jax
 import numpy as np
 
 from jaxkv import files, safetensors_io
+from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text,
+                                         read_marked_config)
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import flatten, unflatten, validate_params
 
 FORMAT = "jaxkv-wan"
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-PARAMS_FILE = "params.safetensors"
 
-
-class CheckpointError(ValueError):
-    """A jaxkv checkpoint directory is missing, incomplete or does not match its config."""
 
 
 def config_json(config: WanConfig) -> str:
     """The text of ``config.json``."""
-    return json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, **config.to_dict()}, indent=2,
-                      sort_keys=True) + "\n"
+    return config_text(FORMAT, FORMAT_VERSION, config.to_dict())
 
 
 def read_config(path: str) -> WanConfig:
     """WanConfig of the checkpoint directory ``path``; CheckpointError for a missing or foreign config.json."""
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a jaxkv checkpoint directory (it does not exist or is a file); "
-                              f"create one with `jaxkv convert SRC {path}`")
-    try:
-        with open(file) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a jaxkv checkpoint: {CONFIG_FILE} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} is not readable JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{file} is not a jaxkv Wan config: expected \"format\": {FORMAT!r}, found {found!r} "
-                              f"(a PyTorch/diffusers directory must first be converted with `jaxkv convert`)")
-    version = data.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{file} has format_version {version!r}; this jaxkv reads version {FORMAT_VERSION}")
-    fields = {k: v for k, v in data.items() if k not in ("format", "format_version")}
+    fields = read_marked_config(path, fmt=FORMAT, version=FORMAT_VERSION, kind="Wan",
+                                hint=f"create one with `jaxkv convert SRC {path}` (a PyTorch/diffusers directory "
+                                     f"must first be converted)")
     try:
         return WanConfig.from_dict(fields)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file} does not hold a valid WanConfig: {e}") from None
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} does not hold a valid WanConfig: {e}") from None
 
 
 def replace_problem(path: str) -> str | None:

@@ -13,7 +13,6 @@ the other way round.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -21,51 +20,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import files
-from jaxkv.models.wan.checkpoint import CheckpointError
+from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text,
+                                         read_marked_config)
 from jaxkv.models.wan_vae.config import WanVAEConfig
 from jaxkv.models.wan_vae.params import flatten, unflatten, validate_params
 
 FORMAT = "jaxkv-wan-vae"
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-PARAMS_FILE = "params.safetensors"
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "config_json", "read_config", "save", "load"]
 
 
 def config_json(config: WanVAEConfig) -> str:
     """The text of ``config.json``."""
-    return json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, **config.to_dict()}, indent=2,
-                      sort_keys=True) + "\n"
+    return config_text(FORMAT, FORMAT_VERSION, config.to_dict())
 
 
 def read_config(path: str) -> WanVAEConfig:
     """WanVAEConfig of the checkpoint directory ``path``; CheckpointError for a missing or foreign config.json."""
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a jaxkv VAE checkpoint directory (it does not exist or is a file)")
-    try:
-        with open(file) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a jaxkv VAE checkpoint: {CONFIG_FILE} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} is not readable JSON ({e})") from None
-    found = data.get("format") if isinstance(data, dict) else type(data).__name__
-    if found != FORMAT:
-        hint = (" (that is a jaxkv DiT checkpoint, not a VAE)" if found == "jaxkv-wan" else
-                " (a PyTorch/diffusers VAE must first be converted)")
-        raise CheckpointError(f"{file} is not a jaxkv Wan VAE config: expected \"format\": {FORMAT!r}, found "
-                              f"{found!r}{hint}")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file} has format_version {data.get('format_version')!r}; this jaxkv reads "
-                              f"version {FORMAT_VERSION}")
-    fields = {k: v for k, v in data.items() if k not in ("format", "format_version")}
+    fields = read_marked_config(path, fmt=FORMAT, version=FORMAT_VERSION, kind="Wan VAE",
+                                hint="a PyTorch/diffusers VAE must first be converted (`jaxkv convert`)")
     try:
         return WanVAEConfig.from_dict(fields)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{file} does not hold a valid WanVAEConfig: {e}") from None
-
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)} does not hold a valid WanVAEConfig: {e}") from None
 
 
 def atomic_directory(path: str, *, force: bool = False, log=None):
