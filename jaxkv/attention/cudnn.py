@@ -28,7 +28,8 @@ from jax import lax
 
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask
-from jaxkv.attention.xla_cpu import _INT_MAX, block_all_visible
+from jaxkv.attention.masks import block_all_visible
+from jaxkv.attention.xla_cpu import _INT_MAX
 
 DTYPES = (jnp.float16, jnp.bfloat16)
 

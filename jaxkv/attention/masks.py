@@ -103,6 +103,17 @@ def block_may_be_visible(q_lo, q_hi, k_lo, k_hi, spec: MaskSpec):
     return may
 
 
+def block_all_visible(q_lo, q_hi, k_min, k_lo, k_hi, spec: MaskSpec):
+    """Does every query in [q_lo, q_hi] see every key of a block (a sufficient test; True proves the mask all ones).
+
+    k_min: the block's smallest position including empty slots (< 0 if any slot is empty); k_lo/k_hi: smallest and
+    largest valid positions. It is `block_may_be_visible` at the block's least favourable pair (latest key, earliest
+    query for causal/chunk; earliest key, latest query for the window), so the two block tests and `pair_visible`
+    are one set of clauses.
+    """
+    return (k_min >= 0) & block_may_be_visible(q_hi, q_lo, k_hi, k_lo, spec)
+
+
 def pair_visible(q, k, spec: MaskSpec):
     """Elementwise mask for broadcastable int arrays of query positions `q` and key positions `k`."""
     return block_may_be_visible(q, q, k, k, spec)

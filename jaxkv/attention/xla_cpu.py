@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxkv.attention.blockwise import _finish, _merge_states
 from jaxkv.attention.checks import check_inputs, check_scale
-from jaxkv.attention.masks import MaskSpec, as_mask, block_may_be_visible, floor_div, pair_visible
+from jaxkv.attention.masks import MaskSpec, as_mask, block_all_visible, block_may_be_visible, pair_visible
 from jaxkv.attention.rope import rope_ranks
 from jaxkv.validate import check_int
 
@@ -41,31 +41,6 @@ def key_blocks(kv_len: int, block_k: int, unit: int = 1) -> list[tuple[int, int]
     shorter)."""
     size = max(unit, (block_k // unit) * unit)
     return [(s, min(s + size, kv_len)) for s in range(0, kv_len, size)]
-
-
-def block_all_visible(q_lo, q_hi, k_min, k_lo, k_hi, spec: MaskSpec):
-    """Sufficient test that every query in [q_lo, q_hi] sees every key of a block.
-
-    k_min: the block's smallest position including empty slots (< 0 if any slot is empty); k_lo/k_hi: smallest and
-    largest valid positions. Each clause implies the matching clause of `pair_visible` for every pair, so True
-    proves the mask is all ones (False may still be all ones; the masked branch is then merely slower).
-    """
-    ok = k_min >= 0
-    if spec.causal:
-        ok &= k_hi <= q_lo
-    if spec.chunk is not None:
-        ok &= floor_div(k_hi, spec.chunk) <= floor_div(q_lo, spec.chunk)
-    if spec.window is not None:
-        if spec.chunk is not None:
-            q_ref = floor_div(q_hi, spec.chunk) * spec.chunk
-            k_ref = floor_div(k_lo, spec.chunk) * spec.chunk
-        else:
-            q_ref, k_ref = q_hi, k_lo
-        near = (q_ref - k_ref) < spec.window
-        if spec.sink > 0:
-            near |= k_hi < spec.sink
-        ok &= near
-    return ok
 
 
 HIDDEN, MASKED, OPEN = 0, 1, 2
