@@ -220,17 +220,8 @@ class ChunkCache:
         index = jnp.maximum(self.chunk_start, 0) // self.spec.chunk
         return (self.slot_of_chunk(index) * self.spec.chunk).astype(jnp.int32)
 
-    def write(self, k, v, layer=None, active=None):
-        """Writes the reserved chunk's keys and values; repeatable, last write wins.
-
-        Args:
-          k, v: [batch, chunk, heads, head_dim] in the cache's dtype.
-          layer: required iff the cache is stacked (``layers`` set): an int or a traced int32 scalar.
-          active: optional bool [batch]; sessions not active are left untouched.
-
-        Sessions with no reserved chunk get nothing visible: their slot positions stay -1. Eagerly (outside jit)
-        writing to a cache where no session has reserved a chunk raises.
-        """
+    def _check_write_args(self, k, v, layer, active):
+        """Trace-time checks of `write`'s arguments (shared by every policy); returns ``active`` checked."""
         expected = (self.batch, self.spec.chunk, self.heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != expected:
@@ -250,6 +241,20 @@ class ChunkCache:
             active = self._check_session_mask("write: active", active)
         if is_concrete(self.chunk_start) and not bool(jnp.any(self.chunk_start >= 0)):
             raise ValueError("write: no session has a reserved chunk; call begin_chunk() first")
+        return active
+
+    def write(self, k, v, layer=None, active=None):
+        """Writes the reserved chunk's keys and values; repeatable, last write wins.
+
+        Args:
+          k, v: [batch, chunk, heads, head_dim] in the cache's dtype.
+          layer: required iff the cache is stacked (``layers`` set): an int or a traced int32 scalar.
+          active: optional bool [batch]; sessions not active are left untouched.
+
+        Sessions with no reserved chunk get nothing visible: their slot positions stay -1. Eagerly (outside jit)
+        writing to a cache where no session has reserved a chunk raises.
+        """
+        active = self._check_write_args(k, v, layer, active)
 
         offsets = self.chunk_offsets()
         if active is not None:

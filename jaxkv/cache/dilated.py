@@ -56,7 +56,8 @@ import numpy as np
 from flax import struct
 
 from jaxkv.cache.base import EMPTY, ChunkCache, read_chunk_rows, write_chunk_rows
-from jaxkv.validate import check_int, is_concrete
+from jaxkv.cache.spec import POSITION_LIMIT
+from jaxkv.validate import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,11 @@ class DilatedSpec:
     def chunk(self) -> int:
         """Tokens per chunk: chunk_frames * tokens_per_frame (the `write` unit)."""
         return self.chunk_frames * self.tokens_per_frame
+
+    @property
+    def max_chunks(self) -> int:
+        """Chunks a stream can hold before its int32 positions overflow (as `RingSpec.max_chunks`)."""
+        return POSITION_LIMIT // self.chunk
 
     @property
     def ring_tokens(self) -> int:
@@ -205,9 +211,7 @@ class DilatedCache(ChunkCache):
         """
         if not isinstance(commit, (bool, np.bool_)):
             raise ValueError(f"write: commit must be a Python bool (it selects the program), got {commit!r}")
-        self._check_write_args(k, v, layer, active)
-        if active is not None:
-            active = self._check_session_mask("write: active", active)
+        active = self._check_write_args(k, v, layer, active)
         spec = self.spec
         t, c = spec.tokens_per_frame, spec.chunk
         scratch = self.chunk_offsets()
@@ -236,22 +240,3 @@ class DilatedCache(ChunkCache):
                 new_pos = write_chunk_rows(new_pos, jnp.where(keep[:, i, None], _pending(pos[:, rows]), pos[:, rows]),
                                            off)
         return self.replace(k=new_k, v=new_v, positions=new_pos)
-
-    def _check_write_args(self, k, v, layer, active):
-        expected = (self.batch, self.spec.chunk, self.heads, self.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != expected:
-                raise ValueError(f"write: {name} must have shape [batch, chunk, heads, head_dim] = {list(expected)}, "
-                                 f"got {list(x.shape)}")
-            if x.dtype != self.dtype:
-                raise ValueError(f"write: {name} must have the cache dtype {self.dtype}, got {x.dtype} "
-                                 f"(cast it explicitly)")
-        if self.layers is None:
-            if layer is not None:
-                raise ValueError("write: layer was given but the cache is not stacked (init without layers)")
-        else:
-            if layer is None:
-                raise ValueError(f"write: the cache stacks {self.layers} layers; pass layer=")
-            self._check_layer("write", layer)
-        if is_concrete(self.chunk_start) and not bool(jnp.any(self.chunk_start >= 0)):
-            raise ValueError("write: no session has a reserved chunk; call begin_chunk() first")
