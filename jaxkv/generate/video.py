@@ -86,11 +86,15 @@ class Mp4Sink:
 
     def close(self) -> dict:
         """Finishes every mp4 (waits for the encoder threads); returns what the summary records."""
-        try:
-            for writer in self.writers:
+        errors = []
+        for writer in self.writers:              # every file is finalised even if one encoder failed
+            try:
                 writer.close()
-        finally:
-            self.closed_at = time.perf_counter()
+            except Exception as e:  # noqa: BLE001 - the first is re-raised below
+                errors.append(e)
+        self.closed_at = time.perf_counter()
+        if errors:
+            raise errors[0]
         summary = {"video": self.paths if len(self.paths) > 1 else self.paths[0], "video_frames": self.video_frames,
                    "fps": self.fps, "video_size": list(self.size) if self.size else None}
         if self.frames:
