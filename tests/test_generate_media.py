@@ -200,7 +200,8 @@ BAD = [
     (["--prompt", "x", "--text-encoder", "{tmp}/vae48"], "--text-encoder"),
     (["--prompt", "x", "--text-encoder", "{tmp}/enc64"], "gives [16, 64] contexts; the model takes text_dim 32"),
     (["--prompt", "x", "--text-encoder", "{tmp}/notok"], "--text-encoder"),
-    (["--prompt", "x", "--preset", "wan2.1-t2v-1.3b"], "tiny text encoder gives [16, 32] contexts; the model takes text_dim 4096"),
+    (["--prompt", "x", "--preset", "wan2.1-t2v-1.3b"],
+     "tiny text encoder gives [16, 32] contexts; the model takes text_dim 4096"),
 ]
 
 

@@ -6,7 +6,7 @@ Layout of ``--out``::
     latents/chunk_000000.npy   float32 [batch, chunk_frames, latent_height, latent_width, channels], one per chunk
     latents/...                (``--format safetensors``: chunk_000000.safetensors holding one tensor "latents")
     preview.png                first and last frames through a fixed latent-to-RGB projection (`preview`)
-    video.mp4                  the VAE-decoded video, grown chunk by chunk (`video`; video_B.mp4 per video if batch > 1)
+    video.mp4                  the VAE-decoded video, grown chunk by chunk (`video`; video_B.mp4 per video, batch > 1)
     frames/                    with ``--frames``: frame_B_NNNNNN.png per frame or chunk_NNNNNN.npy per chunk
     summary.json               settings, timings and how the run ended
 
@@ -66,7 +66,7 @@ def _read_manifest(path: str) -> dict | None:
 
 def _is_previous_output(path: str) -> bool:
     """True when every entry of directory ``path`` is one a previous `OutputDir` recorded in its manifest (and,
-    inside ``latents/`` and ``frames/``, only chunk and frame files): the only kind of directory ``--overwrite`` may replace."""
+    inside ``latents/`` and ``frames/``, only chunk and frame files): the only kind ``--overwrite`` may replace."""
     manifest = _read_manifest(path)
     if manifest is None:
         return False
