@@ -6,8 +6,9 @@ the rollout settings, the context files, ``--out``; then the params (checked fin
 generation. So a mistake costs no compile time and leaves no files.
 
 Per chunk the device computes the latents and one fused ``isfinite(...).all()``, fetched together; chunk k+1 is
-dispatched before chunk k is fetched and written, so writing overlaps the next chunk's compute. Host memory holds
-one or two chunks (plus the bounded preview frames) however many chunks run.
+dispatched before chunk k is fetched and written, so writing (and the mp4's VAE decode, dispatched by `Mp4Sink`)
+overlaps the next chunk's compute. Host memory holds one or two chunks (plus the bounded preview frames) however
+many chunks run.
 """
 
 from __future__ import annotations
@@ -153,13 +154,13 @@ def run(args, stop: Stop | None = None) -> dict:
         from tqdm import tqdm
 
         progress = tqdm(total=args.num_chunks, unit="chunk", desc="generate", file=sys.stderr)
-    if video is not None:
-        summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
     recent = collections.deque(maxlen=LATENCY_WINDOW)
     first_s, total_s, steady_n, status, reason = None, 0.0, 0, "complete", None
     # Host time spent in the sinks per chunk: taken out of the next chunk's latency for the denoise-only rate.
     denoise_s, last_write, loop_start = 0.0, 0.0, None
     try:
+        if video is not None:     # inside the try: a failure here still finalises the files
+            summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
         with count_compiles(R.stream_step) as compiles:
             start = time.perf_counter()
             pending = next(stream)
