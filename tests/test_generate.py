@@ -15,7 +15,7 @@ import pytest
 from jaxkv import generate as G
 from jaxkv.models import wan
 
-FAST = ["--num-chunks", "3", "--no-progress"]
+FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
 
 
 def read_png(path):

@@ -16,7 +16,7 @@ from jaxkv.generate import loop
 from jaxkv.models import wan
 from jaxkv.models.wan import checkpoint
 
-FAST = ["--num-chunks", "3", "--no-progress"]
+FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
 
 
 @pytest.mark.parametrize("flag", ["--context", "--negative-context"])

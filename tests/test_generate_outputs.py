@@ -14,7 +14,7 @@ from jaxkv.generate import outputs
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 
-FAST = ["--num-chunks", "2", "--no-progress"]
+FAST = ["--num-chunks", "2", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
 
 
 def _chunks(n, shape=(2, 3, 4, 4, 16), seed=0):

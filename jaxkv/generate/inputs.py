@@ -119,17 +119,100 @@ def standin_context(seed: int, text_dim: int, text_len: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((min(8, text_len), text_dim)).astype(np.float32)
 
 
-def contexts(args, config) -> tuple[np.ndarray, np.ndarray | None]:
-    """(context float32 [batch, tokens, text_dim], negative context likewise or None without guidance)."""
-    if args.context:
+def text_encoder(args, config):
+    """The `TextEncoder` for ``--prompt``: ``--text-encoder DIR`` or the embedded tiny one, checked to produce the
+    model's context (dim == text_dim, at most text_len tokens). UsageError otherwise."""
+    from jaxkv.models.umt5 import TextEncoder, TokenizerNotFound
+
+    try:
+        if args.text_encoder:
+            encoder = TextEncoder.load(args.text_encoder, cache_dir=args.embeddings_cache)
+        else:
+            encoder = TextEncoder.tiny(cache_dir=args.embeddings_cache)
+    except (CheckpointError, TokenizerNotFound, ValueError) as e:
+        raise UsageError(f"--text-encoder: {e}") from None
+    where = f"--text-encoder {args.text_encoder}" if args.text_encoder else "the embedded tiny text encoder"
+    if encoder.config.dim != config.text_dim or encoder.config.text_len > config.text_len:
+        raise UsageError(f"{where} gives [{encoder.config.text_len}, {encoder.config.dim}] contexts; the model takes "
+                         f"text_dim {config.text_dim} and at most {config.text_len} tokens"
+                         + ("" if args.text_encoder else "; pass --text-encoder DIR of the model's encoder"))
+    return encoder
+
+
+def encode_prompts(args, config) -> tuple[np.ndarray, np.ndarray | None, dict]:
+    """(context [tokens, text_dim], negative or None, summary entries) for ``--prompt``: one ``encode`` call for
+    the prompt and the negative prompt; the encoder is released afterwards with ``--offload-text-encoder``."""
+    encoder = text_encoder(args, config)
+    prompts = [args.prompt] + ([args.negative_prompt] if args.negative_prompt is not None else [])
+    encoded = encoder.encode(prompts)
+    if args.offload_text_encoder:
+        encoder.release()
+    info = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "text_encoder": encoder.name,
+            "text_encoder_released": encoder.released}
+    return encoded[0], (encoded[1] if len(prompts) > 1 else None), info
+
+
+def contexts(args, config) -> tuple[np.ndarray, np.ndarray | None, dict]:
+    """(context float32 [batch, tokens, text_dim], negative context likewise or None without guidance, summary
+    entries about the text)."""
+    info, negative = {}, None
+    if args.prompt is not None:
+        context, negative, info = encode_prompts(args, config)
+    elif args.context:
         context = load_context(args.context, config.text_dim, config.text_len)
     else:
         context = standin_context(args.seed, config.text_dim, config.text_len)
-    negative = None
     if args.guidance_scale is not None:
-        if args.negative_context:
+        if negative is not None:
+            pass
+        elif args.negative_context:
             negative = load_context(args.negative_context, config.text_dim, config.text_len, "--negative-context")
         else:   # only with the stand-in context (options.check): an empty prompt's stand-in
             negative = np.zeros((1, config.text_dim), np.float32)
         negative = np.broadcast_to(negative, (args.batch, *negative.shape))
-    return np.broadcast_to(context, (args.batch, *context.shape)), negative
+    return np.broadcast_to(context, (args.batch, *context.shape)), negative, info
+
+
+def resolve_vae(args, config):
+    """The VAE config for the mp4 (``--vae DIR``'s config.json, or the tiny preset), or None with --no-video.
+    Its latent channels must be the model's output channels."""
+    if args.no_video:
+        return None
+    from jaxkv.models import wan_vae
+    from jaxkv.models.wan_vae.checkpoint import read_config as read_vae_config
+
+    if args.vae:
+        try:
+            vae = read_vae_config(args.vae)
+        except CheckpointError as e:
+            raise UsageError(f"--vae: {e}") from None
+    else:
+        vae = wan_vae.preset("tiny")
+    if vae.z_dim != config.out_dim:
+        raise UsageError(f"{'--vae ' + args.vae if args.vae else 'the tiny VAE'} decodes {vae.z_dim}-channel latents; "
+                         f"the model makes {config.out_dim} (another model family?); pass a matching --vae or "
+                         f"--no-video")
+    return vae
+
+
+def load_vae(args, vae_config) -> dict:
+    """The VAE params (float32): ``--vae``'s, or the tiny preset's seeded random ones; checked finite."""
+    from jaxkv.models import wan_vae
+
+    if args.vae:
+        try:
+            loaded, params = wan_vae.load(args.vae, dtype=jnp.float32)
+        except CheckpointError as e:
+            raise UsageError(f"--vae: {e}") from None
+        if loaded != vae_config:
+            raise UsageError(f"--vae {args.vae} changed while it was read; run again")
+    else:
+        params = wan_vae.init_params(DEFAULT_VAE_SEED, vae_config, jnp.float32)
+    bad = nonfinite_leaves(params)
+    if bad:
+        raise UsageError(f"--vae {args.vae} holds NaN or Inf values in {', '.join(bad)}")
+    return params
+
+
+# The embedded default's random VAE (it only has to show the full path; its pictures mean nothing).
+DEFAULT_VAE_SEED = 0

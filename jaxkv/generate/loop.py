@@ -6,8 +6,9 @@ the rollout settings, the context files, ``--out``; then the params (checked fin
 generation. So a mistake costs no compile time and leaves no files.
 
 Per chunk the device computes the latents and one fused ``isfinite(...).all()``, fetched together; chunk k+1 is
-dispatched before chunk k is fetched and written, so writing overlaps the next chunk's compute. Host memory holds
-one or two chunks (plus the bounded preview frames) however many chunks run.
+dispatched before chunk k is fetched and written, so writing (and the mp4's VAE decode, dispatched by `Mp4Sink`)
+overlaps the next chunk's compute. Host memory holds one or two chunks (plus the bounded preview frames) however
+many chunks run.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxkv.compilation import count_compiles
 from jaxkv.generate import inputs, options, outputs
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
+from jaxkv.generate.video import Mp4Sink
 from jaxkv.schedule import Schedule
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
@@ -113,10 +115,13 @@ def run(args, stop: Stop | None = None) -> dict:
     options.check(args)
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
-    context, negative = inputs.contexts(args, config)
-    sources = [p for p in (args.checkpoint, args.context, args.negative_context) if p]
+    vae_config = inputs.resolve_vae(args, config)
+    sources = [p for p in (args.checkpoint, args.context, args.negative_context, args.vae, args.text_encoder,
+                           args.embeddings_cache) if p]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
+    context, negative, text_info = inputs.contexts(args, config)     # encodes --prompt (after the cheap checks)
     params = inputs.load_params(args, config)
+    vae_params = None if vae_config is None else inputs.load_vae(args, vae_config)
     if stop.signum is not None:
         return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
 
@@ -127,6 +132,11 @@ def run(args, stop: Stop | None = None) -> dict:
     sinks = [outputs.LatentsSink(out, args.format),
              PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale)]
     chunk_shape = rc.chunk_shape(config, args.batch)
+    video = None
+    if vae_config is not None:
+        video = Mp4Sink(out, vae_params, vae_config, batch=args.batch, latent_height=args.height,
+                        latent_width=args.width, fps=args.fps or options.DEFAULTS["fps"], frames=args.frames)
+        sinks.append(video)
     files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
 
     summary = {
@@ -137,6 +147,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
+        "vae": None if vae_config is None else (args.vae or "tiny random (embedded default)"), **text_info,
     }
     progress = None
     if not args.no_progress:
@@ -145,7 +156,11 @@ def run(args, stop: Stop | None = None) -> dict:
         progress = tqdm(total=args.num_chunks, unit="chunk", desc="generate", file=sys.stderr)
     recent = collections.deque(maxlen=LATENCY_WINDOW)
     first_s, total_s, steady_n, status, reason = None, 0.0, 0, "complete", None
+    # Host time spent in the sinks per chunk: taken out of the next chunk's latency for the denoise-only rate.
+    denoise_s, last_write, loop_start = 0.0, 0.0, None
     try:
+        if video is not None:     # inside the try: a failure here still finalises the files
+            summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
         with count_compiles(R.stream_step) as compiles:
             start = time.perf_counter()
             pending = next(stream)
@@ -159,10 +174,11 @@ def run(args, stop: Stop | None = None) -> dict:
                 now = time.perf_counter()
                 latency, start = now - start, now
                 if first_s is None:
-                    first_s = latency
+                    first_s, loop_start = latency, now - latency
                 else:
                     recent.append(latency)
                     total_s, steady_n = total_s + latency, steady_n + 1
+                    denoise_s += latency - last_write
                 if not finite:
                     status = "failed"
                     reason = (f"chunk {index} holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); "
@@ -171,6 +187,7 @@ def run(args, stop: Stop | None = None) -> dict:
                               f"before writing any chunk")
                     break
                 files.write_chunk(index, x)
+                last_write = time.perf_counter() - start
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(f"{latency * 1e3:.0f} ms")
@@ -198,9 +215,26 @@ def run(args, stop: Stop | None = None) -> dict:
     if stop.signum is not None:
         summary["signal"] = signal.Signals(stop.signum).name
     summary = files.close(status, summary, reason)
+    _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
+    outputs._write_json(os.path.join(out, outputs.SUMMARY), summary)      # again, with the rates
     if status == "failed":
         raise GenerationError(reason, summary)
     return summary
+
+
+def _rates(summary: dict, chunk_frames: int, steady_n: int, denoise_s: float, loop_start: float | None,
+           video) -> None:
+    """Adds the two throughputs to ``summary``: denoise-only (latent frames per second over the chunks after the
+    first, the host's sink time taken out) and end to end (from the first dispatch until every file is closed,
+    compilation included; latent frames, and decoded video frames when an mp4 is written)."""
+    summary["denoise_latent_frames_per_s"] = (steady_n * chunk_frames / denoise_s
+                                              if steady_n and denoise_s > 0 else None)
+    latent = summary.get("latents_shape", [0, 0])[1]
+    end = video.closed_at if video is not None and video.closed_at is not None else time.perf_counter()
+    wall = end - loop_start if loop_start is not None else None
+    summary["end_to_end_s"] = wall
+    summary["end_to_end_latent_frames_per_s"] = latent / wall if wall else None
+    summary["end_to_end_video_frames_per_s"] = (video.video_frames / wall if wall and video is not None else None)
 
 
 def print_summary(s: dict) -> None:
@@ -220,6 +254,19 @@ def print_summary(s: dict) -> None:
         print(f"compile      {s['compile_s_estimate']:.2f} s (first chunk {s['first_chunk_s']:.2f} s), "
               f"{s['compilations']} compilation(s) of the chunk step")
         print(f"per chunk    {lat} after compilation ({s['backend']})")
+    rates = []
+    if s.get("denoise_latent_frames_per_s") is not None:
+        rates.append(f"denoise only {s['denoise_latent_frames_per_s']:.2f} latent frames/s")
+    if s.get("end_to_end_s"):
+        rates.append(f"end to end {s['end_to_end_latent_frames_per_s']:.2f} latent frames/s"
+                     + (f" = {s['end_to_end_video_frames_per_s']:.2f} video frames/s"
+                        if s.get("end_to_end_video_frames_per_s") is not None else "")
+                     + f" over {s['end_to_end_s']:.2f} s, compilation included")
+    if rates:
+        print(f"throughput   {'; '.join(rates)}")
+    if s.get("prompt") is not None:
+        print(f"text         {s['prompt']!r} by {s['text_encoder']}"
+              + (" (released before the rollout)" if s.get("text_encoder_released") else ""))
     print_written(s)
 
 
@@ -231,6 +278,10 @@ def print_written(s: dict) -> None:
     print(f"wrote        {chunks} chunk(s) to {s.get('latents_dir')} ({s['status']}), {s.get('preview', 'no preview')}, "
           f"{os.path.join(os.path.dirname(s['manifest']), outputs.SUMMARY)}; read them with "
           f"jaxkv.generate.load_latents({os.path.dirname(s['manifest'])!r})")
+    if s.get("video"):
+        size = s.get("video_size") or [0, 0]
+        print(f"video        {s['video']}: {s['video_frames']} frames of {size[0]}x{size[1]} at {s['fps']} fps "
+              f"(VAE: {s['vae']})" + (f"; frames in {s['frames_dir']}" if s.get("frames_dir") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

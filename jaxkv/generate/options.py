@@ -13,13 +13,14 @@ from jaxkv.cache import POLICIES as CACHE_POLICIES
 POLICIES = tuple(sorted(CACHE_POLICIES))   # the cache layer's registry: name -> class
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("npy", "safetensors")
+FRAME_FORMATS = ("png", "npy")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).
 SEED_MAX = 2 ** 63 - 1
 
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
                 policy="ring", cache_dtype="float32", param_dtype="float32", out="jaxkv_out", format="npy",
-                preview_scale=4, preview_frames=12)
+                preview_scale=4, preview_frames=12, fps=16)
 
 
 class UsageError(ValueError):
@@ -86,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "--guidance-scale when --context is given (default with the stand-in context: zeros)")
     t.add_argument("--guidance-scale", type=float, help="classifier-free guidance scale (runs the negative "
                    "context as a second session; default: no guidance)")
+    t.add_argument("--prompt", metavar="TEXT", help="text prompt, encoded once by --text-encoder (default: the "
+                   "embedded tiny random umT5, which only fits a model with its text_dim); not with --context")
+    t.add_argument("--negative-prompt", metavar="TEXT", help="negative prompt for guidance (may be \"\"); "
+                   "required with --guidance-scale and --prompt")
+    t.add_argument("--text-encoder", metavar="DIR", help="converted jaxkv umT5 directory (converters.umt5)")
+    t.add_argument("--offload-text-encoder", action="store_true", help="free the text encoder's device memory "
+                   "after encoding, before the rollout")
+    t.add_argument("--embeddings-cache", metavar="DIR", help="on-disk cache of prompt embeddings: a repeated "
+                   "prompt is read, not encoded")
     v = p.add_argument_group("video and cache (frames are latent frames)")
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
     v.add_argument("--width", type=_positive, default=d["width"], help="latent width")
@@ -115,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pixels per latent pixel in preview.png")
     o.add_argument("--preview-frames", type=_int_in(1, 1000), default=d["preview_frames"],
                    help="preview.png shows the first and the last this many frames of each video")
+    o.add_argument("--vae", metavar="DIR", help="converted jaxkv Wan VAE directory: each chunk is decoded as it "
+                   "arrives and appended to OUT/video.mp4 (default: a tiny random VAE, seeded)")
+    o.add_argument("--fps", type=_int_in(1, 240), help=f"frames per second of the mp4 (default {d['fps']}, Wan's)")
+    o.add_argument("--frames", choices=FRAME_FORMATS, help="also write the decoded frames: png = OUT/frames/"
+                   "frame_VIDEO_NNNNNN.png per frame, npy = OUT/frames/chunk_NNNNNN.npy (uint8 [batch, n, H, W, 3]) "
+                   "per chunk; one chunk of frames in host memory at a time, disk grows with the run")
+    o.add_argument("--no-video", action="store_true", help="no mp4 (latents and preview only)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -126,6 +143,26 @@ def check(args: argparse.Namespace) -> None:
     if args.guidance_scale is not None and args.context and not args.negative_context:
         raise UsageError("--guidance-scale with --context needs --negative-context FILE (the negative prompt's "
                          "embeddings, e.g. of the empty prompt); only the stand-in context has a stand-in negative")
+    if args.prompt is not None and args.context:
+        raise UsageError("--prompt and --context both give the text context; pass one")
+    if args.prompt is None:
+        for flag, value in (("--negative-prompt", args.negative_prompt), ("--text-encoder", args.text_encoder),
+                            ("--embeddings-cache", args.embeddings_cache),
+                            ("--offload-text-encoder", args.offload_text_encoder or None)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --prompt")
+    if args.negative_prompt is not None and args.negative_context:
+        raise UsageError("--negative-prompt and --negative-context both give the negative context; pass one")
+    if args.guidance_scale is None and args.negative_prompt is not None:
+        raise UsageError("--negative-prompt needs --guidance-scale")
+    if args.guidance_scale is not None and args.prompt is not None and args.negative_prompt is None \
+            and not args.negative_context:
+        raise UsageError("--guidance-scale with --prompt needs --negative-prompt TEXT (e.g. --negative-prompt \"\") "
+                         "or --negative-context FILE")
+    if args.no_video:
+        for flag, value in (("--vae", args.vae), ("--fps", args.fps), ("--frames", args.frames)):
+            if value is not None:
+                raise UsageError(f"{flag} has no effect with --no-video")
     if args.checkpoint:
         for flag, name in (("--weights-seed", "weights_seed"), ("--preset", "preset")):
             if getattr(args, name) != DEFAULTS[name]:

@@ -6,6 +6,8 @@ Layout of ``--out``::
     latents/chunk_000000.npy   float32 [batch, chunk_frames, latent_height, latent_width, channels], one per chunk
     latents/...                (``--format safetensors``: chunk_000000.safetensors holding one tensor "latents")
     preview.png                first and last frames through a fixed latent-to-RGB projection (`preview`)
+    video.mp4                  the VAE-decoded video, grown chunk by chunk (`video`; video_B.mp4 per video, batch > 1)
+    frames/                    with ``--frames``: frame_B_NNNNNN.png per frame or chunk_NNNNNN.npy per chunk
     summary.json               settings, timings and how the run ended
 
 ``manifest.json`` holds ``"format": "jaxkv-generate"``, ``"format_version"``, ``"status"`` (``running``,
@@ -38,6 +40,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 LATENTS_DIR = "latents"
+FRAMES_DIR = "frames"                # decoded frames (``--frames``), written by `jaxkv.generate.video.Mp4Sink`
 
 
 class Sink(Protocol):
@@ -63,7 +66,7 @@ def _read_manifest(path: str) -> dict | None:
 
 def _is_previous_output(path: str) -> bool:
     """True when every entry of directory ``path`` is one a previous `OutputDir` recorded in its manifest (and,
-    inside ``latents/``, only chunk files): the only kind of directory ``--overwrite`` may replace."""
+    inside ``latents/`` and ``frames/``, only chunk and frame files): the only kind ``--overwrite`` may replace."""
     manifest = _read_manifest(path)
     if manifest is None:
         return False
@@ -71,12 +74,13 @@ def _is_previous_output(path: str) -> bool:
     own |= {f"{name}.tmp" for name in own}           # a file being replaced when the run was killed
     if not set(os.listdir(path)) <= own:
         return False
-    latents = os.path.join(path, LATENTS_DIR)
-    if os.path.lexists(latents):
-        if os.path.islink(latents) or not os.path.isdir(latents):
-            return False
-        if any(not n.startswith("chunk_") for n in os.listdir(latents)):
-            return False
+    for sub, prefixes in ((LATENTS_DIR, ("chunk_",)), (FRAMES_DIR, ("chunk_", "frame_"))):
+        inner = os.path.join(path, sub)
+        if os.path.lexists(inner):
+            if os.path.islink(inner) or not os.path.isdir(inner):
+                return False
+            if any(not n.startswith(prefixes) for n in os.listdir(inner)):
+                return False
     return True
 
 

@@ -1,0 +1,102 @@
+"""The mp4 output of ``jaxkv generate``: `Mp4Sink` decodes each latent chunk with the Wan VAE as it arrives and
+appends the frames to ``OUT/video.mp4`` (``video_B.mp4`` per video for a batch > 1), optionally also writing them
+to ``OUT/frames/``.
+
+Nothing here waits for the device: `write_chunk` dispatches the decode (`StreamDecoder`, asynchronous) and hands
+the resulting device array to the `VideoWriter`, whose host thread is the one that waits for and encodes it. The
+loop has already dispatched the next chunk's denoising, so the decode of chunk k overlaps it where the runtime
+runs them concurrently. Only ``--frames`` fetches the frames on the caller's thread (one chunk at a time).
+
+Frame counts: T latent frames give ``1 + 4 (T - 1)`` video frames (the VAE's causal first frame).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.generate.png import write_png
+from jaxkv.models import wan_vae
+from jaxkv.video import VideoWriter
+
+from jaxkv.generate.outputs import FRAMES_DIR
+
+
+def video_names(batch: int) -> tuple[str, ...]:
+    """The mp4 file names of a run of ``batch`` videos."""
+    return ("video.mp4",) if batch == 1 else tuple(f"video_{b}.mp4" for b in range(batch))
+
+
+class Mp4Sink:
+    """Output sink: latent chunk float32 [batch, T, h, w, z_dim] -> decoded frames -> mp4 (and ``--frames``).
+
+    Args:
+      out: the output directory.
+      params, config: the VAE; ``config.z_dim`` must equal the latents' channels (checked by the caller).
+      batch, latent_height, latent_width: the stream's latent geometry.
+      fps: frames per second of the mp4.
+      frames: None, "png" (``frames/frame_B_NNNNNN.png`` per video frame) or "npy" (``frames/chunk_NNNNNN.npy``,
+        uint8 [batch, n, 8h, 8w, 3] per chunk).
+    """
+
+    def __init__(self, out: str, params: dict, config: wan_vae.WanVAEConfig, *, batch: int, latent_height: int,
+                 latent_width: int, fps: int, frames: str | None = None):
+        if frames not in (None, "png", "npy"):
+            raise ValueError(f"frames must be None, 'png' or 'npy', got {frames!r}")
+        self.decoder = wan_vae.StreamDecoder(params, config, latent_height=latent_height, latent_width=latent_width,
+                                             batch=batch)
+        self.paths = [os.path.join(out, n) for n in video_names(batch)]
+        self.fps, self.frames, self.frames_dir = fps, frames, os.path.join(out, FRAMES_DIR)
+        self.names = video_names(batch) + ((FRAMES_DIR,) if frames else ())
+        if frames:
+            os.makedirs(self.frames_dir, exist_ok=True)
+        self.writers = [VideoWriter(p, fps) for p in self.paths]
+        self.video_frames = 0              # per video
+        self.size: tuple[int, int] | None = None
+        self.closed_at: float | None = None
+
+    def warm_up(self, chunk_shape: tuple[int, ...]) -> float:
+        """Compiles the decode (one chunk of zeros, waited for, then the stream reset) so that no chunk's timing
+        carries the VAE's compilation; returns the seconds it took."""
+        start = time.perf_counter()
+        np.asarray(self.decoder(jnp.zeros(chunk_shape, jnp.float32)))
+        self.decoder.reset()
+        return time.perf_counter() - start
+
+    def write_chunk(self, index: int, latents: np.ndarray) -> None:
+        frames = self.decoder(jnp.asarray(latents))        # uint8 [batch, n, H, W, 3], still being computed
+        first = self.video_frames
+        self.video_frames += frames.shape[1]
+        self.size = (int(frames.shape[2]), int(frames.shape[3]))
+        for b, writer in enumerate(self.writers):
+            writer.append(frames[b])
+        if self.frames == "npy":
+            path = os.path.join(self.frames_dir, f"chunk_{index:06d}.npy")
+            with open(f"{path}.tmp", "wb") as f:
+                np.save(f, np.asarray(frames))
+            os.replace(f"{path}.tmp", path)
+        elif self.frames == "png":
+            host = np.asarray(frames)
+            for b in range(host.shape[0]):
+                for j in range(host.shape[1]):
+                    write_png(os.path.join(self.frames_dir, f"frame_{b}_{first + j:06d}.png"), host[b, j])
+
+    def close(self) -> dict:
+        """Finishes every mp4 (waits for the encoder threads); returns what the summary records."""
+        errors = []
+        for writer in self.writers:              # every file is finalised even if one encoder failed
+            try:
+                writer.close()
+            except Exception as e:  # noqa: BLE001 - the first is re-raised below
+                errors.append(e)
+        self.closed_at = time.perf_counter()
+        if errors:
+            raise errors[0]
+        summary = {"video": self.paths if len(self.paths) > 1 else self.paths[0], "video_frames": self.video_frames,
+                   "fps": self.fps, "video_size": list(self.size) if self.size else None}
+        if self.frames:
+            summary["frames_dir"] = self.frames_dir
+        return summary
