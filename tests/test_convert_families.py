@@ -322,3 +322,17 @@ def test_original_release_converts_as_one_unit(tmp_path, capsys, dit_sd, vae_fla
     assert rc == 0, err
     check_t5(tmp_path / "t5", t5_params, spiece)
     assert not leftovers(tmp_path)
+
+
+def test_ctrl_c_during_a_release_exits_130_and_leaves_nothing(tmp_path, capsys, dit_sd, vae_flat, t5_params,
+                                                               spiece, monkeypatch):
+    root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
+    from converters import umt5
+
+    def interrupt(*a, **k):  # after dit/ and vae/ are written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(umt5, "write_umt5_checkpoint", interrupt)
+    rc, err = run([root, tmp_path / "out"], capsys)
+    assert rc == 130 and "interrupted; nothing was written" in err
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
