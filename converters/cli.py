@@ -21,8 +21,8 @@ SRC may be:
     folder, or a diffusers pipeline root with transformer/, vae/, text_encoder/, tokenizer/. It becomes
     DST/dit/, DST/vae/ and DST/text_encoder/, written as one unit.
 The family is detected from the key names (--family forces one; given a release directory it converts that part
-alone). The format and the DiT config are detected; the head count comes from a config.json beside the weights or a matching
-preset, else pass --num-heads or --preset.
+alone). The format and the DiT config are detected; the head count comes from a config.json beside the weights
+or a matching preset, else pass --num-heads or --preset.
 
 DST is a directory (config.json + params.safetensors) for `jaxkv generate --checkpoint DST` and
 jaxkv.models.wan.checkpoint.load(DST). It is built beside DST in a hidden .DST.tmp-* directory and renamed into
@@ -35,8 +35,8 @@ DST may never be, contain or lie inside SRC.
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxkv convert", epilog=_EPILOG,
-                                description="Convert a Wan 2.1 PyTorch / safetensors checkpoint to a jaxkv "
-                                            "checkpoint directory.",
+                                description="Convert a Wan 2.1 PyTorch / safetensors checkpoint (DiT, VAE, umT5 text "
+                                            "encoder, or a whole release) to a jaxkv checkpoint directory.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="checkpoint file or directory to convert")
     p.add_argument("dst", metavar="DST", nargs="?", help="output directory (must not exist unless --force)")
@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, help="attention heads (tensors cannot show them)")
     p.add_argument("--text-len", type=int, help="text tokens the model was trained with (tensors cannot show it and "
                                                 "diffusers configs do not store it; default: the matching preset's)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="umT5: the tokenizer.json / spiece.model (or its folder) to use instead of the one found "
+                        "beside the weights")
     p.add_argument("--force", action="store_true",
                    help="replace an existing DST, only if it is a jaxkv checkpoint directory (config.json + "
                         "params.safetensors and nothing else), and only once the new one is complete")
@@ -99,6 +102,9 @@ def _run(args) -> int:
         _say(f"jaxkv convert: error: {e}")
         return 1
     if family == "dit":
+        if args.tokenizer is not None:
+            _say(f"jaxkv convert: error: --tokenizer applies to a umT5 text encoder; {args.src} is a DiT")
+            return 1
         return _run_dit(args, release.resolve(args.src, "dit") if args.family else args.src)
     return _run_other(args, family)
 
@@ -135,10 +141,10 @@ def _run_other(args, family: str) -> int:
         if args.dst is not None and not args.dry_run:
             release.check_output(args.src, args.dst, what, force=args.force)
         if family == "release":
-            plan = release.plan_release(args.src, **_dit_options(args))
+            plan = release.plan_release(args.src, tokenizer=args.tokenizer, **_dit_options(args))
             parts = plan.plans
         else:
-            plan = release.plan_family(family, args.src, **_dit_options(args))
+            plan = release.plan_family(family, args.src, tokenizer=args.tokenizer, **_dit_options(args))
             parts = {family: plan}
     except ConversionError as e:
         _say(f"jaxkv convert: error: {e}")

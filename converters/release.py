@@ -173,6 +173,8 @@ def plan_family(family: str, src: str, *, tokenizer: str | None = None, **dit_op
     if family == "vae":
         from converters.wan_vae import plan_vae_conversion
 
+        if tokenizer is not None:
+            raise ConversionError(f"--tokenizer applies to a umT5 text encoder; {path} is a VAE")
         return plan_vae_conversion(path)
     if family == "umt5":
         from converters.umt5 import plan_umt5_conversion
@@ -232,9 +234,9 @@ class ReleasePlan:
             plan.source.close()
 
 
-def plan_release(src: str, **dit_options) -> ReleasePlan:
+def plan_release(src: str, *, tokenizer: str | None = None, **dit_options) -> ReleasePlan:
     """Plans every part of the release directory ``src`` (headers only); ConversionError naming the part that
-    fails, with nothing left open."""
+    fails, with nothing left open. ``tokenizer`` overrides the one found in the release."""
     release = find_release(src)
     if release is None:
         raise ConversionError(f"{src} is not a Wan release directory; expected {LOOKED_FOR[3]}")
@@ -253,7 +255,8 @@ def plan_release(src: str, **dit_options) -> ReleasePlan:
                 else:
                     from converters.umt5 import plan_umt5_conversion
 
-                    plans[family] = plan_umt5_conversion(release[family], tokenizer=release["tokenizer"])
+                    plans[family] = plan_umt5_conversion(release[family],
+                                                         tokenizer=tokenizer or release["tokenizer"])
             except ConversionError as e:
                 raise ConversionError(f"release part {RELEASE_PARTS[family]}/ ({release[family]}): {e}") from None
     except BaseException:

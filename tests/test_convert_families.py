@@ -336,3 +336,15 @@ def test_ctrl_c_during_a_release_exits_130_and_leaves_nothing(tmp_path, capsys, 
     rc, err = run([root, tmp_path / "out"], capsys)
     assert rc == 130 and "interrupted; nothing was written" in err
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_tokenizer_option(tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece):
+    root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
+    os.rename(root / "tokenizer", tmp_path / "tok")
+    rc, err = run([root / "text_encoder", tmp_path / "t5"], capsys)
+    assert rc == 1 and "no umT5 tokenizer found" in err and not (tmp_path / "t5").exists()
+    rc, err = run([root / "text_encoder", tmp_path / "t5", "--tokenizer", tmp_path / "tok", "--dtype", "f32"], capsys)
+    assert rc == 0, err
+    check_t5(tmp_path / "t5", t5_params, spiece)
+    rc, err = run([root / "vae", tmp_path / "v", "--tokenizer", tmp_path / "tok"], capsys)
+    assert rc == 1 and "--tokenizer applies to a umT5" in err and not (tmp_path / "v").exists()
