@@ -1,4 +1,5 @@
-"""``jaxkv convert SRC DST``: a Wan 2.1 PyTorch / safetensors checkpoint -> a jaxkv checkpoint directory."""
+"""``jaxkv convert SRC DST``: a Wan 2.1 PyTorch / safetensors checkpoint (DiT, VAE, umT5 text encoder, or a whole
+release) -> a jaxkv checkpoint directory."""
 
 from __future__ import annotations
 
@@ -13,25 +14,37 @@ SRC may be:
     transformer/), e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers;
   a Self-Forcing / CausVid training checkpoint (.pt with generator_ema / generator / model entries), read with
     torch.load(weights_only=True); needs torch.
-The format and the config are detected; the head count comes from a config.json beside the weights or a matching
-preset, else pass --num-heads or --preset.
+  a Wan VAE: Wan2.1_VAE.pth, or a diffusers AutoencoderKLWan directory (vae/ of a pipeline);
+  a umT5 text encoder: models_t5_umt5-xxl-enc-bf16.pth (tokenizer beside it, e.g. google/umt5-xxl/), or a
+    Hugging Face UMT5EncoderModel directory (text_encoder/ of a pipeline);
+  a whole Wan release: a directory holding the DiT weights + Wan2.1_VAE.pth + models_t5*.pth + the tokenizer
+    folder, or a diffusers pipeline root with transformer/, vae/, text_encoder/, tokenizer/. It becomes
+    DST/dit/, DST/vae/ and DST/text_encoder/, written as one unit.
+The family is detected from the key names (--family forces one; given a release directory it converts that part
+alone). The format and the DiT config are detected; the head count comes from a config.json beside the weights
+or a matching preset, else pass --num-heads or --preset.
 
 DST is a directory (config.json + params.safetensors) for `jaxkv generate --checkpoint DST` and
 jaxkv.models.wan.checkpoint.load(DST). It is built beside DST in a hidden .DST.tmp-* directory and renamed into
 place when complete; an error, Ctrl-C, SIGTERM or SIGHUP leaves nothing behind, and a leftover of a killed run is
-removed by the next conversion into DST. --force replaces only a jaxkv checkpoint directory (or an empty one);
+removed by the next conversion into DST. --force replaces only a jaxkv checkpoint directory of the same family
+(for a release: a directory of exactly dit/, vae/, text_encoder/, each one of ours), or an empty one;
 DST may never be, contain or lie inside SRC.
 """
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxkv convert", epilog=_EPILOG,
-                                description="Convert a Wan 2.1 PyTorch / safetensors checkpoint to a jaxkv "
-                                            "checkpoint directory.",
+                                description="Convert a Wan 2.1 PyTorch / safetensors checkpoint (DiT, VAE, umT5 text "
+                                            "encoder, or a whole release) to a jaxkv checkpoint directory.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="checkpoint file or directory to convert")
     p.add_argument("dst", metavar="DST", nargs="?", help="output directory (must not exist unless --force)")
-    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16", help="output dtype (default: bf16)")
+    p.add_argument("--family", choices=("dit", "vae", "umt5"),
+                   help="convert SRC as this model family instead of detecting it (in a release directory: that "
+                        "part alone)")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
+                   help="output dtype of every part (default: bf16)")
     ema = p.add_mutually_exclusive_group()
     ema.add_argument("--ema", dest="ema", action="store_true", default=None,
                      help="training checkpoints: convert generator_ema (the default when present)")
@@ -44,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, help="attention heads (tensors cannot show them)")
     p.add_argument("--text-len", type=int, help="text tokens the model was trained with (tensors cannot show it and "
                                                 "diffusers configs do not store it; default: the matching preset's)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="umT5: the tokenizer.json / spiece.model (or its folder) to use instead of the one found "
+                        "beside the weights")
     p.add_argument("--force", action="store_true",
                    help="replace an existing DST, only if it is a jaxkv checkpoint directory (config.json + "
                         "params.safetensors and nothing else), and only once the new one is complete")
@@ -77,20 +93,109 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    from converters import release
+    from converters.errors import ConversionError
+
+    try:
+        family = args.family or release.detect_family(args.src)
+    except ConversionError as e:
+        _say(f"jaxkv convert: error: {e}")
+        return 1
+    if family == "dit":
+        if args.tokenizer is not None:
+            _say(f"jaxkv convert: error: --tokenizer applies to a umT5 text encoder; {args.src} is a DiT")
+            return 1
+        return _run_dit(args, release.resolve(args.src, "dit") if args.family else args.src)
+    return _run_other(args, family)
+
+
+def _dit_options(args) -> dict:
+    return dict(preset=args.preset, config=args.config, num_heads=args.num_heads, text_len=args.text_len,
+                ema=args.ema)
+
+
+def _describe(family: str, plan) -> str:
+    if family == "vae":
+        c = plan.config
+        return (f"vae: {plan.source.description}, {plan.naming} naming, {len(plan.items)} tensors; base_dim "
+                f"{c.base_dim}, z_dim {c.z_dim}, dim_mult {list(c.dim_mult)}")
+    if family == "umt5":
+        c = plan.config
+        skipped = f", skipping {len(plan.skipped)} ({', '.join(plan.skipped[:4])})" if plan.skipped else ""
+        return (f"text encoder: {plan.source.description}, {plan.layout} layout, {plan.num_tensors} tensors"
+                f"{skipped}; dim {c.dim}, {c.num_layers} layers, {c.num_heads} heads, vocab {c.vocab_size} "
+                f"({plan.config_origin}); tokenizer {plan.tokenizer_origin}")
+    c = plan.config
+    return (f"dit: {plan.source.description}, {plan.naming} naming, {plan.num_tensors} tensors; dim {c.dim}, "
+            f"{c.num_heads} heads, {c.num_layers} layers, text_len {c.text_len} ({plan.config_origin})")
+
+
+def _run_other(args, family: str) -> int:
+    """A VAE, a umT5 encoder or a whole release: the DiT's rules (destination checked first, plan from headers,
+    atomic write, the same messages and exit codes)."""
+    from converters import release
+    from converters.errors import ConversionError
+
+    what = "release" if family == "release" else family
+    try:
+        if args.dst is not None and not args.dry_run:
+            release.check_output(args.src, args.dst, what, force=args.force)
+        if family == "release":
+            plan = release.plan_release(args.src, tokenizer=args.tokenizer, **_dit_options(args))
+            parts = plan.plans
+        else:
+            plan = release.plan_family(family, args.src, tokenizer=args.tokenizer, **_dit_options(args))
+            parts = {family: plan}
+    except ConversionError as e:
+        _say(f"jaxkv convert: error: {e}")
+        return 1
+    except OSError as e:
+        _say(f"jaxkv convert: error: cannot read {args.src} ({e})")
+        return 1
+    try:
+        if family == "release":
+            _say(f"source: Wan release directory {args.src} ({plan.layout} layout) -> "
+                 + ", ".join(f"{release.RELEASE_PARTS[f]}/" for f in parts))
+        for fam, part in parts.items():
+            _say(_describe(fam, part))
+        if args.dry_run:
+            _say("dry run: nothing written (tensor values are not read, so NaN/Inf are not checked)")
+            return 0
+        kw = dict(dtype=args.dtype, force=args.force, progress=not args.no_progress,
+                  allow_nonfinite=args.allow_nonfinite, log=_say)
+        try:
+            if family == "release":
+                size = sum(release.write_release(plan, args.dst, **kw).values())
+            else:
+                size = release.write_family(family, plan, args.dst, **kw)
+        except ConversionError as e:
+            _say(f"jaxkv convert: error: {e}")
+            return 1
+        except OSError as e:
+            _say(f"jaxkv convert: error: writing {args.dst} failed, nothing was written ({e})")
+            return 1
+    finally:
+        for part in parts.values():
+            part.source.close()
+    _say(f"wrote {args.dst} ({size / 2**20:.1f} MiB of {args.dtype} params)")
+    return 0
+
+
+def _run_dit(args, src: str) -> int:
     from converters.convert import check_output, plan_conversion, write_checkpoint
     from converters.errors import ConversionError
     from converters.stream import describe_nonfinite
 
     try:
         if args.dst is not None and not args.dry_run:
-            check_output(args.src, args.dst, force=args.force)
-        plan = plan_conversion(args.src, preset=args.preset, config=args.config, num_heads=args.num_heads,
+            check_output(src, args.dst, force=args.force)
+        plan = plan_conversion(src, preset=args.preset, config=args.config, num_heads=args.num_heads,
                                text_len=args.text_len, ema=args.ema)
     except ConversionError as e:
         _say(f"jaxkv convert: error: {e}")
         return 1
     except OSError as e:
-        _say(f"jaxkv convert: error: cannot read {args.src} ({e})")
+        _say(f"jaxkv convert: error: cannot read {src} ({e})")
         return 1
     try:
         c = plan.config
