@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxkv import files, safetensors_io
+from jaxkv.models.param_tree import flatten, unflatten
 
 CONFIG_FILE = "config.json"
 PARAMS_FILE = "params.safetensors"
@@ -55,3 +61,52 @@ def read_marked_config(path: str, *, fmt: str, version: int, kind: str, hint: st
         raise CheckpointError(f"{file} has format_version {data.get('format_version')!r}; this jaxkv reads version "
                               f"{version}")
     return {k: v for k, v in data.items() if k not in ("format", "format_version")}
+
+
+def save_params(path: str, params: dict[str, Any], config_json: str, *, fmt: str, version: int, force: bool = False,
+                optional: tuple[str, ...] = ()) -> None:
+    """Writes ``params`` (a validated tree) and ``config_json`` to the directory ``path`` atomically; with ``force``
+    an existing directory is replaced only if it is a checkpoint of ``fmt`` (holding at most ``optional`` besides
+    the two files)."""
+    from safetensors.numpy import save_file
+
+    flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(params).items()}
+    with files.atomic_checkpoint_directory(path, force=force, formats=(fmt,), optional=optional) as tmp:
+        save_file(flat, os.path.join(tmp, PARAMS_FILE), metadata={"format": fmt, "format_version": str(version)})
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            f.write(config_json)
+
+
+class _Shape:
+    """Stands in for an array in a ``validate`` (which reads only ``np.shape``) before any data is read."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = tuple(shape)
+
+
+def load_params(path: str, validate: Callable[[dict[str, Any]], None], dtype=None) -> dict[str, Any]:
+    """The params tree of the checkpoint directory ``path`` as jax arrays.
+
+    ``validate(tree)`` (the family's ``validate_params`` with its config) is first run on the file's header alone
+    (shapes), so missing / unexpected keys and shape mismatches are reported before any data is read. Tensors are
+    then read and cast to ``dtype`` (None: as stored) one at a time with plain file reads
+    (`jaxkv.safetensors_io.read_array`), so peak host memory is the params in the requested dtype plus one tensor.
+    CheckpointError names a missing, truncated or corrupt params file and params that do not match the config."""
+    file = os.path.join(path, PARAMS_FILE)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path} is not a complete jaxkv checkpoint: {PARAMS_FILE} is missing")
+    target = None if dtype is None else np.dtype(dtype)
+    try:
+        infos, _ = safetensors_io.read_header(file)
+        try:
+            validate(unflatten({k: _Shape(i.shape) for k, i in infos.items()}))
+        except ValueError as e:
+            raise CheckpointError(f"{file} does not match {os.path.join(path, CONFIG_FILE)}: {e}") from None
+        flat = {}
+        for key, info in infos.items():
+            array = safetensors_io.read_array(file, info, target)
+            flat[key] = jax.device_put(array)
+            del array  # the host copy goes as soon as the device holds it
+    except (safetensors_io.FormatError, OSError) as e:
+        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
+    return unflatten(flat)

@@ -21,14 +21,13 @@ import shutil
 import struct
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import files
-from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text,
+from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text, load_params,
                                          read_marked_config)
 from jaxkv.models.umt5.config import UMT5Config
-from jaxkv.models.umt5.params import flat_param_shapes, flatten, unflatten, validate_params
+from jaxkv.models.umt5.params import flatten, validate_params
 from jaxkv.models.umt5.tokenizer import TOKENIZER_FILES
 
 FORMAT = "jaxkv-umt5"
@@ -107,31 +106,9 @@ def save(path: str, config: UMT5Config, params: dict[str, Any], *, tokenizer_fil
 def load(path: str, dtype=None) -> tuple[UMT5Config, dict[str, Any], dict[str, Any]]:
     """Reads a checkpoint directory -> (UMT5Config, params as jax arrays, config.json's other entries).
 
-    ``dtype`` casts every parameter (e.g. ``jnp.float32``); None keeps the stored dtype. CheckpointError names the
+    ``dtype`` casts every parameter (e.g. ``jnp.float32``), one tensor at a time; None keeps the stored dtype.
+    CheckpointError names the
     problem for a missing/foreign directory, a truncated or corrupt params file, and params that do not match.
     """
-    from safetensors import SafetensorError, safe_open
-
     config, meta = read_config(path)
-    file = os.path.join(path, PARAMS_FILE)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path} is not a complete jaxkv text-encoder checkpoint: {PARAMS_FILE} is missing")
-    expected = flat_param_shapes(config)
-    flat = {}
-    try:
-        with safe_open(file, framework="numpy") as f:
-            for key in f.keys():
-                if key in expected and tuple(f.get_slice(key).get_shape()) != expected[key]:
-                    raise CheckpointError(f"{file}: {key} has shape {tuple(f.get_slice(key).get_shape())}, "
-                                          f"{CONFIG_FILE} expects {expected[key]}")
-                array = f.get_tensor(key)
-                flat[key] = jnp.asarray(array, dtype=dtype)
-                del array
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
-    params = unflatten(flat)
-    try:
-        validate_params(params, config)
-    except ValueError as e:
-        raise CheckpointError(f"{file} does not match {os.path.join(path, CONFIG_FILE)}: {e}") from None
-    return config, params, meta
+    return config, load_params(path, lambda tree: validate_params(tree, config), dtype), meta

@@ -16,18 +16,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
-import numpy as np
 
-from jaxkv import files, safetensors_io
-from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text,
-                                         read_marked_config)
+from jaxkv import files
+from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text, load_params,
+                                         read_marked_config, save_params)
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.models.wan.params import flatten, unflatten, validate_params
+from jaxkv.models.wan.params import validate_params
 
 FORMAT = "jaxkv-wan"
 FORMAT_VERSION = 1
-
 
 
 def config_json(config: WanConfig) -> str:
@@ -61,49 +58,18 @@ def atomic_directory(path: str, *, force: bool = False, log=None):
 def save(path: str, config: WanConfig, params: dict[str, Any], *, force: bool = False) -> None:
     """Writes ``params`` (the layout of `jaxkv.models.wan.params`, any float dtype) and ``config`` to the
     directory ``path``, atomically. Validates the params against the config first: nothing is written on error."""
-    from safetensors.numpy import save_file
-
     validate_params(params, config)
-    flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(params).items()}
-    with atomic_directory(path, force=force) as tmp:
-        save_file(flat, os.path.join(tmp, PARAMS_FILE), metadata={"format": FORMAT,
-                                                                  "format_version": str(FORMAT_VERSION)})
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            f.write(config_json(config))
+    save_params(path, params, config_json(config), fmt=FORMAT, version=FORMAT_VERSION, force=force)
 
 
 def load(path: str, dtype=None) -> tuple[WanConfig, dict[str, Any]]:
     """Reads a checkpoint directory -> (WanConfig, params as jax arrays).
 
     ``dtype`` (e.g. ``jnp.float32``) casts every parameter; None keeps the stored dtype. Tensors are read and cast
-    one at a time with plain file reads (`jaxkv.safetensors_io.read_array`), so peak host memory is the params in
-    the requested dtype plus one tensor, whatever the stored dtype. Raises CheckpointError naming the problem for a
+    one at a time (`jaxkv.models.checkpoint_dir.load_params`), so peak host memory is the params in the requested
+    dtype plus one tensor, whatever the stored dtype. Raises CheckpointError naming the problem for a
     missing/foreign directory, a truncated or corrupt params file, and params that do not match the config
     (missing / unexpected keys, shape mismatches), the last checked from the file's header before reading data.
     """
     config = read_config(path)
-    file = os.path.join(path, PARAMS_FILE)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path} is not a complete jaxkv checkpoint: {PARAMS_FILE} is missing")
-    target = None if dtype is None else np.dtype(dtype)
-    try:
-        infos, _ = safetensors_io.read_header(file)
-        try:
-            validate_params(unflatten({k: _Shape(i.shape) for k, i in infos.items()}), config)
-        except ValueError as e:
-            raise CheckpointError(f"{file} does not match {os.path.join(path, CONFIG_FILE)}: {e}") from None
-        flat = {}
-        for key, info in infos.items():
-            array = safetensors_io.read_array(file, info, target)
-            flat[key] = jax.device_put(array)
-            del array  # the host copy goes as soon as the device holds it
-    except (safetensors_io.FormatError, OSError) as e:
-        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
-    return config, unflatten(flat)
-
-
-class _Shape:
-    """Stands in for an array in `validate_params` (which reads only ``np.shape``) before any data is read."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        self.shape = tuple(shape)
+    return config, load_params(path, lambda tree: validate_params(tree, config), dtype)

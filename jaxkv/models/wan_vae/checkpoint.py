@@ -16,19 +16,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
 
 from jaxkv import files
-from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text,
-                                         read_marked_config)
+from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text, load_params,
+                                         read_marked_config, save_params)
 from jaxkv.models.wan_vae.config import WanVAEConfig
-from jaxkv.models.wan_vae.params import flatten, unflatten, validate_params
+from jaxkv.models.wan_vae.params import validate_params
 
 FORMAT = "jaxkv-wan-vae"
 FORMAT_VERSION = 1
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "config_json", "read_config", "save", "load"]
+__all__ = ["CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "PARAMS_FILE", "CheckpointError", "config_json", "read_config", "save",
+           "load"]
 
 
 def config_json(config: WanVAEConfig) -> str:
@@ -54,36 +53,13 @@ def atomic_directory(path: str, *, force: bool = False, log=None):
 def save(path: str, config: WanVAEConfig, params: dict[str, Any], *, force: bool = False) -> None:
     """Writes ``params`` and ``config`` to the directory ``path``, atomically; validates first (nothing is written
     on error)."""
-    from safetensors.numpy import save_file
-
     validate_params(params, config)
-    flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(params).items()}
-    with atomic_directory(path, force=force) as tmp:
-        save_file(flat, os.path.join(tmp, PARAMS_FILE), metadata={"format": FORMAT,
-                                                                  "format_version": str(FORMAT_VERSION)})
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            f.write(config_json(config))
+    save_params(path, params, config_json(config), fmt=FORMAT, version=FORMAT_VERSION, force=force)
 
 
 def load(path: str, dtype=None) -> tuple[WanVAEConfig, dict[str, Any]]:
-    """Reads a VAE checkpoint directory -> (WanVAEConfig, params as jax arrays); ``dtype`` casts every parameter.
-    CheckpointError names a missing/foreign directory, a corrupt params file or params that do not fit the config."""
-    from safetensors import SafetensorError, safe_open
-
+    """Reads a VAE checkpoint directory -> (WanVAEConfig, params as jax arrays); ``dtype`` casts every parameter
+    (one tensor at a time). CheckpointError names a missing/foreign directory, a corrupt params file or params
+    that do not fit the config."""
     config = read_config(path)
-    file = os.path.join(path, PARAMS_FILE)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path} is not a complete jaxkv VAE checkpoint: {PARAMS_FILE} is missing")
-    flat = {}
-    try:
-        with safe_open(file, framework="numpy") as f:
-            for key in f.keys():
-                flat[key] = jnp.asarray(f.get_tensor(key), dtype=dtype)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
-    params = unflatten(flat)
-    try:
-        validate_params(params, config)
-    except ValueError as e:
-        raise CheckpointError(f"{file} does not match {os.path.join(path, CONFIG_FILE)}: {e}") from None
-    return config, params
+    return config, load_params(path, lambda tree: validate_params(tree, config), dtype)
