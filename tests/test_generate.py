@@ -112,7 +112,7 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     (["--chunk-frames", "2", "--window-frames", "3"], "multiples"),
     (["--height", "15"], "divisible"),
     (["--context", "/nonexistent.npy"], "does not exist"),
-    (["--checkpoint", "/nonexistent_dir"], "not a jaxkv checkpoint"),
+    (["--checkpoint", "/nonexistent_dir"], "not a jaxkv Wan checkpoint directory"),
     (["--preset", "nope"], "unknown Wan preset"),
     (["--steps", "250,500"], "decreasing"),
     (["--steps", "abc"], "comma-separated"),

@@ -194,7 +194,7 @@ BAD = [
     (["--vae", "d", "--no-video"], "--vae has no effect with --no-video"),
     (["--fps", "8", "--no-video"], "--fps has no effect with --no-video"),
     (["--frames", "png", "--no-video"], "--frames has no effect with --no-video"),
-    (["--vae", "{tmp}/missing"], "not a jaxkv VAE checkpoint directory"),
+    (["--vae", "{tmp}/missing"], "not a jaxkv Wan VAE checkpoint directory"),
     (["--vae", "{tmp}/vae48"], "decodes 48-channel latents; the model makes 16"),
     (["--vae", "{tmp}/enc"], "--vae"),
     (["--prompt", "x", "--text-encoder", "{tmp}/vae48"], "--text-encoder"),
