@@ -250,6 +250,7 @@ def test_merge_partials_by_lse_equals_attention_over_the_union():
     np.testing.assert_array_equal(np.isfinite(blse), np.isfinite(want_lse))
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_blockwise_gradients():
     case = make_case(9, batch=1, written=(3,), q_heads=2, kv_heads=1, head_dim=4)
     q, k, v, qp, pos = physical(case, case["pos"])
@@ -465,6 +466,7 @@ def test_cache_relative_rope_rejects_odd_head_dim(path):
 
 # ------------------------------------------------------------------ the real RingCache
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_attention_over_ring_cache_stream_matches_history():
     import jaxkv
 

@@ -45,6 +45,7 @@ def test_main_writes_json(bench, tmp_path, monkeypatch):
     assert [r["part"] for r in rows] == ["cpu"] and rows[0]["window_frames"] == 3
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_gpu_checks_run_interpreted(bench):
     checks = [(16, "float32", dict(chunk=60, window=120, sink=60), "half"), (16, "float32", dict(), None)]
     rows = bench.gpu_checks(interpret=True, block_sizes=BlockSizes(32, 32), checks=checks)

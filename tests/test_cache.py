@@ -111,6 +111,7 @@ def test_random_sequences_match_reference(cls, layout):
                   st.one_of(st.none(), st.lists(st.booleans(), min_size=2, max_size=2))),
         min_size=1, max_size=40),
 )
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_property_any_sequence_matches_reference(layout, cls, ops):
     _run_sequence(cls, *layout, batch=2, ops=ops)
 

@@ -42,6 +42,7 @@ def test_streaming_encoder_equals_full_forward(sink_chunks, num_kv_heads):
     assert np.abs(np.asarray(wide(x) - model(x))).max() > 1e-3
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_module_docstring_example_runs():
     code = "\n".join(line[4:] for line in re.search(r"::\n\n(.*?)\n\n[A-Z]", example.__doc__, re.S)[1].splitlines())
     exec(compile(code, "examples/streaming_encoder.py docstring", "exec"), {})

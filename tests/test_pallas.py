@@ -70,6 +70,7 @@ def test_kernel_wrapped_and_unwrapped_bit_identical_and_empty_rows_zero_interpre
                                atol=2e-6)
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_attend_pallas_backend_gradient_comes_from_blockwise_interpret():
     args = _case(5)
     q, k, v, qp, pos = args

@@ -73,6 +73,7 @@ def test_rollout_equals_cache_free_reference_with_sink_and_wrapping_window(polic
     assert err <= 1e-4, err
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_guidance_runs_the_negative_context_as_a_second_session():
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, guidance_scale=3.0,
                          schedule=Schedule(steps=(1000, 500)))
@@ -88,6 +89,7 @@ def test_guidance_runs_the_negative_context_as_a_second_session():
     assert float(jnp.abs(unguided - want).max()) > 1e-3
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_stream_equals_scan_rollout_for_20_chunks_with_one_compilation():
     """20 chunks on a 2-chunk window + 1 sink chunk: the ring wraps 9 times; ring == rolling == scan."""
     params, ctx = _params(7), _ctx(8)
@@ -114,6 +116,7 @@ def test_stream_equals_scan_rollout_for_20_chunks_with_one_compilation():
     assert sorted(pos.tolist()) == [0, 1, 36, 37, 38, 39]
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_rollout_can_continue_from_its_state():
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)))
     params, ctx, key = _params(10), _ctx(11), jax.random.key(12)
@@ -131,6 +134,7 @@ def test_rollout_can_continue_from_its_state():
             R.rollout(params, CFG, rc, ctx, num_chunks=1, key=key, state=first.state, first_chunk=bad)
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
     tiny = wan.preset("tiny")
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)))

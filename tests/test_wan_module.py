@@ -23,6 +23,7 @@ def _inputs():
             jax.random.normal(k2, (1, 5, CFG.text_dim)))
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_module_holds_the_params_layout_and_matches_pure_forward():
     model = wan.WanModel(CFG, rngs=nnx.Rngs(0))
     params = model.params()
@@ -37,6 +38,7 @@ def test_module_holds_the_params_layout_and_matches_pure_forward():
                                atol=2e-5)
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_module_streaming_step_equals_block_causal():
     model = wan.WanModel(CFG, rngs=nnx.Rngs(3))
     x, _, c = _inputs()
@@ -52,6 +54,7 @@ def test_module_streaming_step_equals_block_causal():
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(want), atol=1e-5)
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_nnx_optimizer_step_changes_the_loss():
     model = wan.WanModel(CFG, rngs=nnx.Rngs(4))
     x, t, c = _inputs()

@@ -144,6 +144,7 @@ def _rel_err(a, b):
     return np.abs(a - b).max() / np.abs(b).max()
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_forward_matches_numpy_reference_per_frame_timesteps():
     params = wan.init_params(CFG, jax.random.key(1))
     latents, t, ctx = _inputs()
@@ -161,6 +162,7 @@ def test_forward_scalar_timestep_equals_broadcast_per_frame():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_block_causal_matches_numpy_reference_with_sink_and_window():
     params = wan.init_params(CFG, jax.random.key(3))
     latents, t, ctx = _inputs(frames=6, h=2, w=4, batch=1)
@@ -331,6 +333,7 @@ def test_config_rejects_non_int_patch_and_bad_eps_or_theta():
             WanConfig(**{**base, **bad})
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_bfloat16_params_compute_in_float32_and_match_float32_params():
     """bf16 weights: bf16 matmul inputs with float32 accumulation; norms, modulation and attention in float32."""
     latents, t, ctx = _inputs(batch=1, frames=2, h=2, w=2)

@@ -96,6 +96,7 @@ def test_forward_chunk_rejects_mismatched_cache():
         wan.init_cache(CFG, spec, 1, policy="lru")
 
 
+@pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_streaming_step_updates_the_stacked_cache_in_place():
     """Compiled, donated step: XLA's scratch stays well below the cache size at a long window (a per-layer copy of
     the stacked cache in the scan carry would need at least the whole cache). Wide heads make the cache dominate
