@@ -56,6 +56,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.cache.base import EMPTY, ChunkCache, read_chunk_rows, write_chunk_rows
+from jaxkv.attention.masks import MaskSpec
 from jaxkv.cache.spec import POSITION_LIMIT
 from jaxkv.validate import check_int
 
@@ -97,6 +98,11 @@ class DilatedSpec:
     def max_chunks(self) -> int:
         """Chunks a stream can hold before its int32 positions overflow (as `RingSpec.max_chunks`)."""
         return POSITION_LIMIT // self.chunk
+
+    def mask(self) -> MaskSpec:
+        """The attention mask of what this cache holds: chunk-causal only. Which frames are visible (kept ring
+        frames, this chunk's scratch) is carried by the stored positions: empty and pending slots are negative."""
+        return MaskSpec(chunk=self.chunk)
 
     @property
     def ring_tokens(self) -> int:
