@@ -10,6 +10,7 @@ written as its L layer slices in order), so peak memory is a few of the largest 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import ml_dtypes
@@ -19,7 +20,7 @@ from converters.errors import ConversionError, listing
 from converters.layouts import apply, detect_naming, map_key, source_keys, source_shape, target_shape
 from converters.safetensors_io import DTYPES
 from converters.sources import Source, TorchSource, open_source
-from converters.stream import Piece, WriteResult, write_tensor_directory
+from converters.stream import WriteResult, source_piece, write_tensor_directory
 from jaxkv import files
 from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan.config import PRESETS, WanConfig, preset as get_preset
@@ -331,11 +332,8 @@ def write_checkpoint(plan: Plan, dst: str, *, dtype: str = "bf16", force: bool =
         raise ConversionError(f"output dtype {dtype!r} is not supported; expected one of {sorted(OUTPUT_DTYPES)}")
     shapes = flat_param_shapes(plan.config)
     source = plan.source
-
-    def piece(src_key: str, kind: str) -> Piece:
-        return Piece(src_key, lambda: apply(kind, source.read(src_key)), lambda: source.release(src_key))
-
-    tensors = [(key, shapes[key], [piece(k, kind) for k, kind in parts]) for key, parts in plan.items.items()]
+    tensors = [(key, shapes[key], [source_piece(source, k, functools.partial(apply, kind)) for k, kind in parts])
+               for key, parts in plan.items.items()]
     metadata = {"format": checkpoint.FORMAT, "format_version": str(checkpoint.FORMAT_VERSION),
                 "source": source.description, "source_naming": plan.naming}
     return write_tensor_directory(

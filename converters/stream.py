@@ -10,6 +10,10 @@ one at a time (a stacked ``[L, ...]`` parameter is L pieces). The shared rules l
 * each piece is cast to the output dtype and checked for NaN / Inf as it streams (bounded memory); a non-finite
   tensor stops the conversion with its name unless ``allow_nonfinite``, and is listed in the result otherwise;
 * a progress bar per piece.
+
+Two hooks cover what some families add: ``on_piece`` sees every piece's bytes exactly as written (the umT5
+fingerprint hashes them), and ``extra_files`` may be a function of the finished params file (a config.json that
+records that fingerprint) and may hold binary files (a copied tokenizer).
 """
 
 from __future__ import annotations
@@ -40,6 +44,18 @@ class Piece(NamedTuple):
     release: Callable[[], None] | None = None
 
 
+def source_piece(source, key: str, transform: Callable[[np.ndarray], np.ndarray] | None = None, *,
+                 label: str | None = None, release: bool = True) -> Piece:
+    """A Piece of tensor ``key`` of the open `converters.sources.Source` ``source``: read (memory-mapped where the
+    format allows), passed through ``transform`` (a layout change; a view where possible) and, with ``release``,
+    released once written. ``label`` defaults to ``key``."""
+    def read() -> np.ndarray:
+        array = source.read(key)
+        return array if transform is None else transform(array)
+
+    return Piece(key if label is None else label, read, (lambda: source.release(key)) if release else None)
+
+
 @dataclasses.dataclass
 class WriteResult:
     """What `write_tensor_directory` wrote: ``params_bytes`` (size of the params file) and ``nonfinite``
@@ -68,20 +84,29 @@ def nonfinite_summary(array: np.ndarray) -> str | None:
     return f"{counts[0]} NaN, {counts[1]} +Inf, {counts[2]} -Inf of {flat.size} values"
 
 
+ExtraFiles = Mapping[str, str | bytes]  # file name -> text, or bytes written as they are
+
+
 def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...], Sequence[Piece]]], *,
-                           dtype, extra_files: Mapping[str, str], metadata: Mapping[str, str] | None = None,
+                           dtype, extra_files: ExtraFiles | Callable[[str], ExtraFiles],
+                           metadata: Mapping[str, str] | None = None,
                            replaceable: Callable[[str], str | None], force: bool = False,
                            sources: Iterable[str] = (), allow_nonfinite: bool = False, progress: bool = False,
-                           log: Callable[[str], None] | None = None,
-                           params_file: str = "params.safetensors") -> WriteResult:
+                           log: Callable[[str], None] | None = None, params_file: str = "params.safetensors",
+                           on_piece: Callable[[np.ndarray], None] | None = None,
+                           desc: str = "convert") -> WriteResult:
     """Streams ``tensors`` [(output key, output shape, pieces)] into ``dst/params_file`` and writes
-    ``extra_files`` {name: text} (e.g. config.json) beside it, all atomically.
+    ``extra_files`` beside it, all atomically.
 
-    Every piece is cast to ``dtype`` (round to nearest even when narrowing), made contiguous, checked for NaN/Inf
-    and appended; the pieces of one tensor must concatenate (C order) to its shape. ``replaceable`` says whether an
-    existing ``dst`` may be replaced under ``force`` (see `jaxkv.files.check_destination`); ``sources`` are the
-    paths being read, which ``dst`` must not be, contain or lie in. ``log`` receives one-line notes (stale
-    temporaries removed). Raises ConversionError (nothing written, nothing touched) for a refused destination or
+    ``extra_files``: {name: text (str) or content (bytes)}, e.g. config.json; or a function that takes the path of
+    the complete params file and returns that mapping (for files that depend on the written bytes).
+    Every piece is cast to ``dtype`` (round to nearest even when narrowing), made contiguous, checked for NaN/Inf,
+    passed to ``on_piece`` (if given) and appended; the pieces of one tensor must concatenate (C order) to its
+    shape, so ``on_piece`` sees the params file's data region in order. ``desc`` labels the progress bar.
+
+    ``replaceable`` says whether an existing ``dst`` may be replaced under ``force`` (see
+    `jaxkv.files.check_destination`); ``sources`` are the paths being read, which ``dst`` must not be, contain or
+    lie in. ``log`` receives one-line notes (stale temporaries removed). Raises ConversionError (nothing written, nothing touched) for a refused destination or
     a non-finite piece without ``allow_nonfinite``; KeyboardInterrupt / `jaxkv.files.Terminated` pass through
     after cleanup.
     """
@@ -100,7 +125,7 @@ def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...
             writer = StreamWriter(params_path, [(key, out, shape) for key, shape, _ in tensors], metadata)
             try:
                 total = sum(len(p) for _, _, p in tensors)
-                with tqdm(total=total, unit="tensor", desc="convert", disable=not progress,
+                with tqdm(total=total, unit="tensor", desc=desc, disable=not progress,
                           dynamic_ncols=True) as bar:
                     for key, _, pieces in tensors:
                         for piece in pieces:
@@ -116,6 +141,8 @@ def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...
                                         f"conversion stopped and nothing was written; pass --allow-nonfinite "
                                         f"(allow_nonfinite=True) to convert it anyway")
                                 bad.append(f"{piece.label}: {problem}")
+                            if on_piece is not None:
+                                on_piece(values)
                             writer.write(key, values)
                             del values, source
                             if piece.release is not None:
@@ -125,9 +152,11 @@ def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...
             except BaseException:
                 writer.abort()
                 raise
-            for name, text in extra_files.items():
-                with open(os.path.join(tmp, name), "w") as f:
-                    f.write(text)
+            if callable(extra_files):
+                extra_files = extra_files(params_path)
+            for name, content in extra_files.items():
+                with open(os.path.join(tmp, name), "wb" if isinstance(content, bytes) else "w") as f:
+                    f.write(content)
             size = os.path.getsize(params_path)
     except files.DestinationError as e:  # the destination changed between the check and the write
         raise ConversionError(str(e)) from None

@@ -700,3 +700,28 @@ def test_jaxkv_console_script_dispatches_convert(tmp_path):
     assert jaxkv_cli.main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--num-heads", "2",
                            "--no-progress"]) == 0
     assert checkpoint.read_config(str(tmp_path / "out")).num_heads == 2
+
+
+def test_write_tensor_directory_hooks_see_the_written_bytes(tmp_path):
+    from converters.stream import Piece, write_tensor_directory
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.linspace(-1, 1, 5).astype(np.float64)
+    seen, given = [], []
+
+    def extra(params_path):
+        given.append(params_path)
+        return {"config.json": json.dumps({"format": "jaxkv-test", "n": len(seen)}), "blob.bin": b"\x00\xff\x01"}
+
+    result = write_tensor_directory(
+        str(tmp_path / "out"), [("a", (3, 4), [Piece("a0", lambda: a[:2]), Piece("a1", lambda: a[2:])]),
+                                ("b", (5,), [Piece("b", lambda: b)])],
+        dtype=np.float32, extra_files=extra, replaceable=lambda p: None, on_piece=lambda v: seen.append(v.tobytes()))
+    raw = (tmp_path / "out" / "params.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    # The hook saw every piece as cast, in file order: together they are the file's data region.
+    assert len(seen) == 3 and b"".join(seen) == raw[8 + n:] == a.tobytes() + b.astype(np.float32).tobytes()
+    assert len(given) == 1 and os.path.basename(given[0]) == "params.safetensors"
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"format": "jaxkv-test", "n": 3}
+    assert (tmp_path / "out" / "blob.bin").read_bytes() == b"\x00\xff\x01"
+    assert result.params_bytes == len(raw) and result.nonfinite == []
