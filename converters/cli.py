@@ -93,28 +93,91 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    """Every family through one path: destination checked first, plan from headers, report, atomic write; the
+    same messages and exit codes (0 written or dry run, 1 for any conversion or file problem)."""
     from converters import release
     from converters.errors import ConversionError
+    from converters.stream import describe_nonfinite
+
+    def fail(message: str) -> int:
+        _say(f"jaxkv convert: error: {message}")
+        return 1
 
     try:
         family = args.family or release.detect_family(args.src)
     except ConversionError as e:
-        _say(f"jaxkv convert: error: {e}")
-        return 1
-    if family == "dit":
-        if args.tokenizer is not None:
-            _say(f"jaxkv convert: error: --tokenizer applies to a umT5 text encoder; {args.src} is a DiT")
-            return 1
-        return _run_dit(args, release.resolve(args.src, "dit") if args.family else args.src)
-    return _run_other(args, family)
+        return fail(str(e))
+    if family == "dit" and args.tokenizer is not None:
+        return fail(f"--tokenizer applies to a umT5 text encoder; {args.src} is a DiT")
+    # A forced DiT is read from its part of a release (the others resolve inside `plan_family`).
+    src = release.resolve(args.src, "dit") if family == "dit" and args.family else args.src
+    options = dict(tokenizer=args.tokenizer, preset=args.preset, config=args.config, num_heads=args.num_heads,
+                   text_len=args.text_len, ema=args.ema)
+    try:
+        if args.dst is not None and not args.dry_run:
+            release.check_output(src, args.dst, family, force=args.force)
+        if family == "release":
+            plan = release.plan_release(src, **options)
+            parts = plan.plans
+        else:
+            plan = release.plan_family(family, src, **options)
+            parts = {family: plan}
+    except ConversionError as e:
+        return fail(str(e))
+    except OSError as e:
+        return fail(f"cannot read {src} ({e})")
+    try:
+        if family == "release":
+            _say(f"source: Wan release directory {src} ({plan.layout} layout) -> "
+                 + ", ".join(f"{release.RELEASE_PARTS[f]}/" for f in parts))
+        for line in (_describe_dit(plan) if family == "dit" else [_describe(f, p) for f, p in parts.items()]):
+            _say(line)
+        if args.dry_run:
+            _say("dry run: nothing written (tensor values are not read, so NaN/Inf are not checked)")
+            return 0
+        kw = dict(dtype=args.dtype, force=args.force, progress=not args.no_progress,
+                  allow_nonfinite=args.allow_nonfinite, log=_say)
+        try:
+            if family == "release":
+                results = release.write_release(plan, args.dst, **kw)
+            else:
+                results = {family: release.write_family(family, plan, args.dst, **kw)}
+        except ConversionError as e:
+            return fail(str(e))
+        except OSError as e:
+            return fail(f"writing {args.dst} failed, nothing was written ({e})")
+    finally:
+        for part in parts.values():
+            part.source.close()
+    # In a release, say which part a non-finite tensor is in.
+    nonfinite = [f"{release.RELEASE_PARTS[f]}/{line}" if family == "release" else line
+                 for f, result in results.items() for line in result.nonfinite]
+    if nonfinite:
+        _say("warning: " + describe_nonfinite(nonfinite))
+    size = sum(result.params_bytes for result in results.values())
+    _say(f"wrote {args.dst} ({size / 2**20:.1f} MiB of {args.dtype} params)")
+    return 0
 
 
-def _dit_options(args) -> dict:
-    return dict(preset=args.preset, config=args.config, num_heads=args.num_heads, text_len=args.text_len,
-                ema=args.ema)
+def _describe_dit(plan) -> list[str]:
+    """What a single DiT conversion reports: the source, the full config, and any value that was defaulted."""
+    c = plan.config
+    entry = getattr(plan.source, "entry", None)
+    lines = [f"source: {plan.source.description}, {plan.naming} naming, {len(plan.source.shapes)} tensors"
+             + (f", using entry {entry!r}" if entry else ""),
+             f"config: dim {c.dim}, ffn_dim {c.ffn_dim}, {c.num_heads} heads, {c.num_layers} layers, patch "
+             f"{list(c.patch_size)}, in/out {c.in_dim}/{c.out_dim}, text_dim {c.text_dim}, text_len {c.text_len} "
+             f"({plan.config_origin})"]
+    if plan.defaulted:
+        hint = " (set it with --text-len N if the model was trained with another)" if "text_len" in plan.defaulted \
+            else ""
+        lines.append("defaulted (not stored in the checkpoint): " + ", ".join(
+            f"{field} {getattr(c, field)} from the {origin}" for field, origin in plan.defaulted.items()) + hint)
+    return lines
 
 
 def _describe(family: str, plan) -> str:
+    """One line per part of a release, or for a single VAE / umT5 conversion."""
     if family == "vae":
         c = plan.config
         return (f"vae: {plan.source.description}, {plan.naming} naming, {len(plan.items)} tensors; base_dim "
@@ -128,106 +191,6 @@ def _describe(family: str, plan) -> str:
     c = plan.config
     return (f"dit: {plan.source.description}, {plan.naming} naming, {plan.num_tensors} tensors; dim {c.dim}, "
             f"{c.num_heads} heads, {c.num_layers} layers, text_len {c.text_len} ({plan.config_origin})")
-
-
-def _run_other(args, family: str) -> int:
-    """A VAE, a umT5 encoder or a whole release: the DiT's rules (destination checked first, plan from headers,
-    atomic write, the same messages and exit codes)."""
-    from converters import release
-    from converters.errors import ConversionError
-
-    what = "release" if family == "release" else family
-    try:
-        if args.dst is not None and not args.dry_run:
-            release.check_output(args.src, args.dst, what, force=args.force)
-        if family == "release":
-            plan = release.plan_release(args.src, tokenizer=args.tokenizer, **_dit_options(args))
-            parts = plan.plans
-        else:
-            plan = release.plan_family(family, args.src, tokenizer=args.tokenizer, **_dit_options(args))
-            parts = {family: plan}
-    except ConversionError as e:
-        _say(f"jaxkv convert: error: {e}")
-        return 1
-    except OSError as e:
-        _say(f"jaxkv convert: error: cannot read {args.src} ({e})")
-        return 1
-    try:
-        if family == "release":
-            _say(f"source: Wan release directory {args.src} ({plan.layout} layout) -> "
-                 + ", ".join(f"{release.RELEASE_PARTS[f]}/" for f in parts))
-        for fam, part in parts.items():
-            _say(_describe(fam, part))
-        if args.dry_run:
-            _say("dry run: nothing written (tensor values are not read, so NaN/Inf are not checked)")
-            return 0
-        kw = dict(dtype=args.dtype, force=args.force, progress=not args.no_progress,
-                  allow_nonfinite=args.allow_nonfinite, log=_say)
-        try:
-            if family == "release":
-                size = sum(release.write_release(plan, args.dst, **kw).values())
-            else:
-                size = release.write_family(family, plan, args.dst, **kw)
-        except ConversionError as e:
-            _say(f"jaxkv convert: error: {e}")
-            return 1
-        except OSError as e:
-            _say(f"jaxkv convert: error: writing {args.dst} failed, nothing was written ({e})")
-            return 1
-    finally:
-        for part in parts.values():
-            part.source.close()
-    _say(f"wrote {args.dst} ({size / 2**20:.1f} MiB of {args.dtype} params)")
-    return 0
-
-
-def _run_dit(args, src: str) -> int:
-    from converters.convert import check_output, plan_conversion, write_checkpoint
-    from converters.errors import ConversionError
-    from converters.stream import describe_nonfinite
-
-    try:
-        if args.dst is not None and not args.dry_run:
-            check_output(src, args.dst, force=args.force)
-        plan = plan_conversion(src, preset=args.preset, config=args.config, num_heads=args.num_heads,
-                               text_len=args.text_len, ema=args.ema)
-    except ConversionError as e:
-        _say(f"jaxkv convert: error: {e}")
-        return 1
-    except OSError as e:
-        _say(f"jaxkv convert: error: cannot read {src} ({e})")
-        return 1
-    try:
-        c = plan.config
-        entry = getattr(plan.source, "entry", None)
-        _say(f"source: {plan.source.description}, {plan.naming} naming, {len(plan.source.shapes)} tensors"
-             + (f", using entry {entry!r}" if entry else ""))
-        _say(f"config: dim {c.dim}, ffn_dim {c.ffn_dim}, {c.num_heads} heads, {c.num_layers} layers, patch "
-             f"{list(c.patch_size)}, in/out {c.in_dim}/{c.out_dim}, text_dim {c.text_dim}, text_len {c.text_len} "
-             f"({plan.config_origin})")
-        if plan.defaulted:
-            hint = " (set it with --text-len N if the model was trained with another)" if "text_len" in plan.defaulted \
-                else ""
-            _say("defaulted (not stored in the checkpoint): " + ", ".join(
-                f"{field} {getattr(c, field)} from the {origin}" for field, origin in plan.defaulted.items()) + hint)
-        if args.dry_run:
-            _say("dry run: nothing written (tensor values are not read, so NaN/Inf are not checked)")
-            return 0
-        try:
-            result = write_checkpoint(plan, args.dst, dtype=args.dtype, force=args.force,
-                                      progress=not args.no_progress, allow_nonfinite=args.allow_nonfinite, log=_say)
-        except ConversionError as e:
-            _say(f"jaxkv convert: error: {e}")
-            return 1
-        except OSError as e:
-            _say(f"jaxkv convert: error: writing {args.dst} failed, nothing was written ({e})")
-            return 1
-    finally:
-        plan.source.close()
-    if result.nonfinite:
-        _say("warning: " + describe_nonfinite(result.nonfinite))
-    _say(f"wrote {args.dst} ({result.params_bytes / 2**20:.1f} MiB of {args.dtype} params)")
-    return 0
 
 
 if __name__ == "__main__":

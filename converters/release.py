@@ -9,8 +9,9 @@ three parts of a Wan release directory, in either layout:
 
 `convert_release` writes ``DST/dit/``, ``DST/vae/``, ``DST/text_encoder/`` (each a jaxkv checkpoint directory of its
 family) atomically as a whole: every part is planned (headers only) before anything is written, and the three are
-built inside one hidden temporary directory renamed onto DST at the end. `write_family` puts a single VAE / umT5
-checkpoint under the same destination rules as the DiT (each family's own replace rule for ``--force``).
+built inside one hidden temporary directory renamed onto DST at the end. `write_family` writes any one part with
+its family's writer; all three stream through `converters.stream.write_tensor_directory`, so the destination,
+``--force`` (each family's own replace rule) and NaN/Inf rules are the same for every family.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable
 
 from converters.errors import ConversionError
 from converters.sources import open_source
+from converters.stream import WriteResult
 from jaxkv import files
 
 FAMILIES = ("dit", "vae", "umt5")
@@ -122,16 +124,13 @@ def replace_problem(family: str, path: str) -> str | None:
 
         return checkpoint.replace_problem(path)
     if family == "vae":
-        from jaxkv.models.wan_vae import checkpoint
+        from converters.wan_vae import replace_problem as vae_rule
 
-        return files.directory_problem(path, required=(checkpoint.CONFIG_FILE, checkpoint.PARAMS_FILE),
-                                       formats=(checkpoint.FORMAT,))
+        return vae_rule(path)
     if family == "umt5":
-        from jaxkv.models.umt5 import checkpoint
-        from jaxkv.models.umt5.tokenizer import TOKENIZER_FILES
+        from converters.umt5 import replace_problem as umt5_rule
 
-        return files.directory_problem(path, required=(checkpoint.CONFIG_FILE, checkpoint.PARAMS_FILE),
-                                       optional=TOKENIZER_FILES, formats=(checkpoint.FORMAT,))
+        return umt5_rule(path)
     if family == "release":
         if os.path.islink(path) or not os.path.isdir(path):
             return f"{path} is not a directory"
@@ -183,42 +182,21 @@ def plan_family(family: str, src: str, *, tokenizer: str | None = None, **dit_op
     raise ConversionError(f"unknown model family {family!r}; expected one of {list(FAMILIES)}")
 
 
-def _write_into(family: str, plan, dst: str, *, dtype: str, progress: bool, allow_nonfinite: bool, log) -> int:
-    """Writes ``plan`` to the new path ``dst``; returns the params bytes."""
-    if family == "dit":
-        from converters.convert import write_checkpoint
-
-        return write_checkpoint(plan, dst, dtype=dtype, progress=progress, allow_nonfinite=allow_nonfinite,
-                                log=log).params_bytes
-    if family == "vae":
-        from converters.wan_vae import write_vae_checkpoint
-
-        return write_vae_checkpoint(plan, dst, dtype=dtype, progress=progress)
-    from converters.umt5 import write_umt5_checkpoint
-    from jaxkv.models.umt5 import checkpoint
-
-    write_umt5_checkpoint(plan, dst, dtype=dtype, progress=progress)
-    return os.path.getsize(os.path.join(dst, checkpoint.PARAMS_FILE))
-
-
 def write_family(family: str, plan, dst: str, *, dtype: str = "bf16", force: bool = False, progress: bool = False,
-                 allow_nonfinite: bool = False, log: Callable[[str], None] | None = None) -> int:
-    """Streams a VAE / umT5 / DiT ``plan`` into ``dst`` atomically, ``force`` replacing only a jaxkv directory of
-    the same family (see `replace_problem`). Returns the bytes of params.safetensors."""
-    if family == "dit":  # the DiT writer applies the same rules itself
-        from converters.convert import write_checkpoint
-
-        return write_checkpoint(plan, dst, dtype=dtype, force=force, progress=progress,
-                                allow_nonfinite=allow_nonfinite, log=log).params_bytes
-    replace = functools.partial(replace_problem, family) if force else None
-    with files.atomic_directory(dst, replace=replace, log=log) as tmp:
-        inner = os.path.join(tmp, "part")
-        size = _write_into(family, plan, inner, dtype=dtype, progress=progress, allow_nonfinite=allow_nonfinite,
-                           log=log)
-        for name in os.listdir(inner):  # the family writer needs a fresh path; its files become the directory's
-            os.rename(os.path.join(inner, name), os.path.join(tmp, name))
-        os.rmdir(inner)
-    return size
+                 allow_nonfinite: bool = False, log: Callable[[str], None] | None = None) -> WriteResult:
+    """Streams a DiT / VAE / umT5 ``plan`` into ``dst`` with that family's writer, atomically and under the one
+    set of rules (`converters.stream.write_tensor_directory`): ``force`` replaces only a jaxkv directory of the
+    same family (see `replace_problem`), a NaN/Inf tensor is refused by name unless ``allow_nonfinite`` (then
+    listed in the result's ``nonfinite``). Returns what was written."""
+    if family == "dit":
+        from converters.convert import write_checkpoint as write
+    elif family == "vae":
+        from converters.wan_vae import write_vae_checkpoint as write
+    elif family == "umt5":
+        from converters.umt5 import write_umt5_checkpoint as write
+    else:
+        raise ConversionError(f"unknown model family {family!r}; expected one of {list(FAMILIES)}")
+    return write(plan, dst, dtype=dtype, force=force, progress=progress, allow_nonfinite=allow_nonfinite, log=log)
 
 
 @dataclasses.dataclass
@@ -243,20 +221,10 @@ def plan_release(src: str, *, tokenizer: str | None = None, **dit_options) -> Re
     plans: dict[str, Any] = {}
     try:
         for family in FAMILIES:
+            options = (dit_options if family == "dit" else
+                       {"tokenizer": tokenizer or release["tokenizer"]} if family == "umt5" else {})
             try:
-                if family == "dit":
-                    from converters.convert import plan_conversion
-
-                    plans[family] = plan_conversion(release[family], **dit_options)
-                elif family == "vae":
-                    from converters.wan_vae import plan_vae_conversion
-
-                    plans[family] = plan_vae_conversion(release[family])
-                else:
-                    from converters.umt5 import plan_umt5_conversion
-
-                    plans[family] = plan_umt5_conversion(release[family],
-                                                         tokenizer=tokenizer or release["tokenizer"])
+                plans[family] = plan_family(family, release[family], **options)
             except ConversionError as e:
                 raise ConversionError(f"release part {RELEASE_PARTS[family]}/ ({release[family]}): {e}") from None
     except BaseException:
@@ -267,16 +235,17 @@ def plan_release(src: str, *, tokenizer: str | None = None, **dit_options) -> Re
 
 
 def write_release(plan: ReleasePlan, dst: str, *, dtype: str = "bf16", force: bool = False, progress: bool = False,
-                  allow_nonfinite: bool = False, log: Callable[[str], None] | None = None) -> dict[str, int]:
+                  allow_nonfinite: bool = False, log: Callable[[str], None] | None = None) -> dict[str, WriteResult]:
     """Writes ``DST/dit``, ``DST/vae``, ``DST/text_encoder`` as one atomic directory (an error or signal in any
-    part leaves nothing); ``force`` replaces only a previous jaxkv release directory. Returns {family: bytes}."""
+    part leaves nothing); ``force`` replaces only a previous jaxkv release directory. Every part is written by
+    `write_family` (``allow_nonfinite`` applies to each). Returns {family: what was written}."""
     replace = functools.partial(replace_problem, "release") if force else None
-    sizes = {}
+    results = {}
     with files.atomic_directory(dst, replace=replace, log=log) as tmp:
         for family, part in plan.plans.items():
-            sizes[family] = _write_into(family, part, os.path.join(tmp, RELEASE_PARTS[family]), dtype=dtype,
-                                        progress=progress, allow_nonfinite=allow_nonfinite, log=log)
-    return sizes
+            results[family] = write_family(family, part, os.path.join(tmp, RELEASE_PARTS[family]), dtype=dtype,
+                                           progress=progress, allow_nonfinite=allow_nonfinite, log=log)
+    return results
 
 
 def convert_release(src: str, dst: str, *, dtype: str = "bf16", force: bool = False, progress: bool = False,

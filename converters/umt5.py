@@ -3,8 +3,9 @@
 
 Like the DiT converter it plans from headers alone (layout detected from key names, config inferred from shapes,
 every key and shape checked, the tokenizer found and checked) and then streams tensor by tensor into
-``params.safetensors`` (a stacked ``[L, ...]`` parameter as its L layer slices), hashing the bytes as they go for the
-checkpoint's fingerprint; the output directory appears atomically. Peak memory is a few of the largest single
+``params.safetensors`` (a stacked ``[L, ...]`` parameter as its L layer slices) through the DiT's writer,
+`converters.stream.write_tensor_directory` (atomic output directory, destination rules, NaN/Inf check), hashing the
+bytes as they go for the checkpoint's fingerprint. Peak memory is a few of the largest single
 tensors (the 256,384 x 4,096 embedding), never the 11 GB model.
 
     from converters.umt5 import is_umt5_source, plan_umt5_conversion, write_umt5_checkpoint
@@ -33,8 +34,10 @@ import ml_dtypes
 import numpy as np
 
 from converters.errors import ConversionError, listing
-from converters.safetensors_io import DTYPES, StreamWriter
+from converters.safetensors_io import DTYPES
 from converters.sources import Source, SafetensorsSource, TorchSource, open_source
+from converters.stream import Piece, WriteResult, source_piece, write_tensor_directory
+from jaxkv import files
 from jaxkv.models.umt5 import checkpoint
 from jaxkv.models.umt5.config import PRESETS, UMT5Config
 from jaxkv.models.umt5.params import flat_param_shapes
@@ -187,8 +190,8 @@ def _find_tokenizer(source: Source, src: str, tokenizer: str | None):
     except (ValueError, OSError, ImportError) as e:
         raise ConversionError(f"tokenizer {path} cannot be read: {e}") from None
     folder = os.path.dirname(path)
-    files = {name: os.path.join(folder, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))}
-    return files, path, tok
+    found = {name: os.path.join(folder, name) for name in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, name))}
+    return found, path, tok
 
 
 def plan_umt5_conversion(src: str, *, tokenizer: str | None = None, text_len: int = 512,
@@ -288,12 +291,12 @@ def _plan(source: Source, src: str, tokenizer, text_len, max_distance) -> UMT5Pl
         raise ConversionError(f"{where} does not match the inferred umT5 config ({origin}):\n  "
                               + "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more"
                                                               if len(problems) > 20 else ""))
-    files, tok_origin, tok = _find_tokenizer(source, src, tokenizer)
+    tok_files, tok_origin, tok = _find_tokenizer(source, src, tokenizer)
     if (tok.eos_id, tok.pad_id) != (config.eos_id, config.pad_id) or tok.vocab_size > config.vocab_size:
         raise ConversionError(f"tokenizer {tok_origin} (eos {tok.eos_id}, pad {tok.pad_id}, {tok.vocab_size} "
                               f"pieces) does not fit the encoder (eos {config.eos_id}, pad {config.pad_id}, vocab "
                               f"{config.vocab_size})")
-    return UMT5Plan(source, family, config, origin, plan_items, files, tok_origin, skipped)
+    return UMT5Plan(source, family, config, origin, plan_items, tok_files, tok_origin, skipped)
 
 
 def _check_same(source: Source, a: str, b: str, where: str) -> None:
@@ -304,7 +307,8 @@ def _check_same(source: Source, a: str, b: str, where: str) -> None:
     x, y = source.read(a), source.read(b)
     step = max(1, (64 << 20) // max(1, x[:1].nbytes))
     for start in range(0, x.shape[0], step):
-        if not np.array_equal(x[start:start + step], y[start:start + step]):
+        # equal_nan: a NaN stored in both copies is the writer's to report (by name), not a disagreement
+        if not np.array_equal(x[start:start + step], y[start:start + step], equal_nan=True):
             raise ConversionError(f"{where}: {a} and {b} are both stored but differ (rows from {start}); which "
                                   f"embedding to use is ambiguous")
     del x, y
@@ -350,72 +354,76 @@ def _infer_config(source: Source, items, family: str, text_len: int, max_distanc
     return config, origin
 
 
+def replace_problem(path: str) -> str | None:
+    """None if ``path`` is a jaxkv text-encoder directory (its tokenizer files included) that ``force`` may
+    replace; otherwise why not."""
+    return files.directory_problem(path, required=(checkpoint.CONFIG_FILE, checkpoint.PARAMS_FILE),
+                                   optional=TOKENIZER_FILES, formats=(checkpoint.FORMAT,))
+
+
+def _pieces(source: Source, key: str, transpose: bool) -> list[Piece]:
+    """The pieces of source tensor ``key``: a linear weight (at most ffn x dim) as one transposed copy; anything
+    else (e.g. the 256,384-row embedding) in row blocks of about PIECE_BYTES, so a cast copy stays small."""
+    if transpose:
+        return [source_piece(source, key, np.transpose)]
+    shape = source.shapes[key]
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * DTYPES[source.dtypes[key]].itemsize)
+    rows = max(1, PIECE_BYTES // row_bytes)
+    starts = range(0, max(1, shape[0]), rows)
+    return [source_piece(source, key, lambda a, i=i: a[i:i + rows],
+                         label=key if len(starts) == 1 else f"{key} rows {i}:{min(i + rows, shape[0])}",
+                         release=i == starts[-1])
+            for i in starts]
+
+
 def write_umt5_checkpoint(plan: UMT5Plan, dst: str, *, dtype: str = "bf16", force: bool = False,
-                          progress: bool = False) -> str:
+                          progress: bool = False, allow_nonfinite: bool = False, log=None) -> WriteResult:
     """Streams ``plan`` into the jaxkv text-encoder directory ``dst`` (atomically), with the tokenizer copied
-    beside. Returns the fingerprint written to config.json. ``dtype``: 'bf16' or 'f32' for every parameter."""
+    beside and the fingerprint of the written params in config.json, under the rules of
+    `converters.stream.write_tensor_directory` (destination checks, NaN/Inf refused by name unless
+    ``allow_nonfinite``; ``force`` replaces only a jaxkv text-encoder directory). ``dtype``: 'bf16' or 'f32' for
+    every parameter. Returns what was written."""
     if dtype not in OUTPUT_DTYPES:
         raise ConversionError(f"output dtype {dtype!r} is not supported; expected one of {sorted(OUTPUT_DTYPES)}")
-    if os.path.lexists(dst) and not force:
-        raise ConversionError(f"{dst} already exists; pass force=True (--force) to replace it")
-    out = OUTPUT_DTYPES[dtype]
     shapes = flat_param_shapes(plan.config)
+    source = plan.source
+    tensors = [(key, shapes[key], [p for src_key, t in parts for p in _pieces(source, src_key, t)])
+               for key, parts in plan.items.items()]
     metadata = {"format": checkpoint.FORMAT, "format_version": str(checkpoint.FORMAT_VERSION),
-                "source": plan.source.description, "source_layout": plan.layout}
-    from tqdm import tqdm
+                "source": source.description, "source_layout": plan.layout}
+    data = hashlib.sha256()  # over the data region, fed piece by piece as written (no second pass over 11 GB)
 
-    with checkpoint.atomic_directory(dst, force=force) as tmp:
-        params_path = os.path.join(tmp, checkpoint.PARAMS_FILE)
-        writer = StreamWriter(params_path, [(k, out, shapes[k]) for k in plan.items], metadata)
-        data = hashlib.sha256()
-        try:
-            with tqdm(total=plan.num_tensors, unit="tensor", desc="convert umT5", disable=not progress,
-                      dynamic_ncols=True) as bar:
-                for key, parts in plan.items.items():
-                    for src_key, transpose in parts:
-                        array = plan.source.read(src_key)
-                        if transpose:  # a linear weight (at most ffn x dim): one transposed copy
-                            pieces = [array.T]
-                        else:  # e.g. the 256,384-row embedding: row blocks of ~64 MiB, so a cast copy stays small
-                            rows = max(1, PIECE_BYTES // max(1, array[:1].nbytes))
-                            pieces = [array[i:i + rows] for i in range(0, max(1, array.shape[0]), rows)]
-                        for part in pieces:
-                            piece = np.ascontiguousarray(part, dtype=out)
-                            data.update(piece.reshape(-1).view(np.uint8).data)
-                            writer.write(key, piece)
-                            del piece
-                        del pieces, array
-                        plan.source.release(src_key)
-                        bar.update(1)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+    def finish(params_path: str) -> dict[str, str | bytes]:
         with open(params_path, "rb") as f:
             raw_n = f.read(8)
             header = raw_n + f.read(struct.unpack("<Q", raw_n)[0])
         fingerprint = checkpoint.combine_fingerprint(hashlib.sha256(header).digest(), data.digest())
+        out: dict[str, str | bytes] = {}
         for name, content in plan.tokenizer_files.items():
-            target = os.path.join(tmp, name)
-            if isinstance(content, bytes):
-                with open(target, "wb") as f:
-                    f.write(content)
-            else:
-                with open(content, "rb") as fin, open(target, "wb") as fout:
-                    fout.write(fin.read())
-        with open(os.path.join(tmp, checkpoint.CONFIG_FILE), "w") as f:
-            f.write(checkpoint.config_json(plan.config, fingerprint, source=plan.source.description,
-                                           tokenizer=plan.tokenizer_origin))
-    return fingerprint
+            if not isinstance(content, bytes):
+                with open(content, "rb") as f:
+                    content = f.read()
+            out[name] = content
+        out[checkpoint.CONFIG_FILE] = checkpoint.config_json(plan.config, fingerprint, source=source.description,
+                                                             tokenizer=plan.tokenizer_origin)
+        return out
+
+    copied = [p for p in plan.tokenizer_files.values() if not isinstance(p, bytes)]
+    return write_tensor_directory(
+        dst, tensors, dtype=OUTPUT_DTYPES[dtype], metadata=metadata, extra_files=finish,
+        replaceable=replace_problem, force=force, sources=[*source.paths, *copied],
+        allow_nonfinite=allow_nonfinite, progress=progress, log=log, params_file=checkpoint.PARAMS_FILE,
+        on_piece=lambda values: data.update(values.reshape(-1).view(np.uint8).data), desc="convert umT5")
 
 
 def convert_umt5(src: str, dst: str, *, tokenizer: str | None = None, text_len: int = 512,
                  max_distance: int | None = None, dtype: str = "bf16", force: bool = False,
-                 progress: bool = False) -> UMT5Plan:
+                 progress: bool = False, allow_nonfinite: bool = False) -> UMT5Plan:
     """`plan_umt5_conversion` then `write_umt5_checkpoint`; returns the plan. Raises ConversionError."""
     plan = plan_umt5_conversion(src, tokenizer=tokenizer, text_len=text_len, max_distance=max_distance)
     try:
-        write_umt5_checkpoint(plan, dst, dtype=dtype, force=force, progress=progress)
+        write_umt5_checkpoint(plan, dst, dtype=dtype, force=force, progress=progress,
+                              allow_nonfinite=allow_nonfinite)
     finally:
         plan.source.close()
     return plan

@@ -15,7 +15,8 @@ The config (base dim, stages, residual blocks, temporal flags) is read off the t
 diffusers ``config.json`` when there is one; then every source tensor must map to exactly one jaxkv parameter of the
 right shape, or the conversion stops before writing anything. Wan 2.2's VAE (48 latent channels, residual
 resamplers, 2x2 patchified RGB) and DiT checkpoints are refused by name. Tensors are streamed one at a time into
-``params.safetensors`` (`converters.safetensors_io.StreamWriter`), inside an atomic output directory.
+``params.safetensors`` by `converters.stream.write_tensor_directory`, the DiT's writer (atomic output directory,
+destination rules, NaN/Inf check).
 
     plan = plan_vae_conversion("Wan2.1-T2V-1.3B/Wan2.1_VAE.pth")
     write_vae_checkpoint(plan, "wan-vae-jaxkv/")
@@ -25,6 +26,7 @@ resamplers, 2x2 patchified RGB) and DiT checkpoints are refused by name. Tensors
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from typing import Any
@@ -33,8 +35,9 @@ import ml_dtypes
 import numpy as np
 
 from converters.errors import ConversionError, listing
-from converters.safetensors_io import StreamWriter
 from converters.sources import Source, TORCH_SUFFIXES, open_source
+from converters.stream import WriteResult, source_piece, write_tensor_directory
+from jaxkv import files
 from jaxkv.models.wan_vae import checkpoint
 from jaxkv.models.wan_vae.checkpoint import load
 from jaxkv.models.wan_vae.config import WanVAEConfig
@@ -325,45 +328,39 @@ def _plan(source: Source) -> VAEPlan:
     return VAEPlan(source, naming, config, items)
 
 
+def replace_problem(path: str) -> str | None:
+    """None if ``path`` is a jaxkv VAE checkpoint directory that ``force`` may replace; otherwise why not."""
+    return files.directory_problem(path, required=(checkpoint.CONFIG_FILE, checkpoint.PARAMS_FILE),
+                                   formats=(checkpoint.FORMAT,))
+
+
 def write_vae_checkpoint(plan: VAEPlan, dst: str, *, dtype: str = "f32", force: bool = False,
-                         progress: bool = False) -> int:
-    """Streams ``plan`` into the jaxkv VAE checkpoint directory ``dst`` (atomically), one tensor at a time.
-    ``dtype``: 'f32' (default; the VAE is small) or 'bf16'. Returns the bytes of params.safetensors."""
+                         progress: bool = False, allow_nonfinite: bool = False, log=None) -> WriteResult:
+    """Streams ``plan`` into the jaxkv VAE checkpoint directory ``dst`` (atomically), one tensor at a time, under
+    the rules of `converters.stream.write_tensor_directory` (destination checks, NaN/Inf refused by name unless
+    ``allow_nonfinite``; ``force`` replaces only a jaxkv VAE directory). ``dtype``: 'f32' (default; the VAE is
+    small) or 'bf16'. Returns what was written."""
     if dtype not in OUTPUT_DTYPES:
         raise ConversionError(f"output dtype {dtype!r} is not supported; expected one of {sorted(OUTPUT_DTYPES)}")
-    if os.path.lexists(dst) and not force:
-        raise ConversionError(f"{dst} already exists; pass --force to replace it")
-    out = OUTPUT_DTYPES[dtype]
     shapes = flat_param_shapes(plan.config)
+    source = plan.source
+    tensors = [(key, shapes[key], [source_piece(source, src_key, functools.partial(apply, kind))])
+               for key, (src_key, kind) in plan.items.items()]
     metadata = {"format": checkpoint.FORMAT, "format_version": str(checkpoint.FORMAT_VERSION),
-                "source": plan.source.description, "source_naming": plan.naming}
-    from tqdm import tqdm
-
-    with checkpoint.atomic_directory(dst, force=force) as tmp:
-        path = os.path.join(tmp, checkpoint.PARAMS_FILE)
-        writer = StreamWriter(path, [(k, out, shapes[k]) for k in plan.items], metadata)
-        try:
-            for key, (src_key, kind) in tqdm(plan.items.items(), unit="tensor", desc="convert vae",
-                                             disable=not progress, dynamic_ncols=True):
-                piece = np.ascontiguousarray(apply(kind, plan.source.read(src_key)), dtype=out)
-                writer.write(key, piece)
-                del piece
-                plan.source.release(src_key)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        with open(os.path.join(tmp, checkpoint.CONFIG_FILE), "w") as f:
-            f.write(checkpoint.config_json(plan.config))
-        size = os.path.getsize(path)
-    return size
+                "source": source.description, "source_naming": plan.naming}
+    return write_tensor_directory(
+        dst, tensors, dtype=OUTPUT_DTYPES[dtype], metadata=metadata,
+        extra_files={checkpoint.CONFIG_FILE: checkpoint.config_json(plan.config)}, replaceable=replace_problem,
+        force=force, sources=source.paths, allow_nonfinite=allow_nonfinite, progress=progress, log=log,
+        params_file=checkpoint.PARAMS_FILE, desc="convert vae")
 
 
-def convert_vae(src: str, dst: str, *, dtype: str = "f32", force: bool = False, progress: bool = False) -> VAEPlan:
+def convert_vae(src: str, dst: str, *, dtype: str = "f32", force: bool = False, progress: bool = False,
+                allow_nonfinite: bool = False) -> VAEPlan:
     """`plan_vae_conversion` + `write_vae_checkpoint`; returns the plan (its ``config`` is the output config)."""
     plan = plan_vae_conversion(src)
     try:
-        write_vae_checkpoint(plan, dst, dtype=dtype, force=force, progress=progress)
+        write_vae_checkpoint(plan, dst, dtype=dtype, force=force, progress=progress, allow_nonfinite=allow_nonfinite)
     finally:
         plan.source.close()
     return plan

@@ -348,3 +348,92 @@ def test_tokenizer_option(tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece)
     check_t5(tmp_path / "t5", t5_params, spiece)
     rc, err = run([root / "vae", tmp_path / "v", "--tokenizer", tmp_path / "tok"], capsys)
     assert rc == 1 and "--tokenizer applies to a umT5" in err and not (tmp_path / "v").exists()
+
+
+# ------------------------------------------------------------------------------------------------ NaN / Inf
+
+def _poison_release(root, vae_flat, t5_params):
+    """The release's VAE gets one NaN (decoder.conv_in.weight) and its text encoder two +Inf (layer 1's wo)."""
+    vae = {k: v.copy() for k, v in _torch_layout(vae_flat, "diffusers").items()}
+    vae["decoder.conv_in.weight"].reshape(-1)[3] = np.nan
+    save_file(vae, str(root / "vae" / "diffusion_pytorch_model.safetensors"))
+    t5 = {k: v.copy() for k, v in hf_t5_layout(t5_params, T5_CFG).items()}
+    t5["encoder.block.1.layer.1.DenseReluDense.wo.weight"][0, [1, 4]] = np.inf
+    save_file(t5, str(root / "text_encoder" / "model.safetensors"))
+
+
+VAE_BAD, T5_BAD = "decoder.conv_in.weight", "encoder.block.1.layer.1.DenseReluDense.wo.weight"
+
+
+def test_nonfinite_vae_and_umt5_tensors_are_refused_by_name_unless_allowed(tmp_path, capsys, dit_sd, vae_flat,
+                                                                           t5_params, spiece):
+    root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
+    _poison_release(root, vae_flat, t5_params)
+    for sub, bad, counts in (("vae", VAE_BAD, "1 NaN, 0 +Inf"), ("text_encoder", T5_BAD, "0 NaN, 2 +Inf")):
+        rc, err = run([root / sub, tmp_path / sub], capsys)
+        assert rc == 1, err
+        assert f"tensor {bad} holds non-finite values ({counts}" in err and "--allow-nonfinite" in err
+        assert not (tmp_path / sub).exists() and not leftovers(tmp_path)
+        rc, err = run([root / sub, tmp_path / sub, "--allow-nonfinite", "--dtype", "f32"], capsys)
+        assert rc == 0, err
+        assert f"warning: non-finite values kept in 1 tensor(s): {bad}: {counts}" in err
+    # Kept as they were: exactly the poisoned values are non-finite, everything else converted exactly.
+    _, vae = vae_checkpoint.load(str(tmp_path / "vae"))
+    got = np.asarray(vae_flatten(vae)["decoder.conv_in.kernel"])
+    want = vae_flat["decoder.conv_in.kernel"].copy()
+    assert int(np.isnan(got).sum()) == 1
+    want[np.isnan(got)] = np.nan
+    np.testing.assert_array_equal(got, want)
+    _, t5, _ = t5_checkpoint.load(str(tmp_path / "text_encoder"))
+    down = np.asarray(t5_flatten(t5)["blocks.ffn.down.kernel"][1])  # [ffn, dim]: the source's [dim, ffn] transposed
+    assert np.isposinf(down[[1, 4], 0]).all() and int((~np.isfinite(down)).sum()) == 2
+
+
+def test_a_release_refuses_nonfinite_parts_and_names_them_when_allowed(tmp_path, capsys, dit_sd, vae_flat, t5_params,
+                                                                       spiece):
+    root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
+    _poison_release(root, vae_flat, t5_params)
+    rc, err = run([root, tmp_path / "out"], capsys)
+    assert rc == 1 and f"tensor {VAE_BAD} holds non-finite values" in err, err  # the first part with one
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+    rc, err = run([root, tmp_path / "out", "--allow-nonfinite"], capsys)
+    assert rc == 0, err
+    assert (f"warning: non-finite values kept in 2 tensor(s): vae/{VAE_BAD}: 1 NaN" in err
+            and f"text_encoder/{T5_BAD}: 0 NaN, 2 +Inf" in err), err
+    assert sorted(os.listdir(tmp_path / "out")) == ["dit", "text_encoder", "vae"]
+    # The API says the same: one result per part.
+    plan = release.plan_release(str(root))
+    try:
+        results = release.write_release(plan, str(tmp_path / "api"), allow_nonfinite=True)
+    finally:
+        plan.close()
+    assert {f: [line.split(":")[0] for line in r.nonfinite] for f, r in results.items()} == {
+        "dit": [], "vae": [VAE_BAD], "umt5": [T5_BAD]}
+    assert results["vae"].params_bytes == os.path.getsize(tmp_path / "api" / "vae" / "params.safetensors")
+
+
+def test_a_nonfinite_embedding_row_block_is_named_with_its_rows(tmp_path, t5_params, spiece, monkeypatch):
+    from converters import umt5
+
+    monkeypatch.setattr(umt5, "PIECE_BYTES", 200)  # the embedding goes out in row blocks
+    rows = 200 // (T5_CFG.dim * 4)
+    t5 = {k: v.copy() for k, v in hf_t5_layout(t5_params, T5_CFG).items()}
+    for name in ("shared.weight", "encoder.embed_tokens.weight"):  # both stored (tied), both with the NaN
+        t5[name][7, 2] = np.nan
+    (tmp_path / "enc").mkdir()
+    save_file(t5, str(tmp_path / "enc" / "model.safetensors"))
+    (tmp_path / "enc" / "config.json").write_text(json.dumps(hf_t5_config(T5_CFG)))
+    (tmp_path / "enc" / "spiece.model").write_bytes(spiece)
+    lo = 7 // rows * rows
+    label = f"encoder.embed_tokens.weight rows {lo}:{lo + rows}"
+    with pytest.raises(ConversionError, match=f"tensor {label} holds non-finite values \\(1 NaN"):
+        umt5.convert_umt5(str(tmp_path / "enc"), str(tmp_path / "out"), dtype="f32")
+    assert not (tmp_path / "out").exists()
+    plan = umt5.plan_umt5_conversion(str(tmp_path / "enc"))
+    try:
+        result = umt5.write_umt5_checkpoint(plan, str(tmp_path / "out"), dtype="f32", allow_nonfinite=True)
+    finally:
+        plan.source.close()
+    assert result.nonfinite == [f"{label}: 1 NaN, 0 +Inf, 0 -Inf of {rows * T5_CFG.dim} values"]
+    meta = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert meta["fingerprint"] == t5_checkpoint.params_fingerprint(str(tmp_path / "out" / "params.safetensors"))
