@@ -26,9 +26,10 @@ from converters.errors import ConversionError
 from converters.sources import open_source
 from converters.stream import WriteResult
 from jaxkv import files
+from jaxkv.models.release import PARTS
 
 FAMILIES = ("dit", "vae", "umt5")
-RELEASE_PARTS = {"dit": "dit", "vae": "vae", "umt5": "text_encoder"}  # family -> subdirectory of a release DST
+RELEASE_PARTS = PARTS  # family -> subdirectory of a release DST (the layout `jaxkv generate` reads)
 _VAE_FILES = ("Wan2.1_VAE.pth",)
 _T5_GLOB = "models_t5*.pth"
 _DIT_ONLY = ("patch_embedding.", "time_embedding.", "time_projection.", "text_embedding.", "condition_embedder.",

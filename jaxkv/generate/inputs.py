@@ -1,5 +1,6 @@
-"""What ``jaxkv generate`` reads: the model (config first, cheaply; params later) and the text context, each
-checked for shapes and for non-finite numbers before anything is generated."""
+"""What ``jaxkv generate`` reads: the model (config first, cheaply; params later; a converted release's three parts
+picked up from ``--checkpoint DST``) and the text context, each checked for shapes and for non-finite numbers before
+anything is generated."""
 
 from __future__ import annotations
 
@@ -11,12 +12,49 @@ import numpy as np
 
 from jaxkv.generate.options import UsageError
 from jaxkv.models import wan
+from jaxkv.models.checkpoint_dir import CONFIG_FILE
+from jaxkv.models.release import PARTS, release_parts
 from jaxkv.models.wan.checkpoint import CheckpointError, load, read_config
 
 
+def pick_up_release(args) -> str | None:
+    """When ``--checkpoint`` is a converted release (`jaxkv.models.release`: ``DST/{dit,vae,text_encoder}``), points
+    ``args.checkpoint`` at its DiT and ``args.vae`` / ``args.text_encoder`` at its parts, unless given explicitly
+    (the VAE only when a video is written, the text encoder only with ``--prompt``). Returns where each part came
+    from, for the summary; None (``args`` untouched) for anything else. UsageError for a directory that is neither
+    a DiT checkpoint nor a release, and for a release that lacks a part the run needs."""
+    path = args.checkpoint
+    parts = release_parts(path)
+    if parts is None:
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, CONFIG_FILE)):
+            raise UsageError(f"--checkpoint {path} is neither a jaxkv DiT checkpoint ({CONFIG_FILE} + params."
+                             f"safetensors) nor a converted release ({', '.join(p + '/' for p in PARTS.values())}); "
+                             f"convert a checkpoint or a Wan release with `jaxkv convert`")
+        return None
+    args.checkpoint = parts["dit"]
+    taken = [f"DiT from {parts['dit']}"]
+    for family, flag, attr, needed, unused in (("vae", "--vae", "vae", not args.no_video, "--no-video"),
+                                                ("umt5", "--text-encoder", "text_encoder", args.prompt is not None,
+                                                 "no --prompt")):
+        name = "VAE" if family == "vae" else "text encoder"
+        if not needed:
+            taken.append(f"{name} not used ({unused})")
+        elif getattr(args, attr):
+            taken.append(f"{name} from {flag} {getattr(args, attr)}")
+        elif family in parts:
+            setattr(args, attr, parts[family])
+            taken.append(f"{name} from {parts[family]}")
+        else:
+            raise UsageError(f"--checkpoint {path} is a converted release without {PARTS[family]}/; pass {flag} DIR"
+                             + (" or --no-video" if family == "vae" else ""))
+    return f"release {path}: " + ", ".join(taken)
+
+
 def resolve_config(args):
-    """(WanConfig, description) from ``--checkpoint`` (reads only its config.json) or ``--preset``."""
+    """(WanConfig, description) from ``--checkpoint`` (reads only its config.json; a converted release is picked
+    up first, see `pick_up_release`) or ``--preset``."""
     if args.checkpoint:
+        release = pick_up_release(args)
         try:
             config = read_config(args.checkpoint)
         except CheckpointError as e:
@@ -24,7 +62,7 @@ def resolve_config(args):
         if config.in_dim != config.out_dim:
             raise UsageError(f"checkpoint {args.checkpoint} predicts {config.out_dim} channels from {config.in_dim}; "
                              f"streaming generation needs in_dim == out_dim (a text-to-video model)")
-        return config, f"checkpoint {args.checkpoint}"
+        return config, f"checkpoint {args.checkpoint}" + (f" ({release})" if release else "")
     try:
         config = wan.preset(args.preset)
     except ValueError as e:
