@@ -13,20 +13,17 @@ import dataclasses
 import functools
 from typing import Any
 
-import ml_dtypes
-import numpy as np
 
 from converters.errors import ConversionError, listing
 from converters.layouts import apply, detect_naming, map_key, source_keys, source_shape, target_shape
 from converters.safetensors_io import DTYPES
 from converters.sources import Source, TorchSource, open_source
-from converters.stream import WriteResult, source_piece, write_tensor_directory
+from converters.stream import WriteResult, output_dtype, source_piece, write_tensor_directory
 from jaxkv import files
 from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan.config import PRESETS, WanConfig, preset as get_preset
 from jaxkv.models.wan.params import flat_param_shapes
 
-OUTPUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
 _FLOAT_NAMES = set(DTYPES)
 
 
@@ -328,8 +325,7 @@ def write_checkpoint(plan: Plan, dst: str, *, dtype: str = "bf16", force: bool =
     ``log`` receives one-line notes (stale temporaries of killed conversions removed). See
     `converters.stream.write_tensor_directory` for the rules.
     """
-    if dtype not in OUTPUT_DTYPES:
-        raise ConversionError(f"output dtype {dtype!r} is not supported; expected one of {sorted(OUTPUT_DTYPES)}")
+    out = output_dtype(dtype)
     shapes = flat_param_shapes(plan.config)
     source = plan.source
     tensors = [(key, shapes[key], [source_piece(source, k, functools.partial(apply, kind)) for k, kind in parts])
@@ -337,7 +333,7 @@ def write_checkpoint(plan: Plan, dst: str, *, dtype: str = "bf16", force: bool =
     metadata = {"format": checkpoint.FORMAT, "format_version": str(checkpoint.FORMAT_VERSION),
                 "source": source.description, "source_naming": plan.naming}
     return write_tensor_directory(
-        dst, tensors, dtype=OUTPUT_DTYPES[dtype], metadata=metadata,
+        dst, tensors, dtype=out, metadata=metadata,
         extra_files={checkpoint.CONFIG_FILE: checkpoint.config_json(plan.config)},
         replaceable=checkpoint.replace_problem, force=force, sources=source.paths,
         allow_nonfinite=allow_nonfinite, progress=progress, log=log, params_file=checkpoint.PARAMS_FILE)

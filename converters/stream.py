@@ -22,6 +22,7 @@ import dataclasses
 import os
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from converters.errors import ConversionError, listing
@@ -29,6 +30,14 @@ from converters.safetensors_io import StreamWriter
 from jaxkv import files
 
 _CHECK_BLOCK = 1 << 20  # elements per finiteness test: the boolean scratch stays at 1 MiB
+OUTPUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}  # what every family writes
+
+
+def output_dtype(name: str) -> np.dtype:
+    """The numpy dtype of an output dtype name ('bf16' / 'f32'); ConversionError for any other."""
+    if name not in OUTPUT_DTYPES:
+        raise ConversionError(f"output dtype {name!r} is not supported; expected one of {sorted(OUTPUT_DTYPES)}")
+    return OUTPUT_DTYPES[name]
 
 
 class Piece(NamedTuple):
@@ -106,9 +115,9 @@ def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...
 
     ``replaceable`` says whether an existing ``dst`` may be replaced under ``force`` (see
     `jaxkv.files.check_destination`); ``sources`` are the paths being read, which ``dst`` must not be, contain or
-    lie in. ``log`` receives one-line notes (stale temporaries removed). Raises ConversionError (nothing written, nothing touched) for a refused destination or
-    a non-finite piece without ``allow_nonfinite``; KeyboardInterrupt / `jaxkv.files.Terminated` pass through
-    after cleanup.
+    lie in. ``log`` receives one-line notes (stale temporaries removed). Raises ConversionError (nothing written,
+    nothing touched) for a refused destination or a non-finite piece without ``allow_nonfinite``;
+    KeyboardInterrupt / `jaxkv.files.Terminated` pass through after cleanup.
     """
     out = np.dtype(dtype)
     sources = list(sources)

@@ -30,20 +30,18 @@ import re
 import struct
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from converters.errors import ConversionError, listing
 from converters.safetensors_io import DTYPES
 from converters.sources import Source, SafetensorsSource, TorchSource, open_source
-from converters.stream import Piece, WriteResult, source_piece, write_tensor_directory
+from converters.stream import Piece, WriteResult, output_dtype, source_piece, write_tensor_directory
 from jaxkv import files
 from jaxkv.models.umt5 import checkpoint
 from jaxkv.models.umt5.config import PRESETS, UMT5Config
 from jaxkv.models.umt5.params import flat_param_shapes
 from jaxkv.models.umt5.tokenizer import TOKENIZER_FILES, Tokenizer, TokenizerNotFound, find_tokenizer
 
-OUTPUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
 SPIECE_TENSORS = ("spiece_model", "tokenizer.spiece_model")
 PIECE_BYTES = 64 << 20  # untransposed tensors are cast and written in row blocks of about this size
 
@@ -383,8 +381,7 @@ def write_umt5_checkpoint(plan: UMT5Plan, dst: str, *, dtype: str = "bf16", forc
     `converters.stream.write_tensor_directory` (destination checks, NaN/Inf refused by name unless
     ``allow_nonfinite``; ``force`` replaces only a jaxkv text-encoder directory). ``dtype``: 'bf16' or 'f32' for
     every parameter. Returns what was written."""
-    if dtype not in OUTPUT_DTYPES:
-        raise ConversionError(f"output dtype {dtype!r} is not supported; expected one of {sorted(OUTPUT_DTYPES)}")
+    out = output_dtype(dtype)
     shapes = flat_param_shapes(plan.config)
     source = plan.source
     tensors = [(key, shapes[key], [p for src_key, t in parts for p in _pieces(source, src_key, t)])
@@ -410,7 +407,7 @@ def write_umt5_checkpoint(plan: UMT5Plan, dst: str, *, dtype: str = "bf16", forc
 
     copied = [p for p in plan.tokenizer_files.values() if not isinstance(p, bytes)]
     return write_tensor_directory(
-        dst, tensors, dtype=OUTPUT_DTYPES[dtype], metadata=metadata, extra_files=finish,
+        dst, tensors, dtype=out, metadata=metadata, extra_files=finish,
         replaceable=replace_problem, force=force, sources=[*source.paths, *copied],
         allow_nonfinite=allow_nonfinite, progress=progress, log=log, params_file=checkpoint.PARAMS_FILE,
         on_piece=lambda values: data.update(values.reshape(-1).view(np.uint8).data), desc="convert umT5")

@@ -31,12 +31,11 @@ import os
 import re
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from converters.errors import ConversionError, listing
 from converters.sources import Source, TORCH_SUFFIXES, open_source
-from converters.stream import WriteResult, source_piece, write_tensor_directory
+from converters.stream import WriteResult, output_dtype, source_piece, write_tensor_directory
 from jaxkv import files
 from jaxkv.models.wan_vae import checkpoint
 from jaxkv.models.wan_vae.checkpoint import load
@@ -46,7 +45,6 @@ from jaxkv.models.wan_vae.params import flat_param_shapes
 __all__ = ["VAEPlan", "plan_vae_conversion", "write_vae_checkpoint", "convert_vae", "is_vae_source",
            "detect_vae_naming", "load"]
 
-OUTPUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
 
 # Transform kinds: torch tensor -> jaxkv array (pure axis/shape changes).
 CONV3D = "conv3d"  # [out, in, kt, kh, kw] -> [kt, kh, kw, in, out]
@@ -340,8 +338,7 @@ def write_vae_checkpoint(plan: VAEPlan, dst: str, *, dtype: str = "f32", force: 
     the rules of `converters.stream.write_tensor_directory` (destination checks, NaN/Inf refused by name unless
     ``allow_nonfinite``; ``force`` replaces only a jaxkv VAE directory). ``dtype``: 'f32' (default; the VAE is
     small) or 'bf16'. Returns what was written."""
-    if dtype not in OUTPUT_DTYPES:
-        raise ConversionError(f"output dtype {dtype!r} is not supported; expected one of {sorted(OUTPUT_DTYPES)}")
+    out = output_dtype(dtype)
     shapes = flat_param_shapes(plan.config)
     source = plan.source
     tensors = [(key, shapes[key], [source_piece(source, src_key, functools.partial(apply, kind))])
@@ -349,7 +346,7 @@ def write_vae_checkpoint(plan: VAEPlan, dst: str, *, dtype: str = "f32", force: 
     metadata = {"format": checkpoint.FORMAT, "format_version": str(checkpoint.FORMAT_VERSION),
                 "source": source.description, "source_naming": plan.naming}
     return write_tensor_directory(
-        dst, tensors, dtype=OUTPUT_DTYPES[dtype], metadata=metadata,
+        dst, tensors, dtype=out, metadata=metadata,
         extra_files={checkpoint.CONFIG_FILE: checkpoint.config_json(plan.config)}, replaceable=replace_problem,
         force=force, sources=source.paths, allow_nonfinite=allow_nonfinite, progress=progress, log=log,
         params_file=checkpoint.PARAMS_FILE, desc="convert vae")
