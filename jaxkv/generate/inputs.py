@@ -33,10 +33,9 @@ def pick_up_release(args) -> str | None:
         return None
     args.checkpoint = parts["dit"]
     taken = [f"DiT from {parts['dit']}"]
-    for family, flag, attr, needed, unused in (("vae", "--vae", "vae", not args.no_video, "--no-video"),
-                                                ("umt5", "--text-encoder", "text_encoder", args.prompt is not None,
-                                                 "no --prompt")):
-        name = "VAE" if family == "vae" else "text encoder"
+    for family, name, flag, attr, needed, unused in (
+            ("vae", "VAE", "--vae", "vae", not args.no_video, "--no-video"),
+            ("umt5", "text encoder", "--text-encoder", "text_encoder", args.prompt is not None, "no --prompt")):
         if not needed:
             taken.append(f"{name} not used ({unused})")
         elif getattr(args, attr):
