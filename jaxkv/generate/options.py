@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxkv.cache import POLICIES as CACHE_POLICIES
+from jaxkv.cache import WINDOW_POLICIES
 
-POLICIES = tuple(sorted(CACHE_POLICIES))   # the cache layer's registry: name -> class
+POLICIES = WINDOW_POLICIES   # the cache layer's sink + window policies (dilated layers: --dilated-every)
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
