@@ -10,7 +10,9 @@ every numeric:
 
 Blocks run under ``lax.scan`` over the stacked layer axis. In `forward_chunk` the stacked cache rides in the scan
 carry and each layer writes ``[layer, session, slot]`` with a dynamic update slice, so XLA updates it in place rather
-than copying every layer's cache per forward (see DESIGN.md, "Making XLA do what the design promises").
+than copying every layer's cache per forward (see DESIGN.md, "Making XLA do what the design promises"). A
+`jaxkv.cache.MixedCache` (dense layers plus every k-th layer dilated) is scanned period by period with both of its
+stacks in the carry (`_scan_periods`), each still updated in place.
 
 Cross-attention keys/values depend only on the text context, so `cross_kv` computes them once for all layers; a
 streaming rollout calls it once and passes the result to every `forward_chunk`.
