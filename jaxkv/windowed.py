@@ -115,6 +115,10 @@ def windows(params, config: WanConfig, rc: R.RolloutConfig, schedule: WindowSche
             raise ValueError(f"noise must be [chunks = total_units // chunk_frames, steps, batch, chunk_frames, h, w, "
                              f"in_dim] = {list(expected)}, got {list(noise.shape)}")
     state = R._init_state_jit(params, config, rc, context, negative_context)
+    return _generate(params, config, rc, s, state, key, noise)   # checked above, eagerly; generated lazily
+
+
+def _generate(params, config, rc, s: WindowSchedule, state, key, noise):
     c, tokens = rc.chunk_frames, rc.spec(config).chunk
     for w in s.windows():
         chunks = []
