@@ -62,8 +62,8 @@ class RolloutConfig:
       backend: attention backend name passed to `jaxkv.attend`.
       dilated_every: k >= 1 makes every k-th layer (layers k-1, 2k-1, ...) a dilated long-range layer
         (`jaxkv.cache.DilatedCache`) and keeps ``policy``'s sink + window on the others (a `jaxkv.cache.MixedCache`;
-        num_layers must be a multiple of k); k = 1 makes every layer dilated (then sink_frames must be 0). 0
-        (default): no dilated layer, the plain rollout.
+        num_layers must be a multiple of k); k = 1 makes every layer dilated (then window_frames and policy are
+        unused and sink_frames must be 0). 0 (default): no dilated layer, the plain rollout.
       dilation: with dilated_every: dilated layers keep frames f with f % dilation == 0 (>= 1).
       buckets: with dilated_every: frame slots of a dilated layer's ring (>= ceil(chunk_frames / dilation)); it
         reaches ``dilation * buckets`` frames back (`DilatedSpec.horizon_frames`) for the memory of ``buckets``
