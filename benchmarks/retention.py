@@ -125,7 +125,8 @@ def main(argv=None):
         for name in names:
             label = {"dense": f"dense window {r['horizon_frames']}",
                      "dilated": f"dilated {r['dilation']} x {r['buckets']}",
-                     "mixed": f"mixed: every {r['dilated_every']}th dilated, local {r['local_frames']}"}[name]
+                     "mixed": f"mixed: 1 layer in {r['dilated_every']} dilated {r['dilation']} x {r['buckets']}, "
+                              f"others window {r['local_frames']}"}[name]
             print(f"| {r['horizon_frames']} | {label} | {r[name + '_mib']:.1f} | {r[name + '_temp_mib']:.1f} | "
                   f"{r[name + '_ms']:.1f} | {r[name + '_ms'] / r['dense_ms']:.2f} | {r[name + '_frames_seen']} | "
                   f"{r['compiles_while_timed']} |")
