@@ -19,8 +19,8 @@ SEED_MAX = 2 ** 63 - 1
 
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
-                policy="ring", cache_dtype="float32", dilated_every=0, param_dtype="float32", out="jaxkv_out", format="npy",
-                preview_scale=4, preview_frames=12, fps=16)
+                policy="ring", cache_dtype="float32", param_dtype="float32", out="jaxkv_out", format="npy",
+                preview_scale=4, preview_frames=12, fps=16, dilated_every=0)
 
 
 class UsageError(ValueError):
