@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import rollout as R
-from jaxkv.cache import POLICIES
+from jaxkv.cache import WINDOW_POLICIES as POLICIES
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig

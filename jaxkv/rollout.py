@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cache import POLICIES, ChunkCache, RingSpec
+from jaxkv.cache import WINDOW_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
@@ -56,10 +56,18 @@ class RolloutConfig:
       schedule: the denoising schedule.
       guidance_scale: classifier-free guidance scale, a finite number; None (default) for no guidance. Needs a
         negative context.
-      policy: a name in `jaxkv.cache.POLICIES`: "ring" (circular, O(chunk) per chunk) or "rolling"
-        (shift-by-copy baseline).
+      policy: the (dense) layers' policy, a name in `jaxkv.cache.WINDOW_POLICIES`: "ring" (circular, O(chunk) per
+        chunk) or "rolling" (shift-by-copy baseline).
       cache_dtype: dtype name of the cached K/V ("float32", "bfloat16").
       backend: attention backend name passed to `jaxkv.attend`.
+      dilated_every: k >= 1 makes every k-th layer (layers k-1, 2k-1, ...) a dilated long-range layer
+        (`jaxkv.cache.DilatedCache`) and keeps ``policy``'s sink + window on the others (a `jaxkv.cache.MixedCache`;
+        num_layers must be a multiple of k); k = 1 makes every layer dilated (then window_frames and policy are
+        unused and sink_frames must be 0). 0 (default): no dilated layer, the plain rollout.
+      dilation: with dilated_every: dilated layers keep frames f with f % dilation == 0 (>= 1).
+      buckets: with dilated_every: frame slots of a dilated layer's ring (>= ceil(chunk_frames / dilation)); it
+        reaches ``dilation * buckets`` frames back (`DilatedSpec.horizon_frames`) for the memory of ``buckets``
+        frames plus one chunk of scratch.
     """
 
     latent_height: int
@@ -72,6 +80,9 @@ class RolloutConfig:
     policy: str = "ring"
     cache_dtype: str = "float32"
     backend: str = "auto"
+    dilated_every: int = 0
+    dilation: int | None = None
+    buckets: int | None = None
 
     def __post_init__(self):
         for name in ("latent_height", "latent_width", "chunk_frames", "window_frames", "sink_frames"):
@@ -86,8 +97,11 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.guidance_scale must be None or a finite number, got {g!r}")
         if g is not None:
             object.__setattr__(self, "guidance_scale", float(g))
-        if not isinstance(self.policy, str) or self.policy not in POLICIES:
-            raise ValueError(f"RolloutConfig.policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if not isinstance(self.policy, str) or self.policy not in WINDOW_POLICIES:
+            hint = (" (dilated layers are set with dilated_every / dilation / buckets; policy is the dense layers')"
+                    if self.policy == "dilated" else "")
+            raise ValueError(f"RolloutConfig.policy must be one of {list(WINDOW_POLICIES)}, got {self.policy!r}"
+                             f"{hint}")
         if not isinstance(self.schedule, Schedule):
             raise ValueError(f"RolloutConfig.schedule must be a jaxkv.schedule.Schedule, got {self.schedule!r}")
         try:
@@ -97,6 +111,25 @@ class RolloutConfig:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"RolloutConfig.cache_dtype must be a floating dtype, got {self.cache_dtype!r}")
         object.__setattr__(self, "cache_dtype", dtype.name)
+        self._check_dilated()
+
+    def _check_dilated(self):
+        every = check_int("RolloutConfig.dilated_every", self.dilated_every, minimum=0)
+        object.__setattr__(self, "dilated_every", every)
+        if every == 0:
+            for name in ("dilation", "buckets"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"RolloutConfig.{name} is set but dilated_every is 0 (no dilated layer); set "
+                                     f"dilated_every=k to make every k-th layer dilated")
+            return
+        for name in ("dilation", "buckets"):
+            if getattr(self, name) is None:
+                raise ValueError(f"RolloutConfig.dilated_every={every} needs {name} (an int >= 1)")
+            object.__setattr__(self, name, check_int(f"RolloutConfig.{name}", getattr(self, name), minimum=1))
+        if every == 1 and self.sink_frames:
+            raise ValueError(f"RolloutConfig.dilated_every=1 makes every layer dilated, which has no sink, but "
+                             f"sink_frames={self.sink_frames}; use sink_frames=0 or dilated_every >= 2")
+        DilatedSpec(1, self.chunk_frames, self.dilation, self.buckets)   # its own checks (buckets vs dilation)
 
     @property
     def steps(self) -> int:
@@ -109,6 +142,24 @@ class RolloutConfig:
         """The cache spec in tokens for this model's patch grid."""
         return RingSpec.from_frames(self.tokens_per_frame(config), self.chunk_frames, self.window_frames,
                                     self.sink_frames)
+
+    def dilated_spec(self, config: WanConfig) -> DilatedSpec | None:
+        """The dilated layers' spec (None without dilated_every)."""
+        if not self.dilated_every:
+            return None
+        return DilatedSpec(self.tokens_per_frame(config), self.chunk_frames, self.dilation, self.buckets)
+
+    def cache_spec(self, config: WanConfig):
+        """What `jaxkv.models.wan.init_cache` takes for every layer: the `RingSpec` (no dilated layer), a
+        `DilatedSpec` (dilated_every=1) or a `MixedSpec` (dilated_every >= 2; ValueError unless it divides
+        num_layers)."""
+        if not self.dilated_every:
+            return self.spec(config)
+        if self.dilated_every == 1:
+            return self.dilated_spec(config)
+        mixed = MixedSpec(self.spec(config), self.dilated_spec(config), self.dilated_every)
+        mixed.check_layers(config.num_layers)
+        return mixed
 
     def chunk_shape(self, config: WanConfig, batch: int) -> tuple[int, ...]:
         """[batch, chunk_frames, latent_height, latent_width, in_dim]."""
@@ -123,7 +174,7 @@ class RolloutState(NamedTuple):
     """What carries from chunk to chunk: the stacked cache (sessions = batch, or 2*batch with guidance) and the
     hoisted cross-attention K/V."""
 
-    cache: ChunkCache
+    cache: ChunkCache | MixedCache
     cross: M.CrossKV
 
 
@@ -163,7 +214,9 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     _check_model(config)
     sessions = _check_context(config, rc, context, negative_context)
     cross = M.cross_kv(params, config, sessions)
-    cache = M.init_cache(config, rc.spec(config), sessions.shape[0], policy=rc.policy, dtype=jnp.dtype(rc.cache_dtype))
+    policy = "dilated" if rc.dilated_every == 1 else rc.policy
+    cache = M.init_cache(config, rc.cache_spec(config), sessions.shape[0], policy=policy,
+                         dtype=jnp.dtype(rc.cache_dtype))
     return RolloutState(cache, cross)
 
 

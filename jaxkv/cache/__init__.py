@@ -1,24 +1,45 @@
-"""KV caches for streaming attention: a pinned sink plus a rolling window of chunks.
+"""KV caches for streaming attention: retention policies over chunks of tokens.
 
-`RingCache` (circular, O(chunk) per chunk) and `RollingCache` (shift-by-copy baseline, O(window) per chunk) share
-one interface and one logical content; `RingSpec` holds their static sizes (and `RingSpec.mask()` the attention
-mask of what they hold). `POLICIES` maps the policy names that models and the CLI accept to the classes.
+Sink + window policies (`RingSpec`): `RingCache` (circular, O(chunk) per chunk) and `RollingCache` (shift-by-copy
+baseline, O(window) per chunk) share one interface and one logical content (and `RingSpec.mask()` is the attention
+mask of what they hold). `DilatedCache` (`DilatedSpec`) keeps every d-th frame in a ring of frame buckets plus a
+scratch chunk, for long-range layers; `MixedCache` (`MixedSpec`) puts both kinds in one model, every k-th layer
+dilated. `WindowSchedule` is the arithmetic of windowed generation and `jaxkv.cache.prefix` the protected prefix
+(the sink) with its `PrefixEpoch` and the `release` of what a schedule frees.
+
+`POLICIES` maps the policy names that models and the CLI accept to the classes. Every class is created by the same
+``init(spec, batch, heads, head_dim, dtype, layers)``; the spec's type is the class's `spec_type` (`RingSpec` for
+"ring" and "rolling", `DilatedSpec` for "dilated"), which `policy_class(name, spec)` checks. `WINDOW_POLICIES`
+names those of a sink + window (what a model's dense layers and ``--policy`` choose from).
 """
 
 from jaxkv.cache.base import EMPTY, ChunkCache
+from jaxkv.cache.dilated import DilatedCache, DilatedSpec
+from jaxkv.cache.mixed import MixedCache, MixedSpec
+from jaxkv.cache.prefix import PrefixEpoch, prefix_complete, release, rewrite_prefix
 from jaxkv.cache.ring import RingCache
 from jaxkv.cache.rolling import RollingCache
 from jaxkv.cache.spec import RingSpec
+from jaxkv.cache.window_schedule import Window, WindowSchedule
 
-POLICIES: dict[str, type[ChunkCache]] = {"ring": RingCache, "rolling": RollingCache}
+POLICIES: dict[str, type[ChunkCache]] = {"ring": RingCache, "rolling": RollingCache, "dilated": DilatedCache}
+WINDOW_POLICIES: tuple[str, ...] = tuple(sorted(n for n, c in POLICIES.items() if c.spec_type is RingSpec))
 
 
-def policy_class(name: str) -> type[ChunkCache]:
-    """The cache class of a policy name in `POLICIES`; ValueError listing the names otherwise."""
+def policy_class(name: str, spec=None) -> type[ChunkCache]:
+    """The cache class of a policy name in `POLICIES`; ValueError listing the names otherwise. With ``spec``, also
+    checks that it is of the class's `spec_type` (e.g. "dilated" needs a `DilatedSpec`)."""
     try:
-        return POLICIES[name]
+        cls = POLICIES[name]
     except (KeyError, TypeError):
         raise ValueError(f"cache policy must be one of {sorted(POLICIES)}, got {name!r}") from None
+    if spec is not None and not isinstance(spec, cls.spec_type):
+        raise ValueError(f"cache policy {name!r} takes a {cls.spec_type.__name__}, got a {type(spec).__name__} "
+                         f"(policies of a {type(spec).__name__}: "
+                         f"{sorted(n for n, c in POLICIES.items() if isinstance(spec, c.spec_type))})")
+    return cls
 
 
-__all__ = ["EMPTY", "POLICIES", "ChunkCache", "RingCache", "RingSpec", "RollingCache", "policy_class"]
+__all__ = ["EMPTY", "POLICIES", "WINDOW_POLICIES", "ChunkCache", "DilatedCache", "DilatedSpec", "MixedCache",
+           "MixedSpec", "PrefixEpoch", "RingCache", "RingSpec", "RollingCache", "Window", "WindowSchedule",
+           "policy_class", "prefix_complete", "release", "rewrite_prefix"]

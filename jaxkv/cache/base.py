@@ -14,6 +14,8 @@ content (see ``chronological``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,9 @@ class ChunkCache:
     positions: jax.Array
     chunk_start: jax.Array
     spec: RingSpec = struct.field(pytree_node=False)
+
+    # The type of ``spec`` that `init` takes (a class attribute, not a field).
+    spec_type: ClassVar[type] = RingSpec
 
     # ---------------------------------------------------------------- construction
 

@@ -50,6 +50,7 @@ for all layers; K/V are never copied.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -143,6 +144,8 @@ class DilatedCache(ChunkCache):
     chunk_frames) * tokens_per_frame; positions int32 [batch, capacity] (-1 empty, <= -2 pending, else the absolute
     token position); chunk_start int32 [batch]. ``spec`` is a `DilatedSpec`.
     """
+
+    spec_type: ClassVar[type] = DilatedSpec
 
     @classmethod
     def init(cls, spec: DilatedSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32,

@@ -108,3 +108,31 @@ def rewrite_prefix(cache: ChunkCache, epoch: PrefixEpoch, k, v, *, sessions=None
 
     cache = cache.replace(k=replace(cache.k, k), v=replace(cache.v, v))
     return cache, epoch.replace(epoch=epoch.epoch + chosen.astype(jnp.int32))
+
+
+def release(cache: ChunkCache, stop, *, sessions=None) -> ChunkCache:
+    """Evicts every held token at positions [sink, stop): what a `WindowSchedule` frees after a window
+    (``released_span``); the protected prefix (positions < spec.sink) is never touched.
+
+    Args:
+      cache: a `RingCache` or `RollingCache` (stacked or not).
+      stop: int or int32 scalar (may be traced), a token position; tokens at positions >= stop are kept.
+      sessions: optional bool [batch]; only those sessions release.
+    Returns:
+      the cache with those slots' positions set to -1 (empty: invisible to every attention path). k and v are not
+      touched and nothing moves, so a `RingCache` keeps reusing its slots in its own order; evicting early never
+      lets a later chunk see more than it would have.
+    """
+    spec = cache.spec
+    if not isinstance(spec, RingSpec):
+        raise ValueError(f"release needs a sink + window cache (RingSpec), got spec {spec!r}")
+    if isinstance(stop, (bool,)) or not (isinstance(stop, int) or (hasattr(stop, "dtype") and jnp.ndim(stop) == 0
+                                                                     and jnp.issubdtype(stop.dtype, jnp.integer))):
+        raise ValueError(f"release: stop must be an int or an integer scalar (a token position), got {stop!r}")
+    if is_concrete(stop) and int(stop) < 0:
+        raise ValueError(f"release: stop must be >= 0, got {int(stop)}")
+    chosen = jnp.ones((cache.batch,), bool) if sessions is None else _session_mask(
+        "release: sessions", sessions, cache.batch)
+    pos = cache.positions
+    freed = (pos >= spec.sink) & (pos < jnp.asarray(stop, jnp.int32)) & chosen[:, None]
+    return cache.replace(positions=jnp.where(freed, -1, pos).astype(jnp.int32))

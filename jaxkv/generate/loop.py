@@ -93,8 +93,9 @@ def _settings(args, config):
         schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
         rc = R.RolloutConfig(args.height, args.width, chunk_frames=args.chunk_frames,
                              window_frames=args.window_frames, sink_frames=args.sink_frames, schedule=schedule,
-                             guidance_scale=args.guidance_scale, policy=args.policy, cache_dtype=args.cache_dtype)
-        rc.spec(config)                      # validates the frame settings against the model
+                             guidance_scale=args.guidance_scale, policy=args.policy, cache_dtype=args.cache_dtype,
+                             dilated_every=args.dilated_every, dilation=args.dilation, buckets=args.buckets)
+        rc.cache_spec(config)                # validates the frame and layer settings against the model
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
@@ -144,6 +145,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "tokens_per_frame": rc.tokens_per_frame(config),
         "chunk_frames": rc.chunk_frames, "window_frames": rc.window_frames, "sink_frames": rc.sink_frames,
         "num_chunks": args.num_chunks, "policy": rc.policy, "cache_dtype": rc.cache_dtype,
+        "dilated_every": rc.dilated_every, "dilation": rc.dilation, "buckets": rc.buckets,
         "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),

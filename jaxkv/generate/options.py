@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxkv.cache import POLICIES as CACHE_POLICIES
+from jaxkv.cache import WINDOW_POLICIES
 
-POLICIES = tuple(sorted(CACHE_POLICIES))   # the cache layer's registry: name -> class
+POLICIES = WINDOW_POLICIES   # the cache layer's sink + window policies (dilated layers: --dilated-every)
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
@@ -20,7 +20,7 @@ SEED_MAX = 2 ** 63 - 1
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
                 policy="ring", cache_dtype="float32", param_dtype="float32", out="jaxkv_out", format="npy",
-                preview_scale=4, preview_frames=12, fps=16)
+                preview_scale=4, preview_frames=12, fps=16, dilated_every=0)
 
 
 class UsageError(ValueError):
@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch", type=_positive, default=d["batch"], help="independent videos (sessions)")
     v.add_argument("--policy", choices=POLICIES, default=d["policy"], help="cache policy")
     v.add_argument("--cache-dtype", choices=DTYPES, default=d["cache_dtype"])
+    v.add_argument("--dilated-every", type=_non_negative, default=d["dilated_every"], metavar="K",
+                   help="make every K-th layer a dilated long-range layer (K=1: every layer; num_layers must be a "
+                        "multiple of K); 0: none. Needs --dilation and --buckets")
+    v.add_argument("--dilation", type=_positive, help="dilated layers keep every D-th frame")
+    v.add_argument("--buckets", type=_positive, help="frame slots of a dilated layer: it reaches dilation x buckets "
+                   "frames back for the memory of buckets frames (+ one chunk of scratch)")
     s = p.add_argument_group("sampler")
     s.add_argument("--steps", type=_parse_steps, default=_parse_steps(d["steps"]),
                    help="denoising steps on the 1000-step grid, comma-separated")
@@ -159,6 +165,12 @@ def check(args: argparse.Namespace) -> None:
             and not args.negative_context:
         raise UsageError("--guidance-scale with --prompt needs --negative-prompt TEXT (e.g. --negative-prompt \"\") "
                          "or --negative-context FILE")
+    if not args.dilated_every:
+        for flag, value in (("--dilation", args.dilation), ("--buckets", args.buckets)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --dilated-every K (which layers are dilated)")
+    elif args.dilation is None or args.buckets is None:
+        raise UsageError("--dilated-every needs --dilation and --buckets")
     if args.no_video:
         for flag, value in (("--vae", args.vae), ("--fps", args.fps), ("--frames", args.frames)):
             if value is not None:

@@ -10,7 +10,9 @@ every numeric:
 
 Blocks run under ``lax.scan`` over the stacked layer axis. In `forward_chunk` the stacked cache rides in the scan
 carry and each layer writes ``[layer, session, slot]`` with a dynamic update slice, so XLA updates it in place rather
-than copying every layer's cache per forward (see DESIGN.md, "Making XLA do what the design promises").
+than copying every layer's cache per forward (see DESIGN.md, "Making XLA do what the design promises"). A
+`jaxkv.cache.MixedCache` (dense layers plus every k-th layer dilated) is scanned period by period with both of its
+stacks in the carry (`_scan_periods`), each still updated in place.
 
 Cross-attention keys/values depend only on the text context, so `cross_kv` computes them once for all layers; a
 streaming rollout calls it once and passes the result to every `forward_chunk`.
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention import MaskSpec, attend
-from jaxkv.cache import RingSpec, policy_class
+from jaxkv.cache import MixedCache, MixedSpec, RingSpec, policy_class
 from jaxkv.models.wan import layers as L
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import param_shapes
@@ -253,21 +255,54 @@ def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossK
     x = L.patchify(params, config, latents)
     e, e0 = L.time_embedding(params, config, t)
 
-    def body(carry, xs):
-        x, state = carry
-        p, ck, cv, layer = xs
-
+    def run_block(x, state, p, ck, cv, layer, attend_layer):
         def attention(pa, h):
             q, k, v = _self_qkv(pa, h, rope, config)
-            out, new_state = self_attention(q, k, v, state, layer)
+            out, new_state = attend_layer(q, k, v, state, layer)
             return L.linear(pa["o"], out.reshape(b, n, config.dim)), new_state
 
-        x, state = _block(p, x, e0, ck, cv, gf, attention, config, backend)
-        return (x, state), None
+        return _block(p, x, e0, ck, cv, gf, attention, config, backend)
 
-    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, state), _ = lax.scan(body, (x, state), (params["blocks"], cross.k, cross.v, layers))
+    if isinstance(state, MixedCache):
+        x, state = _scan_periods(run_block, x, state, params["blocks"], cross, self_attention)
+    else:
+        def body(carry, xs):
+            x, state = carry
+            p, ck, cv, layer = xs
+            return run_block(x, state, p, ck, cv, layer, self_attention), None
+
+        layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+        (x, state), _ = lax.scan(body, (x, state), (params["blocks"], cross.k, cross.v, layers))
     return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw)), state
+
+
+def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_attention):
+    """The layers of a `MixedCache` model, period by period: ``lax.scan`` over the L / k periods, and in each an
+    inner ``lax.scan`` over its k - 1 dense layers, then its dilated layer. Both stacks ride in the carries, so every
+    write is an in-place update of its own stack (as the plain scan does with one stack); the layer's params and
+    cross K/V are read by a dynamic index of the model layer (no stacked copy of the params per period).
+    Model layer i*k + j (j < k - 1) is dense layer i*(k - 1) + j; layer i*k + k - 1 is dilated layer i."""
+    k = cache.spec.period
+    take = lambda tree, layer: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), tree)
+
+    def one(x, stack, layer, index):
+        return run_block(x, stack, take(blocks, layer), take(cross.k, layer), take(cross.v, layer), index,
+                         self_attention)
+
+    def period(carry, i):
+        x, dense, dilated = carry
+
+        def dense_layer(carry, j):
+            x, dense = carry
+            return one(x, dense, i * k + j, i * (k - 1) + j), None
+
+        (x, dense), _ = lax.scan(dense_layer, (x, dense), jnp.arange(k - 1, dtype=jnp.int32))
+        x, dilated = one(x, dilated, i * k + k - 1, i)
+        return (x, dense, dilated), None
+
+    periods = jnp.arange(cache.layers // k, dtype=jnp.int32)
+    (x, dense, dilated), _ = lax.scan(period, (x, cache.dense, cache.dilated), periods)
+    return x, cache.replace(dense=dense, dilated=dilated)
 
 
 def _forward_sequence(params, config: WanConfig, latents, timesteps, context, mask: MaskSpec, pad_context: bool,
@@ -342,11 +377,25 @@ def forward_block_causal(params, config: WanConfig, latents, timesteps, context,
 def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32):
     """An empty stacked cache for all layers: k, v [layers, batch, capacity, heads, head_dim].
 
-    policy: a name in `jaxkv.cache.POLICIES`: "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling"
-      (`jaxkv.RollingCache`, shift-by-copy).
+    spec and policy:
+      * a `RingSpec` with policy "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling"
+        (`jaxkv.RollingCache`, shift-by-copy): every layer keeps the same sink + window;
+      * a `jaxkv.cache.DilatedSpec` with policy "dilated": every layer keeps dilated frames;
+      * a `jaxkv.cache.MixedSpec`: a `jaxkv.cache.MixedCache`, every ``spec.period``-th layer dilated and the others
+        dense under ``policy`` ("ring" or "rolling"); num_layers must be a multiple of the period.
     """
-    return policy_class(policy).init(spec, batch, config.num_heads, config.head_dim, dtype=dtype,
-                                     layers=config.num_layers)
+    if isinstance(spec, MixedSpec):
+        dense = policy_class(policy, spec.dense)
+        return MixedCache.init(spec, batch, config.num_heads, config.head_dim, dtype=dtype,
+                               layers=config.num_layers, dense_policy=dense)
+    return policy_class(policy, spec).init(spec, batch, config.num_heads, config.head_dim, dtype=dtype,
+                                           layers=config.num_layers)
+
+
+def _describe_layers(cache) -> str:
+    if isinstance(cache, MixedCache):
+        return f"dense k {list(cache.dense.k.shape)} + dilated k {list(cache.dilated.k.shape)}"
+    return f"k {list(cache.k.shape)}"
 
 
 def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, backend: str = "auto"):
@@ -356,8 +405,9 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     that chunk (each denoising step overwrites the chunk's slot; the last write wins).
 
     Args:
-      cache: stacked `RingCache`/`RollingCache` [layers=num_layers, batch, capacity, heads, head_dim] whose spec's
-        chunk equals this chunk's tokens (frames/pt * height/ph * width/pw).
+      cache: stacked `RingCache`/`RollingCache`/`DilatedCache` [layers=num_layers, batch, capacity, heads,
+        head_dim], or a `MixedCache` of num_layers layers (`init_cache`), whose spec's chunk equals this chunk's
+        tokens (frames/pt * height/ph * width/pw).
       cross: `cross_kv` of the text context, k and v [layers, batch, text_tokens, heads, head_dim] with batch rows
         matching the cache's sessions (any text_tokens >= 1: padded to text_len or not).
       latents: [batch, chunk_frames, height, width, in_dim].
@@ -371,7 +421,8 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     n = gf * gh * gw
     if cache.layers != config.num_layers or cache.heads != config.num_heads or cache.head_dim != config.head_dim:
         raise ValueError(f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
-                         f"heads={config.num_heads}, head_dim={config.head_dim}], got k {list(cache.k.shape)}")
+                         f"heads={config.num_heads}, head_dim={config.head_dim}], got "
+                         f"{_describe_layers(cache)}")
     if cache.batch != b:
         raise ValueError(f"cache has {cache.batch} sessions but latents have batch {b}")
     if cache.spec.chunk != n:
