@@ -12,6 +12,7 @@ import numpy as np
 from jaxkv.generate.options import UsageError
 from jaxkv.models import wan
 from jaxkv.models.wan.checkpoint import CheckpointError, load, read_config
+from jaxkv.precision import Precision
 
 
 def resolve_config(args):
@@ -33,9 +34,9 @@ def resolve_config(args):
 
 
 def load_params(args, config):
-    """The params in ``--param-dtype``: the checkpoint's, or random ones of the preset. Every parameter must be
-    finite (checked once, on device)."""
-    dtype = jnp.dtype(args.param_dtype)
+    """The params in ``--precision``'s param_dtype: the checkpoint's, or random ones of the preset. Every parameter
+    must be finite (checked once, on device)."""
+    dtype = jnp.dtype(Precision.named(args.precision).param_dtype)
     if args.checkpoint:
         try:
             loaded, params = load(args.checkpoint, dtype=dtype)
