@@ -21,6 +21,7 @@ chunk on the ring cache; JSON out. Sized for < 8 minutes on one H100/H200.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ from jaxkv.attention import attend, dense_attention
 from jaxkv.attention.dispatch import resolve_backend
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
+from jaxkv.precision import Precision
 
 FULL = dict(heads=12, head_dim=128, chunk=4680, keys=(9360, 23400, 37440), correctness_keys=9360,
             wan="wan2.1-t2v-1.3b", latent=(60, 104), window=18, sink=3)
@@ -116,10 +118,11 @@ def time_attention(s: dict, interpret: bool, cudnn_ok: bool, reps: int) -> list[
 
 def wan_chunk(s: dict, timed: int) -> dict:
     config = wan.preset(s["wan"])
-    params = M.init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
+    precision = Precision.bf16()
+    params = M.init_params(config, jax.random.key(0), dtype=precision.param_dtype)
     h, w = s["latent"]
     rc = R.RolloutConfig(latent_height=h, latent_width=w, chunk_frames=3, window_frames=s["window"],
-                         sink_frames=s["sink"], cache_dtype="bfloat16", backend="auto")
+                         sink_frames=s["sink"], precision=precision, backend="auto")
     context = jax.random.normal(jax.random.key(1), (1, config.text_len, config.text_dim), jnp.bfloat16)
     tpf = rc.tokens_per_frame(config)
     chosen = resolve_backend("auto", head_dim=config.head_dim, dtypes=(jnp.bfloat16,) * 3, rope=None,
@@ -139,7 +142,7 @@ def wan_chunk(s: dict, timed: int) -> dict:
     ms = statistics.median(times) * 1e3
     stats = jax.devices()[0].memory_stats() or {}
     return {"model": s["wan"], "latent_hw": [h, w], "tokens_per_chunk": 3 * tpf, "sink_frames": s["sink"],
-            "window_frames": s["window"], "param_dtype": "bfloat16", "cache_dtype": "bfloat16",
+            "window_frames": s["window"], "precision": dataclasses.asdict(precision),
             "auto_backend": chosen, "first_chunk_s (compile)": first, "ms_per_chunk": ms,
             "latent_fps": 3 / (ms / 1e3), "video_fps": 12 / (ms / 1e3),
             "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "finite": bool(jnp.all(jnp.isfinite(x))),

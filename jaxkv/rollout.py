@@ -39,6 +39,7 @@ from jax import lax
 from jaxkv.cache import WINDOW_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.precision import Precision, as_precision
 from jaxkv.schedule import Schedule
 from jaxkv.validate import check_int, is_concrete, is_int, is_real
 
@@ -58,7 +59,9 @@ class RolloutConfig:
         negative context.
       policy: the (dense) layers' policy, a name in `jaxkv.cache.WINDOW_POLICIES`: "ring" (circular, O(chunk) per
         chunk) or "rolling" (shift-by-copy baseline).
-      cache_dtype: dtype name of the cached K/V ("float32", "bfloat16").
+      cache_dtype: init-only shorthand kept for compatibility: ``RolloutConfig(cache_dtype="bfloat16")`` is
+        ``precision=Precision(..., cache_dtype="bfloat16")`` (it replaces the given precision's cache_dtype). Read
+        back as ``rc.cache_dtype`` = ``rc.precision.cache_dtype``.
       backend: attention backend name passed to `jaxkv.attend`.
       dilated_every: k >= 1 makes every k-th layer (layers k-1, 2k-1, ...) a dilated long-range layer
         (`jaxkv.cache.DilatedCache`) and keeps ``policy``'s sink + window on the others (a `jaxkv.cache.MixedCache`;
@@ -68,6 +71,9 @@ class RolloutConfig:
       buckets: with dilated_every: frame slots of a dilated layer's ring (>= ceil(chunk_frames / dilation)); it
         reaches ``dilation * buckets`` frames back (`DilatedSpec.horizon_frames`) for the memory of ``buckets``
         frames plus one chunk of scratch.
+      precision: the dtype policy of the run (`jaxkv.precision.Precision` or a preset name, "float32" or
+        "bfloat16"): params must be in its param_dtype; the KV cache and the cross-attention K/V are built in its
+        cache_dtype.
     """
 
     latent_height: int
@@ -78,13 +84,14 @@ class RolloutConfig:
     schedule: Schedule = Schedule()
     guidance_scale: float | None = None
     policy: str = "ring"
-    cache_dtype: str = "float32"
+    cache_dtype: dataclasses.InitVar[str | None] = None
     backend: str = "auto"
     dilated_every: int = 0
     dilation: int | None = None
     buckets: int | None = None
+    precision: Precision = Precision()
 
-    def __post_init__(self):
+    def __post_init__(self, cache_dtype):
         for name in ("latent_height", "latent_width", "chunk_frames", "window_frames", "sink_frames"):
             value = getattr(self, name)
             object.__setattr__(self, name, check_int(f"RolloutConfig.{name}", value,
@@ -104,13 +111,10 @@ class RolloutConfig:
                              f"{hint}")
         if not isinstance(self.schedule, Schedule):
             raise ValueError(f"RolloutConfig.schedule must be a jaxkv.schedule.Schedule, got {self.schedule!r}")
-        try:
-            dtype = jnp.dtype(self.cache_dtype)
-        except TypeError:
-            raise ValueError(f"RolloutConfig.cache_dtype {self.cache_dtype!r} is not a dtype name") from None
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"RolloutConfig.cache_dtype must be a floating dtype, got {self.cache_dtype!r}")
-        object.__setattr__(self, "cache_dtype", dtype.name)
+        precision = as_precision(self.precision, "RolloutConfig.precision")
+        if cache_dtype is not None:
+            precision = dataclasses.replace(precision, cache_dtype=cache_dtype)
+        object.__setattr__(self, "precision", precision)
         self._check_dilated()
 
     def _check_dilated(self):
@@ -170,6 +174,11 @@ class RolloutConfig:
         return (num_chunks, self.steps, *self.chunk_shape(config, batch))
 
 
+# Read-only view of the init-only shorthand (the class attribute the InitVar left behind is its default, None).
+RolloutConfig.cache_dtype = property(lambda self: self.precision.cache_dtype,
+                                     doc="The KV cache dtype name: ``precision.cache_dtype``.")
+
+
 class RolloutState(NamedTuple):
     """What carries from chunk to chunk: the stacked cache (sessions = batch, or 2*batch with guidance) and the
     hoisted cross-attention K/V."""
@@ -213,10 +222,10 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     """
     _check_model(config)
     sessions = _check_context(config, rc, context, negative_context)
-    cross = M.cross_kv(params, config, sessions)
+    cross = M.cross_kv(params, config, sessions, precision=rc.precision)
     policy = "dilated" if rc.dilated_every == 1 else rc.policy
     cache = M.init_cache(config, rc.cache_spec(config), sessions.shape[0], policy=policy,
-                         dtype=jnp.dtype(rc.cache_dtype))
+                         dtype=jnp.dtype(rc.precision.cache_dtype))
     return RolloutState(cache, cross)
 
 
@@ -273,7 +282,7 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
         t_i, sigma_i, next_sigma_i, eps = xs
         x_in = jnp.concatenate([x, x], axis=0) if guided else x
         flow, cache = M.forward_chunk(params, config, cache, state.cross, x_in, jnp.full((sessions,), t_i),
-                                      backend=rc.backend)
+                                      backend=rc.backend, precision=rc.precision)
         if guided:
             cond, neg = flow[:batch], flow[batch:]
             flow = neg + rc.guidance_scale * (cond - neg)

@@ -57,7 +57,7 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
     np.testing.assert_array_equal(image, G.preview_image(latents, d["preview_scale"]))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["compilations"] == 1 and summary["cache_bytes"] > 0
-    assert summary["param_dtype"] == "float32"
+    assert summary["precision"] == "float32" and summary["param_dtype"] == summary["cache_dtype"] == "float32"
     assert summary["status"] == "complete" and summary["chunks_written"] == 3
     # one file per chunk, each the chunk's frames of the whole
     for i in range(3):
@@ -86,7 +86,7 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     assert G.main(["--out", str(base), *FAST]) == 0
     for extra in (["--checkpoint", str(tmp_path / "ckpt")], ["--context", str(tmp_path / "ctx.npy")],
                   ["--context", str(tmp_path / "ctx.safetensors"), "--format", "safetensors"],
-                  ["--checkpoint", str(tmp_path / "ckpt"), "--param-dtype", "bfloat16"]):
+                  ["--checkpoint", str(tmp_path / "ckpt"), "--precision", "bfloat16"]):
         out = tmp_path / extra[-1].replace("/", "_")
         assert G.main(["--out", str(out), *FAST, *extra]) == 0
         if "safetensors" in extra:
@@ -96,10 +96,11 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
         got = G.load_latents(str(out))
         if "safetensors" in extra:
             np.testing.assert_array_equal(first, got[:, :3])
-        if "bfloat16" in extra:     # weights rounded to bf16, bf16 matmul inputs: close, not equal
+        if "bfloat16" in extra:     # weights rounded to bf16, bf16 matmul inputs and caches: close, not equal
             want = G.load_latents(str(base))
             assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
-            assert json.loads((out / "summary.json").read_text())["param_dtype"] == "bfloat16"
+            summary = json.loads((out / "summary.json").read_text())
+            assert (summary["precision"], summary["param_dtype"], summary["cache_dtype"]) == ("bfloat16",) * 3
             continue
         np.testing.assert_allclose(got, G.load_latents(str(base)), atol=1e-5)
     # a different context changes the video
@@ -121,7 +122,9 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     (["--guidance-scale", "3", "--context", "c.npy"], "needs --negative-context"),
     (["--guidance-scale", "inf"], "guidance_scale"),
     (["--shift", "inf"], "shift"),
-    (["--param-dtype", "float16"], "invalid choice"),
+    (["--precision", "float16"], "invalid choice"),
+    (["--param-dtype", "bfloat16"], "--param-dtype was replaced by --precision float32|bfloat16"),
+    (["--cache-dtype", "bfloat16"], "--cache-dtype was replaced by --precision"),
     (["--seed", "-1"], "--seed: expected an int in [0, 9223372036854775807], got -1"),
     (["--seed", str(2 ** 63)], "--seed: expected an int in [0, 9223372036854775807]"),
     (["--weights-seed", str(2 ** 64)], "--weights-seed: expected an int in [0,"),

@@ -334,12 +334,15 @@ def test_config_rejects_non_int_patch_and_bad_eps_or_theta():
 
 
 @pytest.mark.slow  # over 12 s on 2 loaded cores
-def test_bfloat16_params_compute_in_float32_and_match_float32_params():
-    """bf16 weights: bf16 matmul inputs with float32 accumulation; norms, modulation and attention in float32."""
+def test_bfloat16_precision_is_close_to_float32_on_the_same_rounded_weights():
+    """Precision.bf16(): bf16 matmul inputs and K/V with float32 accumulation; norms and modulation in float32.
+    Bf16 params under the default float32 precision are refused, naming the leaf."""
     latents, t, ctx = _inputs(batch=1, frames=2, h=2, w=2)
     params = wan.init_params(CFG, jax.random.key(0), dtype=jnp.bfloat16)
     rounded = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-    got = wan.forward(params, CFG, latents, t, ctx)
+    with pytest.raises(ValueError, match="is bfloat16 but the precision's param_dtype is float32"):
+        wan.forward(params, CFG, latents, t, ctx)
+    got = wan.forward(params, CFG, latents, t, ctx, precision="bfloat16")
     want = wan.forward(rounded, CFG, latents, t, ctx)
     assert got.dtype == jnp.float32 and bool(jnp.isfinite(got).all())
     assert _rel_err(got, want) <= 2e-2

@@ -145,13 +145,14 @@ def test_streaming_step_with_a_bf16_cache_lowers_for_cuda_with_the_pallas_kernel
                           is_leaf=lambda x: isinstance(x, tuple))
     spec = jaxkv.RingSpec.from_frames(16, 3, 9, 3)
     cache = jax.eval_shape(lambda: wan.init_cache(cfg, spec, 2, dtype=jnp.bfloat16).begin_chunk())
-    cross = jax.eval_shape(lambda p, c: wan.cross_kv(p, cfg, c), params,
+    cross = jax.eval_shape(lambda p, c: wan.cross_kv(p, cfg, c, precision="bfloat16"), params,
                            jax.ShapeDtypeStruct((2, cfg.text_len, cfg.text_dim), jnp.bfloat16))
     x = jax.ShapeDtypeStruct((2, 3, 8, 8, cfg.in_dim), jnp.float32)
     t = jax.ShapeDtypeStruct((2,), jnp.float32)
     texts = {}
     for backend in ("pallas", "xla"):
-        step = jax.jit(lambda p, c, cr, x, t: wan.forward_chunk(p, cfg, c, cr, x, t, backend=backend),
+        step = jax.jit(lambda p, c, cr, x, t: wan.forward_chunk(p, cfg, c, cr, x, t, backend=backend,
+                                                                precision="bfloat16"),
                        donate_argnums=1)
         texts[backend] = step.trace(params, cache, cross, x, t).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in texts["pallas"]

@@ -15,6 +15,7 @@ from jaxkv.models import wan
 from jaxkv.models.checkpoint_dir import CONFIG_FILE
 from jaxkv.models.release import PARTS, release_parts
 from jaxkv.models.wan.checkpoint import CheckpointError, load, read_config
+from jaxkv.precision import Precision
 
 
 def pick_up_release(args) -> str | None:
@@ -70,9 +71,9 @@ def resolve_config(args):
 
 
 def load_params(args, config):
-    """The params in ``--param-dtype``: the checkpoint's, or random ones of the preset. Every parameter must be
-    finite (checked once, on device)."""
-    dtype = jnp.dtype(args.param_dtype)
+    """The params in ``--precision``'s param_dtype: the checkpoint's, or random ones of the preset. Every parameter
+    must be finite (checked once, on device)."""
+    dtype = jnp.dtype(Precision.named(args.precision).param_dtype)
     if args.checkpoint:
         try:
             loaded, params = load(args.checkpoint, dtype=dtype)

@@ -31,6 +31,7 @@ from jaxkv.generate import inputs, options, outputs
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
+from jaxkv.precision import Precision
 from jaxkv.schedule import Schedule
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
@@ -93,7 +94,8 @@ def _settings(args, config):
         schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
         rc = R.RolloutConfig(args.height, args.width, chunk_frames=args.chunk_frames,
                              window_frames=args.window_frames, sink_frames=args.sink_frames, schedule=schedule,
-                             guidance_scale=args.guidance_scale, policy=args.policy, cache_dtype=args.cache_dtype,
+                             guidance_scale=args.guidance_scale, policy=args.policy,
+                             precision=Precision.named(args.precision),
                              dilated_every=args.dilated_every, dilation=args.dilation, buckets=args.buckets)
         rc.cache_spec(config)                # validates the frame and layer settings against the model
     except ValueError as e:
@@ -141,10 +143,11 @@ def run(args, stop: Stop | None = None) -> dict:
     files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
 
     summary = {
-        "model": source, "param_dtype": args.param_dtype, "config": config.to_dict(),
+        "model": source, "precision": args.precision, "param_dtype": rc.precision.param_dtype,
+        "config": config.to_dict(),
         "tokens_per_frame": rc.tokens_per_frame(config),
         "chunk_frames": rc.chunk_frames, "window_frames": rc.window_frames, "sink_frames": rc.sink_frames,
-        "num_chunks": args.num_chunks, "policy": rc.policy, "cache_dtype": rc.cache_dtype,
+        "num_chunks": args.num_chunks, "policy": rc.policy, "cache_dtype": rc.precision.cache_dtype,
         "dilated_every": rc.dilated_every, "dilation": rc.dilation, "buckets": rc.buckets,
         "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),

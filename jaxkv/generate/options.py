@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 
 from jaxkv.cache import WINDOW_POLICIES
+from jaxkv.precision import PRESETS as PRECISION_PRESETS
 
 POLICIES = WINDOW_POLICIES   # the cache layer's sink + window policies (dilated layers: --dilated-every)
-DTYPES = ("float32", "bfloat16")
+PRECISIONS = tuple(PRECISION_PRESETS)   # jaxkv.precision presets: "float32", "bfloat16"
+# Flags --precision replaced (each set one dtype of what is now one policy): refused with the migration.
+REPLACED_FLAGS = ("--param-dtype", "--cache-dtype")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).
@@ -19,7 +22,7 @@ SEED_MAX = 2 ** 63 - 1
 
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
-                policy="ring", cache_dtype="float32", param_dtype="float32", out="jaxkv_out", format="npy",
+                policy="ring", precision="float32", out="jaxkv_out", format="npy",
                 preview_scale=4, preview_frames=12, fps=16, dilated_every=0)
 
 
@@ -72,12 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--checkpoint", metavar="DIR", help="converted jaxkv checkpoint directory (`jaxkv convert`), "
-                   "loaded as --param-dtype; default: random weights of --preset")
+                   "loaded in --precision's weight dtype; default: random weights of --preset")
     m.add_argument("--preset", default=d["preset"], help="preset for random weights when no --checkpoint")
-    m.add_argument("--param-dtype", choices=DTYPES, default=d["param_dtype"],
-                   help="dtype the weights are held in (a checkpoint is cast to it on load). bfloat16 halves their "
-                        "memory (a 14B checkpoint: ~28 GB instead of ~56 GB) and runs the matmuls in bfloat16 with "
-                        "float32 accumulation; norms, modulation, RoPE and attention stay float32")
+    m.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
+                   help="dtype policy (jaxkv.precision.Precision): float32 everywhere, or bfloat16 = Self-Forcing's "
+                        "inference: weights (a checkpoint is cast on load; a 14B one takes ~28 GB instead of ~56 GB), "
+                        "matmul inputs, KV cache and cross-attention K/V in bfloat16; accumulation, softmax, norms, "
+                        "modulation, time embedding, head and RoPE stay float32")
+    for flag in REPLACED_FLAGS:
+        m.add_argument(flag, dest=flag[2:].replace("-", "_"), help=argparse.SUPPRESS)
     m.add_argument("--weights-seed", type=_seed, default=d["weights_seed"],
                    help=f"seed of the random weights, 0..{SEED_MAX}")
     t = p.add_argument_group("text")
@@ -106,7 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-chunks", type=_positive, default=d["num_chunks"], help="chunks to generate")
     v.add_argument("--batch", type=_positive, default=d["batch"], help="independent videos (sessions)")
     v.add_argument("--policy", choices=POLICIES, default=d["policy"], help="cache policy")
-    v.add_argument("--cache-dtype", choices=DTYPES, default=d["cache_dtype"])
     v.add_argument("--dilated-every", type=_non_negative, default=d["dilated_every"], metavar="K",
                    help="make every K-th layer a dilated long-range layer (K=1: every layer; num_layers must be a "
                         "multiple of K); 0: none. Needs --dilation and --buckets")
@@ -144,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check(args: argparse.Namespace) -> None:
     """Checks the combinations argparse cannot (before any model is built). Raises UsageError."""
+    for flag in REPLACED_FLAGS:
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            raise UsageError(f"{flag} was replaced by --precision {'|'.join(PRECISIONS)} (one policy for the "
+                             f"weights, matmuls and caches)")
     if args.guidance_scale is None and args.negative_context:
         raise UsageError("--negative-context needs --guidance-scale")
     if args.guidance_scale is not None and args.context and not args.negative_context:

@@ -1,7 +1,9 @@
 """The small pure functions Wan 2.1 is built from: linear layers, norms, embeddings, patchify/unpatchify.
 
-Dtype policy (in one place): the residual stream, norms, modulation and embeddings run in float32; a linear layer
-multiplies in its kernel's dtype (bfloat16 weights give bfloat16 matmuls) and accumulates and returns float32.
+Dtypes: the residual stream, norms, modulation and the sinusoidal embedding run in float32; a linear layer
+multiplies in its kernel's dtype and accumulates and returns float32. Which dtype each kernel is in for its matmul
+is decided in one place, the model's `jaxkv.precision.Precision` (`jaxkv.models.wan.model._compute_params`), never
+here.
 """
 
 from __future__ import annotations

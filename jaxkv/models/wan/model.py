@@ -17,6 +17,13 @@ stacks in the carry (`_scan_periods`), each still updated in place.
 Cross-attention keys/values depend only on the text context, so `cross_kv` computes them once for all layers; a
 streaming rollout calls it once and passes the result to every `forward_chunk`.
 
+Dtypes follow a `jaxkv.precision.Precision` passed as ``precision=`` (default float32 throughout): `_compute_params`
+is the one place that casts weights for their matmuls (the large projections to ``compute_dtype``; the time
+embedding, time projection and head to float32, as Wan runs them), `cross_kv` stores the text K/V in the policy's
+``cache_dtype``, and every attention reads q, k, v in ``cache_dtype`` (the whole-sequence forwards cast to it as the
+cache would hold them, so a stream and the block-causal forward attend alike). The layers themselves never choose a dtype (`jaxkv.models.wan.layers`: float32 out of every
+matmul, float32 norms and modulation).
+
 Conventions: latents are channels-last ``[batch, frames, height, width, channels]`` on the latent grid; timesteps
 are on Wan's 0..1000 scale, one per batch row ``[batch]`` or one per (patch) frame ``[batch, frames // pt]``; text
 context is ``[batch, text_tokens, text_dim]`` with ``text_tokens <= text_len`` and is zero-padded to ``text_len``
@@ -41,12 +48,13 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import param_shapes
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
 from jaxkv.nn.cached import cached_attention
+from jaxkv.precision import Precision, as_precision
 from jaxkv.validate import is_concrete, is_int
 
 
 class CrossKV(NamedTuple):
-    """Cross-attention keys and values of every layer: k, v float32 [layers, batch, text_tokens, heads, head_dim]
-    (text_tokens = text_len unless built with ``cross_kv(..., pad_context=False)``)."""
+    """Cross-attention keys and values of every layer: k, v [layers, batch, text_tokens, heads, head_dim] in the
+    precision's cache_dtype (text_tokens = text_len unless built with ``cross_kv(..., pad_context=False)``)."""
 
     k: jax.Array
     v: jax.Array
@@ -157,6 +165,41 @@ def _check_context(config: WanConfig, context, batch: int | None = None, pad_con
     return context
 
 
+# ------------------------------------------------------------------------------------------------ precision
+
+# Top-level weights whose matmuls stay float32 under any policy (Wan computes them under autocast(float32)).
+_FLOAT32_MATMULS = ("time_embedding", "time_projection", "head")
+
+
+def _cast_kernels(tree, dtype):
+    """Every ``kernel`` leaf of ``tree`` in ``dtype`` (a no-op when it already is); biases, norm scales and
+    modulation tables are left as they are: the layers use them in float32."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if getattr(path[-1], "key", None) == "kernel" and x.dtype != dtype else x, tree)
+
+
+def _compute_params(params, precision: Precision):
+    """The non-block params with each kernel in the dtype its matmul runs in. Block params are cast one layer at
+    a time inside the layer scan (`_block_params`), so a cast never materialises a copy of the whole stack."""
+    compute = precision.compute_dtype
+    return {name: (tree if name == "blocks" else
+                   _cast_kernels(tree, jnp.float32 if name in _FLOAT32_MATMULS else compute))
+            for name, tree in params.items()}
+
+
+def _block_params(p, precision: Precision):
+    """One layer's block params with every kernel in the compute dtype."""
+    return _cast_kernels(p, precision.compute_dtype)
+
+
+def _precision(params, precision) -> Precision:
+    """The checked `Precision` of a forward: a `Precision` or preset name, matching the params' dtype."""
+    precision = as_precision(precision)
+    precision.check_params(params)
+    return precision
+
+
 # ------------------------------------------------------------------------------------------------ attention pieces
 
 
@@ -165,22 +208,27 @@ def _heads(x, config: WanConfig):
     return x.reshape(*x.shape[:-1], config.num_heads, config.head_dim)
 
 
-def cross_kv(params, config: WanConfig, context, *, pad_context: bool = True) -> CrossKV:
+def cross_kv(params, config: WanConfig, context, *, pad_context: bool = True,
+             precision: Precision | str = Precision()) -> CrossKV:
     """Cross-attention keys/values of all layers from the text context (a pure function: hoist it out of loops).
 
     Args:
       context: [batch, text_tokens, text_dim] text-encoder embeddings (zero-padded to text_len when pad_context).
+      precision: the dtype policy (`jaxkv.precision.Precision` or a preset name); params must be in its
+        param_dtype.
     Returns:
-      CrossKV with k, v float32 [layers, batch, text_tokens, heads, head_dim]: text_tokens = text_len when
-      pad_context, else the context's own token count.
+      CrossKV with k, v [layers, batch, text_tokens, heads, head_dim] in precision.cache_dtype: text_tokens =
+      text_len when pad_context, else the context's own token count.
     """
+    precision = _precision(params, precision)
     context = _check_context(config, context, None, pad_context)
-    ctx = L.text_embedding(params, context)
-    p = params["blocks"]["cross_attn"]
+    ctx = L.text_embedding(_compute_params(params, precision), context)
+    p = _block_params(params["blocks"]["cross_attn"], precision)
+    cache = jnp.dtype(precision.cache_dtype)
 
     def one_layer(pk, pv, scale):
         k = L.rms_norm(L.linear(pk, ctx), scale, config.eps)
-        return _heads(k, config), _heads(L.linear(pv, ctx), config)
+        return _heads(k, config).astype(cache), _heads(L.linear(pv, ctx), config).astype(cache)
 
     k, v = jax.vmap(one_layer)(p["k"], p["v"], p["norm_k"]["scale"])
     return CrossKV(k, v)
@@ -197,12 +245,13 @@ def _self_qkv(p, h, rope, config: WanConfig):
 
 
 def _cross_attention(p, x, k, v, config: WanConfig, backend: str):
-    """x [batch, tokens, dim] attends to the (hoisted) text keys/values [batch, text_len, heads, head_dim]."""
+    """x [batch, tokens, dim] attends to the (hoisted) text keys/values [batch, text_len, heads, head_dim]; q is
+    cast to their dtype (one dtype for the attention kernels, as `cached_attention` does for the cache)."""
     b, n, _ = x.shape
     q = _heads(L.rms_norm(L.linear(p["q"], x), p["norm_q"]["scale"], config.eps), config)
     zeros_q = jnp.zeros((b, n), jnp.int32)
     zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
-    out = attend(q, k, v, zeros_q, zeros_k, backend=backend)
+    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend).astype(jnp.float32)
     return L.linear(p["o"], out.reshape(b, n, config.dim))
 
 
@@ -243,19 +292,22 @@ def _head(params, config: WanConfig, x, e, frames: int):
 
 
 def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossKV, self_attention, state,
-         backend: str):
+         backend: str, precision: Precision):
     """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
     ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the
-    rotated q, k and v [batch, tokens, heads, head_dim]; ``state`` (e.g. the stacked cache) rides in the scan
-    carry. Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
+    rotated float32 q, k and v [batch, tokens, heads, head_dim]; ``state`` (e.g. the stacked cache) rides in the
+    scan carry. Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
     gf, gh, gw = _check_latents(config, latents)
     b, n = positions.shape
     t = _frame_timesteps(timesteps, b, gf)
     rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta))
-    x = L.patchify(params, config, latents)
-    e, e0 = L.time_embedding(params, config, t)
+    top = _compute_params(params, precision)
+    x = L.patchify(top, config, latents)
+    e, e0 = L.time_embedding(top, config, t)
 
     def run_block(x, state, p, ck, cv, layer, attend_layer):
+        p = _block_params(p, precision)
+
         def attention(pa, h):
             q, k, v = _self_qkv(pa, h, rope, config)
             out, new_state = attend_layer(q, k, v, state, layer)
@@ -273,7 +325,7 @@ def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossK
 
         layers = jnp.arange(config.num_layers, dtype=jnp.int32)
         (x, state), _ = lax.scan(body, (x, state), (params["blocks"], cross.k, cross.v, layers))
-    return L.unpatchify(config, _head(params, config, x, e, gf), (gf, gh, gw)), state
+    return L.unpatchify(config, _head(top, config, x, e, gf), (gf, gh, gw)), state
 
 
 def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_attention):
@@ -306,32 +358,38 @@ def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_
 
 
 def _forward_sequence(params, config: WanConfig, latents, timesteps, context, mask: MaskSpec, pad_context: bool,
-                      backend: str):
+                      backend: str, precision):
+    precision = _precision(params, precision)
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
     _frame_timesteps(timesteps, latents.shape[0], gf)   # checked before the text embedding runs
-    cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context)
+    cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context, precision=precision)
     positions = sequence_positions(latents.shape[0], gf * gh * gw)
+    kv_dtype = jnp.dtype(precision.cache_dtype)
 
     def self_attention(q, k, v, state, layer):
-        return attend(q, k, v, positions, positions, mask=mask, backend=backend), state
+        # q, k, v in the dtype a cache would hold them in, so a stream and the whole sequence attend alike
+        q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
+        return attend(q, k, v, positions, positions, mask=mask, backend=backend).astype(jnp.float32), state
 
-    return _dit(params, config, latents, timesteps, positions, cross, self_attention, None, backend)[0]
+    return _dit(params, config, latents, timesteps, positions, cross, self_attention, None, backend, precision)[0]
 
 
 def forward(params, config: WanConfig, latents, timesteps, context, *, pad_context: bool = True,
-            backend: str = "auto"):
+            backend: str = "auto", precision: Precision | str = Precision()):
     """The plain bidirectional Wan 2.1 forward (flow prediction).
 
     Args:
-      params: the Wan parameter pytree (`jaxkv.models.wan.params`).
+      params: the Wan parameter pytree (`jaxkv.models.wan.params`), every leaf in precision.param_dtype.
       latents: [batch, frames, height, width, in_dim] on the latent grid (height/width divisible by the patch).
       timesteps: float [batch] or per frame [batch, frames // pt], on the 0..1000 scale.
       context: [batch, text_tokens <= text_len, text_dim]; zero-padded to text_len unless pad_context=False.
+      precision: the dtype policy, a `jaxkv.precision.Precision` or a preset name ("float32", "bfloat16").
     Returns:
       float32 [batch, frames, height, width, out_dim].
     """
-    return _forward_sequence(params, config, latents, timesteps, context, MaskSpec(), pad_context, backend)
+    return _forward_sequence(params, config, latents, timesteps, context, MaskSpec(), pad_context, backend,
+                             precision)
 
 
 def block_causal_spec(config: WanConfig, latents, chunk_frames, window_frames=None, sink_frames=0) -> RingSpec:
@@ -357,7 +415,7 @@ def block_causal_spec(config: WanConfig, latents, chunk_frames, window_frames=No
 
 def forward_block_causal(params, config: WanConfig, latents, timesteps, context, *, chunk_frames: int,
                          window_frames: int | None = None, sink_frames: int = 0, pad_context: bool = True,
-                         backend: str = "auto"):
+                         backend: str = "auto", precision: Precision | str = Precision()):
     """Wan 2.1 under the block-causal (chunk-causal) mask of causal Wan training, by token position.
 
     Token i (frame f_i, chunk c_i = f_i // chunk_frames) sees token j iff c_j <= c_i and, when ``window_frames`` is
@@ -368,7 +426,7 @@ def forward_block_causal(params, config: WanConfig, latents, timesteps, context,
     Args/returns as `forward`; chunk_frames, window_frames, sink_frames count latent (patch) frames.
     """
     mask = block_causal_spec(config, latents, chunk_frames, window_frames, sink_frames).mask()
-    return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, backend)
+    return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, backend, precision)
 
 
 # ------------------------------------------------------------------------------------------------ streaming
@@ -398,7 +456,8 @@ def _describe_layers(cache) -> str:
     return f"k {list(cache.k.shape)}"
 
 
-def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, backend: str = "auto"):
+def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, backend: str = "auto",
+                  precision: Precision | str = Precision()):
     """One chunk of a stream: the flow prediction of the cache's reserved chunk, and the cache with its K/V written.
 
     The caller reserves the chunk (``cache = cache.begin_chunk()``) once, then may call this any number of times for
@@ -412,9 +471,13 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
         matching the cache's sessions (any text_tokens >= 1: padded to text_len or not).
       latents: [batch, chunk_frames, height, width, in_dim].
       timesteps: float [batch] or [batch, chunk_frames // pt].
+      precision: the dtype policy (`jaxkv.precision.Precision` or a preset name): params in its param_dtype, the
+        cache and the cross K/V in its cache_dtype (`init_cache(..., dtype=precision.cache_dtype)`,
+        `cross_kv(..., precision=precision)`).
     Returns:
       (flow float32 [batch, chunk_frames, height, width, out_dim], updated cache).
     """
+    precision = _precision(params, precision)
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
     b = latents.shape[0]
@@ -435,6 +498,11 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
                                                                     config.head_dim)):
         raise ValueError(f"cross K/V must both be [layers, batch, text_tokens, heads, head_dim] = {expected}, "
                          f"got k {list(k_shape)}, v {list(v_shape)}")
+    for name, dtype in (("cache", cache.dtype), ("cross K", cross.k.dtype), ("cross V", cross.v.dtype)):
+        if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
+            raise ValueError(f"the {name} is {jnp.dtype(dtype).name} but the precision's cache_dtype is "
+                             f"{precision.cache_dtype}; build both with it (init_cache(..., dtype="
+                             f"precision.cache_dtype), cross_kv(..., precision=precision)) or pass that precision")
     # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
     if is_concrete(cache.chunk_start) and bool(jnp.all(cache.chunk_start < 0)):
         raise ValueError("forward_chunk: no session has a reserved chunk (chunk_start < 0 for every session); call "
@@ -443,5 +511,6 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     def self_attention(q, k, v, cache, layer):
         return cached_attention(cache, q, k, v, layer=layer, backend=backend)   # mask: cache.spec.mask()
 
-    return _dit(params, config, latents, timesteps, cache.chunk_positions(), cross, self_attention, cache, backend)
+    return _dit(params, config, latents, timesteps, cache.chunk_positions(), cross, self_attention, cache, backend,
+                precision)
 

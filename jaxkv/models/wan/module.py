@@ -17,6 +17,7 @@ from flax import nnx
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import validate_params
+from jaxkv.precision import Precision
 
 
 class _ParamTree(nnx.Module):
@@ -60,26 +61,31 @@ class WanModel(_ParamTree):
         variables, cheap enough to run on every call."""
         return self.tree()
 
-    def __call__(self, latents, timesteps, context, *, pad_context: bool = True, backend: str = "auto"):
+    def __call__(self, latents, timesteps, context, *, pad_context: bool = True, backend: str = "auto",
+                 precision: Precision | str = Precision()):
         """Bidirectional forward: see `jaxkv.models.wan.forward`. Returns float32 [batch, frames, h, w, out_dim]."""
         return M.forward(self.params(), self.config, latents, timesteps, context, pad_context=pad_context,
-                         backend=backend)
+                         backend=backend, precision=precision)
 
     def block_causal(self, latents, timesteps, context, *, chunk_frames: int, window_frames: int | None = None,
-                     sink_frames: int = 0, pad_context: bool = True, backend: str = "auto"):
+                     sink_frames: int = 0, pad_context: bool = True, backend: str = "auto",
+                     precision: Precision | str = Precision()):
         """Block-causal full-sequence forward: see `jaxkv.models.wan.forward_block_causal`."""
         return M.forward_block_causal(self.params(), self.config, latents, timesteps, context,
                                       chunk_frames=chunk_frames, window_frames=window_frames,
-                                      sink_frames=sink_frames, pad_context=pad_context, backend=backend)
+                                      sink_frames=sink_frames, pad_context=pad_context, backend=backend,
+                                      precision=precision)
 
-    def cross_kv(self, context, *, pad_context: bool = True) -> M.CrossKV:
+    def cross_kv(self, context, *, pad_context: bool = True, precision: Precision | str = Precision()) -> M.CrossKV:
         """Cross-attention K/V of all layers, computed once per text context: see `jaxkv.models.wan.cross_kv`."""
-        return M.cross_kv(self.params(), self.config, context, pad_context=pad_context)
+        return M.cross_kv(self.params(), self.config, context, pad_context=pad_context, precision=precision)
 
     def init_cache(self, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32):
         """Empty stacked cache for every layer: see `jaxkv.models.wan.init_cache`."""
         return M.init_cache(self.config, spec, batch, policy=policy, dtype=dtype)
 
-    def step(self, cache, cross: M.CrossKV, latents, timesteps, *, backend: str = "auto"):
+    def step(self, cache, cross: M.CrossKV, latents, timesteps, *, backend: str = "auto",
+             precision: Precision | str = Precision()):
         """One streaming chunk on the reserved slot: (flow, cache). See `jaxkv.models.wan.forward_chunk`."""
-        return M.forward_chunk(self.params(), self.config, cache, cross, latents, timesteps, backend=backend)
+        return M.forward_chunk(self.params(), self.config, cache, cross, latents, timesteps, backend=backend,
+                               precision=precision)
