@@ -3,11 +3,14 @@ the retained clean frames under the new prompt, then continues; its compilation 
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import generate as G
 from jaxkv import recache as RC
 from jaxkv import rollout as R
 from jaxkv.attention.reference import dense_attention
@@ -224,3 +227,61 @@ def test_latent_ring_follows_the_ring_rule_and_skips_negative_rows():
     # row 0: chunk 0 in the sink slot, chunks 3 and 4 in window slots 1 + (n - 1) % 2; row 1 stopped at chunk 2
     np.testing.assert_array_equal(ring.chunks, [[0, 3, 4], [0, 1, 2]])
     np.testing.assert_array_equal(ring.latents[:, :, 0, 0, 0, 0], [[0, 3, 4], [0, 1, 2]])
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def _schedule(tmp_path, entries, name="schedule.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(entries))
+    return str(path)
+
+
+@pytest.mark.parametrize("entries,extra,expect", [
+    ([{"chunk": 1, "prompt": "a"}], [], "must start at chunk 0"),
+    ([{"chunk": 0, "prompt": "a"}, {"chunk": 0, "prompt": "b"}], [], "strictly increase"),
+    ([{"chunk": 0, "prompt": "a"}, {"chunk": 3, "prompt": "b"}], [], "chunk 3 is not generated"),
+    ([{"chunk": 0, "prompt": "a", "context": "x.npy"}], [], "exactly one of"),
+    ([{"chunk": 0, "text": "a"}], [], "unknown keys ['text']"),
+    ([{"chunk": -1, "prompt": "a"}], [], "chunk must be an int >= 0"),
+    ({"chunk": 0}, [], "non-empty JSON list"),
+    ([{"chunk": 0, "context": "missing.npy"}], [], "does not exist"),
+    ([{"chunk": 0, "prompt": "a"}], ["--context", "c.npy"], "not with --context"),
+    ([{"chunk": 0, "prompt": "a"}], ["--guidance-scale", "2"], "needs --negative-prompt"),
+    (None, ["--switch-sink", "keep"], "--switch-sink needs --prompt-schedule"),
+])
+def test_cli_bad_prompt_schedules_are_one_line_errors(tmp_path, capsys, entries, extra, expect):
+    argv = ["--out", str(tmp_path / "out"), "--num-chunks", "3", "--no-progress", "--no-video", *extra]
+    if entries is not None:
+        argv += ["--prompt-schedule", _schedule(tmp_path, entries)]
+    assert G.main(argv) == 2
+    err = capsys.readouterr().err
+    assert expect in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # three CLI runs, each compiling the tiny preset's step
+def test_cli_prompt_schedule_switches_at_its_chunk_and_only_there(tmp_path):
+    text_dim = wan.preset("tiny").text_dim
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "a.npy", rng.standard_normal((4, text_dim)).astype(np.float32))
+    np.save(tmp_path / "b.npy", rng.standard_normal((6, text_dim)).astype(np.float32))
+    common = ["--num-chunks", "4", "--no-progress", "--no-video", "--rope", "cache-relative"]
+
+    def run(name, *extra):
+        assert G.main(["--out", str(tmp_path / name), *common, *extra]) == 0
+        return G.load_latents(str(tmp_path / name)), json.loads((tmp_path / name / "summary.json").read_text())
+
+    plain, _ = run("plain", "--context", str(tmp_path / "a.npy"))
+    one, _ = run("one", "--prompt-schedule", _schedule(tmp_path, [{"chunk": 0, "context": "a.npy"}], "one.json"))
+    two, summary = run("two", "--switch-sink", "recompute", "--prompt-schedule",
+                       _schedule(tmp_path, [{"chunk": 0, "context": "a.npy"}, {"chunk": 2, "context": "b.npy"}],
+                                 "two.json"))
+    cf = G.DEFAULTS["chunk_frames"]
+    np.testing.assert_array_equal(one, plain)                   # a one-entry schedule is --context
+    np.testing.assert_array_equal(two[:, :2 * cf], plain[:, :2 * cf])
+    assert np.abs(two[:, 2 * cf:] - plain[:, 2 * cf:]).max() > 1e-3
+    assert summary["switch_compilations"] == 1 and summary["compilations"] == 1
+    assert summary["rope"] == "cache-relative" and summary["switch_sink"] == "recompute"
+    assert [e["chunk"] for e in summary["prompt_schedule"]] == [0, 2]

@@ -12,6 +12,8 @@ from jaxkv.cache import POLICIES as CACHE_POLICIES
 
 POLICIES = tuple(sorted(CACHE_POLICIES))   # the cache layer's registry: name -> class
 DTYPES = ("float32", "bfloat16")
+ROPE_MODES = ("absolute", "cache-relative")      # jaxkv.models.wan.ROPE_MODES
+SWITCH_SINK = ("keep", "recompute")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).
@@ -19,7 +21,7 @@ SEED_MAX = 2 ** 63 - 1
 
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
-                policy="ring", cache_dtype="float32", param_dtype="float32", out="jaxkv_out", format="npy",
+                policy="ring", cache_dtype="float32", rope="absolute", param_dtype="float32", out="jaxkv_out", format="npy",
                 preview_scale=4, preview_frames=12, fps=16)
 
 
@@ -96,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "after encoding, before the rollout")
     t.add_argument("--embeddings-cache", metavar="DIR", help="on-disk cache of prompt embeddings: a repeated "
                    "prompt is read, not encoded")
+    t.add_argument("--prompt-schedule", metavar="FILE", help="JSON list switching prompts mid-stream, e.g. "
+                   '[{"chunk": 0, "prompt": "a cat"}, {"chunk": 8, "context": "dog.npy"}]: each entry gives the '
+                   "first chunk it drives and a prompt (encoded by --text-encoder) or a context file; later "
+                   "entries switch with KV re-cache (jaxkv.recache). Not with --prompt or --context")
+    t.add_argument("--switch-sink", choices=SWITCH_SINK, help="at a prompt switch, keep the sink's K/V "
+                   "(default; LongLive's global sink) or recompute them under the new prompt")
     v = p.add_argument_group("video and cache (frames are latent frames)")
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
     v.add_argument("--width", type=_positive, default=d["width"], help="latent width")
@@ -107,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch", type=_positive, default=d["batch"], help="independent videos (sessions)")
     v.add_argument("--policy", choices=POLICIES, default=d["policy"], help="cache policy")
     v.add_argument("--cache-dtype", choices=DTYPES, default=d["cache_dtype"])
+    v.add_argument("--rope", choices=ROPE_MODES, default=d["rope"], help="absolute: keys rotated at their "
+                   "absolute frame (Self-Forcing); cache-relative: keys cached unrotated and rotated by their rank "
+                   "in the cache, so frame indices stay within the cache however long the stream (no int32 "
+                   "limit on --num-chunks)")
     s = p.add_argument_group("sampler")
     s.add_argument("--steps", type=_parse_steps, default=_parse_steps(d["steps"]),
                    help="denoising steps on the 1000-step grid, comma-separated")
@@ -145,7 +157,16 @@ def check(args: argparse.Namespace) -> None:
                          "embeddings, e.g. of the empty prompt); only the stand-in context has a stand-in negative")
     if args.prompt is not None and args.context:
         raise UsageError("--prompt and --context both give the text context; pass one")
-    if args.prompt is None:
+    if args.prompt_schedule and (args.prompt is not None or args.context):
+        raise UsageError(f"--prompt-schedule gives the text context; not with "
+                         f"{'--prompt' if args.prompt is not None else '--context'}")
+    if args.switch_sink is not None and not args.prompt_schedule:
+        raise UsageError("--switch-sink needs --prompt-schedule")
+    if args.prompt_schedule:
+        if args.guidance_scale is not None and args.negative_prompt is None and not args.negative_context:
+            raise UsageError("--guidance-scale with --prompt-schedule needs --negative-prompt TEXT or "
+                             "--negative-context FILE")
+    elif args.prompt is None:
         for flag, value in (("--negative-prompt", args.negative_prompt), ("--text-encoder", args.text_encoder),
                             ("--embeddings-cache", args.embeddings_cache),
                             ("--offload-text-encoder", args.offload_text_encoder or None)):
