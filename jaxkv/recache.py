@@ -25,6 +25,7 @@ compiled once per shape (`jit_switch_prompt`); the step is not recompiled. The r
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import jax
@@ -40,6 +41,8 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.validate import is_concrete
 
 EMPTY = -1
+# Policies whose slots hold whole chunks at their positions (what `recompute_cache` re-runs).
+RECACHE_POLICIES = frozenset({"ring", "rolling"})
 
 
 @struct.dataclass
@@ -170,6 +173,9 @@ def switch_prompt(params, config: WanConfig, rc: R.RolloutConfig, state: R.Rollo
       the new RolloutState (same cache layout, positions and clock).
     """
     R._check_model(config)
+    if rc.policy not in RECACHE_POLICIES:
+        raise ValueError(f"prompt switching re-runs slots that hold whole chunks: policies "
+                         f"{sorted(RECACHE_POLICIES)}, got {rc.policy!r}")
     if not isinstance(keep_sink, bool):
         raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
     sessions = R._check_context(config, rc, context, negative_context)
@@ -195,10 +201,10 @@ jit_switch_prompt = jax.jit(switch_prompt, static_argnums=(1, 2), static_argname
 jit_switch_prompt.__doc__ = "`switch_prompt` under jax.jit (config, rc, keep_sink static; the state donated)."
 
 
-@jax.jit
-def _push(ring: LatentRing, latents, cache: ChunkCache) -> LatentRing:
-    """Pushes a finished chunk: the cache's reserved chunk is the one ``latents`` is."""
-    index = jnp.where(cache.chunk_start < 0, EMPTY, cache.chunk_start // cache.spec.chunk)
+@functools.partial(jax.jit, static_argnums=(3,))
+def _push(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing:
+    """Pushes a finished chunk: the cache's reserved chunk (``chunk_start`` int32 [sessions]) is ``latents``."""
+    index = jnp.where(chunk_start < 0, EMPTY, chunk_start // chunk)
     return ring.push(latents, index[:ring.batch])
 
 
@@ -227,7 +233,8 @@ class SwitchableStream:
 
     def __next__(self) -> jax.Array:
         x = next(self.stream)
-        self.ring = _push(self.ring, x, self.stream.state.cache)
+        cache = self.stream.state.cache
+        self.ring = _push(self.ring, x, cache.chunk_start, cache.spec.chunk)
         return x
 
     def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:

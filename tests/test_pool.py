@@ -74,7 +74,7 @@ def test_pool_of_four_rows_matches_each_stream_run_alone_with_one_compilation():
         admit(6), admit(7)                      # 6 takes row 1; 7 finds no free row
     assert len(pool.free_rows) == 0
     step()
-    lengths = {1: 2, 2: 6, 3: 6, 4: 5, 5: 5, 6: 1}
+    lengths = {1: 3, 2: 6, 3: 6, 4: 5, 5: 5, 6: 1}
     assert {s: len(c) for s, c in got.items() if s != 7} == lengths
     for stream, n in lengths.items():
         want = _solo(params, rc, stream, n)
@@ -97,3 +97,17 @@ def test_pool_refuses_bad_rows_and_contexts():
     with pytest.raises(ValueError, match="admit takes one stream"):
         pool.admit(jnp.zeros((2, 3, CFG.text_dim)), jax.random.key(0))
     assert pool.free_rows == [0, 1]
+
+
+@pytest.mark.slow  # compiles the tiny preset's step, switch and pool step
+def test_readme_sessions_example_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "StreamPool" in b)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert len(scope["chunks"]) == 8 and all(bool(np.isfinite(c).all()) for c in scope["chunks"])
+    assert sorted(scope["out"]) == [scope["a"], scope["b"]] and scope["out"][scope["a"]].shape == (3, 16, 16, 16)
+    assert scope["pool"].free_rows == [0, 2, 3]
