@@ -379,9 +379,10 @@ class Stream:
     that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
 
     The step compiles once per shape (positions and slots are traced), so an unbounded stream runs one program;
-    ``jaxkv.compilation.compile_count(stream_step)`` counts its compilations. A stream holds at most
-    `RingSpec.max_chunks` chunks (int32 positions): a larger ``num_chunks`` is a ValueError here, and an endless
-    stream raises OverflowError at that chunk instead of wrapping. ``num_chunks=None`` streams forever (with explicit
+    ``jaxkv.compilation.compile_count(stream_step)`` counts its compilations. With absolute RoPE a stream holds at
+    most `RingSpec.max_chunks` chunks (int32 positions): a larger ``num_chunks`` is a ValueError here, and an
+    endless stream raises OverflowError at that chunk instead of wrapping; with ``rope="cache-relative"`` the
+    clock wraps (`wrap_clock`) and the stream is unbounded. ``num_chunks=None`` streams forever (with explicit
     ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
     ValueError). The state after the
     latest chunk is ``stream.state`` (its cache: ``stream.state.cache``).

@@ -140,7 +140,7 @@ def run(args, stop: Stop | None = None) -> dict:
                       negative_context=None if negative is None else jnp.asarray(negative))
     if entries is not None:
         stream = recache.SwitchableStream(stream)
-    keep_sink = (args.switch_sink or "keep") == "keep"
+    keep_sink = getattr(args, "switch_sink", "keep") == "keep"
 
     def advance():
         """The next chunk, switching prompts first where the schedule says so."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 
 from jaxkv.cache import POLICIES as CACHE_POLICIES
+from jaxkv.models.wan.model import ROPE_MODES     # "absolute", "cache-relative"
 
 POLICIES = tuple(sorted(CACHE_POLICIES))   # the cache layer's registry: name -> class
 DTYPES = ("float32", "bfloat16")
-ROPE_MODES = ("absolute", "cache-relative")      # jaxkv.models.wan.ROPE_MODES
 SWITCH_SINK = ("keep", "recompute")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    '[{"chunk": 0, "prompt": "a cat"}, {"chunk": 8, "context": "dog.npy"}]: each entry gives the '
                    "first chunk it drives and a prompt (encoded by --text-encoder) or a context file; later "
                    "entries switch with KV re-cache (jaxkv.recache). Not with --prompt or --context")
-    t.add_argument("--switch-sink", choices=SWITCH_SINK, help="at a prompt switch, keep the sink's K/V "
-                   "(default; LongLive's global sink) or recompute them under the new prompt")
+    t.add_argument("--switch-sink", choices=SWITCH_SINK, default=argparse.SUPPRESS, help="at a prompt switch, "
+                   "keep the sink's K/V (default: keep; LongLive's global sink) or recompute them under the new "
+                   "prompt")
     v = p.add_argument_group("video and cache (frames are latent frames)")
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
     v.add_argument("--width", type=_positive, default=d["width"], help="latent width")
@@ -160,7 +161,7 @@ def check(args: argparse.Namespace) -> None:
     if args.prompt_schedule and (args.prompt is not None or args.context):
         raise UsageError(f"--prompt-schedule gives the text context; not with "
                          f"{'--prompt' if args.prompt is not None else '--context'}")
-    if args.switch_sink is not None and not args.prompt_schedule:
+    if getattr(args, "switch_sink", None) is not None and not args.prompt_schedule:
         raise UsageError("--switch-sink needs --prompt-schedule")
     if args.prompt_schedule:
         if args.guidance_scale is not None and args.negative_prompt is None and not args.negative_context:
