@@ -11,12 +11,17 @@ re-caches instead. Semantics pinned here (read from LongLive's ``_recache_after_
    (`jaxkv.models.wan.recompute_cache`); their new K/V replace the old in place. Positions, the clock and the
    slots do not change, so the next chunk is generated exactly as a stream that had held these K/V would;
 3. the sink: ``keep_sink=True`` (LongLive's ``global_sink``) keeps the sink chunks' K/V as they were, and the
-   re-run window attends to those kept K/V; ``keep_sink=False`` recomputes the sink under the new prompt too.
+   re-run window attends to those kept K/V; ``keep_sink=False`` recomputes the sink chunks under the new prompt
+   too, from their own clean latents. (One difference, as read in LongLive's code: without ``global_sink`` it
+   re-runs its last ``local_attn_size`` frames into the zeroed cache, which on a full cache fills it from the
+   first slot, so its sink slots then hold the oldest re-run frames; here the sink always holds the stream's
+   first chunks.)
 
 The clean latents come from a `LatentRing`: the last window's (and the sink's) clean chunks, a small pytree of its
 own laid out by the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % window``) and written
 with ``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk
-index (modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so any policy works.
+index (modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies
+both work (`RECACHE_POLICIES`).
 
 Costs: a switch is one forward over the cache's capacity (the window's frames at once) plus the new cross K/V,
 compiled once per shape (`jit_switch_prompt`); the step is not recompiled. The ring adds
