@@ -282,6 +282,7 @@ def test_cli_prompt_schedule_switches_at_its_chunk_and_only_there(tmp_path):
     np.testing.assert_array_equal(one, plain)                   # a one-entry schedule is --context
     np.testing.assert_array_equal(two[:, :2 * cf], plain[:, :2 * cf])
     assert np.abs(two[:, 2 * cf:] - plain[:, 2 * cf:]).max() > 1e-3
-    assert summary["switch_compilations"] == 1 and summary["compilations"] == 1
+    assert summary["switch_compilations"] == 1
+    assert summary["compilations"] == 0          # the step the first runs compiled: switching recompiles nothing
     assert summary["rope"] == "cache-relative" and summary["switch_sink"] == "recompute"
     assert [e["chunk"] for e in summary["prompt_schedule"]] == [0, 2]
