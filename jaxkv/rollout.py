@@ -74,6 +74,10 @@ class RolloutConfig:
       precision: the dtype policy of the run (`jaxkv.precision.Precision` or a preset name, "float32" or
         "bfloat16"): params must be in its param_dtype; the KV cache and the cross-attention K/V are built in its
         cache_dtype.
+      rope: "absolute" (default; Self-Forcing: keys rotated at their absolute frame before the write) or
+        "cache-relative" (keys cached unrotated and rotated at read by their rank in the cache, so the frame
+        indices the model sees stay below the cache's frames; the positions then run on a wrapped clock
+        (`wrap_clock`), so the int32 limit no longer bounds the stream). See `jaxkv.models.wan.cache_relative_rope`.
     """
 
     latent_height: int
@@ -90,6 +94,7 @@ class RolloutConfig:
     dilation: int | None = None
     buckets: int | None = None
     precision: Precision = Precision()
+    rope: str = "absolute"
 
     def __post_init__(self, cache_dtype):
         for name in ("latent_height", "latent_width", "chunk_frames", "window_frames", "sink_frames"):
@@ -116,6 +121,11 @@ class RolloutConfig:
             precision = dataclasses.replace(precision, cache_dtype=cache_dtype)
         object.__setattr__(self, "precision", precision)
         self._check_dilated()
+        M.check_rope_mode(self.rope)
+        if self.rope == "cache-relative" and (self.policy not in WRAPPING_POLICIES or self.dilated_every):
+            raise ValueError(f"rope='cache-relative' runs the positions on a wrapped clock, which keeps the slot of "
+                             f"every chunk only for the policies {sorted(WRAPPING_POLICIES)} without dilated "
+                             f"layers; got policy {self.policy!r}, dilated_every={self.dilated_every}")
 
     def _check_dilated(self):
         every = check_int("RolloutConfig.dilated_every", self.dilated_every, minimum=0)
@@ -134,6 +144,11 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.dilated_every=1 makes every layer dilated, which has no sink, but "
                              f"sink_frames={self.sink_frames}; use sink_frames=0 or dilated_every >= 2")
         DilatedSpec(1, self.chunk_frames, self.dilation, self.buckets)   # its own checks (buckets vs dilation)
+
+    @property
+    def bounded(self) -> bool:
+        """True when the int32 positions bound the stream (absolute RoPE); False on the wrapped clock."""
+        return self.rope == "absolute"
 
     @property
     def steps(self) -> int:
@@ -177,6 +192,9 @@ class RolloutConfig:
 # Read-only view of the init-only shorthand (the class attribute the InitVar left behind is its default, None).
 RolloutConfig.cache_dtype = property(lambda self: self.precision.cache_dtype,
                                      doc="The KV cache dtype name: ``precision.cache_dtype``.")
+# Policies whose slot of chunk n depends on n only through n mod window_chunks once past the sink (ring) or not at
+# all once full (rolling): shifting a full stream's clock by whole windows keeps every slot (`wrap_clock`).
+WRAPPING_POLICIES = frozenset({"ring", "rolling"})
 
 
 class RolloutState(NamedTuple):
@@ -235,13 +253,16 @@ def chunk_noise(key, config: WanConfig, rc: RolloutConfig, batch: int, chunk_ind
 
 
 def check_position_room(config: WanConfig, rc: RolloutConfig, num_chunks: int, cache: ChunkCache | None = None):
-    """ValueError when generating ``num_chunks`` more chunks would pass the int32 token positions.
+    """ValueError when generating ``num_chunks`` more chunks would pass the int32 token positions (absolute RoPE
+    only: with ``rope="cache-relative"`` the clock wraps (`wrap_clock`) and any number of chunks fits).
 
     A stream holds `RingSpec.max_chunks` chunks (Wan 2.1 at 480p, 4,680-token chunks: 458,864, about 95 hours of
     16 fps video); past it positions would wrap and, under jit, the writes be dropped without an error. The chunks
     already in ``cache`` count when its positions are concrete (under `jit_rollout` a passed state is traced and
     only ``num_chunks`` itself is checked; the cache's own `begin_chunk` check covers eager steps).
     """
+    if not rc.bounded:
+        return
     limit = rc.spec(config).max_chunks
     done = 0
     if cache is not None and is_concrete(cache.chunk_start):
@@ -252,15 +273,49 @@ def check_position_room(config: WanConfig, rc: RolloutConfig, num_chunks: int, c
                          f"{limit - done} more (or start a new stream)")
 
 
+def wrap_period(spec: RingSpec) -> int:
+    """Chunks the wrapped clock moves back by (`wrap_clock`): a whole number of windows, about half the int32 range,
+    so a stream's positions equal its absolute positions for its first `RingSpec.max_chunks` chunks."""
+    period = spec.window_chunks * ((spec.max_chunks // 2) // spec.window_chunks)
+    # after the shift the oldest window chunk, (max_chunks - 1) - (window_chunks - 1) - period, must stay past the sink
+    if period < spec.window_chunks or spec.max_chunks - spec.window_chunks - period < spec.sink_chunks:
+        raise ValueError(f"chunks of {spec.chunk} tokens with a {spec.window_chunks}-chunk window leave no room for "
+                         f"a wrapped clock within int32 positions")
+    return period
+
+
+def wrap_clock(cache: ChunkCache) -> ChunkCache:
+    """Moves a session's clock back by `wrap_period` chunks when its next chunk would pass the int32 positions.
+
+    For cache-relative RoPE only differences of positions matter: ranks (their order), the chunk-causal and window
+    clauses (differences of chunk starts), and the sink (positions below ``spec.sink``, never moved). Shifting every
+    non-sink position and the reserved chunk by a whole number of windows therefore changes nothing the model
+    sees, and keeps every chunk's slot (`WRAPPING_POLICIES`). A session whose reserved chunk is the last that fits
+    (``chunk_start >= (max_chunks - 1) * chunk``) is shifted; others are returned as they are. O(capacity) int32
+    work per call, no K/V touched. Call it before ``begin_chunk``.
+    """
+    spec = cache.spec
+    shift_tokens = wrap_period(spec) * spec.chunk            # <= 2**30: no overflow
+    due = cache.chunk_start >= (spec.max_chunks - 1) * spec.chunk
+    shift = jnp.where(due, shift_tokens, 0).astype(jnp.int32)
+    moved = cache.positions >= spec.sink                      # window slots (the sink and empty slots stay)
+    return cache.replace(positions=jnp.where(moved, cache.positions - shift[:, None], cache.positions),
+                         chunk_start=jnp.where(cache.chunk_start >= 0, cache.chunk_start - shift,
+                                               cache.chunk_start))
+
+
 # ------------------------------------------------------------------------------------------------ one chunk
 
 
-def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, noise):
+def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, noise, active=None):
     """Generates the next chunk of every session: (clean latents float32 [batch, chunk_frames, h, w, in_dim], state).
 
     Args:
       noise: float [steps, batch, chunk_frames, h, w, in_dim]: noise[0] is the initial x, noise[i] the eps mixed in
         before step i.
+      active: optional bool [batch]: only these rows reserve a new chunk (`jaxkv.pool`); the others must hold no
+        chunk (an empty row: its output is meaningless and it stays empty). With guidance the mask covers both
+        sessions of a row.
     """
     _check_model(config)
     batch = noise.shape[1]
@@ -282,14 +337,20 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
         t_i, sigma_i, next_sigma_i, eps = xs
         x_in = jnp.concatenate([x, x], axis=0) if guided else x
         flow, cache = M.forward_chunk(params, config, cache, state.cross, x_in, jnp.full((sessions,), t_i),
-                                      backend=rc.backend, precision=rc.precision)
+                                      rope=rc.rope, backend=rc.backend, precision=rc.precision)
         if guided:
             cond, neg = flow[:batch], flow[batch:]
             flow = neg + rc.guidance_scale * (cond - neg)
         x0 = x - sigma_i * flow
         return ((1.0 - next_sigma_i) * x0 + next_sigma_i * eps, cache), None
 
-    cache = state.cache.begin_chunk()
+    cache = state.cache if rc.bounded else wrap_clock(state.cache)
+    if active is not None:
+        active = jnp.asarray(active)
+        if active.shape != (batch,) or active.dtype != jnp.bool_:
+            raise ValueError(f"active must be bool [{batch}], got {active.dtype}{list(active.shape)}")
+        active = jnp.concatenate([active, active]) if guided else active
+    cache = cache.begin_chunk(active)
     (x, cache), _ = lax.scan(one_pass, (noise[0], cache), (t, sigma, next_sigma, next_noise))
     return x, RolloutState(cache, state.cross)
 
@@ -378,9 +439,10 @@ class Stream:
     that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
 
     The step compiles once per shape (positions and slots are traced), so an unbounded stream runs one program;
-    ``jaxkv.compilation.compile_count(stream_step)`` counts its compilations. A stream holds at most
-    `RingSpec.max_chunks` chunks (int32 positions): a larger ``num_chunks`` is a ValueError here, and an endless
-    stream raises OverflowError at that chunk instead of wrapping. ``num_chunks=None`` streams forever (with explicit
+    ``jaxkv.compilation.compile_count(stream_step)`` counts its compilations. With absolute RoPE a stream holds at
+    most `RingSpec.max_chunks` chunks (int32 positions): a larger ``num_chunks`` is a ValueError here, and an
+    endless stream raises OverflowError at that chunk instead of wrapping; with ``rope="cache-relative"`` the
+    clock wraps (`wrap_clock`) and the stream is unbounded. ``num_chunks=None`` streams forever (with explicit
     ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
     ValueError). The state after the
     latest chunk is ``stream.state`` (its cache: ``stream.state.cache``).
@@ -417,7 +479,7 @@ class Stream:
     def __next__(self) -> jax.Array:
         if self.num_chunks is not None and self.index >= self.num_chunks:
             raise StopIteration
-        if self.index >= self.rc.spec(self.config).max_chunks:  # an endless stream reaches the int32 limit
+        if self.rc.bounded and self.index >= self.rc.spec(self.config).max_chunks:  # an endless stream's int32 limit
             raise OverflowError(f"chunk {self.index} would pass the int32 position limit "
                                 f"({self.rc.spec(self.config).max_chunks} chunks to a stream); start a new Stream")
         index = jnp.asarray(self.index, jnp.int32)

@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
-from jaxkv.generate import inputs, options, outputs
+from jaxkv.generate import inputs, options, outputs, prompts
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
@@ -96,7 +97,8 @@ def _settings(args, config):
                              window_frames=args.window_frames, sink_frames=args.sink_frames, schedule=schedule,
                              guidance_scale=args.guidance_scale, policy=args.policy,
                              precision=Precision.named(args.precision),
-                             dilated_every=args.dilated_every, dilation=args.dilation, buckets=args.buckets)
+                             dilated_every=args.dilated_every, dilation=args.dilation, buckets=args.buckets,
+                             rope=args.rope)
         rc.cache_spec(config)                # validates the frame and layer settings against the model
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -119,10 +121,18 @@ def run(args, stop: Stop | None = None) -> dict:
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
     vae_config = inputs.resolve_vae(args, config)
+    entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
     sources = [p for p in (args.checkpoint, args.context, args.negative_context, args.vae, args.text_encoder,
-                           args.embeddings_cache) if p]
+                           args.embeddings_cache, args.prompt_schedule) if p]
+    sources += [e.context for e in entries or () if e.context]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
-    context, negative, text_info = inputs.contexts(args, config)     # encodes --prompt (after the cheap checks)
+    switches = {}
+    if entries is None:
+        context, negative, text_info = inputs.contexts(args, config)   # encodes --prompt (after the cheap checks)
+    else:
+        scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
+        context = scheduled[0]
+        switches = {e.chunk: jnp.asarray(c) for e, c in zip(entries[1:], scheduled[1:])}
     params = inputs.load_params(args, config)
     vae_params = None if vae_config is None else inputs.load_vae(args, vae_config)
     if stop.signum is not None:
@@ -131,6 +141,17 @@ def run(args, stop: Stop | None = None) -> dict:
     key = jax.random.key(args.seed)
     stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
                       negative_context=None if negative is None else jnp.asarray(negative))
+    if entries is not None:
+        stream = recache.SwitchableStream(stream)
+    keep_sink = getattr(args, "switch_sink", "keep") == "keep"
+
+    def advance():
+        """The next chunk, switching prompts first where the schedule says so."""
+        if stream.index in switches:
+            stream.switch(switches[stream.index], None if negative is None else jnp.asarray(negative),
+                          keep_sink=keep_sink)
+        return next(stream)
+
     out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True, sources=sources)
     sinks = [outputs.LatentsSink(out, args.format),
              PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale)]
@@ -148,7 +169,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "tokens_per_frame": rc.tokens_per_frame(config),
         "chunk_frames": rc.chunk_frames, "window_frames": rc.window_frames, "sink_frames": rc.sink_frames,
         "num_chunks": args.num_chunks, "policy": rc.policy, "cache_dtype": rc.precision.cache_dtype,
-        "dilated_every": rc.dilated_every, "dilation": rc.dilation, "buckets": rc.buckets,
+        "dilated_every": rc.dilated_every, "dilation": rc.dilation, "buckets": rc.buckets, "rope": rc.rope,
         "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
@@ -166,14 +187,16 @@ def run(args, stop: Stop | None = None) -> dict:
     try:
         if video is not None:     # inside the try: a failure here still finalises the files
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
-        with count_compiles(R.stream_step) as compiles:
+        if entries is not None:
+            summary["switch_sink"] = "keep" if keep_sink else "recompute"
+        with count_compiles(R.stream_step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
             start = time.perf_counter()
-            pending = next(stream)
+            pending = advance()
             pending = (pending, _chunk_finite(pending))
             for index in range(args.num_chunks):
                 x, finite = pending
                 if index + 1 < args.num_chunks and stop.signum is None:
-                    nxt = next(stream)      # dispatched now: the device computes it while this chunk is written
+                    nxt = advance()      # dispatched now: the device computes it while this chunk is written
                     pending = (nxt, _chunk_finite(nxt))
                 x, finite = jax.device_get((x, finite))
                 now = time.perf_counter()
@@ -217,6 +240,8 @@ def run(args, stop: Stop | None = None) -> dict:
         compile_s_estimate=float(first_s - (np.median(recent) if steady else 0.0)) if first_s is not None else None,
         compilations=compiles(),
     )
+    if entries is not None:
+        summary["switch_compilations"] = switch_compiles()
     if stop.signum is not None:
         summary["signal"] = signal.Signals(stop.signum).name
     summary = files.close(status, summary, reason)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 
 from jaxkv.cache import WINDOW_POLICIES
+from jaxkv.models.wan.model import ROPE_MODES     # "absolute", "cache-relative"
 from jaxkv.precision import PRESETS as PRECISION_PRESETS
 
 POLICIES = WINDOW_POLICIES   # the cache layer's sink + window policies (dilated layers: --dilated-every)
 PRECISIONS = tuple(PRECISION_PRESETS)   # jaxkv.precision presets: "float32", "bfloat16"
 # Flags --precision replaced (each set one dtype of what is now one policy): refused with the migration.
 REPLACED_FLAGS = ("--param-dtype", "--cache-dtype")
+SWITCH_SINK = ("keep", "recompute")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).
@@ -22,7 +24,7 @@ SEED_MAX = 2 ** 63 - 1
 
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
-                policy="ring", precision="float32", out="jaxkv_out", format="npy",
+                policy="ring", precision="float32", rope="absolute", out="jaxkv_out", format="npy",
                 preview_scale=4, preview_frames=12, fps=16, dilated_every=0)
 
 
@@ -102,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "after encoding, before the rollout")
     t.add_argument("--embeddings-cache", metavar="DIR", help="on-disk cache of prompt embeddings: a repeated "
                    "prompt is read, not encoded")
+    t.add_argument("--prompt-schedule", metavar="FILE", help="JSON list switching prompts mid-stream, e.g. "
+                   '[{"chunk": 0, "prompt": "a cat"}, {"chunk": 8, "context": "dog.npy"}]: each entry gives the '
+                   "first chunk it drives and a prompt (encoded by --text-encoder) or a context file; later "
+                   "entries switch with KV re-cache (jaxkv.recache). Not with --prompt or --context")
+    t.add_argument("--switch-sink", choices=SWITCH_SINK, default=argparse.SUPPRESS, help="at a prompt switch, "
+                   "keep the sink's K/V (default: keep; LongLive's global sink) or recompute them under the new "
+                   "prompt")
     v = p.add_argument_group("video and cache (frames are latent frames)")
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
     v.add_argument("--width", type=_positive, default=d["width"], help="latent width")
@@ -118,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dilation", type=_positive, help="dilated layers keep every D-th frame")
     v.add_argument("--buckets", type=_positive, help="frame slots of a dilated layer: it reaches dilation x buckets "
                    "frames back for the memory of buckets frames (+ one chunk of scratch)")
+    v.add_argument("--rope", choices=ROPE_MODES, default=d["rope"], help="absolute: keys rotated at their "
+                   "absolute frame (Self-Forcing); cache-relative: keys cached unrotated and rotated by their rank "
+                   "in the cache, so frame indices stay within the cache however long the stream (no int32 "
+                   "limit on --num-chunks)")
     s = p.add_argument_group("sampler")
     s.add_argument("--steps", type=_parse_steps, default=_parse_steps(d["steps"]),
                    help="denoising steps on the 1000-step grid, comma-separated")
@@ -160,7 +173,16 @@ def check(args: argparse.Namespace) -> None:
                          "embeddings, e.g. of the empty prompt); only the stand-in context has a stand-in negative")
     if args.prompt is not None and args.context:
         raise UsageError("--prompt and --context both give the text context; pass one")
-    if args.prompt is None:
+    if args.prompt_schedule and (args.prompt is not None or args.context):
+        raise UsageError(f"--prompt-schedule gives the text context; not with "
+                         f"{'--prompt' if args.prompt is not None else '--context'}")
+    if getattr(args, "switch_sink", None) is not None and not args.prompt_schedule:
+        raise UsageError("--switch-sink needs --prompt-schedule")
+    if args.prompt_schedule:
+        if args.guidance_scale is not None and args.negative_prompt is None and not args.negative_context:
+            raise UsageError("--guidance-scale with --prompt-schedule needs --negative-prompt TEXT or "
+                             "--negative-context FILE")
+    elif args.prompt is None:
         for flag, value in (("--negative-prompt", args.negative_prompt), ("--text-encoder", args.text_encoder),
                             ("--embeddings-cache", args.embeddings_cache),
                             ("--offload-text-encoder", args.offload_text_encoder or None)):

@@ -6,7 +6,9 @@ every numeric:
   CausVid), optionally with a pinned sink and a local window, all by token position.
 * `forward_chunk`: one chunk of a stream on a stacked KV cache (`jaxkv.RingCache` or `jaxkv.RollingCache` with
   ``layers=num_layers``); the chunk's keys are rotated at their absolute positions, written into the chunk's reserved
-  slot, and attention reads the whole cache in physical order with masks from stored positions.
+  slot, and attention reads the whole cache in physical order with masks from stored positions. With
+  ``rope="cache-relative"`` keys are cached unrotated and rotated at read by their rank in the cache instead
+  (`cache_relative_rope`).
 
 Blocks run under ``lax.scan`` over the stacked layer axis. In `forward_chunk` the stacked cache rides in the scan
 carry and each layer writes ``[layer, session, slot]`` with a dynamic update slice, so XLA updates it in place rather
@@ -41,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.attention import MaskSpec, attend
+from jaxkv.attention import MaskSpec, attend, rope_ranks
 from jaxkv.cache import MixedCache, MixedSpec, RingSpec, policy_class
 from jaxkv.models.wan import layers as L
 from jaxkv.models.wan.config import WanConfig
@@ -50,6 +52,18 @@ from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequenc
 from jaxkv.nn.cached import cached_attention
 from jaxkv.precision import Precision, as_precision
 from jaxkv.validate import is_concrete, is_int
+
+
+# Where a stream's RoPE positions come from: "absolute" rotates q and k at their absolute token positions before the
+# cache write (Wan 2.1 / Self-Forcing); "cache-relative" caches k unrotated and rotates q and the cached keys by
+# their rank among the cache's valid positions at every read (`cache_relative_rope`).
+ROPE_MODES = ("absolute", "cache-relative")
+
+
+def check_rope_mode(rope) -> str:
+    if not isinstance(rope, str) or rope not in ROPE_MODES:
+        raise ValueError(f"rope must be one of {list(ROPE_MODES)}, got {rope!r}")
+    return rope
 
 
 class CrossKV(NamedTuple):
@@ -237,11 +251,36 @@ def cross_kv(params, config: WanConfig, context, *, pad_context: bool = True,
 def _self_qkv(p, h, rope, config: WanConfig):
     """RMSNorm'd (over the full dim) and rotated q, k and plain v, each float32 [batch, tokens, heads, head_dim].
 
-    rope: (cos, sin) float32 [batch, tokens, head_dim // 2] from `rope_cos_sin`, computed once per forward."""
-    q = L.rms_norm(L.linear(p["q"], h), p["norm_q"]["scale"], config.eps)
-    k = L.rms_norm(L.linear(p["k"], h), p["norm_k"]["scale"], config.eps)
-    v = L.linear(p["v"], h)
-    return apply_rope(_heads(q, config), *rope), apply_rope(_heads(k, config), *rope), _heads(v, config)
+    rope: (cos, sin) float32 [batch, tokens, head_dim // 2] from `rope_cos_sin`, computed once per forward; None
+    leaves q and k unrotated (cache-relative RoPE rotates them at read)."""
+    q = _heads(L.rms_norm(L.linear(p["q"], h), p["norm_q"]["scale"], config.eps), config)
+    k = _heads(L.rms_norm(L.linear(p["k"], h), p["norm_k"]["scale"], config.eps), config)
+    v = _heads(L.linear(p["v"], h), config)
+    if rope is None:
+        return q, k, v
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
+
+
+def cache_relative_rope(q_positions, kv_positions, grid_hw: tuple[int, int], config: WanConfig):
+    """Wan's 3-D RoPE at cache-relative positions: ((cos, sin) of the queries, (cos, sin) of the cache slots).
+
+    Each valid slot is rotated as if it sat at its **rank** among the cache's valid positions (0 = the oldest token
+    held) and each query at the number of valid positions below it (its own key's rank: distance 0 to itself), via
+    `jaxkv.attention.rope_ranks` (positions only: nothing is gathered). A cache holds whole frames, so a token's
+    rank is ``frame_rank * tokens_per_frame + (index within its frame)``: fed to `rope_angles` it keeps the token's
+    (row, column) coordinates and replaces its frame index by the rank of its frame among the frames held, which is
+    below ``capacity / tokens_per_frame`` however long the stream has run. Empty slots (-1) get rank 0; they are
+    masked anyway.
+
+    Args:
+      q_positions: int32 [batch, q_tokens] absolute (or wrapped-clock) query positions, -1 for none.
+      kv_positions: int32 [batch, capacity] the cache's slot positions, -1 = empty.
+    Returns:
+      ((cos, sin) float32 [batch, q_tokens, head_dim // 2], (cos, sin) float32 [batch, capacity, head_dim // 2]).
+    """
+    q_rank, k_rank = rope_ranks(q_positions, kv_positions)
+    angles = lambda r: rope_angles(r, grid_hw, config.head_dim, config.rope_theta)
+    return rope_cos_sin(angles(q_rank)), rope_cos_sin(angles(k_rank))
 
 
 def _cross_attention(p, x, k, v, config: WanConfig, backend: str):
@@ -292,15 +331,16 @@ def _head(params, config: WanConfig, x, e, frames: int):
 
 
 def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossKV, self_attention, state,
-         backend: str, precision: Precision):
+         backend: str, precision: Precision, rotate: bool = True):
     """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
-    ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the
-    rotated float32 q, k and v [batch, tokens, heads, head_dim]; ``state`` (e.g. the stacked cache) rides in the
-    scan carry. Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
+    ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the float32
+    q, k and v [batch, tokens, heads, head_dim], rotated at ``positions`` (unrotated when ``rotate`` is False: the
+    callback rotates them, as cache-relative RoPE does); ``state`` (e.g. the stacked cache) rides in the scan carry.
+    Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
     gf, gh, gw = _check_latents(config, latents)
     b, n = positions.shape
     t = _frame_timesteps(timesteps, b, gf)
-    rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta))
+    rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta)) if rotate else None
     top = _compute_params(params, precision)
     x = L.patchify(top, config, latents)
     e, e0 = L.time_embedding(top, config, t)
@@ -456,8 +496,8 @@ def _describe_layers(cache) -> str:
     return f"k {list(cache.k.shape)}"
 
 
-def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, backend: str = "auto",
-                  precision: Precision | str = Precision()):
+def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, rope: str = "absolute",
+                  backend: str = "auto", precision: Precision | str = Precision()):
     """One chunk of a stream: the flow prediction of the cache's reserved chunk, and the cache with its K/V written.
 
     The caller reserves the chunk (``cache = cache.begin_chunk()``) once, then may call this any number of times for
@@ -471,12 +511,16 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
         matching the cache's sessions (any text_tokens >= 1: padded to text_len or not).
       latents: [batch, chunk_frames, height, width, in_dim].
       timesteps: float [batch] or [batch, chunk_frames // pt].
+      rope: "absolute" (keys rotated at their positions before the write) or "cache-relative" (keys cached
+        unrotated; q and the cached keys rotated by rank at read, `cache_relative_rope`). A cache must be used in
+        one mode throughout.
       precision: the dtype policy (`jaxkv.precision.Precision` or a preset name): params in its param_dtype, the
         cache and the cross K/V in its cache_dtype (`init_cache(..., dtype=precision.cache_dtype)`,
         `cross_kv(..., precision=precision)`).
     Returns:
       (flow float32 [batch, chunk_frames, height, width, out_dim], updated cache).
     """
+    check_rope_mode(rope)
     precision = _precision(params, precision)
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
@@ -491,26 +535,121 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     if cache.spec.chunk != n:
         raise ValueError(f"cache chunk is {cache.spec.chunk} tokens but the latents chunk has {n} "
                          f"({gf} frames x {gh}x{gw} patches)")
-    expected = [config.num_layers, b, "text_tokens", config.num_heads, config.head_dim]
-    k_shape, v_shape = tuple(cross.k.shape), tuple(cross.v.shape)
-    if (len(k_shape) != 5 or k_shape != v_shape or k_shape[2] < 1
-            or (k_shape[0], k_shape[1], k_shape[3], k_shape[4]) != (config.num_layers, b, config.num_heads,
-                                                                    config.head_dim)):
-        raise ValueError(f"cross K/V must both be [layers, batch, text_tokens, heads, head_dim] = {expected}, "
-                         f"got k {list(k_shape)}, v {list(v_shape)}")
-    for name, dtype in (("cache", cache.dtype), ("cross K", cross.k.dtype), ("cross V", cross.v.dtype)):
-        if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
-            raise ValueError(f"the {name} is {jnp.dtype(dtype).name} but the precision's cache_dtype is "
-                             f"{precision.cache_dtype}; build both with it (init_cache(..., dtype="
-                             f"precision.cache_dtype), cross_kv(..., precision=precision)) or pass that precision")
+    _check_cross(config, cross, b)
+    _check_cache_dtypes(cache, cross, precision)
     # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
     if is_concrete(cache.chunk_start) and bool(jnp.all(cache.chunk_start < 0)):
         raise ValueError("forward_chunk: no session has a reserved chunk (chunk_start < 0 for every session); call "
                          "cache = cache.begin_chunk() before the chunk's first forward")
 
-    def self_attention(q, k, v, cache, layer):
-        return cached_attention(cache, q, k, v, layer=layer, backend=backend)   # mask: cache.spec.mask()
+    if rope == "absolute":
+        def self_attention(q, k, v, cache, layer):
+            return cached_attention(cache, q, k, v, layer=layer, backend=backend)   # mask: cache.spec.mask()
+    else:
+        def self_attention(q, k, v, cache, layer):
+            dtype = cache.dtype
+            cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
+            kc, vc = cache.layer_kv(layer)
+            return _relative_attend(q, kc, vc, cache.chunk_positions(), cache.positions, cache.spec.mask(),
+                                    (gh, gw), config, backend), cache
 
     return _dit(params, config, latents, timesteps, cache.chunk_positions(), cross, self_attention, cache, backend,
-                precision)
+                precision, rotate=rope == "absolute")
+
+
+def _relative_attend(q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend):
+    """Attention of unrotated q [batch, q_tokens, heads, head_dim] to a layer's unrotated cached keys kc and values
+    vc [batch, capacity, heads, head_dim], both rotated here by cache rank (`cache_relative_rope`); q's dtype out.
+
+    The rotation happens outside `attend` (which then takes no rope), so every backend, cuDNN included, runs
+    its plain kernel: Wan's RoPE is 3-D, unlike `jaxkv.attention.CacheRope`'s 1-D rotation."""
+    dtype = kc.dtype
+    q_rope, k_rope = cache_relative_rope(q_positions, kv_positions, grid_hw, config)
+    q_rot = apply_rope(q.astype(jnp.float32), *q_rope).astype(dtype)
+    k_rot = apply_rope(kc, *k_rope)
+    out = attend(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend)
+    return out.astype(q.dtype)
+
+
+def _check_cross(config: WanConfig, cross: CrossKV, batch: int) -> None:
+    expected = [config.num_layers, batch, "text_tokens", config.num_heads, config.head_dim]
+    k_shape, v_shape = tuple(cross.k.shape), tuple(cross.v.shape)
+    if (len(k_shape) != 5 or k_shape != v_shape or k_shape[2] < 1
+            or (k_shape[0], k_shape[1], k_shape[3], k_shape[4]) != (config.num_layers, batch, config.num_heads,
+                                                                    config.head_dim)):
+        raise ValueError(f"cross K/V must both be [layers, batch, text_tokens, heads, head_dim] = {expected}, "
+                         f"got k {list(k_shape)}, v {list(v_shape)}")
+
+
+def _check_cache_dtypes(cache, cross: CrossKV, precision: Precision) -> None:
+    for name, dtype in (("cache", cache.dtype), ("cross K", cross.k.dtype), ("cross V", cross.v.dtype)):
+        if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
+            raise ValueError(f"the {name} is {jnp.dtype(dtype).name} but the precision's cache_dtype is "
+                             f"{precision.cache_dtype}; build both with it (init_cache(..., dtype="
+                             f"precision.cache_dtype), cross_kv(..., precision=precision)) or pass that precision")
+
+
+def recompute_cache(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, keep=None,
+                    rope: str = "absolute", backend: str = "auto", precision: Precision | str = Precision()):
+    """Recomputes every slot's K/V from the latents the cache's slots hold, in one forward (KV re-cache).
+
+    The slots are run as one sequence in the cache's physical order, each token at its stored position, under the
+    cache's own mask (`RingSpec.mask`: chunk-causal, the window, the sink), so every retained chunk sees exactly
+    the retained chunks a stream showed it (the block-causal training mask over what is held) and nothing is
+    gathered. Each layer's new K/V replace that layer's whole buffer (one update in the scan carry); positions and
+    the reserved chunk are unchanged.
+
+    Args:
+      cache: stacked cache [layers, batch, capacity, heads, head_dim] whose slots all hold whole chunks.
+      cross: cross K/V [layers, batch, text_tokens, heads, head_dim] of the context to recompute under.
+      latents: [batch, num_slots * chunk_frames, height, width, in_dim]: slot j's chunk at frames
+        [j * chunk_frames, (j + 1) * chunk_frames) (anything finite for empty slots: they stay invisible).
+      timesteps: float [batch] or [batch, frames], e.g. the context-pass timestep.
+      keep: optional bool [batch, capacity]: slots whose cached K/V stay as they are (and are what the others
+        attend to), e.g. the sink.
+      rope: the cache's RoPE mode (see `forward_chunk`).
+      precision: the dtype policy (see `forward_chunk`).
+    Returns:
+      the cache with recomputed K/V.
+    """
+    check_rope_mode(rope)
+    precision = _precision(params, precision)
+    if isinstance(cache, MixedCache) or not isinstance(cache.spec, RingSpec):
+        raise ValueError(f"recompute_cache rebuilds a sink + window cache (ring or rolling, a RingSpec); a "
+                         f"{type(cache).__name__} (dilated layers) is not supported")
+    latents = jnp.asarray(latents)
+    gf, gh, gw = _check_latents(config, latents)
+    b = latents.shape[0]
+    if cache.layers != config.num_layers or cache.heads != config.num_heads or cache.head_dim != config.head_dim:
+        raise ValueError(f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
+                         f"heads={config.num_heads}, head_dim={config.head_dim}], got k {list(cache.k.shape)}")
+    if cache.batch != b or gf * gh * gw != cache.spec.capacity:
+        raise ValueError(f"latents must fill the cache's slots: [batch={cache.batch}, frames, h, w, in_dim] with "
+                         f"frames * h * w / patch = capacity {cache.spec.capacity} tokens, got {list(latents.shape)} "
+                         f"({gf * gh * gw} tokens)")
+    if keep is not None:
+        keep = jnp.asarray(keep)
+        if keep.shape != cache.positions.shape or keep.dtype != jnp.bool_:
+            raise ValueError(f"keep must be bool {list(cache.positions.shape)}, got {keep.dtype}{list(keep.shape)}")
+    _check_cross(config, cross, b)
+    _check_cache_dtypes(cache, cross, precision)
+    positions, mask = cache.positions, cache.spec.mask()
+
+    def self_attention(q, k, v, cache, layer):
+        dtype = cache.dtype
+        old_k, old_v = cache.layer_kv(layer)
+        k, v = k.astype(dtype), v.astype(dtype)
+        if keep is not None:
+            sel = keep[:, :, None, None]
+            k, v = jnp.where(sel, old_k, k), jnp.where(sel, old_v, v)
+        cache = cache.replace(k=lax.dynamic_update_index_in_dim(cache.k, k, layer, 0),
+                              v=lax.dynamic_update_index_in_dim(cache.v, v, layer, 0))
+        if rope == "absolute":
+            out = attend(q.astype(dtype), k, v, positions, positions, mask=mask, backend=backend).astype(q.dtype)
+        else:
+            out = _relative_attend(q, k, v, positions, positions, mask, (gh, gw), config, backend)
+        return out, cache
+
+    return _dit(params, config, latents, timesteps, positions, cross, self_attention, cache, backend, precision,
+                rotate=rope == "absolute")[1]
 

@@ -1,0 +1,253 @@
+"""Prompt switching mid-stream with KV re-cache (LongLive's interactive switch), on jaxkv's caches.
+
+A stream's self-attention cache holds K/V computed under the prompt they were generated with. Switching the prompt
+at chunk n only in the cross-attention would leave the retained frames' K/V speaking of the old prompt; LongLive
+re-caches instead. Semantics pinned here (read from LongLive's ``_recache_after_switch`` and its causal model):
+
+1. the cross-attention K/V are recomputed from the new context (the old ones are dropped);
+2. the frames the cache retains (its sink chunks and its window) are re-run, from their **clean** latents, at the
+   **context-pass timestep** (``Schedule.context_noise``, the timestep that committed them), at their **own
+   positions**, under the **block-causal mask** of the cache (chunk-causal, the window, the sink), in one forward
+   (`jaxkv.models.wan.recompute_cache`); their new K/V replace the old in place. Positions, the clock and the
+   slots do not change, so the next chunk is generated exactly as a stream that had held these K/V would;
+3. the sink: ``keep_sink=True`` (LongLive's ``global_sink``) keeps the sink chunks' K/V as they were, and the
+   re-run window attends to those kept K/V; ``keep_sink=False`` recomputes the sink chunks under the new prompt
+   too, from their own clean latents. (One difference, as read in LongLive's code: without ``global_sink`` it
+   re-runs its last ``local_attn_size`` frames into the zeroed cache, which on a full cache fills it from the
+   first slot, so its sink slots then hold the oldest re-run frames; here the sink always holds the stream's
+   first chunks.)
+
+The clean latents come from a `LatentRing`: the last window's (and the sink's) clean chunks, a small pytree of its
+own laid out by the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % window``) and written
+with ``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk
+index (modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies
+both work (`RECACHE_POLICIES`).
+
+Costs: a switch is one forward over the cache's capacity (the window's frames at once) plus the new cross K/V,
+compiled once per shape (`jit_switch_prompt`); the step is not recompiled. The ring adds
+``(sink + window) frames x latent size`` per stream (a few MiB at 480p), tiny next to the K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from jaxkv import rollout as R
+from jaxkv.cache import ChunkCache, RingSpec
+from jaxkv.models.wan import model as M
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.validate import is_concrete
+
+EMPTY = -1
+# Policies whose slots hold whole chunks at their positions (what `recompute_cache` re-runs).
+RECACHE_POLICIES = frozenset({"ring", "rolling"})
+
+
+@struct.dataclass
+class LatentRing:
+    """The clean latents of the chunks a cache retains, one slot per chunk.
+
+    latents: float32 [batch, num_slots, chunk_frames, height, width, channels]
+    chunks:  int32 [batch, num_slots]   chunk index held by each slot, -1 when empty
+    """
+
+    latents: jax.Array
+    chunks: jax.Array
+    sink_chunks: int = struct.field(pytree_node=False)
+    window_chunks: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def init(cls, spec: RingSpec, chunk_shape) -> "LatentRing":
+        """An empty ring for chunks of ``chunk_shape`` [batch, chunk_frames, height, width, channels] and the slots
+        of ``spec`` (sink_chunks + window_chunks)."""
+        if not isinstance(spec, RingSpec):
+            raise TypeError(f"spec must be a RingSpec, got {type(spec).__name__}")
+        chunk_shape = tuple(int(d) for d in chunk_shape)
+        if len(chunk_shape) != 5 or min(chunk_shape) < 1:
+            raise ValueError(f"chunk_shape must be [batch, chunk_frames, height, width, channels], got "
+                             f"{list(chunk_shape)}")
+        batch = chunk_shape[0]
+        return cls(latents=jnp.zeros((batch, spec.num_slots, *chunk_shape[1:]), jnp.float32),
+                   chunks=jnp.full((batch, spec.num_slots), EMPTY, jnp.int32),
+                   sink_chunks=spec.sink_chunks, window_chunks=spec.window_chunks)
+
+    @property
+    def batch(self) -> int:
+        return self.chunks.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.chunks.shape[1]
+
+    def slot_of_chunk(self, chunk_index):
+        """int32 [...]: the slot of chunk ``chunk_index`` (the `jaxkv.RingCache` rule)."""
+        s, w = self.sink_chunks, self.window_chunks
+        return jnp.where(chunk_index < s, chunk_index, s + jnp.mod(chunk_index - s, w)).astype(jnp.int32)
+
+    def push(self, latents, chunk_index) -> "LatentRing":
+        """Stores each row's clean chunk ``latents`` [batch, chunk_frames, h, w, c] as chunk ``chunk_index`` int32
+        [batch] (traced); rows with a negative index are left untouched. O(chunk) per row."""
+        latents = jnp.asarray(latents)
+        if tuple(latents.shape) != (self.batch, *self.latents.shape[2:]):
+            raise ValueError(f"push: latents must be [batch, chunk_frames, h, w, c] = "
+                             f"{[self.batch, *self.latents.shape[2:]]}, got {list(latents.shape)}")
+        chunk_index = jnp.asarray(chunk_index)
+        if chunk_index.shape != (self.batch,) or not jnp.issubdtype(chunk_index.dtype, jnp.integer):
+            raise ValueError(f"push: chunk_index must be int [{self.batch}], got "
+                             f"{chunk_index.dtype}{list(chunk_index.shape)}")
+        chunk_index = chunk_index.astype(jnp.int32)
+        slots = self.slot_of_chunk(jnp.maximum(chunk_index, 0))
+        lat, chunks = self.latents, self.chunks
+        for b in range(self.batch):
+            old = lax.dynamic_index_in_dim(lat[b], slots[b], 0, keepdims=False)
+            row = jnp.where(chunk_index[b] >= 0, latents[b].astype(jnp.float32), old)
+            lat = lax.dynamic_update_slice(lat, row[None, None], (b, slots[b], 0, 0, 0, 0))
+            old_c = lax.dynamic_index_in_dim(chunks[b], slots[b], 0, keepdims=True)
+            chunks = lax.dynamic_update_slice(chunks, jnp.where(chunk_index[b] >= 0, chunk_index[b:b + 1], old_c)[None],
+                                              (b, slots[b]))
+        return self.replace(latents=lat, chunks=chunks)
+
+    def for_cache(self, cache: ChunkCache, period: int | None = None):
+        """The latents of what ``cache``'s slots hold, in the cache's physical slot order.
+
+        Args:
+          cache: a cache whose first ``batch`` sessions hold this ring's streams (with guidance the negative rows
+            that follow share their positions); its slots must hold whole chunks.
+          period: chunks by which the cache's clock may have wrapped (`jaxkv.rollout.wrap_period`), None for none.
+        Returns:
+          (latents float32 [batch, num_slots * chunk_frames, h, w, c], found bool [batch, num_slots]: a cache slot
+          holding a chunk that this ring holds; False for empty slots and for chunks the ring lacks).
+        """
+        spec = cache.spec
+        if spec.num_slots != self.num_slots or cache.batch < self.batch:
+            raise ValueError(f"the ring has {self.num_slots} slots for {self.batch} rows; the cache has "
+                             f"{spec.num_slots} slots for {cache.batch} sessions")
+        first = cache.positions[:self.batch, ::spec.chunk]                       # [batch, num_slots]
+        wanted = jnp.where(first >= 0, first // spec.chunk, EMPTY)
+        ring_slot = self.slot_of_chunk(jnp.maximum(wanted, 0))
+        held = jnp.take_along_axis(self.chunks, ring_slot, axis=1)
+        diff = held - wanted
+        same = diff == 0 if period is None else jnp.mod(diff, period) == 0
+        found = (wanted >= 0) & (held >= 0) & same
+        lat = jnp.take_along_axis(self.latents, ring_slot[:, :, None, None, None, None], axis=1)
+        lat = jnp.where(found[:, :, None, None, None, None], lat, 0.0)
+        b, n, f = lat.shape[:3]
+        return lat.reshape(b, n * f, *lat.shape[3:]), found
+
+
+def _period(rc: R.RolloutConfig, spec: RingSpec) -> int | None:
+    return None if rc.bounded else R.wrap_period(spec)
+
+
+def check_ring(config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ring: LatentRing) -> None:
+    """ValueError (eager, concrete arrays) when the cache holds a chunk whose clean latents the ring lacks: a
+    re-cache would otherwise run those slots on zeros. Traced arguments are not checked."""
+    if not (is_concrete(state.cache.positions) and is_concrete(ring.chunks)):
+        return
+    spec = state.cache.spec
+    _, found = ring.for_cache(state.cache, _period(rc, spec))
+    held = np.asarray(state.cache.positions[:ring.batch, ::spec.chunk]) >= 0
+    missing = held & ~np.asarray(found)
+    if missing.any():
+        row, slot = np.argwhere(missing)[0]
+        chunk = int(state.cache.positions[row, slot * spec.chunk]) // spec.chunk
+        raise ValueError(f"the latent ring lacks chunk {chunk} (row {row}) that the cache holds: push every "
+                         f"chunk's clean latents (LatentRing.push) to re-cache after a prompt switch")
+
+
+def switch_prompt(params, config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ring: LatentRing, context,
+                  negative_context=None, *, keep_sink: bool = True) -> R.RolloutState:
+    """The state under a new prompt: new cross-attention K/V and the retained frames re-cached (module docstring).
+
+    Call it between chunks (after chunk n - 1 is committed, before chunk n). Pure; `jit_switch_prompt` compiles it
+    once per shape.
+
+    Args:
+      state: the stream's state; its cache's sessions are the ring's rows (twice as many with guidance).
+      ring: the clean latents of the retained chunks (`LatentRing`, pushed after every chunk).
+      context: [batch, text_tokens, text_dim]; negative_context: same, iff rc.guidance_scale is set.
+      keep_sink: keep the sink chunks' K/V (True, LongLive's global sink) or recompute them too (False).
+    Returns:
+      the new RolloutState (same cache layout, positions and clock).
+    """
+    R._check_model(config)
+    if rc.policy not in RECACHE_POLICIES:
+        raise ValueError(f"prompt switching re-runs slots that hold whole chunks: policies "
+                         f"{sorted(RECACHE_POLICIES)}, got {rc.policy!r}")
+    if not isinstance(keep_sink, bool):
+        raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
+    sessions = R._check_context(config, rc, context, negative_context)
+    cache = state.cache
+    if sessions.shape[0] != cache.batch:
+        raise ValueError(f"the new context has {sessions.shape[0]} sessions but the state has {cache.batch}")
+    guided = rc.guidance_scale is not None
+    if ring.batch * (2 if guided else 1) != cache.batch:
+        raise ValueError(f"the ring has {ring.batch} rows but the state has {cache.batch} sessions"
+                         f"{' (guidance doubles them)' if guided else ''}")
+    cross = M.cross_kv(params, config, sessions, precision=rc.precision)
+    latents, _ = ring.for_cache(cache, _period(rc, cache.spec))
+    if guided:
+        latents = jnp.concatenate([latents, latents], axis=0)
+    keep = ((cache.positions >= 0) & (cache.positions < cache.spec.sink)) if keep_sink else None
+    t = jnp.full((cache.batch,), rc.schedule.context_noise, jnp.float32)
+    cache = M.recompute_cache(params, config, cache, cross, latents, t, keep=keep, rope=rc.rope, backend=rc.backend,
+                              precision=rc.precision)
+    return R.RolloutState(cache, cross)
+
+
+jit_switch_prompt = jax.jit(switch_prompt, static_argnums=(1, 2), static_argnames=("keep_sink",),
+                            donate_argnames=("state",))
+jit_switch_prompt.__doc__ = "`switch_prompt` under jax.jit (config, rc, keep_sink static; the state donated)."
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _push(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing:
+    """Pushes a finished chunk: the cache's reserved chunk (``chunk_start`` int32 [sessions]) is ``latents``."""
+    index = jnp.where(chunk_start < 0, EMPTY, chunk_start // chunk)
+    return ring.push(latents, index[:ring.batch])
+
+
+class SwitchableStream:
+    """A `jaxkv.rollout.Stream` that can switch prompts between chunks: it keeps the `LatentRing` of the clean
+    chunks it yields and re-caches on `switch`. Iterating yields each chunk's clean latents float32
+    [batch, chunk_frames, h, w, in_dim], as the wrapped stream does (its step is the same compiled program).
+    """
+
+    def __init__(self, stream: R.Stream):
+        self.stream = stream
+        batch = stream.state.cache.batch // (2 if stream.rc.guidance_scale is not None else 1)
+        self.ring = LatentRing.init(stream.rc.spec(stream.config), stream.rc.chunk_shape(stream.config, batch))
+
+    @property
+    def index(self) -> int:
+        """Chunks yielded so far (the next chunk's index)."""
+        return self.stream.index
+
+    @property
+    def state(self) -> R.RolloutState:
+        return self.stream.state
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        return self
+
+    def __next__(self) -> jax.Array:
+        x = next(self.stream)
+        cache = self.stream.state.cache
+        self.ring = _push(self.ring, x, cache.chunk_start, cache.spec.chunk)
+        return x
+
+    def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
+        """Switches to a new context [batch, text_tokens, text_dim] before the next chunk (re-caching the
+        retained frames). Checks everything first; the stream's state is only replaced once the switch has run."""
+        s = self.stream
+        check_ring(s.config, s.rc, s.state, self.ring)
+        s.state = jit_switch_prompt(s.params, s.config, s.rc, s.state, self.ring, jnp.asarray(context),
+                                    None if negative_context is None else jnp.asarray(negative_context),
+                                    keep_sink=keep_sink)
