@@ -185,7 +185,7 @@ def test_manifest_and_files(tmp_path):
     manifest = json.loads(open(os.path.join(path, S.MANIFEST)).read())
     assert manifest["format"] == S.FORMAT and manifest["next_chunk"] == 2 and manifest["key_impl"] == "threefry2x32"
     assert manifest["metadata"] == {"note": "x"} and S.read_metadata(path) == {"note": "x"}
-    assert manifest["tensors"]["cache.positions"] == {"dtype": "int32", "shape": [1, RC.spec(CFG).capacity]}
+    assert manifest["tensors"]["cache/positions"] == {"dtype": "int32", "shape": [1, RC.spec(CFG).capacity]}
     # the key round-trips as a typed key that draws the same noise
     loaded = S.load(path, CFG, RC)
     assert jnp.array_equal(jax.random.key_data(loaded.key), jax.random.key_data(KEY))
@@ -194,15 +194,15 @@ def test_manifest_and_files(tmp_path):
 def test_extras_round_trip(tmp_path):
     st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
     _chunks(st)
-    extras = {"vae_decoder": {"caches": {"conv_in": jnp.arange(6, dtype=jnp.bfloat16).reshape(1, 2, 3)},
+    extras = {"vae_decoder": {"caches": {"mid.res0.conv1": jnp.arange(6, dtype=jnp.bfloat16).reshape(1, 2, 3)},
                               "first": jnp.asarray(False)}, "ring": jnp.ones((2, 3), jnp.float32)}
     S.save(str(tmp_path / "s"), st.session(extras=extras))
     loaded = S.load(str(tmp_path / "s"), CFG, RC)
     assert jax.tree.structure(loaded.extras) == jax.tree.structure(extras)
     assert _bits(loaded.extras) == _bits(extras)
-    assert loaded.extras["vae_decoder"]["caches"]["conv_in"].dtype == jnp.bfloat16
-    with pytest.raises(S.SessionError, match="without '.'"):
-        st.session(extras={"a.b": jnp.ones(1)})
+    assert loaded.extras["vae_decoder"]["caches"]["mid.res0.conv1"].dtype == jnp.bfloat16
+    with pytest.raises(S.SessionError, match="without '/'"):
+        st.session(extras={"a/b": jnp.ones(1)})
 
 
 def test_save_is_atomic_and_never_overwrites_silently(tmp_path, monkeypatch):
