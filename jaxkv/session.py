@@ -247,7 +247,7 @@ def _flat_extras(extras: dict, prefix: str = "extras") -> dict[str, Any]:
         elif value is None:
             continue
         else:
-            out[f"{prefix}.{name}"] = value
+            out[f"{prefix}/{name}"] = value
     return out
 
 
