@@ -33,7 +33,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv import rollout as R
 from jaxkv import session as S

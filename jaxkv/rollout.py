@@ -325,7 +325,9 @@ class Stream:
     stream raises OverflowError at that chunk instead of wrapping. ``num_chunks=None`` streams forever (with explicit
     ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
     ValueError). The state after the
-    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``).
+    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``); ``stream.index`` is the stream index of the
+    next chunk. `Stream.from_session` continues a saved `jaxkv.session.Session` (``num_chunks`` then counts the
+    continuation's chunks); ``stream.session()`` takes one.
     """
 
     def __init__(self, params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks: int | None = None,

@@ -60,8 +60,8 @@ import numpy as np
 from flax import struct
 
 from jaxkv import files
-from jaxkv.cache import POLICIES, ChunkCache, RingCache, RingSpec, RollingCache
-from jaxkv.cache.dilated import DilatedCache, DilatedSpec
+from jaxkv.cache import POLICIES, ChunkCache, RingCache, RollingCache
+from jaxkv.cache.dilated import DilatedCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.rollout import RolloutConfig, RolloutState, check_position_room, jit_rollout
@@ -73,9 +73,8 @@ MANIFEST = "session.json"
 ARRAYS = "arrays.safetensors"
 VAE_DECODER = "vae_decoder"     # the extras entry of the VAE decoder's feature caches (`vae_extra`)
 
-# The cache classes (and their spec classes) a session file may hold, by name.
+# The cache classes a session may hold, by name (`load` rebuilds the one its settings name, with their spec).
 CACHE_CLASSES: dict[str, type[ChunkCache]] = {c.__name__: c for c in (RingCache, RollingCache, DilatedCache)}
-SPEC_CLASSES = {c.__name__: c for c in (RingSpec, DilatedSpec)}
 _CACHE_FIELDS = ("k", "v", "positions", "chunk_start")
 
 
