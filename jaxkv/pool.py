@@ -61,8 +61,7 @@ def init_pool(params, config: WanConfig, rc: R.RolloutConfig, rows: int) -> Pool
         raise ValueError(f"a pool runs sink + window caches; RolloutConfig.dilated_every={rc.dilated_every} "
                          f"(dilated layers) is not supported by jaxkv.pool yet")
     sessions = rows * (2 if rc.guidance_scale is not None else 1)
-    cache = M.init_cache(config, rc.spec(config), sessions, policy=rc.policy,
-                         dtype=jnp.dtype(rc.precision.cache_dtype))
+    cache = R.empty_cache(config, rc, sessions)
     one = jax.eval_shape(lambda p: M.cross_kv(p, config, jnp.zeros((1, 1, config.text_dim), jnp.float32),
                                               precision=rc.precision), params)
     shape = (config.num_layers, sessions, *one.k.shape[2:])

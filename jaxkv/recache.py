@@ -234,6 +234,13 @@ class SwitchableStream:
     def state(self) -> R.RolloutState:
         return self.stream.state
 
+    def __getattr__(self, name):
+        # everything else (start, session(), rc, ...) is the wrapped stream's; a saved session does not include
+        # the latent ring, so a resumed stream re-fills it before its first switch can re-cache every chunk
+        if name == "stream":
+            raise AttributeError(name)
+        return getattr(self.stream, name)
+
     def __iter__(self) -> Iterator[jax.Array]:
         return self
 

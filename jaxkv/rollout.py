@@ -241,10 +241,15 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     _check_model(config)
     sessions = _check_context(config, rc, context, negative_context)
     cross = M.cross_kv(params, config, sessions, precision=rc.precision)
+    return RolloutState(empty_cache(config, rc, sessions.shape[0]), cross)
+
+
+def empty_cache(config: WanConfig, rc: RolloutConfig, sessions: int):
+    """The empty stacked cache of ``sessions`` sessions that a rollout under ``rc`` holds: ring / rolling layers, all
+    dilated (dilated_every=1) or a `MixedCache`, in the precision's cache dtype."""
     policy = "dilated" if rc.dilated_every == 1 else rc.policy
-    cache = M.init_cache(config, rc.cache_spec(config), sessions.shape[0], policy=policy,
-                         dtype=jnp.dtype(rc.precision.cache_dtype))
-    return RolloutState(cache, cross)
+    return M.init_cache(config, rc.cache_spec(config), sessions, policy=policy,
+                        dtype=jnp.dtype(rc.precision.cache_dtype))
 
 
 def chunk_noise(key, config: WanConfig, rc: RolloutConfig, batch: int, chunk_index):
@@ -369,7 +374,8 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
 
     Args:
       params: Wan params; config: its WanConfig; rc: RolloutConfig.
-      context: [batch, text_tokens, text_dim]; negative_context: same, iff rc.guidance_scale is set.
+      context: [batch, text_tokens, text_dim]; negative_context: same, iff rc.guidance_scale is set. May be None
+        when continuing a ``state`` (its cross-attention K/V are the context's).
       num_chunks: chunks to generate (any number: the cache wraps).
       key: PRNG key for the noise (chunk n uses ``fold_in(key, first_chunk + n)``), or
       noise: explicit noise [num_chunks, steps, batch, chunk_frames, h, w, in_dim].
@@ -380,7 +386,10 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
       Rollout(latents [batch, num_chunks * chunk_frames, h, w, in_dim], final state).
     """
     num_chunks = check_int("num_chunks", num_chunks, minimum=1)
-    batch = jnp.shape(context)[0]
+    if context is None and state is None:
+        raise ValueError("rollout needs a context (or a state to continue, which holds the cross-attention K/V)")
+    batch = (jnp.shape(context)[0] if context is not None
+             else state.cache.batch // (2 if rc.guidance_scale is not None else 1))
     if (key is None) == (noise is None):
         raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
     if isinstance(first_chunk, (bool, np.bool_)):
@@ -445,7 +454,9 @@ class Stream:
     clock wraps (`wrap_clock`) and the stream is unbounded. ``num_chunks=None`` streams forever (with explicit
     ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
     ValueError). The state after the
-    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``).
+    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``); ``stream.index`` is the stream index of the
+    next chunk. `Stream.from_session` continues a saved `jaxkv.session.Session` (``num_chunks`` then counts the
+    continuation's chunks); ``stream.session()`` takes one.
     """
 
     def __init__(self, params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks: int | None = None,
@@ -471,13 +482,63 @@ class Stream:
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
         self.state = _init_state_jit(params, config, rc, context, negative_context)
-        self.index = 0
+        self.index = self.start = 0     # chunk index of the next chunk / of this Stream's first one
+
+    @classmethod
+    def from_session(cls, params, config: WanConfig, rc: RolloutConfig, session, *, num_chunks: int | None = None,
+                     noise=None) -> "Stream":
+        """A stream that continues ``session`` (`jaxkv.session.Session`, e.g. `jaxkv.session.load`ed): its chunks
+        are those an uninterrupted stream yields from chunk ``session.next_chunk`` on, bit for bit.
+
+        ``num_chunks`` counts the chunks of this continuation (None: endless); ``noise`` [chunks, steps, batch, ...]
+        is this continuation's explicit noise (required iff the session has no key). The session is **consumed**:
+        its buffers are donated to the first step; continue from ``session.fork()`` to keep it.
+        SessionError when the session's settings differ from (config, rc)."""
+        from jaxkv import session as S
+
+        if not isinstance(session, S.Session):
+            raise TypeError(f"from_session needs a jaxkv.session.Session, got {type(session).__name__}")
+        session.check(config, rc)
+        if session.on_host:
+            raise S.SessionError("the session's caches are offloaded; jaxkv.session.reload() it first")
+        if (session.key is None) == (noise is None):
+            raise ValueError("a session with a noise key continues from its key (pass no noise=); one without "
+                             "(made from explicit noise) needs noise=")
+        if num_chunks is not None and not (is_int(num_chunks) and num_chunks > 0):
+            raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
+        batch = session.sessions // (2 if rc.guidance_scale is not None else 1)
+        if noise is not None:
+            noise = jnp.asarray(noise)
+            if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
+                raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
+                                 f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got "
+                                 f"{list(noise.shape)}")
+            num_chunks = noise.shape[0] if num_chunks is None else num_chunks
+            if num_chunks > noise.shape[0]:
+                raise ValueError(f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks")
+        if num_chunks is not None:
+            check_position_room(config, rc, int(num_chunks), session.cache)
+        self = cls.__new__(cls)
+        self.params, self.config, self.rc = params, config, rc
+        self.key, self.noise, self.num_chunks = session.key, noise, num_chunks
+        self.state = session.state
+        self.index = self.start = int(session.next_chunk)
+        return self
+
+    def session(self, *, copy: bool = True, extras: dict | None = None):
+        """The stream's state before its next chunk as a `jaxkv.session.Session` (with ``extras``, e.g. the VAE
+        decoder's). ``copy`` (default): in buffers of its own, valid whatever the stream does next; without it the
+        session shares the stream's buffers, which its next step donates (save it before stepping again)."""
+        from jaxkv import session as S
+
+        s = S.Session.create(self.config, self.rc, self.state, key=self.key, next_chunk=self.index, extras=extras)
+        return s.fork() if copy else s
 
     def __iter__(self) -> Iterator[jax.Array]:
         return self
 
     def __next__(self) -> jax.Array:
-        if self.num_chunks is not None and self.index >= self.num_chunks:
+        if self.num_chunks is not None and self.index - self.start >= self.num_chunks:
             raise StopIteration
         if self.rc.bounded and self.index >= self.rc.spec(self.config).max_chunks:  # an endless stream's int32 limit
             raise OverflowError(f"chunk {self.index} would pass the int32 position limit "
@@ -485,7 +546,7 @@ class Stream:
         index = jnp.asarray(self.index, jnp.int32)
         if self.noise is not None:
             x, self.state = stream_step(self.config, self.rc, self.params, self.state, None, None,
-                                        self.noise[self.index])
+                                        self.noise[self.index - self.start])
         else:
             x, self.state = stream_step(self.config, self.rc, self.params, self.state, self.key, index, None)
         self.index += 1

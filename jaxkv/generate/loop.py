@@ -28,7 +28,7 @@ import numpy as np
 from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
-from jaxkv.generate import inputs, options, outputs, prompts
+from jaxkv.generate import inputs, options, outputs, prompts, resume
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
@@ -117,17 +117,26 @@ def run(args, stop: Stop | None = None) -> dict:
     non-finite (the chunks before it are written and the files finished), OSError for I/O failures.
     """
     stop = stop or Stop()
+    if args.resume and args.prompt_schedule:
+        raise UsageError("--prompt-schedule cannot be combined with --resume yet (a saved session does not hold "
+                         "the clean latents a prompt switch re-caches); resume without it")
+    resumed = resume.apply_resume(args)            # --resume: the session's settings replace the flags
     options.check(args)
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
     vae_config = inputs.resolve_vae(args, config)
     entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
     sources = [p for p in (args.checkpoint, args.context, args.negative_context, args.vae, args.text_encoder,
-                           args.embeddings_cache, args.prompt_schedule) if p]
+                           args.embeddings_cache, args.prompt_schedule, args.resume) if p]
     sources += [e.context for e in entries or () if e.context]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
+    resume.check_save_state(args, sources)
+    session = None
     switches = {}
-    if entries is None:
+    if resumed is not None:      # the session holds the cross-attention K/V: no text to encode
+        session = resume.load(args, config, rc)
+        context, negative, text_info = None, None, {}
+    elif entries is None:
         context, negative, text_info = inputs.contexts(args, config)   # encodes --prompt (after the cheap checks)
     else:
         scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
@@ -138,9 +147,15 @@ def run(args, stop: Stop | None = None) -> dict:
     if stop.signum is not None:
         return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
 
-    key = jax.random.key(args.seed)
-    stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
-                      negative_context=None if negative is None else jnp.asarray(negative))
+    if session is not None:
+        try:
+            stream = R.Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
+        except ValueError as e:
+            raise UsageError(f"--resume: {e}") from None
+    else:
+        key = jax.random.key(args.seed)
+        stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
+                          negative_context=None if negative is None else jnp.asarray(negative))
     if entries is not None:
         stream = recache.SwitchableStream(stream)
     keep_sink = getattr(args, "switch_sink", "keep") == "keep"
@@ -174,6 +189,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
         "vae": None if vae_config is None else (args.vae or "tiny random (embedded default)"), **text_info,
+        "first_chunk": stream.start, "resumed_from": None if session is None else os.path.abspath(args.resume),
     }
     progress = None
     if not args.no_progress:
@@ -187,6 +203,8 @@ def run(args, stop: Stop | None = None) -> dict:
     try:
         if video is not None:     # inside the try: a failure here still finalises the files
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
+            if session is not None:
+                resume.restore_video(video, session)
         if entries is not None:
             summary["switch_sink"] = "keep" if keep_sink else "recompute"
         with count_compiles(R.stream_step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
@@ -219,11 +237,15 @@ def run(args, stop: Stop | None = None) -> dict:
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(f"{latency * 1e3:.0f} ms")
-                if stop.signum is not None:
+                # Stopped: with --save-state the chunk already dispatched is written too, so that the saved
+                # session and the written chunks end at the same chunk.
+                if stop.signum is not None and not (args.save_state and stream.index - stream.start > files.chunks):
                     break
         if stop.signum is not None and status == "complete" and files.chunks < args.num_chunks:
             status = "interrupted"
             reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
+        if args.save_state and status != "failed":
+            summary["session"] = resume.save(args, stream, video, files.chunks)
     except BaseException as e:       # KeyboardInterrupt included: finish the files, then let it propagate
         files.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary,
                     f"{type(e).__name__}: {e}")
@@ -298,6 +320,10 @@ def print_summary(s: dict) -> None:
         print(f"text         {s['prompt']!r} by {s['text_encoder']}"
               + (" (released before the rollout)" if s.get("text_encoder_released") else ""))
     print_written(s)
+    if s.get("resumed_from"):
+        print(f"resumed      {s['resumed_from']} at stream chunk {s['first_chunk']}")
+    if s.get("session"):
+        print(f"session      saved to {s['session']} (continue with --resume {s['session']})")
 
 
 def print_written(s: dict) -> None:
@@ -322,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:       # --help (0) or an argparse error (2, message already printed)
         return int(e.code or 0)
+    args.explicit_flags = options.explicit_flags(sys.argv[1:] if argv is None else argv)
     with stop_on_signals() as stop:
         try:
             summary = run(args, stop)

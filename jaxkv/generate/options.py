@@ -7,6 +7,7 @@ reported as one `UsageError` line (exit code 2).
 from __future__ import annotations
 
 import argparse
+import os
 
 from jaxkv.cache import WINDOW_POLICIES
 from jaxkv.models.wan.model import ROPE_MODES     # "absolute", "cache-relative"
@@ -157,7 +158,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "per chunk; one chunk of frames in host memory at a time, disk grows with the run")
     o.add_argument("--no-video", action="store_true", help="no mp4 (latents and preview only)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r = p.add_argument_group("session (jaxkv.session)")
+    r.add_argument("--save-state", metavar="DIR", help="after the last chunk (or when stopped by a signal) save the "
+                   "stream's session to DIR, to continue it later with --resume DIR (an existing DIR is replaced "
+                   "only with --overwrite, and only if it is a jaxkv session)")
+    r.add_argument("--resume", metavar="DIR", help="continue the session saved in DIR by --save-state for "
+                   "--num-chunks more chunks: the model, text, video, cache and sampler settings (and --seed) are "
+                   "the session's; passing one of them with another value is an error. --out gets the new chunks, "
+                   "numbered from 0 (summary.json records the stream's first_chunk)")
     return p
+
+
+# The settings a session continues under: --resume takes them from the session, and refuses other values.
+SESSION_SETTINGS = ("checkpoint", "preset", "precision", "weights_seed", "context", "negative_context",
+                    "guidance_scale", "prompt", "negative_prompt", "text_encoder", "height", "width", "chunk_frames",
+                    "window_frames", "sink_frames", "batch", "policy", "dilated_every", "dilation", "buckets",
+                    "rope", "steps", "shift", "context_noise", "seed", "vae", "no_video")
+
+
+def explicit_flags(argv: list[str]) -> set[str]:
+    """The destinations of the flags ``argv`` actually passes (not left at their defaults)."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -206,6 +234,8 @@ def check(args: argparse.Namespace) -> None:
         for flag, value in (("--vae", args.vae), ("--fps", args.fps), ("--frames", args.frames)):
             if value is not None:
                 raise UsageError(f"{flag} has no effect with --no-video")
+    if args.save_state and args.resume and os.path.abspath(args.save_state) == os.path.abspath(args.resume):
+        raise UsageError("--save-state is the --resume directory; save the continued session to another directory")
     if args.checkpoint:
         for flag, name in (("--weights-seed", "weights_seed"), ("--preset", "preset")):
             if getattr(args, name) != DEFAULTS[name]:

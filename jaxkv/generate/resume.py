@@ -1,0 +1,126 @@
+"""``jaxkv generate --save-state DIR`` / ``--resume DIR``: the generate command's side of `jaxkv.session`.
+
+A saved session records, besides the stream state, the generate settings it was made under (``metadata["generate"]``:
+every flag in `options.SESSION_SETTINGS`, paths made absolute). ``--resume`` takes those settings from the session;
+a flag passed with another value is refused with one line naming each difference (a flag passed with the same value,
+or not passed, is fine). ``--num-chunks`` then counts the chunks of the continuation.
+
+What a continuation writes: ``--out`` holds its own chunks, numbered from 0 in ``latents/`` as for any run (so
+`jaxkv.generate.load_latents` reads it alone), and ``summary.json`` records ``"first_chunk"`` (the stream index of
+its first chunk) and ``"resumed_from"``. The runs' latents concatenated in order are the uninterrupted stream's, bit
+for bit. With video, the VAE decoder's feature caches are part of the session, so the continuation's mp4 carries on
+where the previous one stopped (4 frames per latent frame, no new first frame): the mp4 files played in order are
+the uninterrupted video.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxkv import files
+from jaxkv import session as S
+from jaxkv.generate import options
+from jaxkv.generate.options import UsageError
+
+_PATHS = ("checkpoint", "context", "negative_context", "text_encoder", "vae")
+
+
+def _norm(dest: str, value):
+    if value is None:
+        return None
+    if dest in _PATHS:
+        return os.path.abspath(value)
+    if dest == "steps":
+        return [int(s) for s in value]
+    return value
+
+
+def recorded_settings(args) -> dict:
+    """The settings a session of this run continues under (JSON-able)."""
+    return {dest: _norm(dest, getattr(args, dest)) for dest in options.SESSION_SETTINGS}
+
+
+def _explicit(args) -> set[str]:
+    explicit = getattr(args, "explicit_flags", None)
+    if explicit is not None:
+        return set(explicit)
+    # Called with a parsed Namespace but no argv (e.g. from Python): whatever differs from the defaults was given.
+    defaults = vars(options.build_parser().parse_args([]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+def apply_resume(args) -> dict | None:
+    """With ``--resume DIR``: replaces the session settings of ``args`` by the session's (UsageError naming every
+    flag passed with another value, or a DIR that is no session saved by jaxkv generate); returns the manifest.
+    Without it: None. Reads only the manifest."""
+    if not args.resume:
+        return None
+    try:
+        manifest = S.read_manifest(args.resume)
+    except S.SessionError as e:
+        raise UsageError(f"--resume: {e}") from None
+    recorded = manifest.get("metadata", {}).get("generate")
+    if not isinstance(recorded, dict) or set(recorded) != set(options.SESSION_SETTINGS):
+        raise UsageError(f"--resume {args.resume} is a jaxkv session but not one saved by this jaxkv generate (its "
+                         f"recorded settings are missing or of another version); continue it from Python with "
+                         f"jaxkv.rollout.Stream.from_session")
+    explicit = _explicit(args)
+    conflicts = []
+    for dest in options.SESSION_SETTINGS:
+        saved, now = recorded[dest], _norm(dest, getattr(args, dest))
+        if dest in explicit and now != saved:
+            conflicts.append(f"{options.flag_name(dest)} {now!r} (the session's: {saved!r})")
+        setattr(args, dest, tuple(saved) if dest == "steps" else saved)
+    if conflicts:
+        raise UsageError(f"--resume {args.resume} continues under the session's own settings, but "
+                         f"{'; '.join(conflicts)}; drop these flags (or pass the session's values)")
+    return manifest
+
+
+def check_save_state(args, sources) -> None:
+    """UsageError unless ``--save-state`` may be written: not an input, not inside / around ``--out`` or an input,
+    and an existing directory only with --overwrite and only if it is a jaxkv session. Touches nothing."""
+    if not args.save_state:
+        return
+    if args.dilated_every and args.dilated_every > 1:
+        raise UsageError(f"--save-state: sessions hold one cache policy per model; --dilated-every "
+                         f"{args.dilated_every} mixes dense and dilated layers (a MixedCache), which sessions do not "
+                         f"save yet")
+    try:
+        files.check_destination(args.save_state, sources=[*sources, args.out, *([args.resume] if args.resume else [])],
+                                force=args.overwrite, flag="--overwrite", replaceable=S._is_session_dir)
+    except files.DestinationError as e:
+        raise UsageError(f"--save-state: {e}; nothing was touched") from None
+
+
+def load(args, config, rc) -> S.Session:
+    """The ``--resume`` session, checked against the settings (UsageError naming any difference)."""
+    try:
+        return S.load(args.resume, config, rc)
+    except S.SessionError as e:
+        raise UsageError(f"--resume: {e}") from None
+
+
+def restore_video(video, session: S.Session) -> None:
+    """Continues the mp4 sink's decoder from the session's VAE feature caches (after its warm-up reset)."""
+    extra = session.extras.get(S.VAE_DECODER)
+    if extra is None:
+        raise UsageError("--resume: the session holds no VAE decoder state, so a video cannot continue seamlessly; "
+                         "the session was made with --no-video, pass it again")
+    state = S.vae_state(extra)
+    fresh = video.decoder.state
+    got = {k: (tuple(v.shape), v.dtype) for k, v in state.caches.items()}
+    want = {k: (tuple(v.shape), v.dtype) for k, v in fresh.caches.items()}
+    if got != want:
+        raise UsageError("--resume: the session's VAE decoder caches do not fit this VAE and video size")
+    video.decoder.state = state
+    video.decoder.first = bool(state.first)
+
+
+def save(args, stream, video, chunks_written: int) -> str:
+    """Writes the stream's session (and the VAE decoder's caches) to ``--save-state``; returns its path. The
+    stream must not step again before this returns (the session shares its buffers)."""
+    extras = {} if video is None else {S.VAE_DECODER: S.vae_extra(video.decoder.state)}
+    session = stream.session(copy=False, extras=extras)
+    return S.save(args.save_state, session, force=args.overwrite,
+                  metadata={"generate": recorded_settings(args), "chunks_written_by_this_run": chunks_written})

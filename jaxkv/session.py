@@ -1,0 +1,517 @@
+"""`Session`: everything a stream needs to continue, as one pytree; saved to disk, resumed, forked, offloaded.
+
+A session is the state of a `jaxkv.rollout.Stream` (or of the scan `rollout`) between two chunks:
+
+  cache:       the stacked self-attention cache of every layer, any policy (`RingCache`, `RollingCache`,
+               `jaxkv.cache.dilated.DilatedCache`): k, v [layers, sessions, capacity, heads, head_dim] in the cache
+               dtype; positions int32 [sessions, capacity] (the chunk clock: the absolute position of every slot,
+               -1 when empty); chunk_start int32 [sessions] (the last reserved chunk's first position).
+               ``sessions`` = batch, or 2 * batch with guidance (conditional rows first).
+  cross:       the hoisted cross-attention K/V (`jaxkv.models.wan.CrossKV`): k, v float32
+               [layers, sessions, text_tokens, heads, head_dim]. The text context itself is not needed to continue.
+  key:         the noise key (a typed PRNG key [], or a raw uint32 key), or None for a stream fed explicit noise.
+               Chunk n's noise is ``jax.random.normal(fold_in(key, n), ...)`` (`jaxkv.rollout.chunk_noise`).
+  next_chunk:  int32 []: the index of the next chunk (its noise index, and the chunks generated so far).
+  extras:      {name: nested dict of arrays}: optional parts that continue with the stream, e.g.
+               ``extras["vae_decoder"]`` (`VAE_DECODER`: the VAE decoder's streaming feature caches, see
+               `vae_extra`); part of the pytree, saved and offloaded with the rest.
+  fingerprint: (static) JSON text of the settings the state is only valid under: the model config, the sampler
+               (every `RolloutConfig` field) and the cache (class, spec, dtype, layers, heads, head_dim).
+
+On disk (`save` / `load`) a session is a directory of two files, written atomically (`jaxkv.files.atomic_directory`:
+built in a hidden temporary sibling and renamed into place when complete, so a killed save never leaves a
+directory that loads):
+
+  session.json        {"format": "jaxkv-session", "format_version": 1, "fingerprint": {...}, "cache_class",
+                      "next_chunk", "key_impl" (null: raw or no key), "has_key", "tensors": {name: {dtype,
+                      shape}}, "metadata": {...} (the caller's, e.g. the generate command's settings)}
+  arrays.safetensors  one tensor per leaf: "cache/k", "cache/v", "cache/positions", "cache/chunk_start",
+                      "cross/k", "cross/v", "key" (the key's uint32 data), "next_chunk", "extras/NAME/SUB/..."
+
+Why safetensors + a JSON manifest rather than orbax-checkpoint: the project already reads and writes safetensors
+(checkpoints, latents) and has one atomic-directory writer for every output, so a session adds no dependency and no
+second notion of "complete"; the files are plain (any safetensors reader opens them, the manifest is readable
+text) and `load` checks the settings from the manifest before reading a byte of tensor data. What orbax would add
+(asynchronous and multi-host writes of sharded arrays) a single-process stream does not need: here every array is
+fetched to the host whole, so a sharded cache is gathered on save (fine for one host, not for a multi-host pod).
+
+`load` refuses a snapshot whose model config, cache class / spec / dtype, policy or sampler settings differ from
+the ones asked for, naming every differing field; a resumed stream then produces chunks bit-identical to an
+uninterrupted one (same compiled step, same noise index, same state bits).
+
+`Session.fork` copies every buffer, so two continuations of one history can diverge: a stream donates its state
+to each step (the buffers are reused in place), and a fork's buffers are its own.
+
+`offload` / `reload` move the caches (cache, cross, extras) to host memory and back: to the device's
+``pinned_host`` memory kind where the backend has one, else to NumPy arrays; bit-identical both ways. An offload
+that fails raises `OffloadError` and leaves the device copy as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv import files
+from jaxkv.cache import POLICIES, ChunkCache, RingCache, RollingCache
+from jaxkv.cache.dilated import DilatedCache
+from jaxkv.models.wan import model as M
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.rollout import RolloutConfig, RolloutState, check_position_room, empty_cache, jit_rollout
+from jaxkv.validate import check_int, is_concrete
+
+FORMAT = "jaxkv-session"
+FORMAT_VERSION = 1
+MANIFEST = "session.json"
+ARRAYS = "arrays.safetensors"
+VAE_DECODER = "vae_decoder"     # the extras entry of the VAE decoder's feature caches (`vae_extra`)
+
+# The cache classes a session may hold, by name (`load` rebuilds the one its settings name, with their spec).
+CACHE_CLASSES: dict[str, type[ChunkCache]] = {c.__name__: c for c in (RingCache, RollingCache, DilatedCache)}
+_CACHE_FIELDS = ("k", "v", "positions", "chunk_start")
+
+
+class SessionError(ValueError):
+    """A session (or a session directory) does not match the settings it is used with, or is not a complete
+    jaxkv session."""
+
+
+class OffloadError(RuntimeError):
+    """Moving a session's caches between device and host failed; the source copy is untouched."""
+
+
+# ------------------------------------------------------------------------------------------------ fingerprint
+
+
+def _plain(value):
+    """JSON-normal form (tuples -> lists, dataclasses -> dicts), so saved and fresh settings compare equal."""
+    return json.loads(json.dumps(value, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o)
+                                 else str(o)))
+
+
+def cache_settings(cache) -> dict[str, Any]:
+    """The static description of a stacked cache (concrete or abstract): class, spec, dtype and geometry."""
+    if not isinstance(cache, ChunkCache) or type(cache).__name__ not in CACHE_CLASSES:
+        raise SessionError(f"a session holds one of {sorted(CACHE_CLASSES)}, got {type(cache).__name__}")
+    if cache.k.ndim != 5:
+        raise SessionError(f"a session holds a stacked cache k [layers, sessions, capacity, heads, head_dim], got k "
+                           f"{list(cache.k.shape)}")
+    return {"class": type(cache).__name__, "spec_class": type(cache.spec).__name__,
+            "spec": _plain(dataclasses.asdict(cache.spec)), "dtype": jnp.dtype(cache.k.dtype).name,
+            "layers": int(cache.k.shape[0]), "heads": int(cache.k.shape[-2]), "head_dim": int(cache.k.shape[-1])}
+
+
+def fingerprint(config: WanConfig, rc: RolloutConfig, cache) -> dict[str, Any]:
+    """{"model": WanConfig fields, "sampler": every RolloutConfig field, "cache": `cache_settings`}."""
+    return {"model": _plain(config.to_dict()), "sampler": _plain(dataclasses.asdict(rc)),
+            "cache": cache_settings(cache)}
+
+
+def expected_cache(config: WanConfig, rc: RolloutConfig, sessions: int):
+    """The abstract cache a stream with these settings holds (what `jaxkv.rollout.init_state` builds)."""
+    return jax.eval_shape(lambda: empty_cache(config, rc, sessions))
+
+
+def differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
+    """Every leaf where two fingerprints differ, as "path: saved X, now Y" lines."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        out = []
+        for k in sorted(set(saved) | set(now)):
+            name = f"{prefix}.{k}" if prefix else str(k)
+            if k not in saved:
+                out.append(f"{name}: absent in the snapshot, now {now[k]!r}")
+            elif k not in now:
+                out.append(f"{name}: saved {saved[k]!r}, absent now")
+            else:
+                out.extend(differences(saved[k], now[k], name))
+        return out
+    return [] if saved == now else [f"{prefix}: saved {saved!r}, now {now!r}"]
+
+
+_WHAT = {"model": "model config", "sampler": "sampler settings (RolloutConfig)", "cache": "cache"}
+
+
+def _refuse(where: str, saved: dict, now: dict) -> None:
+    diff = differences(saved, now)
+    if diff:
+        parts = sorted({_WHAT.get(d.split(".", 1)[0].split(":", 1)[0], d.split(".", 1)[0]) for d in diff})
+        raise SessionError(f"{where} was made under a different {' and '.join(parts)}: " + "; ".join(diff))
+
+
+# ------------------------------------------------------------------------------------------------ the pytree
+
+
+@struct.dataclass
+class Session:
+    """One stream's resumable state (fields: see the module docstring). A pytree: jit, tree_map and device_put
+    apply to its arrays; ``fingerprint`` is static."""
+
+    cache: ChunkCache
+    cross: M.CrossKV
+    key: Any
+    next_chunk: jax.Array
+    extras: dict = struct.field(default_factory=dict)
+    fingerprint: str = struct.field(pytree_node=False, default="")
+
+    @classmethod
+    def create(cls, config: WanConfig, rc: RolloutConfig, state: RolloutState, *, key, next_chunk,
+               extras: dict | None = None) -> "Session":
+        """A session of ``state`` (`jaxkv.rollout.RolloutState`) before chunk ``next_chunk`` (int >= 0 or int32 [])
+        of a stream whose noise comes from ``key`` (None: explicit noise). The arrays are used as they are (not
+        copied): `fork` for an independent copy."""
+        if not isinstance(state, RolloutState):
+            raise SessionError(f"state must be a jaxkv.rollout.RolloutState, got {type(state).__name__}")
+        nxt = jnp.asarray(next_chunk)
+        if nxt.shape != () or not jnp.issubdtype(nxt.dtype, jnp.integer):
+            raise SessionError(f"next_chunk must be an int or an int scalar, got {nxt.dtype}{list(nxt.shape)}")
+        if is_concrete(nxt) and int(nxt) < 0:
+            raise SessionError(f"next_chunk must be >= 0, got {int(nxt)}")
+        extras = dict(extras or {})
+        _flat_extras(extras)      # checks the names
+        text = json.dumps(fingerprint(config, rc, state.cache), sort_keys=True)
+        return cls(state.cache, state.cross, key, nxt.astype(jnp.int32), extras, text)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The fingerprint as a dict."""
+        return json.loads(self.fingerprint)
+
+    @property
+    def state(self) -> RolloutState:
+        """The `jaxkv.rollout.RolloutState` (cache, cross) that `generate_chunk` / `rollout(state=...)` continue."""
+        return RolloutState(self.cache, self.cross)
+
+    @property
+    def sessions(self) -> int:
+        """Cache rows: batch, or 2 * batch with guidance."""
+        return int(self.cache.positions.shape[0])
+
+    def check(self, config: WanConfig, rc: RolloutConfig, *, cache_like=None, where: str = "the session") -> None:
+        """SessionError naming every difference between this session's settings and (config, rc, cache): the
+        cache is ``cache_like`` (a cache or an abstract one), else the one ``rc`` builds for a ring / rolling
+        session, else the session's own (a custom cache such as a DilatedCache)."""
+        if cache_like is None:
+            # A policy cache is what rc builds; any other (e.g. a DilatedCache) is checked against its own class,
+            # spec and dtype as recorded.
+            cache_like = (expected_cache(config, rc, self.sessions) if type(self.cache) in POLICIES.values()
+                          else self.cache)
+        _refuse(where, self.settings, fingerprint(config, rc, cache_like))
+
+    def fork(self) -> "Session":
+        """An independent copy: every array in a new buffer (a stream that donates one fork's buffers leaves the
+        others valid)."""
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), self)
+
+    @property
+    def on_host(self) -> bool:
+        """True when the caches were moved off the device by `offload`."""
+        return _offloaded(jax.tree.leaves((self.cache, self.cross, self.extras)))
+
+
+# ------------------------------------------------------------------------------------------------ VAE extra
+
+
+def vae_extra(state) -> dict:
+    """`jaxkv.models.wan_vae.decoder.DecoderState` -> the ``extras[VAE_DECODER]`` entry {"caches": {...},
+    "first": bool []}."""
+    return {"caches": dict(state.caches), "first": state.first}
+
+
+def vae_state(extra: dict):
+    """The ``extras[VAE_DECODER]`` entry -> a `DecoderState` for `decode_chunk`."""
+    from jaxkv.models.wan_vae.decoder import DecoderState
+
+    return DecoderState(dict(extra["caches"]), extra["first"])
+
+
+# ------------------------------------------------------------------------------------------------ save / load
+
+
+def _flat_extras(extras: dict, prefix: str = "extras") -> dict[str, Any]:
+    """{"extras/a/b": leaf} of nested dicts (keys: non-empty strings without '/')."""
+    out = {}
+    for name, value in extras.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise SessionError(f"extras keys must be non-empty strings without '/', got {name!r} under {prefix}")
+        if isinstance(value, dict):
+            out.update(_flat_extras(value, f"{prefix}/{name}"))
+        elif value is None:
+            continue
+        else:
+            out[f"{prefix}/{name}"] = value
+    return out
+
+
+def _nest_extras(flat: dict[str, Any]) -> dict:
+    root: dict = {}
+    for name, value in flat.items():
+        parts = name.split("/")[1:]
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return root
+
+
+def _is_typed_key(key) -> bool:
+    return key is not None and jnp.issubdtype(jnp.asarray(key).dtype if not hasattr(key, "dtype") else key.dtype,
+                                              jax.dtypes.prng_key)
+
+
+def _tensors(session: Session) -> tuple[dict[str, Any], str | None]:
+    """The session's leaves by file name (device arrays), and the key's impl name (None for a raw key)."""
+    out = {f"cache/{f}": getattr(session.cache, f) for f in _CACHE_FIELDS}
+    out["cross/k"], out["cross/v"] = session.cross.k, session.cross.v
+    impl = None
+    if session.key is not None:
+        if _is_typed_key(session.key):
+            impl = str(jax.random.key_impl(session.key))
+            out["key"] = jax.random.key_data(session.key)
+        else:
+            out["key"] = session.key
+    out["next_chunk"] = session.next_chunk
+    out.update(_flat_extras(session.extras))
+    return out, impl
+
+
+def _is_session_dir(path: str) -> str | None:
+    return files.directory_problem(path, required=(MANIFEST, ARRAYS), formats=(FORMAT,), marker_file=MANIFEST)
+
+
+def save(path: str, session: Session, *, force: bool = False, metadata: dict | None = None) -> str:
+    """Writes ``session`` to the directory ``path`` (atomically: complete or absent); returns its absolute path.
+
+    ``metadata``: JSON-able dict stored in the manifest (`read_metadata`), e.g. the settings of the command that
+    made it. An existing ``path`` is refused unless ``force``, and then replaced only if it is a session directory.
+    The session stays usable (its arrays are read, not donated)."""
+    from safetensors.numpy import save_file
+
+    if not isinstance(session, Session):
+        raise SessionError(f"save needs a jaxkv.session.Session, got {type(session).__name__}")
+    if not session.fingerprint:
+        raise SessionError("the session has no fingerprint; build it with Session.create")
+    if session.on_host:
+        raise SessionError("the session's caches are offloaded; reload() them before saving")
+    named, impl = _tensors(session)
+    meta = _plain(metadata or {})
+    host = {name: np.array(jax.device_get(x), order="C") for name, x in named.items()}   # (0-d stays 0-d)
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": session.settings,
+                "cache_class": type(session.cache).__name__, "next_chunk": int(host["next_chunk"]),
+                "has_key": session.key is not None, "key_impl": impl,
+                "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape)} for n, a in host.items()},
+                "metadata": meta}
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and not force:
+        raise SessionError(f"{path} already exists; pass force=True to replace a previous session there")
+    with files.atomic_directory(path, replace=_is_session_dir if force else None) as tmp:
+        save_file(host, os.path.join(tmp, ARRAYS), metadata={"format": FORMAT})
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+            f.write("\n")
+    return path
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of the session directory ``path`` (checked: format marker, version, both files present)."""
+    problem = _is_session_dir(path)
+    if problem is not None:
+        raise SessionError(f"{path} is not a complete jaxkv session: {problem}")
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise SessionError(f"{os.path.join(path, MANIFEST)} has format_version {manifest.get('format_version')!r}; "
+                           f"this jaxkv reads version {FORMAT_VERSION}")
+    return manifest
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """The ``metadata`` a session was saved with."""
+    return read_manifest(path).get("metadata", {})
+
+
+def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) -> Session:
+    """The session saved at ``path``, on the default device, after checking it belongs to (config, rc).
+
+    Args:
+      config, rc: the settings the session will continue under. The snapshot's fingerprint must equal theirs
+        (model config, every RolloutConfig field, the cache class / spec / dtype), else SessionError naming every
+        differing field, before any tensor data is read.
+      cache_like: for a cache ``rc`` does not build (e.g. a `DilatedCache`): a cache of the expected class and
+        spec (concrete or `jax.eval_shape`'d); its session count is not compared.
+    Raises SessionError for a directory that is not a complete session, mismatched settings, or tensors whose
+    names, dtypes or shapes do not match the manifest and the settings.
+    """
+    from safetensors import safe_open
+
+    manifest = read_manifest(path)
+    saved = manifest["fingerprint"]
+    tensors = manifest["tensors"]
+    try:
+        sessions = int(tensors["cache/positions"]["shape"][0])
+    except (KeyError, IndexError, TypeError):
+        raise SessionError(f"{path}/{MANIFEST} lists no cache/positions tensor") from None
+    cache = cache_like if cache_like is not None else expected_cache(config, rc, sessions)
+    _refuse(f"the session at {path}", saved, fingerprint(config, rc, cache))
+    want = jax.eval_shape(lambda: type(cache).init(cache.spec, sessions, config.num_heads, config.head_dim,
+                                                   dtype=jnp.dtype(cache.k.dtype), layers=config.num_layers))
+    expect = {f"cache/{f}": getattr(want, f) for f in _CACHE_FIELDS}
+    arrays: dict[str, np.ndarray] = {}
+    file = os.path.join(path, ARRAYS)
+    try:
+        with safe_open(file, framework="numpy") as f:
+            stored = set(f.keys())
+            if stored != set(tensors):
+                raise SessionError(f"{file} holds tensors {sorted(stored ^ set(tensors))} that the manifest does "
+                                   f"not list (or lacks ones it does)")
+            for name in sorted(stored):
+                arrays[name] = f.get_tensor(name)
+    except SessionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for truncated / corrupt files
+        raise SessionError(f"{file} is truncated or corrupt ({type(e).__name__}: {e})") from None
+    for name, a in arrays.items():
+        listed = tensors[name]
+        if a.dtype.name != listed["dtype"] or list(a.shape) != listed["shape"]:
+            raise SessionError(f"{file}: tensor {name} is {a.dtype.name}{list(a.shape)}, the manifest says "
+                               f"{listed['dtype']}{listed['shape']}")
+        if name in expect and (tuple(a.shape) != tuple(expect[name].shape) or a.dtype != expect[name].dtype):
+            raise SessionError(f"{file}: tensor {name} is {a.dtype.name}{list(a.shape)}, the settings need "
+                               f"{jnp.dtype(expect[name].dtype).name}{list(expect[name].shape)}")
+    cross_shape = (config.num_layers, sessions, None, config.num_heads, config.head_dim)
+    for name in ("cross/k", "cross/v"):
+        s = arrays[name].shape
+        if len(s) != 5 or any(w is not None and w != g for w, g in zip(cross_shape, s)) or s[2] < 1:
+            raise SessionError(f"{file}: tensor {name} is {list(s)}, the settings need [layers={config.num_layers}, "
+                               f"sessions={sessions}, text_tokens, heads={config.num_heads}, "
+                               f"head_dim={config.head_dim}]")
+    nxt = arrays["next_chunk"]
+    if nxt.shape != () or nxt.dtype != np.int32 or int(nxt) < 0:
+        raise SessionError(f"{file}: next_chunk must be a non-negative int32 scalar, got {nxt.dtype}{list(nxt.shape)}")
+    dev = {n: jnp.asarray(a) for n, a in arrays.items()}
+    cache_obj = type(cache)(**{f: dev[f"cache/{f}"] for f in _CACHE_FIELDS}, spec=cache.spec)
+    reserved = int(jnp.max(cache_obj.next_chunk_index()))
+    if reserved != int(nxt):
+        raise SessionError(f"{file}: next_chunk is {int(nxt)} but the cache has reserved {reserved} chunks; the "
+                           f"snapshot is inconsistent")
+    key = None
+    if manifest.get("has_key"):
+        key = dev["key"]
+        if manifest.get("key_impl"):
+            key = jax.random.wrap_key_data(key, impl=manifest["key_impl"])
+    extras = _nest_extras({n: a for n, a in dev.items() if n.startswith("extras/")})
+    return Session(cache_obj, M.CrossKV(dev["cross/k"], dev["cross/v"]), key, dev["next_chunk"], extras,
+                   json.dumps(saved, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------------------------ continuing
+
+
+def advance(params, config: WanConfig, rc: RolloutConfig, session: Session, num_chunks: int):
+    """``num_chunks`` more chunks of ``session`` with the scan rollout (`jaxkv.rollout.jit_rollout`, one program
+    for any offset); returns (latents float32 [batch, num_chunks * chunk_frames, h, w, in_dim], the new session).
+    Draws the noise from the session's key as a `Stream` does. The scan and the stream step are two compiled
+    programs that may round differently (tested equal to 1e-6 on XLA:CPU), so the bit-identical guarantee of a
+    resume is for continuing in the same form (`Stream.from_session` after a `Stream`, `advance` after
+    `advance`, tested)."""
+    num_chunks = check_int("num_chunks", num_chunks, minimum=1)
+    session.check(config, rc)
+    if session.key is None:
+        raise SessionError("the session has no noise key (it came from explicit noise); use "
+                           "jaxkv.rollout.rollout(..., noise=..., state=session.state)")
+    if session.on_host:
+        raise SessionError("the session's caches are offloaded; reload() them first")
+    check_position_room(config, rc, num_chunks, session.cache)
+    out = jit_rollout(params, config, rc, None, num_chunks=num_chunks, key=session.key, state=session.state,
+                      first_chunk=session.next_chunk)
+    new = session.replace(cache=out.state.cache, cross=out.state.cross, next_chunk=session.next_chunk + num_chunks)
+    return out.latents, new
+
+
+# ------------------------------------------------------------------------------------------------ host offload
+
+
+def host_memory_kind(device=None) -> str | None:
+    """"pinned_host" when ``device`` (default: the first) has that memory kind, else None (offload to NumPy)."""
+    device = device or jax.devices()[0]
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - backends without memory kinds
+        return None
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def _offloaded(leaves) -> bool:
+    return bool(leaves) and all(isinstance(x, np.ndarray) or
+                                getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host",
+                                                                                               "unpinned_host")
+                                for x in leaves)
+
+
+def _to_host(x, kind: str | None):
+    """One array to host memory, finished (not an in-flight transfer)."""
+    if kind is None:
+        return np.array(jax.device_get(x), copy=True)
+    device = next(iter(x.devices()))
+    y = jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+    return jax.block_until_ready(y)
+
+
+def _to_device(x, device):
+    y = jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
+    return jax.block_until_ready(y)
+
+
+def _move(session: Session, move, what: str, delete: bool) -> Session:
+    parts = (session.cache, session.cross, session.extras)
+    leaves, treedef = jax.tree.flatten(parts)
+    moved = []
+    try:
+        for i, x in enumerate(leaves):
+            y = move(x)
+            if tuple(y.shape) != tuple(x.shape) or np.dtype(y.dtype) != np.dtype(x.dtype):
+                raise OffloadError(f"leaf {i} came back as {y.dtype}{list(y.shape)} instead of "
+                                   f"{x.dtype}{list(x.shape)}")
+            moved.append(y)
+    except Exception as e:  # noqa: BLE001 - any failure: keep the source, say so
+        raise OffloadError(f"{what} failed at array {len(moved)} of {len(leaves)} ({type(e).__name__}: {e}); the "
+                           f"session's arrays are where they were, untouched") from e
+    if delete:   # only now, with every copy complete: free the source buffers
+        for x in leaves:
+            if isinstance(x, jax.Array):
+                x.delete()
+    cache, cross, extras = jax.tree.unflatten(treedef, moved)
+    return session.replace(cache=cache, cross=cross, extras=extras)
+
+
+def offload(session: Session, *, memory_kind: str | None | object = "auto", delete: bool = True) -> Session:
+    """The session with its caches (cache, cross, extras) in host memory: the device's ``memory_kind``
+    ("auto": `host_memory_kind`, "pinned_host" where the backend has it) or, with None, NumPy arrays.
+
+    Every array is copied and the copies completed before anything is released; then, with ``delete``, the
+    device buffers are freed (the passed session becomes unusable, as after a donation). Any failure raises
+    OffloadError and leaves the passed session intact. The key and next_chunk stay where they are."""
+    if not isinstance(session, Session):
+        raise SessionError(f"offload needs a jaxkv.session.Session, got {type(session).__name__}")
+    if session.on_host:
+        raise SessionError("the session is already offloaded")
+    kind = host_memory_kind() if memory_kind == "auto" else memory_kind
+    if kind not in (None, "pinned_host", "unpinned_host"):
+        raise SessionError(f"memory_kind must be 'auto', 'pinned_host', 'unpinned_host' or None (NumPy), got "
+                           f"{memory_kind!r}")
+    return _move(session, lambda x: _to_host(x, kind), "offload", delete)
+
+
+def reload(session: Session, device=None) -> Session:
+    """The offloaded session's caches back on ``device`` (default: the first), bit-identical; the host copies are
+    released. OffloadError (host copy kept) on failure."""
+    if not session.on_host:
+        raise SessionError("the session is not offloaded (its caches are on the device)")
+    device = device or jax.devices()[0]
+    return _move(session, lambda x: _to_device(x, device), "reload", delete=True)

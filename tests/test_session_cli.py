@@ -1,0 +1,180 @@
+"""``jaxkv generate --save-state`` / ``--resume``: 6 chunks, save, resume for 6 more == one 12-chunk run (latents
+bit for bit; with video the decoded frames too), also when the first run is stopped by a signal and across real
+processes; conflicting flags and bad destinations are refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxkv import generate as G
+from jaxkv import session as S
+from jaxkv.generate import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--no-progress", "--no-video"]    # default settings otherwise: the programs test_generate.py compiles
+
+
+def _summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_six_saved_then_six_resumed_equal_twelve(tmp_path, capsys):
+    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "12", *FAST]) == 0
+    assert G.main(["--out", str(tmp_path / "a"), "--num-chunks", "6", "--save-state", str(tmp_path / "S"), *FAST]) == 0
+    assert "continue with --resume" in capsys.readouterr().out
+    assert _summary(tmp_path / "a")["session"] == str(tmp_path / "S")
+    assert S.read_manifest(str(tmp_path / "S"))["next_chunk"] == 6
+    # --resume takes the session's settings: only --out, --num-chunks and output flags are passed
+    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks", "6",
+                   "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resumed      {tmp_path / 'S'} at stream chunk 6" in printed
+    full, a, b = (G.load_latents(str(tmp_path / n)) for n in ("full", "a", "b"))
+    assert a.shape[1] == b.shape[1] == 18 and full.shape[1] == 36
+    assert np.concatenate([a, b], axis=1).tobytes() == full.tobytes()
+    assert not np.array_equal(a, b)
+    s = _summary(tmp_path / "b")
+    assert s["first_chunk"] == 6 and s["resumed_from"] == str(tmp_path / "S") and s["status"] == "complete"
+    assert s["compilations"] == 0          # the same program as the first run's (compiled in this process)
+    # a resumed run can be saved and resumed again
+    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b2"), "--num-chunks", "3",
+                   "--save-state", str(tmp_path / "S2"), "--no-progress"]) == 0
+    assert G.main(["--resume", str(tmp_path / "S2"), "--out", str(tmp_path / "c"), "--num-chunks", "3",
+                   "--no-progress"]) == 0
+    parts = [G.load_latents(str(tmp_path / n)) for n in ("a", "b2", "c")]
+    assert np.concatenate(parts, axis=1).tobytes() == full.tobytes()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--seed", "3"], "--seed 3 (the session's: 0)"),
+    (["--window-frames", "12"], "--window-frames 12 (the session's: 9)"),
+    (["--preset", "1.3B"], "--preset '1.3B' (the session's: 'tiny')"),
+    (["--steps", "1000,750"], "--steps [1000, 750] (the session's: [1000, 750, 500, 250])"),
+    (["--seed", "3", "--policy", "rolling"], "--policy 'rolling' (the session's: 'ring')"),
+])
+def test_resume_refuses_conflicting_flags(tmp_path, capsys, flags, named):
+    session = tmp_path / "S"
+    _tiny_session(session)
+    capsys.readouterr()
+    out = tmp_path / "b"
+    assert G.main(["--resume", str(session), "--out", str(out), "--num-chunks", "2", *FAST, *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "drop these flags" in err
+    assert not out.exists()
+    # the session's own values may be repeated
+    assert G.main(["--resume", str(session), "--out", str(out), "--num-chunks", "1", *FAST, "--seed", "0",
+                   "--window-frames", "9"]) == 0
+
+
+_MADE = {}
+
+
+def _tiny_session(path):
+    """A 2-chunk session (made once per test session, copied)."""
+    import shutil
+
+    if "dir" not in _MADE:
+        base = path.parent.parent / "tiny_session_src"
+        assert G.main(["--out", str(base / "o"), "--num-chunks", "2", "--save-state", str(base / "S"), *FAST]) == 0
+        _MADE["dir"] = base / "S"
+    shutil.copytree(_MADE["dir"], path)
+
+
+def test_bad_resume_and_save_state_destinations(tmp_path, capsys):
+    _tiny_session(tmp_path / "S")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x.txt").write_text("mine")
+    cases = [
+        (["--resume", str(tmp_path / "junk")], "not a complete jaxkv session"),
+        (["--resume", str(tmp_path / "nope")], "does not exist"),
+        (["--save-state", str(tmp_path / "junk"), "--overwrite"], "refusing to replace"),
+        (["--save-state", str(tmp_path / "S")], "already exists; pass --overwrite"),
+        (["--save-state", str(tmp_path / "o" / "S")], "--save-state"),
+        (["--resume", str(tmp_path / "S"), "--save-state", str(tmp_path / "S")], "--save-state is the --resume"),
+    ]
+    for flags, message in cases:
+        assert G.main(["--out", str(tmp_path / "o"), "--num-chunks", "1", *FAST, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert message in err, (flags, err)
+        assert not (tmp_path / "o").exists()
+    assert (tmp_path / "junk" / "x.txt").read_text() == "mine"
+    # --overwrite replaces a previous session
+    assert G.main(["--out", str(tmp_path / "o"), "--num-chunks", "1", *FAST, "--save-state", str(tmp_path / "S"),
+                   "--overwrite"]) == 0
+    assert S.read_manifest(str(tmp_path / "S"))["next_chunk"] == 1
+
+
+def test_signal_saves_the_session_at_the_last_written_chunk(tmp_path, capsys, monkeypatch):
+    """SIGINT while a chunk is computed: the run writes the chunk already dispatched, saves the session there,
+    exits 130; resuming for the remaining chunks gives the uninterrupted run's latents."""
+    real, calls = loop._chunk_finite, []
+
+    def signal_on_third(x):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(x)
+
+    monkeypatch.setattr(loop, "_chunk_finite", signal_on_third)
+    code = G.main(["--out", str(tmp_path / "a"), "--num-chunks", "8", "--save-state", str(tmp_path / "S"), *FAST])
+    monkeypatch.setattr(loop, "_chunk_finite", real)
+    assert code == 130
+    s = _summary(tmp_path / "a")
+    written = s["chunks_written"]
+    assert s["status"] == "interrupted" and 1 <= written < 8
+    assert S.read_manifest(str(tmp_path / "S"))["next_chunk"] == written
+    capsys.readouterr()
+    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks",
+                   str(8 - written), "--no-progress"]) == 0
+    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "8", *FAST]) == 0
+    joined = np.concatenate([G.load_latents(str(tmp_path / "a")), G.load_latents(str(tmp_path / "b"))], axis=1)
+    assert joined.tobytes() == G.load_latents(str(tmp_path / "full")).tobytes()
+
+
+@pytest.mark.slow   # the VAE's compile and decode: ~30 s on 2 cores
+def test_resumed_video_continues_the_decoder(tmp_path):
+    """With video, the VAE decoder's caches travel in the session: the resumed run's frames are exactly the
+    uninterrupted run's frames after the first run's (no second first frame, no seam)."""
+    media = ["--no-progress", "--frames", "npy"]
+    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "4", *media]) == 0
+    assert G.main(["--out", str(tmp_path / "a"), "--num-chunks", "2", "--save-state", str(tmp_path / "S"),
+                   *media]) == 0
+    assert S.VAE_DECODER in str(S.read_manifest(str(tmp_path / "S"))["tensors"])
+    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks", "2",
+                   "--no-progress", "--frames", "npy"]) == 0
+
+    def frames(out, n):
+        return np.concatenate([np.load(out / "frames" / f"chunk_{i:06d}.npy") for i in range(n)], axis=1)
+
+    full = frames(tmp_path / "full", 4)
+    joined = np.concatenate([frames(tmp_path / "a", 2), frames(tmp_path / "b", 2)], axis=1)
+    assert joined.shape == full.shape and full.shape[1] == 1 + 4 * (4 * 3 - 1)
+    assert joined.tobytes() == full.tobytes()
+    assert _summary(tmp_path / "b")["video_frames"] == 4 * 2 * 3
+    # --no-video on resume would drop the decoder state: refused
+    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "c"), "--num-chunks", "1",
+                   "--no-progress", "--no-video"]) == 2
+
+
+@pytest.mark.slow   # three fresh processes, each compiling the step (~15-40 s each on 2 busy cores)
+def test_resume_in_a_new_process_is_bit_identical(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def cli(*argv):
+        done = subprocess.run([sys.executable, "-m", "jaxkv.cli", "generate", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    cli("--out", "full", "--num-chunks", "6", *FAST)
+    cli("--out", "a", "--num-chunks", "3", "--save-state", "S", *FAST)
+    cli("--resume", "S", "--out", "b", "--num-chunks", "3", "--no-progress")
+    joined = np.concatenate([G.load_latents(str(tmp_path / "a")), G.load_latents(str(tmp_path / "b"))], axis=1)
+    assert joined.tobytes() == G.load_latents(str(tmp_path / "full")).tobytes()
