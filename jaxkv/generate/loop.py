@@ -25,12 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import parallel as PL
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
 from jaxkv.generate import inputs, options, outputs
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
+from jaxkv.models.checkpoint_dir import CheckpointError
 from jaxkv.schedule import Schedule
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
@@ -104,6 +106,41 @@ def _settings(args, config):
     return schedule, rc
 
 
+def _mesh(args, config, rc):
+    """The --mesh as a `jax.sharding.Mesh` (None without it); UsageError when it does not fit the devices, the
+    batch or the model."""
+    if args.mesh is None:
+        return None
+    if jax.process_count() > 1:
+        raise UsageError("--mesh: jaxkv generate writes its files from one process; a multi-process job runs "
+                         "jaxkv.parallel.MeshStream from Python (README, Scaling)")
+    try:
+        mesh = PL.make_mesh(**args.mesh)
+        PL.check_mesh(mesh, config, rc, args.batch)
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
+    return mesh
+
+
+def _mesh_params(args, config, mesh):
+    """The params on ``mesh``: a checkpoint read straight into its shards, or the random weights placed by the
+    rule table; finite, as `inputs.load_params` checks."""
+    dtype = jnp.dtype(args.param_dtype)
+    if not args.checkpoint:
+        return PL.shard_params(inputs.load_params(args, config), mesh)
+    try:
+        loaded, params = PL.load_sharded(args.checkpoint, mesh, dtype)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if loaded != config:
+        raise UsageError(f"checkpoint {args.checkpoint} changed while it was read; run again")
+    bad = inputs.nonfinite_leaves(params)
+    if bad:
+        raise UsageError(f"checkpoint {args.checkpoint} holds NaN or Inf values in {', '.join(bad)}; refusing to "
+                         f"generate from them")
+    return params
+
+
 def run(args, stop: Stop | None = None) -> dict:
     """Runs ``jaxkv generate`` for parsed arguments (`options.build_parser`); returns the summary dict (as written
     to summary.json; ``"status"`` is "complete", or "interrupted" when ``stop`` was set by a signal).
@@ -119,15 +156,21 @@ def run(args, stop: Stop | None = None) -> dict:
     sources = [p for p in (args.checkpoint, args.context, args.negative_context, args.vae, args.text_encoder,
                            args.embeddings_cache) if p]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
+    mesh = _mesh(args, config, rc)
     context, negative, text_info = inputs.contexts(args, config)     # encodes --prompt (after the cheap checks)
-    params = inputs.load_params(args, config)
+    params = inputs.load_params(args, config) if mesh is None else _mesh_params(args, config, mesh)
     vae_params = None if vae_config is None else inputs.load_vae(args, vae_config)
     if stop.signum is not None:
         return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
 
     key = jax.random.key(args.seed)
-    stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
-                      negative_context=None if negative is None else jnp.asarray(negative))
+    negative = None if negative is None else jnp.asarray(negative)
+    if mesh is None:
+        stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
+                          negative_context=negative)
+    else:
+        stream = PL.MeshStream(params, config, rc, jnp.asarray(context), mesh=mesh, num_chunks=args.num_chunks,
+                               key=key, negative_context=negative)
     out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True, sources=sources)
     sinks = [outputs.LatentsSink(out, args.format),
              PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale)]
@@ -146,6 +189,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "num_chunks": args.num_chunks, "policy": rc.policy, "cache_dtype": rc.cache_dtype,
         "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
+        "mesh": None if mesh is None else PL.mesh_sizes(mesh),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
         "vae": None if vae_config is None else (args.vae or "tiny random (embedded default)"), **text_info,
     }
@@ -161,7 +205,7 @@ def run(args, stop: Stop | None = None) -> dict:
     try:
         if video is not None:     # inside the try: a failure here still finalises the files
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
-        with count_compiles(R.stream_step) as compiles:
+        with count_compiles(stream.step) as compiles:
             start = time.perf_counter()
             pending = next(stream)
             pending = (pending, _chunk_finite(pending))
@@ -248,6 +292,8 @@ def print_summary(s: dict) -> None:
           f"batch {shape[0]}")
     print(f"cache        {s['policy']}: sink {s['sink_frames']} + window {s['window_frames']} frames, chunks of "
           f"{s['chunk_frames']}; {mib:.2f} MiB for {s['cache_sessions']} session(s)")
+    if s.get("mesh"):
+        print(f"mesh         data={s['mesh']['data']} x model={s['mesh']['model']} devices")
     print(f"sampler      steps {s['steps']} -> timesteps {s['timesteps']}"
           + (f", guidance {s['guidance_scale']}" if s["guidance_scale"] is not None else ""))
     if s["first_chunk_s"] is not None:
