@@ -59,10 +59,11 @@ def state_partition_specs(state: R.RolloutState, *, manual_only: bool = False) -
     return R.RolloutState(cache_partition_specs(state.cache, data_axis=DATA, head_axis=head), M.CrossKV(cross, cross))
 
 
-def _trimmed(spec: P) -> P:
-    """``spec`` without trailing Nones: the form jit gives its outputs, so the state that `init_state` makes and the
-    one a step returns have equal (not merely equivalent) shardings and hit one compiled program."""
-    parts = list(spec)
+def _canonical(spec: P, mesh: Mesh) -> P:
+    """``spec`` in the form jit gives its outputs (axes of size 1 dropped, no trailing Nones), so the state that
+    `init_state` makes and the one a step returns have equal (not merely equivalent) shardings and hit one
+    compiled program."""
+    parts = [None if axis is not None and mesh.shape[axis] == 1 else axis for axis in spec]
     while parts and parts[-1] is None:
         parts.pop()
     return P(*parts)
@@ -70,7 +71,7 @@ def _trimmed(spec: P) -> P:
 
 def state_shardings(state, mesh: Mesh) -> R.RolloutState:
     """`NamedSharding`s of a mesh state (arrays or ShapeDtypeStructs)."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, _trimmed(spec)), state_partition_specs(state),
+    return jax.tree.map(lambda spec: NamedSharding(mesh, _canonical(spec, mesh)), state_partition_specs(state),
                         is_leaf=lambda x: isinstance(x, P))
 
 
