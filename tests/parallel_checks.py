@@ -136,6 +136,20 @@ def check_guided():
     compare(PL.make_mesh(2, 4), rc_of(guidance=3.0), 2)
 
 
+def check_noise():
+    """Explicit noise [chunks, steps, batch, ...] instead of a key: the same chunks as one device."""
+    mesh, rc, batch = PL.make_mesh(2, 4), rc_of(), 2
+    ctx, _ = contexts(batch)
+    noise = np.random.default_rng(3).standard_normal(rc.noise_shape(CONFIG, batch, CHUNKS)).astype(np.float32)
+    want = [np.asarray(x) for x in R.Stream(PARAMS, CONFIG, rc, ctx, noise=noise)]
+    stream = PL.MeshStream(PARAMS, CONFIG, rc, ctx, mesh=mesh, noise=noise)
+    before = compile_count(stream.step)        # the step is shared with any key-driven stream of this mesh
+    got = [np.asarray(x) for x in stream]
+    assert len(got) == CHUNKS and compile_count(stream.step) - before == 1
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
 def check_hlo():
     """No collective moves a cache-sized array (no gather of the ring or the cross K/V), the donated state aliases
     the outputs, and per-device scratch grows with the window by far less than the device's cache shard (it is one
@@ -203,6 +217,33 @@ def check_errors():
             assert words in str(e), (words, str(e))
         else:
             raise AssertionError(f"accepted: expected an error about {words!r}")
+
+
+def check_generate():
+    """``jaxkv generate --mesh data=2,model=4`` (with guidance, from a checkpoint read into its shards) writes the
+    latents of the same run on one device; a mesh that does not fit is a usage error before anything is written."""
+    import json
+
+    from jaxkv.generate import load_latents
+    from jaxkv.generate.loop import main
+    from jaxkv.models.wan import checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        checkpoint.save(ckpt, CONFIG, PARAMS)
+        common = ["--checkpoint", ckpt, "--height", "4", "--width", "4", "--chunk-frames", "1", "--window-frames",
+                  "2", "--sink-frames", "1", "--num-chunks", "2", "--steps", "1000,500", "--batch", "2",
+                  "--guidance-scale", "3", "--no-video", "--no-progress"]
+        one, mesh = os.path.join(tmp, "one"), os.path.join(tmp, "mesh")
+        assert main([*common, "--out", one]) == 0
+        assert main([*common, "--out", mesh, "--mesh", "data=2,model=4"]) == 0
+        np.testing.assert_allclose(load_latents(mesh), load_latents(one), **TOL)
+        with open(os.path.join(mesh, "summary.json")) as f:
+            summary = json.load(f)
+        assert summary["mesh"] == {"data": 2, "model": 4} and summary["compilations"] == 1, summary
+        bad = os.path.join(tmp, "bad")
+        assert main([*common, "--out", bad, "--mesh", "data=4,model=2"]) == 2      # batch 2 on data=4
+        assert not os.path.exists(bad)
 
 
 if __name__ == "__main__":
