@@ -106,8 +106,8 @@ def plan() -> list[dict]:
 
 
 def print_plan(rows: list[dict]) -> None:
-    print(f"| model | GPUs | scheme | streams | weights GB | KV GB | cross K/V GB | activations GB | total GB/GPU "
-          f"| TFLOP/GPU | comm GB/GPU | compute ms | comm ms | chunk ms (overlap / none) |")
+    print("| model | GPUs | scheme | streams | weights GB | KV GB | cross K/V GB | activations GB | total GB/GPU "
+          "| TFLOP/GPU | comm GB/GPU | compute ms | comm ms | chunk ms (overlap / none) |")
     print("|" + "---|" * 14)
     for r in rows:
         print(f"| {r['model'].replace('wan2.1-t2v-', '')} | {r['gpus']} | {r['scheme']} | {r['streams']} "

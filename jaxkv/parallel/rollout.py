@@ -133,12 +133,14 @@ def mesh_step(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
         specs = state_partition_specs(state, manual_only=True)
         local = jax.shard_map(chunk, mesh=mesh, in_specs=(P(), specs, P(None, DATA)), out_specs=(P(DATA), specs),
                               axis_names=frozenset({DATA}), check_vma=False)
-        x, state = local(params, state, noise)
-        # pins the returned state to the shardings it came in with (heads on model included)
-        return (jax.lax.with_sharding_constraint(x, out_sharding),
-                jax.lax.with_sharding_constraint(state, state_shardings(state, mesh)))
+        return local(params, state, noise)
 
-    return jax.jit(step, donate_argnums=(1,))
+    # out_shardings pin the returned state to the shardings it came in with (heads on model included); they need
+    # the cache's pytree structure, which the config and rc fix (the batch does not change it)
+    cache = jax.eval_shape(lambda: M.init_cache(config, rc.spec(config), 1, policy=rc.policy,
+                                                dtype=jnp.dtype(rc.cache_dtype)))
+    shardings = state_shardings(R.RolloutState(cache, None), mesh)
+    return jax.jit(step, out_shardings=(out_sharding, shardings), donate_argnums=(1,))
 
 
 class MeshStream(R.Stream):
