@@ -127,6 +127,11 @@ def check_model_only():
     compare(PL.make_mesh(1, 4, jax.devices()[:4]), rc_of(), 1)
 
 
+def check_one_device():
+    # a 1 x 1 mesh: every sharding is equivalent, and the step must still compile once
+    compare(PL.make_mesh(1, 1, jax.devices()[:1]), rc_of(), 1)
+
+
 def check_data_only():
     compare(PL.make_mesh(2, 1, jax.devices()[:2]), rc_of(), 2)
 

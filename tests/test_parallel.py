@@ -45,7 +45,8 @@ def test_data_x_model_mesh_matches_one_device():
 
 @pytest.mark.slow
 def test_other_meshes_guidance_loading_hlo_errors():
-    run_checks("model_only", "data_only", "guided", "loading", "noise", "errors", "hlo", "generate")
+    run_checks("model_only", "one_device", "data_only", "guided", "loading", "noise", "errors", "hlo", "generate",
+               timeout=1800)
 
 
 # ------------------------------------------------------------------------------------------------ in-process
