@@ -481,7 +481,7 @@ class Stream:
             check_position_room(config, rc, int(num_chunks))
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
-        self.state = _init_state_jit(params, config, rc, context, negative_context)
+        self.state = self._init_state(context, negative_context)
         self.index = self.start = 0     # chunk index of the next chunk / of this Stream's first one
 
     @classmethod
@@ -534,6 +534,16 @@ class Stream:
         s = S.Session.create(self.config, self.rc, self.state, key=self.key, next_chunk=self.index, extras=extras)
         return s.fork() if copy else s
 
+    # The two hooks a mesh stream (`jaxkv.parallel.MeshStream`) replaces; ``step`` is the jitted step function
+    # (count its programs with `jaxkv.compilation.compile_count`).
+    step = staticmethod(stream_step)
+
+    def _init_state(self, context, negative_context) -> RolloutState:
+        return _init_state_jit(self.params, self.config, self.rc, context, negative_context)
+
+    def _run_step(self, key, index, noise):
+        return self.step(self.config, self.rc, self.params, self.state, key, index, noise)
+
     def __iter__(self) -> Iterator[jax.Array]:
         return self
 
@@ -545,9 +555,8 @@ class Stream:
                                 f"({self.rc.spec(self.config).max_chunks} chunks to a stream); start a new Stream")
         index = jnp.asarray(self.index, jnp.int32)
         if self.noise is not None:
-            x, self.state = stream_step(self.config, self.rc, self.params, self.state, None, None,
-                                        self.noise[self.index - self.start])
+            x, self.state = self._run_step(None, None, self.noise[self.index - self.start])
         else:
-            x, self.state = stream_step(self.config, self.rc, self.params, self.state, self.key, index, None)
+            x, self.state = self._run_step(self.key, index, None)
         self.index += 1
         return x

@@ -155,6 +155,66 @@ def read_array(path: str, info: TensorInfo, dtype=None, *, block_bytes: int = 16
     return out
 
 
+def _slice_bounds(index, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(start, stop) per dimension of a basic index (a tuple of step-1 slices, shorter tuples padded with ':')."""
+    index = tuple(index) if isinstance(index, tuple) else (index,)
+    if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
+        raise ValueError(f"expected a tuple of at most {len(shape)} slices, got {index!r}")
+    bounds = []
+    for s, dim in zip(index + (slice(None),) * (len(shape) - len(index)), shape):
+        start, stop, step = s.indices(dim)
+        if step != 1:
+            raise ValueError(f"slice {s!r} has step {step}; only contiguous slices are read")
+        bounds.append((start, max(start, stop)))
+    return bounds
+
+
+def read_slice(path: str, info: TensorInfo, index, dtype=None) -> np.ndarray:
+    """Reads only ``tensor[index]`` (``index``: a tuple of step-1 slices, as ``jax.make_array_from_callback``
+    passes for one shard) into a new array of ``dtype`` (None: the stored dtype).
+
+    The slice is read as its contiguous runs (the trailing dimensions it takes whole, times its extent on the
+    first one it cuts) with one positioned read each, so a process reads the bytes of its shards and no more (a
+    column-sharded ``[layers, in, out]`` kernel: ``layers * in`` runs of ``out / shards`` elements).
+    """
+    stored = DTYPES.get(info.dtype)
+    if stored is None:
+        raise FormatError(f"{path}: tensor of dtype {info.dtype} is not a floating-point weight; expected one of "
+                          f"{sorted(DTYPES)}")
+    shape = info.shape
+    bounds = _slice_bounds(index, shape)
+    out = np.empty([stop - start for start, stop in bounds], stored)
+    if out.size:
+        # the first dimension from which the slice takes everything: dims >= cut form whole rows of one run
+        cut = len(shape)
+        while cut > 0 and bounds[cut - 1] == (0, shape[cut - 1]):
+            cut -= 1
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        runs = np.zeros(1, np.int64)              # element offset of each run, in C order of the slice
+        for d in range(cut - 1):
+            runs = (runs[:, None] + np.arange(*bounds[d], dtype=np.int64) * strides[d]).reshape(-1)
+        if cut:
+            start, stop = bounds[cut - 1]
+            runs, run_len = runs + start * strides[cut - 1], (stop - start) * strides[cut - 1]
+        else:
+            run_len = out.size
+        flat = out.reshape(-1).view(np.uint8)
+        nbytes = run_len * stored.itemsize
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for n, offset in enumerate(runs.tolist()):
+                view = memoryview(flat[n * nbytes:(n + 1) * nbytes])
+                done = 0
+                while done < nbytes:
+                    got = os.preadv(fd, [view[done:]], info.start + offset * stored.itemsize + done)
+                    if not got:
+                        raise FormatError(f"{path} is truncated: tensor data ends early")
+                    done += got
+        finally:
+            os.close(fd)
+    return out if dtype is None or np.dtype(dtype) == stored else out.astype(dtype)
+
+
 class StreamWriter:
     """Writes a safetensors file whose tensors arrive one after another, each in one or more C-ordered pieces.
 

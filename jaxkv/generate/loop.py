@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import recache
+from jaxkv import parallel as PL
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
 from jaxkv.generate import inputs, options, outputs, prompts, resume
@@ -33,6 +34,7 @@ from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
 from jaxkv.precision import Precision
+from jaxkv.models.checkpoint_dir import CheckpointError
 from jaxkv.schedule import Schedule
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
@@ -109,6 +111,41 @@ def _settings(args, config):
     return schedule, rc
 
 
+def _mesh(args, config, rc):
+    """The --mesh as a `jax.sharding.Mesh` (None without it); UsageError when it does not fit the devices, the
+    batch or the model."""
+    if args.mesh is None:
+        return None
+    if jax.process_count() > 1:
+        raise UsageError("--mesh: jaxkv generate writes its files from one process; a multi-process job runs "
+                         "jaxkv.parallel.MeshStream from Python (README, Scaling)")
+    try:
+        mesh = PL.make_mesh(**args.mesh)
+        PL.check_mesh(mesh, config, rc, args.batch)
+    except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
+    return mesh
+
+
+def _mesh_params(args, config, mesh):
+    """The params on ``mesh``: a checkpoint read straight into its shards, or the random weights placed by the
+    rule table; finite, as `inputs.load_params` checks."""
+    dtype = jnp.dtype(Precision.named(args.precision).param_dtype)
+    if not args.checkpoint:
+        return PL.shard_params(inputs.load_params(args, config), mesh)
+    try:
+        loaded, params = PL.load_sharded(args.checkpoint, mesh, dtype)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if loaded != config:
+        raise UsageError(f"checkpoint {args.checkpoint} changed while it was read; run again")
+    bad = inputs.nonfinite_leaves(params)
+    if bad:
+        raise UsageError(f"checkpoint {args.checkpoint} holds NaN or Inf values in {', '.join(bad)}; refusing to "
+                         f"generate from them")
+    return params
+
+
 def run(args, stop: Stop | None = None) -> dict:
     """Runs ``jaxkv generate`` for parsed arguments (`options.build_parser`); returns the summary dict (as written
     to summary.json; ``"status"`` is "complete", or "interrupted" when ``stop`` was set by a signal).
@@ -117,6 +154,9 @@ def run(args, stop: Stop | None = None) -> dict:
     non-finite (the chunks before it are written and the files finished), OSError for I/O failures.
     """
     stop = stop or Stop()
+    if args.mesh is not None and (args.resume or args.save_state or args.prompt_schedule):
+        raise UsageError("--mesh runs a plain stream: it cannot be combined with --resume, --save-state or "
+                         "--prompt-schedule yet")
     if args.resume and args.prompt_schedule:
         raise UsageError("--prompt-schedule cannot be combined with --resume yet (a saved session does not hold "
                          "the clean latents a prompt switch re-caches); resume without it")
@@ -131,6 +171,7 @@ def run(args, stop: Stop | None = None) -> dict:
     sources += [e.context for e in entries or () if e.context]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
     resume.check_save_state(args, sources)
+    mesh = _mesh(args, config, rc)
     session = None
     switches = {}
     if resumed is not None:      # the session holds the cross-attention K/V: no text to encode
@@ -142,7 +183,7 @@ def run(args, stop: Stop | None = None) -> dict:
         scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
         context = scheduled[0]
         switches = {e.chunk: jnp.asarray(c) for e, c in zip(entries[1:], scheduled[1:])}
-    params = inputs.load_params(args, config)
+    params = inputs.load_params(args, config) if mesh is None else _mesh_params(args, config, mesh)
     vae_params = None if vae_config is None else inputs.load_vae(args, vae_config)
     if stop.signum is not None:
         return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
@@ -154,8 +195,13 @@ def run(args, stop: Stop | None = None) -> dict:
             raise UsageError(f"--resume: {e}") from None
     else:
         key = jax.random.key(args.seed)
-        stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
-                          negative_context=None if negative is None else jnp.asarray(negative))
+        negative = None if negative is None else jnp.asarray(negative)
+        if mesh is None:
+            stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
+                              negative_context=negative)
+        else:
+            stream = PL.MeshStream(params, config, rc, jnp.asarray(context), mesh=mesh, num_chunks=args.num_chunks,
+                                   key=key, negative_context=negative)
     if entries is not None:
         stream = recache.SwitchableStream(stream)
     keep_sink = getattr(args, "switch_sink", "keep") == "keep"
@@ -187,6 +233,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "dilated_every": rc.dilated_every, "dilation": rc.dilation, "buckets": rc.buckets, "rope": rc.rope,
         "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
+        "mesh": None if mesh is None else PL.mesh_sizes(mesh),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
         "vae": None if vae_config is None else (args.vae or "tiny random (embedded default)"), **text_info,
         "first_chunk": stream.start, "resumed_from": None if session is None else os.path.abspath(args.resume),
@@ -207,7 +254,7 @@ def run(args, stop: Stop | None = None) -> dict:
                 resume.restore_video(video, session)
         if entries is not None:
             summary["switch_sink"] = "keep" if keep_sink else "recompute"
-        with count_compiles(R.stream_step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
+        with count_compiles(stream.step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
             start = time.perf_counter()
             pending = advance()
             pending = (pending, _chunk_finite(pending))
@@ -300,6 +347,8 @@ def print_summary(s: dict) -> None:
           f"batch {shape[0]}")
     print(f"cache        {s['policy']}: sink {s['sink_frames']} + window {s['window_frames']} frames, chunks of "
           f"{s['chunk_frames']}; {mib:.2f} MiB for {s['cache_sessions']} session(s)")
+    if s.get("mesh"):
+        print(f"mesh         data={s['mesh']['data']} x model={s['mesh']['model']} devices")
     print(f"sampler      steps {s['steps']} -> timesteps {s['timesteps']}"
           + (f", guidance {s['guidance_scale']}" if s["guidance_scale"] is not None else ""))
     if s["first_chunk_s"] is not None:

@@ -68,6 +68,19 @@ _non_negative = _int_in(0)
 _seed = _int_in(0, SEED_MAX)
 
 
+def _mesh(text: str) -> dict[str, int]:
+    """argparse type of --mesh: 'data=2,model=4' -> {"data": 2, "model": 4}."""
+    from jaxkv.parallel.mesh import parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_mesh.__name__ = "mesh"
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
     p = argparse.ArgumentParser(
@@ -87,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "modulation, time embedding, head and RoPE stay float32")
     for flag in REPLACED_FLAGS:
         m.add_argument(flag, dest=flag[2:].replace("-", "_"), help=argparse.SUPPRESS)
+    m.add_argument("--mesh", type=_mesh, metavar="data=N,model=M",
+                   help="run on a device mesh: N data groups (sessions; divides --batch) x M-way tensor parallelism "
+                        "(heads and FFN; divides the model's heads). N*M must equal the device count. A checkpoint "
+                        "is read straight into its shards. Default: one device")
     m.add_argument("--weights-seed", type=_seed, default=d["weights_seed"],
                    help=f"seed of the random weights, 0..{SEED_MAX}")
     t = p.add_argument_group("text")

@@ -84,14 +84,19 @@ class _Shape:
         self.shape = tuple(shape)
 
 
-def load_params(path: str, validate: Callable[[dict[str, Any]], None], dtype=None) -> dict[str, Any]:
+def load_params(path: str, validate: Callable[[dict[str, Any]], None], dtype=None, *,
+                sharding_of: Callable[[str, tuple[int, ...]], Any] | None = None) -> dict[str, Any]:
     """The params tree of the checkpoint directory ``path`` as jax arrays.
 
     ``validate(tree)`` (the family's ``validate_params`` with its config) is first run on the file's header alone
     (shapes), so missing / unexpected keys and shape mismatches are reported before any data is read. Tensors are
     then read and cast to ``dtype`` (None: as stored) one at a time with plain file reads
     (`jaxkv.safetensors_io.read_array`), so peak host memory is the params in the requested dtype plus one tensor.
-    CheckpointError names a missing, truncated or corrupt params file and params that do not match the config."""
+    CheckpointError names a missing, truncated or corrupt params file and params that do not match the config.
+
+    ``sharding_of(key, shape) -> jax.sharding.Sharding`` (e.g. `jaxkv.parallel.rules`) loads each tensor straight
+    into its shards: ``jax.make_array_from_callback`` reads only the slices of this process's devices
+    (`jaxkv.safetensors_io.read_slice`), so no host or device ever holds a whole sharded tensor."""
     file = os.path.join(path, PARAMS_FILE)
     if not os.path.isfile(file):
         raise CheckpointError(f"{path} is not a complete jaxkv checkpoint: {PARAMS_FILE} is missing")
@@ -104,6 +109,11 @@ def load_params(path: str, validate: Callable[[dict[str, Any]], None], dtype=Non
             raise CheckpointError(f"{file} does not match {os.path.join(path, CONFIG_FILE)}: {e}") from None
         flat = {}
         for key, info in infos.items():
+            if sharding_of is not None:
+                flat[key] = jax.make_array_from_callback(
+                    info.shape, sharding_of(key, info.shape),
+                    lambda index, info=info: safetensors_io.read_slice(file, info, index, target))
+                continue
             array = safetensors_io.read_array(file, info, target)
             flat[key] = jax.device_put(array)
             del array  # the host copy goes as soon as the device holds it

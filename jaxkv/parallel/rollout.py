@@ -1,0 +1,186 @@
+"""The streaming rollout on a ``(data, model)`` mesh: the same `jaxkv.rollout.generate_chunk`, one compiled step.
+
+Layout:
+  * params: the rule table of `jaxkv.parallel.rules` (Megatron tensor parallel over ``model``, copies over ``data``);
+  * KV ring k, v [layers, sessions, capacity, heads, head_dim]: sessions on ``data``, heads on ``model``;
+    positions [sessions, capacity] and chunk_start [sessions] on ``data``;
+  * cross-attention K/V [layers, sessions, text_tokens, heads, head_dim]: sessions on ``data``, heads on ``model``;
+  * noise [steps, batch, ...] and the chunk latents [batch, ...]: batch on ``data``.
+
+The step is ``jit`` over a ``shard_map`` that is manual on ``data`` only: each data group runs `generate_chunk` on
+its own sessions (so a chunk write is a per-session dynamic update slice, in place, instead of the whole-shard select
+the partitioner makes of a write into a row of a batch-sharded buffer), while ``model`` stays automatic and the
+partitioner inserts the all-reduces after each o projection and FFN. The state is created sharded (`init_state`,
+under ``jit`` with ``out_shardings``), donated to every step and returned with the same shardings, so no cache is
+ever gathered (tests/test_parallel.py checks the compiled HLO).
+
+With classifier-free guidance a session's conditional and negative rows must sit in the same data group:
+`init_state` orders the state's rows shard by shard, ``[cond rows of group 0, negative rows of group 0, cond rows
+of group 1, ...]`` (on one data group that is `jaxkv.rollout`'s order). The latents come back in batch order.
+
+Noise drawn from a key is drawn for the global batch (``jax_threefry_partitionable``: the values do not depend on
+the sharding), so a mesh stream and `jaxkv.rollout.Stream` give the same chunks for the same key.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxkv import rollout as R
+from jaxkv.cache.sharding import cache_partition_specs
+from jaxkv.models.wan import model as M
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.parallel.mesh import DATA, MODEL, mesh_sizes
+from jaxkv.parallel.rules import put_global, shard_params
+
+CROSS_SPEC = P(None, DATA, None, MODEL, None)     # [layers, sessions, text_tokens, heads, head_dim]
+
+
+def session_order(batch: int, data: int, guided: bool) -> np.ndarray:
+    """int [sessions]: row i of a mesh state holds `jaxkv.rollout`'s session ``order[i]`` (identity without
+    guidance; with guidance each data group's cond rows are followed by its negative rows)."""
+    if not guided:
+        return np.arange(batch)
+    local = batch // data
+    return np.concatenate([np.concatenate([d * local + np.arange(local), batch + d * local + np.arange(local)])
+                           for d in range(data)])
+
+
+def state_partition_specs(state: R.RolloutState, *, manual_only: bool = False) -> R.RolloutState:
+    """The `PartitionSpec`s of a mesh state; ``manual_only`` drops the ``model`` axis (the specs of the
+    shard_map, which is manual on ``data`` only)."""
+    head = None if manual_only else MODEL
+    cross = P(None, DATA, None, head, None)
+    return R.RolloutState(cache_partition_specs(state.cache, data_axis=DATA, head_axis=head), M.CrossKV(cross, cross))
+
+
+def _canonical(spec: P, mesh: Mesh) -> P:
+    """``spec`` in the form jit gives its outputs (axes of size 1 dropped, no trailing Nones), so the state that
+    `init_state` makes and the one a step returns have equal (not merely equivalent) shardings and hit one
+    compiled program."""
+    parts = [None if axis is not None and mesh.shape[axis] == 1 else axis for axis in spec]
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)
+
+
+def state_shardings(state, mesh: Mesh) -> R.RolloutState:
+    """`NamedSharding`s of a mesh state (arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, _canonical(spec, mesh)), state_partition_specs(state),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def check_mesh(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, batch: int) -> dict[str, int]:
+    """The mesh sizes, after checking that batch divides over ``data`` and heads and FFN over ``model``
+    (ValueError naming the one that does not)."""
+    sizes = mesh_sizes(mesh)
+    if rc.dilated_every:
+        raise ValueError(f"dilated layers (RolloutConfig.dilated_every={rc.dilated_every}) do not run on a mesh yet: "
+                         f"their cache's partition specs are not defined")
+    if batch % sizes[DATA]:
+        raise ValueError(f"batch {batch} is not divisible by the mesh's data axis ({sizes[DATA]}): each data group "
+                         f"runs batch / data sessions")
+    for what, n in (("num_heads", config.num_heads), ("ffn_dim", config.ffn_dim)):
+        if n % sizes[MODEL]:
+            raise ValueError(f"the model's {what} ({n}) is not divisible by the mesh's model axis ({sizes[MODEL]}): "
+                             f"tensor parallelism splits whole heads and FFN columns")
+    return sizes
+
+
+def init_state(params, config: WanConfig, rc: R.RolloutConfig, mesh: Mesh, context, negative_context=None):
+    """`jaxkv.rollout.init_state` created directly in its mesh shardings (`state_shardings`), rows in
+    `session_order`. ``params`` must already be on the mesh (`jaxkv.parallel.shard_params`); context
+    [batch, text_tokens, text_dim] (and negative_context) may be host or global arrays."""
+    batch = int(np.shape(context)[0])
+    sizes = check_mesh(mesh, config, rc, batch)
+    guided = rc.guidance_scale is not None
+    order = session_order(batch, sizes[DATA], guided)
+    replicated = NamedSharding(mesh, P())
+    context = put_global(context, replicated)
+    negative_context = None if negative_context is None else put_global(negative_context, replicated)
+
+    def build(params, context, negative_context):
+        state = R.init_state(params, config, rc, context, negative_context)
+        cross = M.CrossKV(state.cross.k[:, order], state.cross.v[:, order])   # the empty cache needs no reorder
+        return R.RolloutState(state.cache, cross)
+
+    shapes = jax.eval_shape(build, params, context, negative_context)
+    return jax.jit(build, out_shardings=state_shardings(shapes, mesh))(params, context, negative_context)
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_step(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
+    """The jitted, state-donating chunk step on ``mesh``:
+    ``step(params, state, key_data, index, noise) -> (latents [batch, chunk_frames, h, w, in_dim], state)``.
+
+    key_data: uint32 raw key (``jax.random.key_data``) with index int32 [] to draw the chunk's noise, or None with
+    explicit noise float32 [steps, batch, chunk_frames, h, w, in_dim]. One program per (mesh, config, rc) and shape
+    (``jaxkv.compilation.compile_count(step)``); the returned state has the shardings of `state_shardings`.
+    """
+    noise_sharding = NamedSharding(mesh, P(None, DATA))
+    out_sharding = NamedSharding(mesh, P(DATA))
+
+    def chunk(params, state, noise):
+        return R.generate_chunk(params, config, rc, state, noise)
+
+    def step(params, state, key_data, index, noise):
+        batch = state.cache.batch // (2 if rc.guidance_scale is not None else 1)
+        if noise is None:
+            noise = R.chunk_noise(jax.random.wrap_key_data(key_data), config, rc, batch, index)
+        noise = jax.lax.with_sharding_constraint(noise.astype(jnp.float32), noise_sharding)
+        specs = state_partition_specs(state, manual_only=True)
+        local = jax.shard_map(chunk, mesh=mesh, in_specs=(P(), specs, P(None, DATA)), out_specs=(P(DATA), specs),
+                              axis_names=frozenset({DATA}), check_vma=False)
+        return local(params, state, noise)
+
+    # out_shardings pin the returned state to the shardings it came in with (heads on model included); they need
+    # the cache's pytree structure, which the config and rc fix (the batch does not change it)
+    cache = jax.eval_shape(lambda: R.empty_cache(config, rc, 1))
+    shardings = state_shardings(R.RolloutState(cache, None), mesh)
+    return jax.jit(step, out_shardings=(out_sharding, shardings), donate_argnums=(1,))
+
+
+class MeshStream(R.Stream):
+    """`jaxkv.rollout.Stream` on a mesh: the same iterator (``next()`` -> the chunk's latents float32
+    [batch, chunk_frames, h, w, in_dim], a global array sharded on ``data``; ``stream.state``), run by `mesh_step`.
+
+    ``params`` may be host/single-device arrays (placed by the rule table) or already on the mesh
+    (`jaxkv.parallel.shard_params`, `jaxkv.parallel.load_sharded`: kept as they are). In a multi-process job every
+    process constructs the same MeshStream with the same arguments; each holds only its devices' shards, and
+    `local_rows` gives a process its rows of the latents.
+    """
+
+    def __init__(self, params, config: WanConfig, rc: R.RolloutConfig, context, *, mesh: Mesh,
+                 num_chunks: int | None = None, key=None, noise=None, negative_context=None):
+        check_mesh(mesh, config, rc, int(np.shape(context)[0]))
+        self.mesh = mesh
+        self.step = mesh_step(mesh, config, rc)
+        self._replicated = NamedSharding(mesh, P())
+        super().__init__(shard_params(params, mesh), config, rc, context, num_chunks=num_chunks, key=key,
+                         noise=noise, negative_context=negative_context)
+
+    def _init_state(self, context, negative_context) -> R.RolloutState:
+        return init_state(self.params, self.config, self.rc, self.mesh, context, negative_context)
+
+    def _run_step(self, key, index, noise):
+        if noise is not None:
+            return self.step(self.params, self.state, None, None,
+                             put_global(noise, NamedSharding(self.mesh, P(None, DATA))))
+        return self.step(self.params, self.state, put_global(jax.random.key_data(key), self._replicated),
+                         put_global(index, self._replicated), None)
+
+
+def local_rows(x: jax.Array) -> tuple[slice, np.ndarray]:
+    """(rows, values) of this process's part of ``x`` sharded on its leading axis (the latents of a
+    `MeshStream`): ``values == x[rows]`` on the host. Raises ValueError if the process's shards are not one
+    contiguous block of rows."""
+    shards = sorted({(s.index[0].start or 0, s.index[0].stop or x.shape[0]): s for s in x.addressable_shards}.items())
+    start, stop = shards[0][0][0], shards[-1][0][1]
+    if any(a[0][1] != b[0][0] for a, b in zip(shards, shards[1:])):
+        raise ValueError(f"this process's rows of {list(x.shape)} are not contiguous: {[s[0] for s in shards]}")
+    return slice(start, stop), np.concatenate([np.asarray(s.data) for _, s in shards], axis=0)
