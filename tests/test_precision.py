@@ -81,22 +81,23 @@ def test_check_params_names_the_first_mismatched_leaf():
 
 
 def test_cross_kv_and_the_rollout_cache_follow_the_policy_and_mismatches_are_refused():
+    # dtypes are static: traced with eval_shape (the checks run at trace time), nothing is computed
     ctx = _context()
     for precision in (Precision.f32(), Precision.bf16(), Precision(cache_dtype="bfloat16")):
         params = _params(precision)
-        cross = wan.cross_kv(params, CFG, ctx, precision=precision)
+        cross = jax.eval_shape(lambda p, c: wan.cross_kv(p, CFG, c, precision=precision), params, ctx)
         assert cross.k.dtype == cross.v.dtype == jnp.dtype(precision.cache_dtype)
         rc = R.RolloutConfig(*HW, chunk_frames=1, window_frames=2, precision=precision)
-        state = R.init_state(params, CFG, rc, ctx)
-        assert state.cache.dtype == state.cross.k.dtype == jnp.dtype(precision.cache_dtype)
+        state = jax.eval_shape(lambda p, c: R.init_state(p, CFG, rc, c), params, ctx)
+        assert state.cache.k.dtype == state.cross.k.dtype == jnp.dtype(precision.cache_dtype)
     # bf16 params under a float32 policy, and caches of another dtype than the policy's, fail before running
     bf16 = _params(Precision.bf16())
     with pytest.raises(ValueError, match="param_dtype is float32"):
-        wan.cross_kv(bf16, CFG, ctx)
+        jax.eval_shape(lambda p, c: wan.cross_kv(p, CFG, c), bf16, ctx)
     f32 = _params(Precision.f32())
     spec = R.RolloutConfig(*HW, chunk_frames=1, window_frames=2).spec(CFG)
     cache = wan.init_cache(CFG, spec, 1, dtype=jnp.bfloat16).begin_chunk()
-    cross = wan.cross_kv(f32, CFG, ctx)
+    cross = jax.eval_shape(lambda p, c: wan.cross_kv(p, CFG, c), f32, ctx)
     x = jnp.zeros((1, 1, *HW, CFG.in_dim))
     with pytest.raises(ValueError, match="the cache is bfloat16 but the precision's cache_dtype is float32"):
         wan.forward_chunk(f32, CFG, cache, cross, x, jnp.zeros((1,)))
@@ -193,6 +194,7 @@ def test_the_bf16_policy_feeds_the_gpu_attention_kernel_bf16_queries_keys_and_va
 # ------------------------------------------------------------------------------------------------ the distance
 
 
+@pytest.mark.slow  # two rollout compilations: 92 s on the loaded 2 cores (load average 15-20)
 def test_bf16_rollout_stays_within_the_measured_distance_of_float32():
     """Four chunks of the tiny model (3-frame chunks, a 6-frame window that wraps), same weights (rounded to bf16
     for the bf16 run), context and noise. Measured with `benchmarks/precision.py --models tiny --chunks 6
