@@ -331,7 +331,7 @@ def _head(params, config: WanConfig, x, e, frames: int):
 
 
 def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossKV, self_attention, state,
-         backend: str, precision: Precision, rotate: bool = True):
+         backend: str, precision: Precision = Precision(), rotate: bool = True):
     """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
     ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the float32
     q, k and v [batch, tokens, heads, head_dim], rotated at ``positions`` (unrotated when ``rotate`` is False: the
