@@ -60,7 +60,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import files
-from jaxkv.cache import POLICIES, ChunkCache, RingCache, RollingCache
+from jaxkv.cache import ChunkCache, RingCache, RollingCache
 from jaxkv.cache.dilated import DilatedCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
@@ -200,8 +200,9 @@ class Session:
         if cache_like is None:
             # A policy cache is what rc builds; any other (e.g. a DilatedCache) is checked against its own class,
             # spec and dtype as recorded.
-            cache_like = (expected_cache(config, rc, self.sessions) if type(self.cache) in POLICIES.values()
-                          else self.cache)
+            # (rc builds the cache when it has dilated layers, or for a ring / rolling cache)
+            builds = rc.dilated_every or type(self.cache) in (RingCache, RollingCache)
+            cache_like = expected_cache(config, rc, self.sessions) if builds else self.cache
         _refuse(where, self.settings, fingerprint(config, rc, cache_like))
 
     def fork(self) -> "Session":

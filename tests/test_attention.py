@@ -170,6 +170,7 @@ BLOCKINGS = [(4, (4,)), (8, None), (3, None), (5, (4, 12))]  # (block_k, segment
 
 
 @pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.slow
 def test_blockwise_matches_dense_over_layouts_and_masks(mask):
     case = make_case(4, batch=4, written=LAYOUT_SESSIONS)
     for block_k, segments in BLOCKINGS[:2] if mask else BLOCKINGS:

@@ -99,6 +99,7 @@ def _random_ops(rng, batch, n):
 # ------------------------------------------------------------------ the contract: thousands of checked transitions
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.slow
 def test_random_sequences_match_chronological_history(layout):
     rng = np.random.default_rng(sum(layout) * 7919 + layout[2])
     for batch in (1, 3):

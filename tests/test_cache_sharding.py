@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
@@ -79,6 +81,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_cache_matches_unsharded_in_place():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)

@@ -173,6 +173,7 @@ def test_png_writer_roundtrip_and_pillow_if_present(tmp_path):
     np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "x.png").convert("RGB")), image)
 
 
+@pytest.mark.slow
 def test_checkpoint_with_different_in_and_out_channels_is_a_clear_error(tmp_path, capsys):
     import dataclasses
 

@@ -58,6 +58,7 @@ def test_default_writes_an_mp4_equal_to_the_whole_decode(tmp_path, capsys):
     assert not (out / "video.mp4").exists() and not (out / "frames").exists()
 
 
+@pytest.mark.slow
 def test_mp4_sink_streams_chunks_into_a_playable_mp4(tmp_path):
     """The sink alone (no DiT): three 1-frame chunks of 2x2 latents -> 1 + 4 * 2 frames of 16x16, equal to the
     whole-clip decode."""
@@ -76,6 +77,7 @@ def test_mp4_sink_streams_chunks_into_a_playable_mp4(tmp_path):
     assert np.abs(frames.astype(int) - whole_decode(params, config, latents)).max() <= 1
 
 
+@pytest.mark.slow
 def test_no_video_writes_latents_only(tmp_path):
     out = tmp_path / "o"
     assert G.main(["--out", str(out), "--no-video", *SMALL]) == 0

@@ -49,6 +49,7 @@ def test_nonfinite_parameters_are_refused_naming_the_leaf(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_latents_that_overflow_stop_the_run(tmp_path, capsys):
     """Finite but absurd weights (1e38) overflow in the first forward: the first chunk is NaN/Inf."""
     config = wan.preset("tiny")
@@ -65,6 +66,7 @@ def test_latents_that_overflow_stop_the_run(tmp_path, capsys):
     assert G.load_latents(str(out)).shape[1] == 0
 
 
+@pytest.mark.slow
 def test_a_later_nonfinite_chunk_keeps_the_chunks_before_it(tmp_path, capsys, monkeypatch):
     """The loop's handling of a bad chunk k > 0 (the check itself is pinned by the test above): chunks 0..k-1 are
     written and loadable, the files say why the run stopped."""

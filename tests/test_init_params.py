@@ -35,6 +35,7 @@ def _expected(name: str, shape, config) -> tuple[float, float]:
     return 0.0, config.dim ** -0.5
 
 
+@pytest.mark.slow
 def test_values_follow_the_documented_distributions():
     params = flatten(wan.init_params(CONFIG, jax.random.key(0)))
     shapes = flatten(param_shapes(CONFIG))
@@ -52,6 +53,7 @@ def test_values_follow_the_documented_distributions():
     assert not np.allclose(params["blocks.self_attn.q.kernel"], params["blocks.self_attn.k.kernel"])
 
 
+@pytest.mark.slow
 def test_dtype_determinism_and_bfloat16_is_float32_rounded():
     f32 = wan.init_params(CONFIG, jax.random.key(3))
     bf16 = wan.init_params(CONFIG, jax.random.key(3), jnp.bfloat16)
@@ -64,6 +66,7 @@ def test_dtype_determinism_and_bfloat16_is_float32_rounded():
         assert not np.array_equal(np.asarray(a), np.asarray(d))
 
 
+@pytest.mark.slow
 def test_compiled_init_needs_less_scratch_than_the_weights():
     """Under jit the whole init's temporary memory is below the bfloat16 output's size: float32 noise exists for one
     layer of one leaf at a time (a whole-tree draw needed ~4.6x the output here)."""

@@ -28,6 +28,7 @@ def _stream(model, x, cache):
 
 
 @pytest.mark.parametrize("sink_chunks, num_kv_heads", [(1, 2), (0, 4)])
+@pytest.mark.slow
 def test_streaming_encoder_equals_full_forward(sink_chunks, num_kv_heads):
     spec = jaxkv.RingSpec(chunk=3, window=6, sink=3 * sink_chunks)
     model = StreamingEncoder(features=5, dim=16, num_heads=4, num_layers=2, spec=spec, num_kv_heads=num_kv_heads,
@@ -54,6 +55,7 @@ def _layer(mask, **kw):
 
 @pytest.mark.parametrize("policy", [jaxkv.RingCache, jaxkv.RollingCache])
 @pytest.mark.parametrize("rope", ["absolute", "cache_relative"])
+@pytest.mark.slow
 def test_layer_streams_over_unstacked_cache(policy, rope):
     """One layer, one cache without a layer axis. With cache-relative RoPE, ranks equal absolute positions while
     nothing is evicted, so the streamed result still equals the full forward; both policies behave the same."""

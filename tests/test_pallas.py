@@ -42,6 +42,7 @@ def test_kernel_matches_reference_interpret(mask, permute):
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.slow
 def test_kernel_cache_relative_rope_interpret(style):
     args = _case(2, permute=True, q_heads=1, kv_heads=1, head_dim=32)  # the smallest head_dim the kernel takes
     rope = CacheRope(style=style)
@@ -49,6 +50,7 @@ def test_kernel_cache_relative_rope_interpret(style):
     np.testing.assert_allclose(got, dense_attention(*args, rope=rope, chunk=20, window=40, sink=20), atol=5e-6)
 
 
+@pytest.mark.slow
 def test_kernel_bfloat16_and_head_dim_64_interpret():
     args = _case(3, head_dim=64, dtype=jnp.bfloat16, chunk=12)
     got = pallas_attention(*args, block_sizes=SMALL, interpret=True, chunk=12, window=24, sink=12)

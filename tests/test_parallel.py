@@ -38,6 +38,7 @@ def run_checks(*names: str, timeout: int = 900) -> None:
         assert f"OK {name}" in result.stdout, out
 
 
+@pytest.mark.slow
 def test_data_x_model_mesh_matches_one_device():
     """2 x 4 mesh: latents and state equal the single-device stream, one compilation, shardings kept."""
     run_checks("data_x_model")

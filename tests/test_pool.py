@@ -37,6 +37,7 @@ def _solo(params, rc, seed, num_chunks):
                                                key=jax.random.key(100 + seed))]
 
 
+@pytest.mark.slow
 def test_pool_of_four_rows_matches_each_stream_run_alone_with_one_compilation():
     rc = _rc()
     params = wan.init_params(CFG, jax.random.key(0))

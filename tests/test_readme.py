@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv.compilation import compile_count
 
@@ -39,6 +40,7 @@ def test_cache_example_runs_and_streams_past_the_window():
     assert compile_count(step) == 1
 
 
+@pytest.mark.slow
 def test_rollout_example_runs_and_stream_equals_scan():
     block = next(b for b in _python_blocks() if "jit_rollout" in b)
     chunks = []

@@ -108,6 +108,7 @@ def _stream_then_switch(params, rc, ctx_a, ctx_b, noise, before, keep_sink):
     pytest.param("ring", False, "cache-relative", 4, marks=pytest.mark.slow),
     pytest.param("ring", True, "cache-relative", 5, marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_switch_equals_cache_free_reference_then_continues_alike(policy, keep_sink, rope, before):
     rc = _rc(policy=policy, rope=rope)
     params, ctx_a, ctx_b = _params(), _ctx(1, 2), _ctx(2, 2)

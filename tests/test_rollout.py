@@ -60,6 +60,7 @@ def reference_rollout(params, rc, context, noise, negative_context=None):
 
 
 @pytest.mark.parametrize("policy,context_noise", [("ring", 0.0), ("rolling", 37.0)])
+@pytest.mark.slow
 def test_rollout_equals_cache_free_reference_with_sink_and_wrapping_window(policy, context_noise):
     num_chunks = 5
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
@@ -217,6 +218,7 @@ def test_stream_rejects_more_chunks_than_the_noise_holds():
     assert R.Stream(params, CFG, rc, ctx, num_chunks=1, noise=noise).num_chunks == 1
 
 
+@pytest.mark.slow
 def test_rollout_rejects_a_temporal_patch_and_bad_guidance_or_context():
     cfg = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=1, in_dim=4, out_dim=4, text_dim=8, text_len=5,
                     freq_dim=16, patch_size=(2, 2, 2))

@@ -132,6 +132,7 @@ def test_mixed_stream_compiles_once_and_its_memory_does_not_grow_with_the_dilate
     np.testing.assert_allclose(np.concatenate([np.asarray(c) for c in chunks], axis=1), scan, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dilated_rollout_configuration_errors_are_clear():
     base = dict(latent_height=H, latent_width=W, chunk_frames=2, window_frames=4)
     with pytest.raises(ValueError, match="dilation is set but dilated_every is 0"):

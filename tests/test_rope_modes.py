@@ -90,6 +90,7 @@ def reference_relative_stream(params, rc, context, noise):
     return out
 
 
+@pytest.mark.slow
 def test_cache_relative_stream_equals_rerotating_a_chronological_copy():
     rc = _rc(rope="cache-relative")
     params, ctx = _params(), _ctx(1)
@@ -105,6 +106,7 @@ def test_cache_relative_stream_equals_rerotating_a_chronological_copy():
     assert float(jnp.abs(absolute[-1] - got[-1]).max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_cache_relative_keys_are_cached_unrotated():
     """The cached keys of a one-chunk stream are the layer's plain k projections: rotating them at the chunk's
     absolute positions gives the absolute-mode cache (frame 0: rank = position)."""

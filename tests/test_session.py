@@ -290,6 +290,7 @@ def test_forks_diverge_and_survive_each_others_donated_steps():
 
 
 @pytest.mark.parametrize("memory_kind", ["auto", None])
+@pytest.mark.slow
 def test_offload_and_reload_are_bit_identical(memory_kind):
     st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
     _chunks(st)

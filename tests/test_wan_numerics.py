@@ -154,6 +154,7 @@ def test_forward_matches_numpy_reference_per_frame_timesteps():
     assert _rel_err(got, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_forward_scalar_timestep_equals_broadcast_per_frame():
     params = wan.init_params(CFG, jax.random.key(2))
     latents, t, ctx = _inputs(per_frame=False)
@@ -177,6 +178,7 @@ def test_block_causal_matches_numpy_reference_with_sink_and_window():
     assert _rel_err(wan.forward(params, CFG, latents, t, ctx), want) > 1e-3
 
 
+@pytest.mark.slow
 def test_every_parameter_matters():
     """Perturbing any single leaf changes the output (nothing is dead or silently ignored)."""
     params = wan.init_params(CFG, jax.random.key(4))

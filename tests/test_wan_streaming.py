@@ -49,6 +49,7 @@ def _stream(params, latents, t, ctx, chunk_frames, window_frames, sink_frames, p
 
 @pytest.mark.parametrize("policy", ["ring", "rolling"])
 @pytest.mark.parametrize("window_frames,sink_frames", [(4, 2), (2, 0), (20, 0)])
+@pytest.mark.slow
 def test_streaming_equals_block_causal_full_sequence(policy, window_frames, sink_frames):
     params, latents, t, ctx = _setup(0, batch=2, frames=12)
     got, step = _stream(params, latents, t, ctx, 2, window_frames, sink_frames, policy, repeats=2)
@@ -60,6 +61,7 @@ def test_streaming_equals_block_causal_full_sequence(policy, window_frames, sink
     assert compile_count(step) == 1   # positions and slots are traced: one program for every chunk
 
 
+@pytest.mark.slow
 def test_first_chunk_equals_bidirectional_forward():
     params, latents, t, ctx = _setup(1, batch=1, frames=6)
     got, _ = _stream(params, latents, t, ctx, 3, 6, 0, "ring")
@@ -70,6 +72,7 @@ def test_first_chunk_equals_bidirectional_forward():
     assert float(jnp.abs(got[:, 3:] - other).max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_window_is_respected_by_streaming():
     """With a window of one chunk and no sink, a chunk's output does not depend on chunks two back."""
     params, latents, t, ctx = _setup(2, batch=1, frames=6)
@@ -121,6 +124,7 @@ def test_forward_chunk_without_begin_chunk_is_a_clear_error():
         wan.forward_chunk(params, CFG, cache, cross, latents, t)
 
 
+@pytest.mark.slow
 def test_forward_chunk_takes_unpadded_cross_kv():
     """cross_kv(pad_context=False) keeps the context's own token count; the first chunk then equals the unpadded
     bidirectional forward."""
