@@ -443,6 +443,26 @@ _init_state_jit = jax.jit(init_state, static_argnums=(1, 2))
 stream_step = jax.jit(_stream_step, static_argnums=(0, 1), donate_argnames=("state",))
 
 
+def _stream_noise(config: WanConfig, rc: RolloutConfig, batch: int, noise, num_chunks):
+    """A stream's (explicit noise or None, num_chunks) after checking both: num_chunks None or > 0, noise
+    [chunks, steps, batch, chunk_frames, h, w, in_dim] holding at least num_chunks chunks (num_chunks defaults to
+    all of them)."""
+    if num_chunks is not None and not (is_int(num_chunks) and num_chunks > 0):
+        raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
+    if noise is None:
+        return None, num_chunks
+    noise = jnp.asarray(noise)
+    if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
+        raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
+                         f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got {list(noise.shape)}")
+    if num_chunks is None:
+        num_chunks = noise.shape[0]
+    elif num_chunks > noise.shape[0]:
+        raise ValueError(f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
+                         f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}")
+    return noise, num_chunks
+
+
 class Stream:
     """Iterator over chunks of a streaming rollout: each ``next()`` runs one jitted, cache-donating step and returns
     that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
@@ -463,20 +483,7 @@ class Stream:
                  key=None, noise=None, negative_context=None):
         if (key is None) == (noise is None):
             raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
-        if num_chunks is not None and not (is_int(num_chunks) and num_chunks > 0):
-            raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
-        batch = jnp.shape(context)[0]
-        if noise is not None:
-            noise = jnp.asarray(noise)
-            if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
-                raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
-                                 f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got "
-                                 f"{list(noise.shape)}")
-            if num_chunks is None:
-                num_chunks = noise.shape[0]
-            elif num_chunks > noise.shape[0]:
-                raise ValueError(f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
-                                 f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}")
+        noise, num_chunks = _stream_noise(config, rc, jnp.shape(context)[0], noise, num_chunks)
         if num_chunks is not None:
             check_position_room(config, rc, int(num_chunks))
         self.params, self.config, self.rc = params, config, rc
@@ -504,18 +511,8 @@ class Stream:
         if (session.key is None) == (noise is None):
             raise ValueError("a session with a noise key continues from its key (pass no noise=); one without "
                              "(made from explicit noise) needs noise=")
-        if num_chunks is not None and not (is_int(num_chunks) and num_chunks > 0):
-            raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
         batch = session.sessions // (2 if rc.guidance_scale is not None else 1)
-        if noise is not None:
-            noise = jnp.asarray(noise)
-            if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
-                raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
-                                 f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got "
-                                 f"{list(noise.shape)}")
-            num_chunks = noise.shape[0] if num_chunks is None else num_chunks
-            if num_chunks > noise.shape[0]:
-                raise ValueError(f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks")
+        noise, num_chunks = _stream_noise(config, rc, batch, noise, num_chunks)
         if num_chunks is not None:
             check_position_room(config, rc, int(num_chunks), session.cache)
         self = cls.__new__(cls)
