@@ -1,0 +1,159 @@
+"""The toy world: coloured shapes moving in a box and bouncing off its walls, rendered with numpy.
+
+A scene is one to `MAX_OBJECTS` shapes (circle, square, triangle), each in its own colour, all moving at the
+scene's speed ("slow" or "fast" pixels per frame) in random directions. Physics is deterministic: every frame each
+centre moves by its velocity and reflects off the walls (the shape stays inside the ``SIZE x SIZE`` box); shapes
+pass over each other (later objects are drawn on top). Any number of frames can be rendered from any frame on,
+so a clip is a window of an endless, exactly reproducible stream.
+
+A prompt names the scene: ``"a red circle and a blue square, fast"`` (`format_prompt` / `parse_prompt`); the words
+are `VOCABULARY`. `sample_scene` draws the unnamed parts (positions, directions) from a numpy Generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+SIZE = 64                                   # frames are SIZE x SIZE RGB
+BACKGROUND = (16, 16, 24)
+COLOURS = {"red": (230, 50, 50), "green": (40, 200, 70), "blue": (60, 100, 240), "yellow": (235, 215, 40)}
+SHAPES = ("circle", "square", "triangle")
+SPEEDS = {"slow": 1.0, "fast": 2.0}         # pixels per frame
+RADIUS = 8.0                                # circle radius; square half-side 7; triangle circumradius 9.5
+HALF_SIDE = 7.0
+TRIANGLE_R = 9.5
+MARGIN = 10.0                               # a centre stays in [MARGIN, SIZE - MARGIN]: every shape fits inside
+MAX_OBJECTS = 2
+VOCABULARY = ("a", "and", *COLOURS, *SHAPES, *SPEEDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Thing:
+    """One shape of a scene: its colour and kind, and its state at frame 0 (pixel units, y down)."""
+
+    colour: str
+    shape: str
+    position: tuple[float, float] = (SIZE / 2, SIZE / 2)   # (x, y) centre
+    velocity: tuple[float, float] = (0.0, 0.0)              # (dx, dy) per frame
+
+
+@dataclasses.dataclass(frozen=True)
+class Scene:
+    things: tuple[Thing, ...]
+    speed: str = "slow"
+
+    @property
+    def prompt(self) -> str:
+        return format_prompt([(t.colour, t.shape) for t in self.things], self.speed)
+
+
+def format_prompt(objects, speed: str) -> str:
+    """[("red", "circle"), ("blue", "square")], "fast" -> "a red circle and a blue square, fast"."""
+    _check_objects(objects, speed)
+    return " and ".join(f"a {c} {s}" for c, s in objects) + f", {speed}"
+
+
+def parse_prompt(prompt: str) -> tuple[list[tuple[str, str]], str]:
+    """The inverse of `format_prompt`: "a red circle, slow" -> ([("red", "circle")], "slow"). ValueError naming
+    the problem (and the vocabulary) for anything else."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"a toy-world prompt is a str, got {prompt!r}")
+    text = " ".join(prompt.strip().lower().split())
+    speed_words = "|".join(SPEEDS)
+    match = re.fullmatch(rf"(.+?),?\s+({speed_words})", text)
+    if not match:
+        raise ValueError(f"toy-world prompt {prompt!r} must end with a speed ({', '.join(SPEEDS)}), like "
+                         f"'a red circle and a blue square, fast'")
+    objects = []
+    for part in match.group(1).split(" and "):
+        words = part.split()
+        if len(words) != 3 or words[0] != "a" or words[1] not in COLOURS or words[2] not in SHAPES:
+            raise ValueError(f"toy-world prompt {prompt!r}: {part!r} is not 'a <colour> <shape>' (colours "
+                             f"{', '.join(COLOURS)}; shapes {', '.join(SHAPES)})")
+        objects.append((words[1], words[2]))
+    _check_objects(objects, match.group(2))
+    return objects, match.group(2)
+
+
+def _check_objects(objects, speed: str) -> None:
+    if not 1 <= len(objects) <= MAX_OBJECTS:
+        raise ValueError(f"a toy-world scene holds 1..{MAX_OBJECTS} shapes, got {len(objects)}")
+    colours = [c for c, _ in objects]
+    for c, s in objects:
+        if c not in COLOURS or s not in SHAPES:
+            raise ValueError(f"unknown toy-world object {c!r} {s!r}: colours {list(COLOURS)}, shapes {list(SHAPES)}")
+    if len(set(colours)) != len(colours):
+        raise ValueError(f"each shape of a toy-world scene has its own colour, got {colours}")
+    if speed not in SPEEDS:
+        raise ValueError(f"unknown toy-world speed {speed!r}: {list(SPEEDS)}")
+
+
+def random_prompt(rng: np.random.Generator) -> str:
+    """A prompt drawn uniformly: 1..MAX_OBJECTS shapes of distinct colours, any shapes, either speed."""
+    n = int(rng.integers(1, MAX_OBJECTS + 1))
+    colours = rng.choice(list(COLOURS), size=n, replace=False)
+    shapes = rng.choice(SHAPES, size=n)
+    return format_prompt(list(zip(colours.tolist(), shapes.tolist())), str(rng.choice(list(SPEEDS))))
+
+
+def sample_scene(rng: np.random.Generator, prompt: str | None = None) -> Scene:
+    """The scene of ``prompt`` (a `random_prompt` when None) with positions uniform in the box and directions
+    uniform on the circle."""
+    objects, speed = parse_prompt(prompt if prompt is not None else random_prompt(rng))
+    things = []
+    for colour, shape in objects:
+        x, y = rng.uniform(MARGIN, SIZE - MARGIN, size=2)
+        angle = rng.uniform(0.0, 2.0 * np.pi)
+        v = SPEEDS[speed]
+        things.append(Thing(colour, shape, (float(x), float(y)), (float(v * np.cos(angle)), float(v * np.sin(angle)))))
+    return Scene(tuple(things), speed)
+
+
+def trajectory(thing: Thing, frames: int, start: int = 0) -> np.ndarray:
+    """Centres float64 [frames, 2] (x, y) of frames start .. start + frames - 1.
+
+    Reflection off the walls [MARGIN, SIZE - MARGIN] in closed form: the free motion folded into the box (a
+    triangle wave), so any frame is computed directly and a stream never accumulates rounding."""
+    t = np.arange(start, start + frames, dtype=np.float64)[:, None]
+    free = np.asarray(thing.position)[None] - MARGIN + t * np.asarray(thing.velocity)[None]
+    span = SIZE - 2 * MARGIN
+    folded = np.mod(free, 2 * span)
+    return MARGIN + np.where(folded > span, 2 * span - folded, folded)
+
+
+_YY, _XX = np.mgrid[0:SIZE, 0:SIZE].astype(np.float64) + 0.5    # pixel centres
+
+
+def shape_mask(shape: str, centres: np.ndarray) -> np.ndarray:
+    """bool [frames, SIZE, SIZE]: the pixels whose centres lie inside ``shape`` at each of ``centres [frames, 2]``."""
+    dx = _XX[None] - centres[:, 0, None, None]
+    dy = _YY[None] - centres[:, 1, None, None]
+    if shape == "circle":
+        return dx * dx + dy * dy <= RADIUS * RADIUS
+    if shape == "square":
+        return (np.abs(dx) <= HALF_SIDE) & (np.abs(dy) <= HALF_SIDE)
+    if shape == "triangle":   # pointing up: apex at -R, base at +R/2, half-width R*sqrt(3)/2
+        r = TRIANGLE_R
+        return (np.sqrt(3.0) * np.abs(dx) - dy <= r) & (dy <= r / 2)   # the slanted edges, the base
+    raise ValueError(f"unknown shape {shape!r}; shapes are {SHAPES}")
+
+
+def render(scene: Scene, frames: int, start: int = 0) -> np.ndarray:
+    """uint8 [frames, SIZE, SIZE, 3]: frames start .. start + frames - 1 of the scene."""
+    if frames < 1 or start < 0:
+        raise ValueError(f"render needs frames >= 1 and start >= 0, got frames={frames}, start={start}")
+    video = np.empty((frames, SIZE, SIZE, 3), np.uint8)
+    video[:] = BACKGROUND
+    for thing in scene.things:
+        mask = shape_mask(thing.shape, trajectory(thing, frames, start))
+        video[mask] = COLOURS[thing.colour]
+    return video
+
+
+def clips(rng: np.random.Generator, batch: int, frames: int) -> tuple[np.ndarray, list[str]]:
+    """A training batch: (uint8 [batch, frames, SIZE, SIZE, 3], their prompts), each clip a fresh random scene."""
+    scenes = [sample_scene(rng) for _ in range(batch)]
+    return np.stack([render(s, frames) for s in scenes]), [s.prompt for s in scenes]
