@@ -1,0 +1,133 @@
+"""The toy model: its configuration, its streaming settings, and the release directory it ships in.
+
+A release is the layout of a converted Wan release (`jaxkv.models.release`) plus the latent map::
+
+    DIR/
+      dit/            the causal Wan DiT (`jaxkv.models.wan.checkpoint`), weights stored in bfloat16
+      text_encoder/   the tiny umT5 encoder with its word-level tokenizer.json (`jaxkv.models.umt5.checkpoint`)
+      latent_map/     latent_map.safetensors (`jaxkv.toyworld.latents.LatentMap`)
+      toyworld.json   the streaming settings the model was trained for, the training command, seed and figures
+
+`RELEASE_DIR` is the one shipped inside the package (``jaxkv generate``'s default model); `load` reads any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.models import wan
+from jaxkv.models.release import PARTS
+from jaxkv.models.umt5 import TextEncoder
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.schedule import Schedule
+from jaxkv.toyworld import latents, text
+
+RELEASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "release")
+SETTINGS_FILE = "toyworld.json"
+LATENT_MAP_DIR = "latent_map"
+FORMAT = "jaxkv-toyworld"
+FORMAT_VERSION = 1
+
+# 16 tokens per latent frame (a 16x16 latent in 4x4 patches: each token covers 16x16 pixels), 1.1 M parameters.
+WAN_CONFIG = WanConfig(dim=128, ffn_dim=384, num_heads=4, num_layers=4, patch_size=(1, 4, 4),
+                       text_dim=text.CONFIG.dim, text_len=text.CONFIG.text_len, freq_dim=64)
+LATENT_SIZE = 64 // latents.PATCH          # 16: latent height and width
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The streaming settings of a toy model (latent frames; what it was trained with and generates with)."""
+
+    chunk_frames: int = 3
+    window_frames: int = 9
+    sink_frames: int = 3
+    steps: tuple[int, ...] = (1000, 750, 500, 250)
+    shift: float = 5.0
+    prompt: str = "a red circle and a blue square, slow"    # the default prompt
+
+    def schedule(self) -> Schedule:
+        return Schedule(steps=tuple(self.steps), shift=self.shift)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["steps"] = list(self.steps)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Settings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: tuple(v) if k == "steps" else v for k, v in d.items() if k in known})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ToyModel:
+    """A loaded toy model: the DiT (config, float32 params), the text encoder, the latent map, the settings and
+    the rest of ``toyworld.json`` (``info``: training command, seed, figures)."""
+
+    config: WanConfig
+    params: dict
+    text_encoder: TextEncoder
+    latent_map: latents.LatentMap
+    settings: Settings
+    info: dict
+
+    def context(self, prompts) -> np.ndarray:
+        """float32 [len(prompts), text_len, text_dim] for toy-world prompts (checked by `world.parse_prompt`)."""
+        from jaxkv.toyworld.world import parse_prompt
+
+        for p in prompts:
+            parse_prompt(p)
+        return self.text_encoder.encode(list(prompts))
+
+
+def save(directory: str, params: dict, text_params: dict, latent_map: latents.LatentMap, settings: Settings,
+         info: dict, *, force: bool = False) -> None:
+    """Writes a release (see the module docstring); the DiT's weights are stored in bfloat16."""
+    from jaxkv.files import atomic_directory
+    from jaxkv.models import umt5
+
+    replace = (lambda p: None if is_release(p) else f"it is not a toy-world release (no {SETTINGS_FILE})") \
+        if force else None
+    with atomic_directory(directory, replace=replace) as tmp:
+        wan.save(os.path.join(tmp, PARTS["dit"]), WAN_CONFIG, _cast(params, jnp.bfloat16))
+        umt5.save(os.path.join(tmp, PARTS["umt5"]), text.CONFIG, text_params,
+                  tokenizer_files={"tokenizer.json": text.tokenizer_json().encode()})
+        os.makedirs(os.path.join(tmp, LATENT_MAP_DIR))
+        latent_map.save(os.path.join(tmp, LATENT_MAP_DIR))
+        with open(os.path.join(tmp, SETTINGS_FILE), "w") as f:
+            json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings.to_dict(), **info},
+                      f, indent=2, sort_keys=True)
+
+
+def _cast(tree, dtype):
+    import jax
+
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+
+def is_release(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, SETTINGS_FILE))
+
+
+def load(directory: str = RELEASE_DIR) -> ToyModel:
+    """Reads a release; the DiT in float32. FileNotFoundError / ValueError name what is missing or wrong."""
+    path = os.path.join(directory, SETTINGS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory} is not a toy-world release (no {SETTINGS_FILE}); train one with "
+                                f"`python -m jaxkv.toyworld train --out {directory}`")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} file (format {meta.get('format')!r}, "
+                         f"version {meta.get('format_version')!r})")
+    config, params = wan.load(os.path.join(directory, PARTS["dit"]), dtype=jnp.float32)
+    encoder = TextEncoder.load(os.path.join(directory, PARTS["umt5"]), dtype=jnp.float32)
+    latent_map = latents.LatentMap.load(os.path.join(directory, LATENT_MAP_DIR))
+    info = {k: v for k, v in meta.items() if k not in ("format", "format_version", "settings")}
+    return ToyModel(config, params, encoder, latent_map, Settings.from_dict(meta["settings"]), info)

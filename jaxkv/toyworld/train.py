@@ -1,0 +1,250 @@
+"""Training the toy model from scratch on CPU, with optax: ``python -m jaxkv.toyworld train --out DIR``.
+
+1. The latent map is fitted on world frames (`latents.LatentMap.fit`, a second).
+2. **Diffusion forcing under the streaming mask.** Clips of `TrainConfig.chunks` chunks go through
+   `jaxkv.models.wan.forward_block_causal` with the sink + window mask the stream will use (so the last chunk sees
+   the sink and the window only, as after an eviction). Each chunk gets its own noise level; with probability
+   ``clean_prob`` a chunk is clean (timestep 0, as a committed chunk is in the cache at generation). Loss: the flow
+   ``eps - x0`` on the noisy chunks (rectified flow, Wan's parameterisation). The text encoder trains with the DiT.
+3. **Self-forcing through the ring.** The first chunk of a clip is committed to an empty cache as generation
+   commits a chunk; then `jaxkv.rollout.rollout` samples the next ``sf_chunks`` chunks with the model's own few-step
+   sampler on the ring cache (its own samples fill the cache; the ring wraps), and the loss is the squared error of
+   the rolled-out latents to the world's true continuation, differentiated through the whole rollout. The world
+   is deterministic once its first frames are seen, so the true continuation is the target; what this stage adds
+   over stage 2 is that the model learns from the inputs it will really see: its own samples, not the truth.
+
+Every random draw is a function of (seed, stage, step), so a run is reproducible and a resumed run
+(`--resume`, from the snapshot written every ``snapshot_every`` steps and on Ctrl-C) continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxkv import rollout as R
+from jaxkv.models import wan
+from jaxkv.models.umt5.encoder import _encode_masked
+from jaxkv.models.wan import model as M
+from jaxkv.toyworld import latents, text, world
+from jaxkv.toyworld.model import LATENT_SIZE, WAN_CONFIG, Settings
+from jaxkv.toyworld.model import save as save_release
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    batch: int = 8
+    chunks: int = 5              # chunks per diffusion-forcing clip: chunk 4 sees the sink + window without chunk 1
+    steps: int = 2000            # diffusion-forcing steps
+    lr: float = 5e-4
+    warmup: int = 100
+    clean_prob: float = 0.3      # a chunk is clean context with this probability
+    train_shift: float = 3.0     # noise levels sigma = s u / (1 + (s - 1) u), u ~ U(0, 1)
+    sf_steps: int = 300          # self-forcing steps
+    sf_batch: int = 8
+    sf_chunks: int = 4           # chunks rolled out after the true first chunk (the 4-chunk cache wraps)
+    sf_lr: float = 1e-4
+    fit_frames: int = 2048       # frames the latent map is fitted on
+    snapshot_every: int = 250
+
+
+def rollout_config(settings: Settings) -> R.RolloutConfig:
+    return R.RolloutConfig(latent_height=LATENT_SIZE, latent_width=LATENT_SIZE, chunk_frames=settings.chunk_frames,
+                           window_frames=settings.window_frames, sink_frames=settings.sink_frames,
+                           schedule=settings.schedule())
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
+    rng = np.random.default_rng([tc.seed, 0])
+    frames, _ = world.clips(rng, tc.fit_frames // 4, 4)
+    return latents.LatentMap.fit(frames.reshape(-1, *frames.shape[2:]))
+
+
+def batch(latent_map, tokenizer, seed: int, stage: int, step: int, size: int, frames: int):
+    """(latents float32 [size, frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len]) of
+    fresh random scenes, drawn from (seed, stage, step) alone."""
+    video, prompts = world.clips(np.random.default_rng([seed, stage, step]), size, frames)
+    ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
+    return latent_map.encode(video), ids, mask
+
+
+# ------------------------------------------------------------------------------------------------ losses
+
+
+def _context(text_params, ids, mask):
+    return _encode_masked(text_params, text.CONFIG, ids, mask)
+
+
+def diffusion_forcing_loss(params, x0, ids, mask, key, tc: TrainConfig, settings: Settings):
+    """Flow-matching loss of clips x0 [B, F, h, w, c] with independent per-chunk noise levels (see the module)."""
+    b, f = x0.shape[:2]
+    chunks = f // settings.chunk_frames
+    k_level, k_clean, k_eps = jax.random.split(key, 3)
+    u = jax.random.uniform(k_level, (b, chunks), minval=1e-3)
+    s = tc.train_shift
+    sigma = s * u / (1 + (s - 1) * u)
+    sigma = jnp.where(jax.random.bernoulli(k_clean, tc.clean_prob, (b, chunks)), 0.0, sigma)
+    sigma = jnp.repeat(sigma, settings.chunk_frames, axis=1)                     # [B, F]
+    eps = jax.random.normal(k_eps, x0.shape)
+    xt = (1 - sigma[..., None, None, None]) * x0 + sigma[..., None, None, None] * eps
+    flow = wan.forward_block_causal(params["dit"], WAN_CONFIG, xt, 1000.0 * sigma, _context(params["text"], ids, mask),
+                                    chunk_frames=settings.chunk_frames, window_frames=settings.window_frames,
+                                    sink_frames=settings.sink_frames)
+    per_frame = jnp.mean((flow - (eps - x0)) ** 2, axis=(2, 3, 4))              # [B, F]
+    noisy = (sigma > 0).astype(jnp.float32)
+    return jnp.sum(per_frame * noisy) / jnp.maximum(jnp.sum(noisy), 1.0)
+
+
+def self_forcing_loss(params, x0, ids, mask, key, settings: Settings):
+    """x0 [B, (1 + K) * chunk_frames, ...]: commit chunk 0, roll out K chunks, squared error to chunks 1..K."""
+    rc = rollout_config(settings)
+    cf = settings.chunk_frames
+    state = R.init_state(params["dit"], WAN_CONFIG, rc, _context(params["text"], ids, mask))
+    cache = state.cache.begin_chunk()
+    _, cache = M.forward_chunk(params["dit"], WAN_CONFIG, cache, state.cross, x0[:, :cf],
+                               jnp.full((x0.shape[0],), rc.schedule.context_noise), rope=rc.rope)
+    out = R.rollout(params["dit"], WAN_CONFIG, rc, None, num_chunks=(x0.shape[1] - cf) // cf, key=key,
+                    state=R.RolloutState(cache, state.cross), first_chunk=1)
+    return jnp.mean((out.latents - x0[:, cf:]) ** 2)
+
+
+def _optimizer(lr: float, steps: int, warmup: int):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, max(steps - 1, 1)), max(steps, 2),
+                                                  end_value=lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+
+
+def _step_fn(loss_fn, optimizer):
+    @jax.jit
+    def step(params, opt_state, x0, ids, mask, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x0, ids, mask, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ snapshots
+
+
+def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: list[float]) -> None:
+    """params + optimizer state + position, atomically (a Ctrl-C while writing keeps the previous snapshot)."""
+    from safetensors.numpy import save_file
+
+    leaves = jax.tree.leaves((params, opt_state))
+    tmp = path + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    save_file({f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}, os.path.join(tmp, "state.safetensors"))
+    with open(os.path.join(tmp, "position.json"), "w") as f:
+        json.dump({"stage": stage, "step": step, "losses": losses}, f)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def _load_snapshot(path: str, template):
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(path, "position.json")) as f:
+        position = json.load(f)
+    flat = load_file(os.path.join(path, "state.safetensors"))
+    leaves, treedef = jax.tree.flatten(template)
+    if len(flat) != len(leaves):
+        raise ValueError(f"snapshot {path} holds {len(flat)} arrays, this training run has {len(leaves)}")
+    restored = [jnp.asarray(flat[f"{i:05d}"], leaf.dtype) for i, leaf in enumerate(leaves)]
+    return position, jax.tree.unflatten(treedef, restored)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settings(), *, resume: bool = False,
+          progress: bool = True, command: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Trains from scratch (or from the snapshot in ``out + '.partial'`` with ``resume``) and writes the release to
+    ``out`` (`jaxkv.toyworld.model.save`). Returns the training record stored in its toyworld.json."""
+    from tqdm import tqdm
+
+    snapshot = os.path.abspath(out) + ".partial"
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"{out} exists; pass force=True (--overwrite) to replace a toy-world release")
+    if resume and not os.path.isdir(snapshot):
+        raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
+    started = time.perf_counter()
+    latent_map = fit_latent_map(tc)
+    tokenizer = text.tokenizer()
+    key = jax.random.key(tc.seed)
+    params = {"dit": wan.init_params(WAN_CONFIG, jax.random.fold_in(key, 0)),
+              "text": text.init_text_params(tc.seed)}
+    stages = [
+        ("diffusion forcing", tc.steps, tc.batch, tc.chunks,
+         lambda p, x, i, m, k: diffusion_forcing_loss(p, x, i, m, k, tc, settings), _optimizer(tc.lr, tc.steps,
+                                                                                              tc.warmup)),
+        ("self-forcing", tc.sf_steps, tc.sf_batch, 1 + tc.sf_chunks,
+         lambda p, x, i, m, k: self_forcing_loss(p, x, i, m, k, settings), _optimizer(tc.sf_lr, tc.sf_steps, 20)),
+    ]
+    record: dict[str, Any] = {"stages": []}
+    first_stage, first_step, losses = 0, 0, []
+    opt_state = stages[0][5].init(params)
+    if resume:
+        position, _ = _read_position(snapshot)
+        first_stage = position["stage"]
+        opt_state = stages[first_stage][5].init(params)
+        position, (params, opt_state) = _load_snapshot(snapshot, (params, opt_state))
+        first_step, losses = position["step"], position["losses"]
+    for stage in range(first_stage, len(stages)):
+        name, steps, size, chunks, loss_fn, optimizer = stages[stage]
+        if stage != first_stage:
+            opt_state, first_step, losses = optimizer.init(params), 0, []
+        step_fn = _step_fn(loss_fn, optimizer)
+        t0 = time.perf_counter()
+        bar = tqdm(range(first_step, steps), desc=name, disable=not progress, file=sys.stderr, initial=first_step,
+                   total=steps)
+        done = first_step                     # steps of this stage whose update is in params
+        try:
+            for step in bar:
+                x0, ids, mask = batch(latent_map, tokenizer, tc.seed, stage + 1, step, size,
+                                      chunks * settings.chunk_frames)
+                params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask,
+                                                  jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
+                done = step + 1
+                losses.append(float(loss))
+                if step % 10 == 0:
+                    bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
+                if done % tc.snapshot_every == 0 and done < steps:
+                    _save_snapshot(snapshot, stage, done, params, opt_state, losses)
+        except KeyboardInterrupt:
+            bar.close()
+            _save_snapshot(snapshot, stage, done, params, opt_state, losses[:done])
+            print(f"interrupted: snapshot at {name} step {done} in {snapshot}; continue with --resume",
+                  file=sys.stderr)
+            raise
+        bar.close()
+        record["stages"].append({"name": name, "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
+                                 "loss_first_50": float(np.mean(losses[:50])),
+                                 "loss_last_50": float(np.mean(losses[-50:]))})
+        _save_snapshot(snapshot, stage + 1, 0, params, stages[min(stage + 1, len(stages) - 1)][5].init(params), [])
+    record.update(seed=tc.seed, train_config=dataclasses.asdict(tc), seconds=round(time.perf_counter() - started, 1),
+                  command=command or f"python -m jaxkv.toyworld train --out {out} --seed {tc.seed}",
+                  jax_version=jax.__version__)
+    save_release(out, params["dit"], params["text"], latent_map, settings, {"training": record}, force=force)
+    shutil.rmtree(snapshot, ignore_errors=True)
+    return record
+
+
+def _read_position(snapshot: str) -> tuple[dict, None]:
+    with open(os.path.join(snapshot, "position.json")) as f:
+        return json.load(f), None
