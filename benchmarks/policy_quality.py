@@ -1,0 +1,128 @@
+"""What each cache policy costs in quality on long streams: the shipped toy-world model streamed under several
+retention policies, scored by `jaxkv.toyworld.metric` per window of chunks, with speed and cache bytes.
+
+The model was trained with 1-frame chunks, a 1-frame sink plus a 3-frame window (4 frames in all) and absolute
+RoPE. The same prompts and seeds are streamed under every policy; the chunks of all policies are generated in turn
+in this one process (chunk i of every policy, then chunk i + 1), so the speed column compares like with like. Speed is the
+median time of a chunk (4 denoising passes + the commit pass, the stream's donated jitted step) after the first.
+Cache bytes are the stream's whole KV cache (all layers, K + V + positions) for the batch.
+
+Scores (1 = perfect; see `jaxkv.toyworld.metric.score`): adherence (the prompt's shapes, in its colours, and no
+others), continuity (plausible frame-to-frame motion), overall = their product; "drift" columns are the overall
+score of the chunk windows named.
+
+    python benchmarks/policy_quality.py [--chunks 1000] [--window-chunks 50] [--json PATH] [--release DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxkv import rollout as R
+from jaxkv.toyworld import metric, model as toy_model, sample
+
+PROMPTS = ("a red circle and a blue square, slow", "a green triangle, fast", "a yellow square and a red triangle, fast",
+           "a blue circle, slow")
+
+# name -> RolloutConfig overrides of the model's own settings (1-frame chunks, 1-frame sink + 3-frame window,
+# absolute RoPE)
+POLICIES = {
+    "ring, sink 1 + window 3 (trained)": {},
+    "rolling, sink 1 + window 3": {"policy": "rolling"},
+    "ring, sink 1 + window 3, cache-relative RoPE": {"rope": "cache-relative"},
+    "ring, no sink, window 3": {"sink_frames": 0},
+    "ring, no sink, window 2": {"sink_frames": 0, "window_frames": 2},
+    "ring, no sink, window 1 (chunk only)": {"sink_frames": 0, "window_frames": 1},
+    "ring, no sink, window 6": {"sink_frames": 0, "window_frames": 6},
+    "ring, sink 1 + window 8": {"window_frames": 8},
+    "mixed: odd layers dilated (every 2nd frame, 4 buckets)": {"dilated_every": 2, "dilation": 2, "buckets": 4},
+}
+
+
+def run(release: str, chunks: int, window_chunks: int, seed: int, policies: dict) -> list[dict]:
+    model = toy_model.load(release)
+    context = model.context(list(PROMPTS))
+    decode = jax.jit(model.latent_map.decode_uint8)
+    streams, frames, times = {}, {}, {}
+    for name, overrides in policies.items():
+        rc = sample.rollout_config(model, **overrides)
+        streams[name] = R.Stream(model.params, model.config, rc, context, num_chunks=chunks, key=jax.random.key(seed))
+        frames[name], times[name] = [], []
+    for i in range(chunks):
+        for name, stream in streams.items():
+            start = time.perf_counter()
+            latents = next(stream)
+            latents.block_until_ready()
+            times[name].append(time.perf_counter() - start)
+            frames[name].append(np.asarray(decode(latents)))
+        if (i + 1) % 100 == 0:
+            print(f"  {i + 1}/{chunks} chunks", file=sys.stderr, flush=True)
+    rows = []
+    for name, stream in streams.items():
+        video = np.concatenate(frames.pop(name), axis=1)                  # [prompts, T, 64, 64, 3]
+        scores = [metric.score(video[p], PROMPTS[p], chunk_frames=stream.rc.chunk_frames,
+                               window_chunks=window_chunks) for p in range(len(PROMPTS))]
+        cache = stream.state.cache
+        rows.append({
+            "policy": name, "overrides": policies[name],
+            "adherence": float(np.mean([s.adherence for s in scores])),
+            "continuity": float(np.mean([s.continuity for s in scores])),
+            "overall": float(np.mean([s.overall for s in scores])),
+            "window_start": scores[0].window_start.tolist(),
+            "window_overall": np.mean([s.window_overall for s in scores], axis=0).tolist(),
+            "per_prompt_overall": [s.overall for s in scores],
+            "ms_per_chunk": 1e3 * statistics.median(times[name][1:]) if chunks > 1 else None,
+            "cache_bytes": int(sum(x.nbytes for x in jax.tree.leaves(cache))),
+        })
+    return rows
+
+
+def table(rows: list[dict], columns: int = 5) -> str:
+    starts = rows[0]["window_start"]
+    picks = sorted(set(np.linspace(0, len(starts) - 1, min(columns, len(starts))).round().astype(int).tolist()))
+    step = starts[1] - starts[0] if len(starts) > 1 else None
+    heads = [f"chunks {starts[i]}-{starts[i] + step - 1}" if step else f"from {starts[i]}" for i in picks]
+    lines = ["| policy | adherence | continuity | overall | " + " | ".join(heads) + " | ms/chunk | cache KiB |",
+             "| --- " * (6 + len(picks)) + "|"]
+    for r in rows:
+        drift = " | ".join(f"{r['window_overall'][i]:.2f}" for i in picks)
+        ms = f"{r['ms_per_chunk']:.1f}" if r["ms_per_chunk"] is not None else "-"
+        lines.append(f"| {r['policy']} | {r['adherence']:.2f} | {r['continuity']:.2f} | {r['overall']:.2f} | {drift} "
+                     f"| {ms} | {r['cache_bytes'] / 1024:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--release", default=toy_model.RELEASE_DIR, help="toy-world release (default: the shipped)")
+    parser.add_argument("--chunks", type=int, default=1000, help="chunks per stream")
+    parser.add_argument("--window-chunks", type=int, default=50, help="chunks per drift window")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the noise")
+    parser.add_argument("--policies", help="comma-separated indices into the policy list (default: all)")
+    parser.add_argument("--json", help="write the rows and the machine description here")
+    args = parser.parse_args(argv)
+    policies = POLICIES
+    if args.policies:
+        names = list(POLICIES)
+        policies = {names[int(i)]: POLICIES[names[int(i)]] for i in args.policies.split(",")}
+    start = time.perf_counter()
+    rows = run(args.release, args.chunks, args.window_chunks, args.seed, policies)
+    print(f"{len(PROMPTS)} prompts x {args.chunks} chunks, seed {args.seed}, {time.perf_counter() - start:.0f} s")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, prompts=PROMPTS, chunks=args.chunks, window_chunks=args.window_chunks,
+                           seed=args.seed, jax=jax.__version__, backend=jax.default_backend(),
+                           machine=platform.machine()), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from jaxkv.toyworld.cli import main
+
+sys.exit(main())

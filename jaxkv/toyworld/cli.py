@@ -1,0 +1,71 @@
+"""``jaxkv toyworld``: ``train`` a toy model from scratch; ``check`` a release against the quality thresholds."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    from jaxkv.toyworld.train import TrainConfig
+
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="jaxkv toyworld", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 25 minutes on 2 cores)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of the data, the init and the noise")
+    t.add_argument("--steps", type=int, default=d.steps, help="diffusion-forcing steps")
+    t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
+    t.add_argument("--resume", action="store_true", help="continue from the snapshot in DIR.partial (written "
+                   f"every {d.snapshot_every} steps and on Ctrl-C)")
+    t.add_argument("--overwrite", action="store_true", help="replace DIR if it is a toy-world release")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c = sub.add_parser("check", help="stream the quality check's prompts with a release and score them (exit code "
+                       "1 below the threshold)")
+    c.add_argument("release", nargs="?", help="toy-world release directory (default: the shipped one)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "train":
+        from jaxkv.toyworld.train import TrainConfig, train
+
+        for name in ("seed", "steps", "sf_steps"):
+            if getattr(args, name) < 0:
+                print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
+                return 2
+        tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps, sf_steps=args.sf_steps)
+        command = "jaxkv toyworld train " + " ".join(sys.argv[2:] if argv is None else argv[1:])
+        try:
+            record = train(args.out, tc, resume=args.resume, progress=not args.no_progress, command=command,
+                           force=args.overwrite)
+        except (FileExistsError, FileNotFoundError, ValueError) as e:
+            print(f"jaxkv toyworld train: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        print(f"wrote {args.out} in {record['seconds']:.0f} s: " + ", ".join(
+            f"{s['name']} {s['steps']} steps, loss {s['loss_first_50']:.3f} -> {s['loss_last_50']:.3f}"
+            for s in record["stages"]))
+        print(f"check it with: jaxkv toyworld check {args.out}")
+    elif args.command == "check":
+        from jaxkv.toyworld import model, quality
+
+        try:
+            toy = model.load(args.release or model.RELEASE_DIR)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"jaxkv toyworld check: {e}", file=sys.stderr)
+            return 2
+        report = quality.check(toy)
+        for row in report.per_prompt:
+            print(f"{row['prompt']:<44} adherence {row['adherence']:.2f}  continuity {row['continuity']:.2f}  "
+                  f"overall {row['overall']:.2f}")
+        verdict = "passes" if report.passed else "FAILS"
+        print(f"mean overall {report.overall:.3f}: {verdict} the threshold {quality.THRESHOLD} "
+              f"({quality.CHUNKS} chunks per prompt, seed {quality.SEED})")
+        return 0 if report.passed else 1
+    return 0

@@ -1,0 +1,159 @@
+"""The toy model's parts: the latent map, the text path, the release files, and (slow) training's
+reproducibility across an interruption."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxkv.toyworld import latents, text, world
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    frames, _ = world.clips(np.random.default_rng(0), 64, 4)
+    return latents.LatentMap.fit(frames.reshape(-1, *frames.shape[2:]))
+
+
+def _psnr(a, b):
+    a, b = latents.to_unit(a), latents.to_unit(b)
+    return 10 * np.log10(4.0 / np.mean((a - b) ** 2))
+
+
+def test_latent_map_round_trip_on_unseen_world_frames(fitted):
+    video, _ = world.clips(np.random.default_rng(1), 8, 6)
+    z = fitted.encode(video)
+    assert z.shape == (8, 6, 16, 16, 16) and z.dtype == np.float32
+    back = np.asarray(fitted.decode_uint8(z))
+    assert back.shape == video.shape and back.dtype == np.uint8
+    # 16 of 48 principal components: edges blurred within their 4x4 patch, all-background patches nearly exact
+    assert _psnr(back, video) > 30
+    background = np.all(video == world.BACKGROUND, axis=-1)
+    patch = background.reshape(8, 6, 16, 4, 16, 4).all(axis=(3, 5))                 # [8, 6, 16, 16]
+    flat = np.repeat(np.repeat(patch, 4, axis=2), 4, axis=3)
+    assert flat.mean() > 0.5
+    assert np.abs(back[flat].astype(int) - np.array(world.BACKGROUND)).max() <= 3
+
+
+def test_latent_map_is_a_projection_with_unit_variance_channels(fitted):
+    basis = fitted.basis.astype(np.float64)
+    np.testing.assert_allclose(basis.T @ basis, np.eye(16), atol=1e-5)
+    video, _ = world.clips(np.random.default_rng(2), 32, 4)
+    z = fitted.encode(video).reshape(-1, 16)
+    np.testing.assert_allclose(z.std(0), 1.0, rtol=0.25)       # normalised on other frames of the same world
+    # projecting twice changes nothing (up to clamping and uint8 rounding)
+    once = np.asarray(fitted.decode_uint8(z.reshape(32, 4, 16, 16, 16)))
+    twice = np.asarray(fitted.decode_uint8(fitted.encode(once)))
+    assert np.abs(once.astype(int) - twice.astype(int)).mean() < 1.0
+
+
+def test_latent_map_fit_is_deterministic_and_saves(fitted, tmp_path):
+    frames, _ = world.clips(np.random.default_rng(0), 64, 4)
+    again = latents.LatentMap.fit(frames.reshape(-1, *frames.shape[2:]))
+    np.testing.assert_array_equal(again.basis, fitted.basis)
+    fitted.save(str(tmp_path))
+    loaded = latents.LatentMap.load(str(tmp_path))
+    for name in ("basis", "mean", "std"):
+        np.testing.assert_array_equal(getattr(loaded, name), getattr(fitted, name))
+    with pytest.raises(FileNotFoundError, match="no toy-world latent map"):
+        latents.LatentMap.load(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="basis must be finite"):
+        latents.LatentMap(np.full((48, 16), np.nan), fitted.mean, fitted.std)
+
+
+def test_frame_decoder_counts_frames(fitted):
+    decoder = latents.FrameDecoder(fitted)
+    video, _ = world.clips(np.random.default_rng(3), 2, 3)
+    frames = decoder(fitted.encode(video))
+    assert frames.shape == (2, 3, 64, 64, 3) and decoder.frames_out == 3
+    decoder.reset()
+    assert decoder.frames_out == 0
+
+
+def test_tokenizer_gives_every_prompt_a_distinct_sequence_within_text_len():
+    tok = text.tokenizer()
+    prompts = sorted({world.random_prompt(np.random.default_rng(i)) for i in range(400)})
+    ids, mask, dropped = tok(prompts, text.CONFIG.text_len)
+    assert not any(dropped)
+    assert (ids < text.CONFIG.vocab_size).all() and (ids != 2).all()       # no <unk> in the vocabulary
+    assert len({tuple(r) for r in ids}) == len(prompts)
+    assert (ids[np.arange(len(prompts)), mask.sum(1) - 1] == text.CONFIG.eos_id).all()
+    unknown, _, _ = tok(["a purple circle, slow"], text.CONFIG.text_len)
+    assert unknown[0, 1] == 2                                                # "purple" -> <unk>
+
+
+def test_release_round_trip(fitted, tmp_path):
+    from jaxkv.toyworld import model as TM
+    from jaxkv.toyworld import train as T
+
+    params = T.init_dit(jax.random.key(0))
+    text_params = text.init_text_params(0)
+    out = str(tmp_path / "release")
+    TM.save(out, params, text_params, fitted, TM.Settings(), {"training": {"seed": 0}})
+    loaded = TM.load(out)
+    assert loaded.config == TM.WAN_CONFIG and loaded.settings == TM.Settings()
+    assert loaded.info == {"training": {"seed": 0}}
+    leaf = np.asarray(jax.tree.leaves(loaded.params)[1])
+    assert leaf.dtype == np.float32                        # stored in bfloat16, loaded as float32
+    original = np.asarray(jax.tree.leaves(params)[1])
+    np.testing.assert_allclose(leaf, original, rtol=1e-2, atol=1e-6)
+    context = loaded.context(["a red circle, slow"])
+    assert context.shape == (1, 16, 32)
+    with pytest.raises(ValueError, match="not 'a <colour> <shape>'"):
+        loaded.context(["a red cat, slow"])
+    with pytest.raises(FileExistsError):
+        TM.save(out, params, text_params, fitted, TM.Settings(), {})
+    os.remove(os.path.join(out, TM.SETTINGS_FILE))
+    with pytest.raises(FileNotFoundError, match="not a toy-world release"):
+        TM.load(out)
+
+
+def test_shipped_release_is_small_and_complete():
+    from jaxkv.toyworld import model as TM
+
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(TM.RELEASE_DIR) for f in fs)
+    assert 0 < total < 5 * 2 ** 20
+    with open(os.path.join(TM.RELEASE_DIR, TM.SETTINGS_FILE)) as f:
+        meta = json.load(f)
+    training = meta["training"]
+    assert "toyworld train" in training["command"] and "seed" in training
+
+
+@pytest.mark.slow
+def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
+    """Two runs of the same config write the same weights; a run stopped by Ctrl-C and resumed from its snapshot
+    writes them too (every draw is a function of seed, stage and step)."""
+    from safetensors.numpy import load_file
+
+    from jaxkv.toyworld import train as T
+
+    tc = T.TrainConfig(steps=3, sf_steps=2, batch=2, sf_batch=1, fit_frames=64, snapshot_every=2, warmup=1)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    T.train(a, tc, progress=False)
+    calls = {"n": 0}
+    step_fn = T._step_fn
+
+    def interrupting(loss_fn, optimizer):
+        inner = step_fn(loss_fn, optimizer)
+
+        def step(*args):
+            calls["n"] += 1
+            if calls["n"] == 4:               # stage 1's three steps, then the first self-forcing step
+                raise KeyboardInterrupt
+            return inner(*args)
+        return step
+
+    monkeypatch.setattr(T, "_step_fn", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(b, tc, progress=False)
+    assert not os.path.exists(b) and os.path.isdir(b + ".partial")
+    monkeypatch.setattr(T, "_step_fn", step_fn)
+    T.train(b, tc, resume=True, progress=False)
+    assert not os.path.exists(b + ".partial")
+    for part in ("dit", "text_encoder"):
+        wa, wb = (load_file(os.path.join(d, part, "params.safetensors")) for d in (a, b))
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            np.testing.assert_array_equal(wa[k], wb[k], err_msg=f"{part}/{k}")
