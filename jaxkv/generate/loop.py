@@ -407,6 +407,9 @@ def print_written(s: dict) -> None:
         size = s.get("video_size") or [0, 0]
         print(f"video        {s['video']}: {s['video_frames']} frames of {size[0]}x{size[1]} at {s['fps']} fps "
               f"(VAE: {s['vae']})" + (f"; frames in {s['frames_dir']}" if s.get("frames_dir") else ""))
+    if s.get("contact_sheet"):
+        print(f"sheet        {s['contact_sheet']}: {len(s['contact_sheet_frames'])} frames of each video, evenly "
+              f"spaced, the last included")
 
 
 def main(argv: list[str] | None = None) -> int:
