@@ -170,7 +170,7 @@ def run(args, stop: Stop | None = None) -> dict:
     entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
     if toy_dir and entries:
         toy.check_schedule(entries)
-    frame_decoder = toy.frame_decoder(toy_dir) if toy_dir and not args.no_video else None
+    decoder = toy.frame_decoder(toy_dir) if toy_dir and not args.no_video else None    # a Wan VAE's: below
     sources = [p for p in (getattr(args, "release", None), args.checkpoint, args.context, args.negative_context,
                            args.vae, args.text_encoder, args.embeddings_cache, args.prompt_schedule, args.resume)
                if p]
@@ -227,10 +227,10 @@ def run(args, stop: Stop | None = None) -> dict:
     if vae_config is not None:
         from jaxkv.models.wan_vae import StreamDecoder
 
-        frame_decoder = StreamDecoder(vae_params, vae_config, latent_height=args.height, latent_width=args.width,
-                                      batch=args.batch)
-    if frame_decoder is not None:
-        video = Mp4Sink(out, frame_decoder, batch=args.batch, fps=args.fps or options.DEFAULTS["fps"],
+        decoder = StreamDecoder(vae_params, vae_config, latent_height=args.height, latent_width=args.width,
+                                batch=args.batch)
+    if decoder is not None:
+        video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps or options.DEFAULTS["fps"],
                         frames=args.frames)
         sinks.append(video)
     files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
@@ -246,7 +246,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
         "mesh": None if mesh is None else PL.mesh_sizes(mesh),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
-        "vae": _decoder_name(args, vae_config, toy_dir), **text_info,
+        "vae": _decoder_name(args, toy_dir), **text_info,
         "first_chunk": stream.start, "resumed_from": None if session is None else os.path.abspath(args.resume),
     }
     progress = None
@@ -332,7 +332,7 @@ def run(args, stop: Stop | None = None) -> dict:
     return summary
 
 
-def _decoder_name(args, vae_config, toy_dir) -> str | None:
+def _decoder_name(args, toy_dir) -> str | None:
     """What decodes the mp4, for the summary (None without video)."""
     if args.no_video:
         return None
