@@ -132,7 +132,8 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     (["--weights-seed", str(2 ** 64)], "--weights-seed: expected an int in [0,"),
     (["--seed", "1.5"], "--seed: expected an int"),
     (["--preview-frames", "0"], "--preview-frames"),
-    (["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"], "--weights-seed chooses random weights: add --random-weights"),
+    (["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"],
+     "--weights-seed chooses random weights: add --random-weights"),
     (["--num-chunks", str(2 ** 31 // 192 + 1)], "int32 position limit: chunks of 192 tokens fit 11184810"),
 ])
 def test_bad_arguments_print_one_clear_line(tmp_path, capsys, argv, expect):

@@ -142,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--switch-sink", choices=SWITCH_SINK, default=argparse.SUPPRESS, help="at a prompt switch, "
                    "keep the sink's K/V (default: keep; LongLive's global sink) or recompute them under the new "
                    "prompt")
-    v = p.add_argument_group("video and cache (frames are latent frames)")
+    toy_note = ("the defaults shown are those of --random-weights and Wan checkpoints; a toy-world model's settings "
+                "replace those of --height, --width, --chunk-frames, --window-frames, --sink-frames, --steps and "
+                "--shift for each one not passed")
+    v = p.add_argument_group("video and cache (frames are latent frames)", toy_note)
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
     v.add_argument("--width", type=_positive, default=d["width"], help="latent width")
     v.add_argument("--chunk-frames", type=_positive, default=d["chunk_frames"], help="frames per chunk")
@@ -163,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "absolute frame (Self-Forcing); cache-relative: keys cached unrotated and rotated by their rank "
                    "in the cache, so frame indices stay within the cache however long the stream (no int32 "
                    "limit on --num-chunks)")
-    s = p.add_argument_group("sampler")
+    s = p.add_argument_group("sampler", toy_note)
     s.add_argument("--steps", type=_parse_steps, default=_parse_steps(d["steps"]),
                    help="denoising steps on the 1000-step grid, comma-separated")
     s.add_argument("--shift", type=float, default=d["shift"], help="flow-matching shift")
@@ -203,10 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The settings a session continues under: --resume takes them from the session, and refuses other values.
-SESSION_SETTINGS = ("checkpoint", "random_weights", "preset", "precision", "weights_seed", "context", "negative_context",
-                    "guidance_scale", "prompt", "negative_prompt", "text_encoder", "height", "width", "chunk_frames",
-                    "window_frames", "sink_frames", "batch", "policy", "dilated_every", "dilation", "buckets",
-                    "rope", "steps", "shift", "context_noise", "seed", "vae", "no_video")
+SESSION_SETTINGS = ("checkpoint", "random_weights", "preset", "precision", "weights_seed", "context",
+                    "negative_context", "guidance_scale", "prompt", "negative_prompt", "text_encoder", "height",
+                    "width", "chunk_frames", "window_frames", "sink_frames", "batch", "policy", "dilated_every",
+                    "dilation", "buckets", "rope", "steps", "shift", "context_noise", "seed", "vae", "no_video")
 
 
 def explicit_flags(argv: list[str]) -> set[str]:
