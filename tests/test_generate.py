@@ -16,6 +16,7 @@ from jaxkv import generate as G
 from jaxkv.models import wan
 
 FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
+RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model (the default: test_generate_toy.py)
 
 
 def read_png(path):
@@ -46,7 +47,7 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
 
     out = tmp_path / "out"
     R.stream_step.clear_cache()      # so that the count below does not depend on which tests ran before
-    assert G.main(["--out", str(out), *FAST]) == 0
+    assert G.main(["--out", str(out), *RANDOM, *FAST]) == 0
     printed = capsys.readouterr().out
     assert "per chunk" in printed and "compile" in printed
     latents = G.load_latents(str(out))
@@ -64,10 +65,10 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
         chunk = np.load(out / "latents" / f"chunk_{i:06d}.npy")
         np.testing.assert_array_equal(chunk, latents[:, 3 * i:3 * i + 3])
     # the same seed gives the same latents (from the same program: no new compilation); another seed does not
-    assert G.main(["--out", str(tmp_path / "again"), *FAST]) == 0
+    assert G.main(["--out", str(tmp_path / "again"), *RANDOM, *FAST]) == 0
     np.testing.assert_array_equal(G.load_latents(str(tmp_path / "again")), latents)
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["compilations"] == 0
-    assert G.main(["--out", str(tmp_path / "other"), "--seed", "1", *FAST]) == 0
+    assert G.main(["--out", str(tmp_path / "other"), "--seed", "1", *RANDOM, *FAST]) == 0
     assert np.abs(G.load_latents(str(tmp_path / "other")) - latents).max() > 1e-3
 
 
@@ -83,12 +84,13 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     from safetensors.numpy import save_file
     save_file({"prompt_embeds": ctx}, str(tmp_path / "ctx.safetensors"))
     base = tmp_path / "base"
-    assert G.main(["--out", str(base), *FAST]) == 0
+    assert G.main(["--out", str(base), *RANDOM, *FAST]) == 0
     for extra in (["--checkpoint", str(tmp_path / "ckpt")], ["--context", str(tmp_path / "ctx.npy")],
                   ["--context", str(tmp_path / "ctx.safetensors"), "--format", "safetensors"],
                   ["--checkpoint", str(tmp_path / "ckpt"), "--precision", "bfloat16"]):
         out = tmp_path / extra[-1].replace("/", "_")
-        assert G.main(["--out", str(out), *FAST, *extra]) == 0
+        model = [] if "--checkpoint" in extra else RANDOM
+        assert G.main(["--out", str(out), *model, *FAST, *extra]) == 0
         if "safetensors" in extra:
             from safetensors.numpy import load_file
             assert sorted(os.listdir(out / "latents"))[0] == "chunk_000000.safetensors"
@@ -105,7 +107,7 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
         np.testing.assert_allclose(got, G.load_latents(str(base)), atol=1e-5)
     # a different context changes the video
     np.save(tmp_path / "ctx2.npy", ctx + 1.0)
-    assert G.main(["--out", str(tmp_path / "c2"), *FAST, "--context", str(tmp_path / "ctx2.npy")]) == 0
+    assert G.main(["--out", str(tmp_path / "c2"), *RANDOM, *FAST, "--context", str(tmp_path / "ctx2.npy")]) == 0
     assert np.abs(G.load_latents(str(tmp_path / "c2")) - G.load_latents(str(base))).max() > 1e-3
 
 
@@ -130,12 +132,14 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     (["--weights-seed", str(2 ** 64)], "--weights-seed: expected an int in [0,"),
     (["--seed", "1.5"], "--seed: expected an int"),
     (["--preview-frames", "0"], "--preview-frames"),
-    (["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"], "no effect with --checkpoint"),
+    (["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"],
+     "--weights-seed chooses random weights: add --random-weights"),
     (["--num-chunks", str(2 ** 31 // 192 + 1)], "int32 position limit: chunks of 192 tokens fit 11184810"),
 ])
 def test_bad_arguments_print_one_clear_line(tmp_path, capsys, argv, expect):
     out = tmp_path / "out"
-    code = G.main(["--out", str(out), "--no-progress", *argv])
+    model = [] if "--checkpoint" in argv else RANDOM       # the toy model's own errors: test_generate_toy.py
+    code = G.main(["--out", str(out), "--no-progress", *model, *argv])
     err = capsys.readouterr().err
     assert code == 2
     assert expect in err and "Traceback" not in err
@@ -144,7 +148,7 @@ def test_bad_arguments_print_one_clear_line(tmp_path, capsys, argv, expect):
 
 def test_bad_context_file_shapes(tmp_path, capsys):
     np.save(tmp_path / "wrong.npy", np.zeros((3, 5), np.float32))
-    assert G.main(["--out", str(tmp_path / "o"), "--context", str(tmp_path / "wrong.npy")]) == 2
+    assert G.main(["--out", str(tmp_path / "o"), *RANDOM, "--context", str(tmp_path / "wrong.npy")]) == 2
     assert "text_dim=32" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 

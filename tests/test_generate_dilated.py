@@ -10,7 +10,8 @@ import pytest
 
 import jaxkv.generate as G
 
-FAST = ["--num-chunks", "3", "--no-progress", "--no-video", "--chunk-frames", "1", "--sink-frames", "0",
+RANDOM = ["--preset", "tiny", "--random-weights"]     # the 2-layer random-weight model
+FAST = [*RANDOM, "--num-chunks", "3", "--no-progress", "--no-video", "--chunk-frames", "1", "--sink-frames", "0",
         "--window-frames", "2", "--height", "8", "--width", "8"]
 
 
@@ -25,7 +26,7 @@ FAST = ["--num-chunks", "3", "--no-progress", "--no-video", "--chunk-frames", "1
 ])
 def test_bad_dilated_flags_print_one_clear_line(tmp_path, capsys, argv, expect):
     out = tmp_path / "out"
-    code = G.main(["--out", str(out), "--no-progress", *argv])
+    code = G.main(["--out", str(out), "--no-progress", *RANDOM, *argv])
     err = capsys.readouterr().err
     assert code == 2 and expect in err and "Traceback" not in err, err
     assert not out.exists()

@@ -21,7 +21,9 @@ from jaxkv.models.umt5.tokenizer import tiny_tokenizer_json  # noqa: E402
 from jaxkv.video import read_video_info, to_uint8  # noqa: E402
 
 # 4x4 latents (32x32 video), 2 chunks of 3 latent frames: T = 6 latent frames -> 1 + 4 * 5 = 21 video frames.
-SMALL = ["--height", "4", "--width", "4", "--num-chunks", "2", "--no-progress"]
+# The random-weight model with the tiny random VAE (the toy-world default's video: test_generate_toy.py).
+RANDOM = ["--preset", "tiny", "--random-weights"]
+SMALL = ["--height", "4", "--width", "4", "--num-chunks", "2", "--no-progress", *RANDOM]
 
 
 def whole_decode(params, config, latents):
@@ -67,7 +69,8 @@ def test_mp4_sink_streams_chunks_into_a_playable_mp4(tmp_path):
     from jaxkv.generate.video import Mp4Sink
 
     latents = np.random.default_rng(0).standard_normal((1, 3, 2, 2, 16)).astype(np.float32)
-    sink = Mp4Sink(str(tmp_path), params, config, batch=1, latent_height=2, latent_width=2, fps=12, frames="npy")
+    decoder = wan_vae.StreamDecoder(params, config, latent_height=2, latent_width=2, batch=1)
+    sink = Mp4Sink(str(tmp_path), decoder, batch=1, fps=12, frames="npy")
     for i in range(3):
         sink.write_chunk(i, latents[:, i:i + 1])
     summary = sink.close()
@@ -75,6 +78,14 @@ def test_mp4_sink_streams_chunks_into_a_playable_mp4(tmp_path):
     assert read_video_info(str(tmp_path / "video.mp4")) == {"frames": 9, "height": 16, "width": 16, "fps": 12.0}
     frames = np.concatenate([np.load(tmp_path / "frames" / f"chunk_{i:06d}.npy") for i in range(3)], axis=1)
     assert np.abs(frames.astype(int) - whole_decode(params, config, latents)).max() <= 1
+    # the contact sheet: all 9 frames (fewer than its 32 slots), 8 to a row, 1-pixel gaps
+    from tests.test_generate import read_png
+
+    assert summary["contact_sheet_frames"] == list(range(9))
+    sheet = read_png(tmp_path / "contact_sheet.png")
+    assert sheet.shape == (2 * 16 + 1, 8 * 16 + 7, 3)
+    np.testing.assert_array_equal(sheet[17:, :16], frames[0, 8])
+    np.testing.assert_array_equal(sheet[:16, 17 * 3:17 * 3 + 16], frames[0, 3])
 
 
 @pytest.mark.slow
@@ -119,7 +130,7 @@ def test_interrupted_run_leaves_a_playable_mp4_of_the_chunks_done(tmp_path, caps
 
     monkeypatch.setattr(loop, "_chunk_finite", signal_on_second)
     out = tmp_path / "o"
-    argv = ["--out", str(out), *SMALL[:4], "--num-chunks", "6", "--no-progress"]
+    argv = ["--out", str(out), *SMALL[:4], *RANDOM, "--num-chunks", "6", "--no-progress"]
     assert G.main(argv) == 128 + signal.SIGINT
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "interrupted"
@@ -142,7 +153,8 @@ def _save_text_encoder(path, seed=3, **overrides):
 
 def _run_latents(tmp_path, name, argv):
     out = tmp_path / name
-    assert G.main(["--out", str(out), "--no-video", *SMALL[:4], "--num-chunks", "1", "--no-progress", *argv]) == 0
+    assert G.main(["--out", str(out), "--no-video", *SMALL[:4], *RANDOM, "--num-chunks", "1", "--no-progress",
+                   *argv]) == 0
     return G.load_latents(str(out)), json.loads((out / "summary.json").read_text())
 
 
@@ -218,7 +230,7 @@ def test_bad_combinations_are_refused_before_anything_is_written(tmp_path, capsy
         os.remove(tmp_path / "notok" / "tokenizer.json")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     out = tmp_path / "o"
-    assert G.main(["--out", str(out), "--no-progress", *argv]) == 2
+    assert G.main(["--out", str(out), "--no-progress", *RANDOM, *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err

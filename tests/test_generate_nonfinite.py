@@ -17,6 +17,7 @@ from jaxkv.models import wan
 from jaxkv.models.wan import checkpoint
 
 FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
+RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model
 
 
 @pytest.mark.parametrize("flag", ["--context", "--negative-context"])
@@ -28,7 +29,7 @@ def test_nonfinite_context_file_is_refused(tmp_path, capsys, flag, bad):
     ctx[5, 7] = bad
     np.save(tmp_path / "bad.npy", ctx)
     files = {"--context": "good.npy", "--negative-context": "good.npy", flag: "bad.npy"}
-    argv = ["--out", str(tmp_path / "o"), *FAST, "--guidance-scale", "3",
+    argv = ["--out", str(tmp_path / "o"), *RANDOM, *FAST, "--guidance-scale", "3",
             "--context", str(tmp_path / files["--context"]),
             "--negative-context", str(tmp_path / files["--negative-context"])]
     assert G.main(argv) == 2
@@ -79,7 +80,7 @@ def test_a_later_nonfinite_chunk_keeps_the_chunks_before_it(tmp_path, capsys, mo
 
     monkeypatch.setattr(loop, "_chunk_finite", third_is_bad)
     out = tmp_path / "o"
-    assert G.main(["--out", str(out), "--num-chunks", "5", "--no-progress"]) == 1
+    assert G.main(["--out", str(out), *RANDOM, "--num-chunks", "5", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "chunk 2 holds NaN/Inf latents" in err and "chunks 0..1 are written" in err
     assert G.load_latents(str(out)).shape[1] == 6

@@ -14,7 +14,8 @@ from jaxkv.generate import outputs
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 
-FAST = ["--num-chunks", "2", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
+RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model
+FAST = ["--num-chunks", "2", "--no-progress", "--no-video", *RANDOM]     # the mp4 path: test_generate_media.py
 
 
 def _chunks(n, shape=(2, 3, 4, 4, 16), seed=0):
@@ -140,7 +141,8 @@ def test_generate_refuses_existing_output_then_overwrites_without_mixing(tmp_pat
     assert sorted(os.listdir(out / "latents")) == before
     np.testing.assert_array_equal(G.load_latents(str(out)), first)
     # with --overwrite: a fresh directory, no safetensors chunk left beside the new npy ones
-    assert G.main(["--out", str(out), "--num-chunks", "1", "--no-progress", "--seed", "1", "--overwrite"]) == 0
+    assert G.main(["--out", str(out), "--num-chunks", "1", "--no-progress", "--seed", "1", "--overwrite",
+                   *RANDOM]) == 0
     assert sorted(os.listdir(out / "latents")) == ["chunk_000000.npy"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".out")]       # nothing left beside it
     again = G.load_latents(str(out))

@@ -112,7 +112,7 @@ def test_generate_on_a_release_equals_naming_each_part(tmp_path, capsys):
     explicit, _ = _run(tmp_path, "b", ["--checkpoint", str(rel / "dit"), "--text-encoder", str(rel / "text_encoder"),
                                        "--prompt", PROMPT, "--no-video"])
     np.testing.assert_array_equal(by_release, explicit)
-    default, _ = _run(tmp_path, "c", ["--prompt", PROMPT, "--no-video"])  # random DiT, embedded encoder
+    default, _ = _run(tmp_path, "c", ["--random-weights", "--prompt", PROMPT, "--no-video"])  # embedded encoder
     assert np.abs(by_release - default).max() > 1e-3
     assert summary["model"].startswith(f"checkpoint {rel / 'dit'} (release {rel}: DiT from {rel / 'dit'}")
     assert f"text encoder from {rel / 'text_encoder'}" in summary["model"]

@@ -46,7 +46,7 @@ def test_signal_in_process_stops_after_the_current_chunk(tmp_path, capsys, monke
     monkeypatch.setattr(loop, "_chunk_finite", signal_on_second)
     out = tmp_path / "o"
     before = signal.getsignal(signum)
-    code = G.main(["--out", str(out), "--num-chunks", "6", "--no-progress"])
+    code = G.main(["--out", str(out), "--num-chunks", "6", "--no-progress", "--preset", "tiny", "--random-weights"])
     captured = capsys.readouterr()
     assert code == 128 + signum
     name = signal.Signals(signum).name
@@ -57,7 +57,7 @@ def test_signal_in_process_stops_after_the_current_chunk(tmp_path, capsys, monke
 
 
 def test_signal_before_the_first_chunk_writes_nothing(tmp_path):
-    args = G.build_parser().parse_args(["--out", str(tmp_path / "o"), "--no-progress"])
+    args = G.build_parser().parse_args(["--out", str(tmp_path / "o"), "--no-progress", "--random-weights"])
     stop = loop.Stop()
     stop.signum = signal.SIGTERM
     summary = G.run(args, stop)
@@ -71,7 +71,8 @@ def test_signal_to_a_real_process(tmp_path, signum):
     out = tmp_path / "o"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "jaxkv.generate", "--out", str(out), "--num-chunks", "100000",
-                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+                             "--no-progress", "--preset", "tiny", "--random-weights"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:

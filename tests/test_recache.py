@@ -253,7 +253,8 @@ def _schedule(tmp_path, entries, name="schedule.json"):
     (None, ["--switch-sink", "keep"], "--switch-sink needs --prompt-schedule"),
 ])
 def test_cli_bad_prompt_schedules_are_one_line_errors(tmp_path, capsys, entries, extra, expect):
-    argv = ["--out", str(tmp_path / "out"), "--num-chunks", "3", "--no-progress", "--no-video", *extra]
+    argv = ["--out", str(tmp_path / "out"), "--num-chunks", "3", "--no-progress", "--no-video", "--preset", "tiny",
+            "--random-weights", *extra]     # toy-world schedules: test_generate_toy.py
     if entries is not None:
         argv += ["--prompt-schedule", _schedule(tmp_path, entries)]
     assert G.main(argv) == 2
@@ -268,7 +269,8 @@ def test_cli_prompt_schedule_switches_at_its_chunk_and_only_there(tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "a.npy", rng.standard_normal((4, text_dim)).astype(np.float32))
     np.save(tmp_path / "b.npy", rng.standard_normal((6, text_dim)).astype(np.float32))
-    common = ["--num-chunks", "4", "--no-progress", "--no-video", "--rope", "cache-relative"]
+    common = ["--num-chunks", "4", "--no-progress", "--no-video", "--rope", "cache-relative", "--preset", "tiny",
+              "--random-weights"]
 
     def run(name, *extra):
         assert G.main(["--out", str(tmp_path / name), *common, *extra]) == 0

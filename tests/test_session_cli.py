@@ -18,7 +18,8 @@ from jaxkv import session as S
 from jaxkv.generate import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["--no-progress", "--no-video"]    # default settings otherwise: the programs test_generate.py compiles
+RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model (a toy session: test_generate_toy.py)
+FAST = ["--no-progress", "--no-video", *RANDOM]    # default settings otherwise: the programs test_generate.py compiles
 
 
 def _summary(out):
@@ -142,7 +143,7 @@ def test_signal_saves_the_session_at_the_last_written_chunk(tmp_path, capsys, mo
 def test_resumed_video_continues_the_decoder(tmp_path):
     """With video, the VAE decoder's caches travel in the session: the resumed run's frames are exactly the
     uninterrupted run's frames after the first run's (no second first frame, no seam)."""
-    media = ["--no-progress", "--frames", "npy"]
+    media = ["--no-progress", "--frames", "npy", *RANDOM]
     assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "4", *media]) == 0
     assert G.main(["--out", str(tmp_path / "a"), "--num-chunks", "2", "--save-state", str(tmp_path / "S"),
                    *media]) == 0

@@ -1,20 +1,25 @@
-"""``jaxkv generate``: stream video latents chunk by chunk with causal Wan 2.1 on a ring cache, writing each chunk
-to disk as it finishes.
+"""``jaxkv generate``: stream video chunk by chunk with causal Wan 2.1 on a ring cache, writing each chunk to disk
+as it finishes.
 
-With no arguments it runs the embedded default — the ``tiny`` preset with seeded random weights and a seeded
-stand-in text context — so it works on a fresh machine with nothing downloaded. ``--checkpoint DIR`` uses a
-converted checkpoint (`jaxkv convert`); ``--context FILE`` reads precomputed text embeddings (with
-``--guidance-scale``, pass ``--negative-context FILE`` too) or ``--prompt TEXT`` encodes one (``--text-encoder DIR``,
-default the embedded tiny umT5); ``--param-dtype bfloat16`` holds the weights in bfloat16. Each chunk is also
-decoded into ``OUT/video.mp4`` (``--vae DIR``, default a tiny random VAE; ``--no-video`` turns it off).
+With no arguments it runs the embedded default — the toy world (`jaxkv.toyworld`), a tiny causal Wan trained in
+this repository and shipped in the package — streaming its default prompt to ``OUT/video.mp4`` and
+``OUT/contact_sheet.png`` with the chunk, window, sink and sampler settings it was trained for, on a fresh machine
+with nothing downloaded. ``--checkpoint DIR`` uses a converted checkpoint or release (`jaxkv convert`) or another
+toy-world release; ``--random-weights`` (with ``--preset``) the seeded random weights and stand-in context of the
+tests. ``--context FILE`` reads precomputed text embeddings (with ``--guidance-scale``, pass ``--negative-context
+FILE`` too) or ``--prompt TEXT`` encodes one (``--text-encoder DIR``, default the release's or the embedded tiny
+umT5); ``--precision bfloat16`` holds the weights in bfloat16. Each chunk is also decoded into ``OUT/video.mp4``
+(a toy world's latent map, ``--vae DIR``, or a tiny random VAE; ``--no-video`` turns it off).
 
 Modules, one concern each:
-  options   the command line and the checks that need no model (`build_parser`, `DEFAULTS`, `UsageError`)
-  inputs    the model config and params, the text context; shapes and finiteness checked
-  outputs   the output directory: safety checks, per-chunk sinks, the manifest, `load_latents`
-  preview   the latent-to-RGB projection and the bounded contact sheet (`PreviewSink`); png: the PNG writer
-  video     the VAE decode of each chunk into the mp4 (`Mp4Sink`)
-  loop      the loop: signals, timing, the summary, `main`
+  options        the command line and the checks that need no model (`build_parser`, `DEFAULTS`, `UsageError`)
+  toy            the toy-world default: the model choice, its settings as flag defaults, its prompts and decoder
+  inputs         the model config and params, the text context; shapes and finiteness checked
+  outputs        the output directory: safety checks, per-chunk sinks, the manifest, `load_latents`
+  preview        the latent-to-RGB projection and the bounded latent preview (`PreviewSink`); png: the PNG writer
+  video          the decode of each chunk into the mp4 (`Mp4Sink`, any `StreamDecoder`-like decoder)
+  contact_sheet  the bounded grid of decoded frames spread over the stream (`ContactSheet`)
+  loop           the loop: signals, timing, the summary, `main`
 
 The output directory's layout is documented in `jaxkv.generate.outputs`.
 """

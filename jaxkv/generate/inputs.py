@@ -21,9 +21,13 @@ from jaxkv.precision import Precision
 def pick_up_release(args) -> str | None:
     """When ``--checkpoint`` is a converted release (`jaxkv.models.release`: ``DST/{dit,vae,text_encoder}``), points
     ``args.checkpoint`` at its DiT and ``args.vae`` / ``args.text_encoder`` at its parts, unless given explicitly
-    (the VAE only when a video is written, the text encoder only with ``--prompt``). Returns where each part came
-    from, for the summary; None (``args`` untouched) for anything else. UsageError for a directory that is neither
-    a DiT checkpoint nor a release, and for a release that lacks a part the run needs."""
+    (the VAE only when a video is written, the text encoder only with ``--prompt`` or ``--prompt-schedule``), and
+    records the release's root in ``args.release``. A toy-world release (`jaxkv.toyworld.model`) is one with
+    ``latent_map/`` in place of ``vae/``: its frames are decoded by `jaxkv.generate.toy`, so no VAE is looked for.
+    Returns where each part came from, for the summary; None (``args`` untouched) for anything else. UsageError for
+    a directory that is neither a DiT checkpoint nor a release, and for a release that lacks a part the run needs."""
+    from jaxkv.toyworld import model as toy_model
+
     path = args.checkpoint
     parts = release_parts(path)
     if parts is None:
@@ -32,11 +36,16 @@ def pick_up_release(args) -> str | None:
                              f"safetensors) nor a converted release ({', '.join(p + '/' for p in PARTS.values())}); "
                              f"convert a checkpoint or a Wan release with `jaxkv convert`")
         return None
-    args.checkpoint = parts["dit"]
+    toy = toy_model.is_release(path)
+    args.checkpoint, args.release = parts["dit"], os.path.abspath(path)
     taken = [f"DiT from {parts['dit']}"]
+    if toy:
+        taken.append(f"latent map from {os.path.join(path, toy_model.LATENT_MAP_DIR)}" if not args.no_video
+                     else "latent map not used (--no-video)")
+    needs_text = args.prompt is not None or bool(args.prompt_schedule)
     for family, name, flag, attr, needed, unused in (
-            ("vae", "VAE", "--vae", "vae", not args.no_video, "--no-video"),
-            ("umt5", "text encoder", "--text-encoder", "text_encoder", args.prompt is not None, "no --prompt")):
+            *(() if toy else (("vae", "VAE", "--vae", "vae", not args.no_video, "--no-video"),)),
+            ("umt5", "text encoder", "--text-encoder", "text_encoder", needs_text, "no --prompt")):
         if not needed:
             taken.append(f"{name} not used ({unused})")
         elif getattr(args, attr):
@@ -47,7 +56,7 @@ def pick_up_release(args) -> str | None:
         else:
             raise UsageError(f"--checkpoint {path} is a converted release without {PARTS[family]}/; pass {flag} DIR"
                              + (" or --no-video" if family == "vae" else ""))
-    return f"release {path}: " + ", ".join(taken)
+    return f"{'toy-world release' if toy else 'release'} {path}: " + ", ".join(taken)
 
 
 def resolve_config(args):

@@ -29,7 +29,7 @@ from jaxkv import recache
 from jaxkv import parallel as PL
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
-from jaxkv.generate import inputs, options, outputs, prompts, resume
+from jaxkv.generate import inputs, options, outputs, prompts, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
@@ -161,13 +161,19 @@ def run(args, stop: Stop | None = None) -> dict:
         raise UsageError("--prompt-schedule cannot be combined with --resume yet (a saved session does not hold "
                          "the clean latents a prompt switch re-caches); resume without it")
     resumed = resume.apply_resume(args)            # --resume: the session's settings replace the flags
+    options.check_model(args)
+    toy_dir = toy.prepare(args, fill=resumed is None)   # the toy world (the default): its settings fill the flags
     options.check(args)
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
-    vae_config = inputs.resolve_vae(args, config)
+    vae_config = None if toy_dir else inputs.resolve_vae(args, config)
     entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
-    sources = [p for p in (args.checkpoint, args.context, args.negative_context, args.vae, args.text_encoder,
-                           args.embeddings_cache, args.prompt_schedule, args.resume) if p]
+    if toy_dir and entries:
+        toy.check_schedule(entries)
+    decoder = toy.frame_decoder(toy_dir) if toy_dir and not args.no_video else None    # a Wan VAE's: below
+    sources = [p for p in (getattr(args, "release", None), args.checkpoint, args.context, args.negative_context,
+                           args.vae, args.text_encoder, args.embeddings_cache, args.prompt_schedule, args.resume)
+               if p]
     sources += [e.context for e in entries or () if e.context]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
     resume.check_save_state(args, sources)
@@ -219,8 +225,13 @@ def run(args, stop: Stop | None = None) -> dict:
     chunk_shape = rc.chunk_shape(config, args.batch)
     video = None
     if vae_config is not None:
-        video = Mp4Sink(out, vae_params, vae_config, batch=args.batch, latent_height=args.height,
-                        latent_width=args.width, fps=args.fps or options.DEFAULTS["fps"], frames=args.frames)
+        from jaxkv.models.wan_vae import StreamDecoder
+
+        decoder = StreamDecoder(vae_params, vae_config, latent_height=args.height, latent_width=args.width,
+                                batch=args.batch)
+    if decoder is not None:
+        video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps or options.DEFAULTS["fps"],
+                        frames=args.frames)
         sinks.append(video)
     files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
 
@@ -235,7 +246,7 @@ def run(args, stop: Stop | None = None) -> dict:
         "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
         "mesh": None if mesh is None else PL.mesh_sizes(mesh),
         "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
-        "vae": None if vae_config is None else (args.vae or "tiny random (embedded default)"), **text_info,
+        "vae": _decoder_name(args, toy_dir), **text_info,
         "first_chunk": stream.start, "resumed_from": None if session is None else os.path.abspath(args.resume),
     }
     progress = None
@@ -321,6 +332,15 @@ def run(args, stop: Stop | None = None) -> dict:
     return summary
 
 
+def _decoder_name(args, toy_dir) -> str | None:
+    """What decodes the mp4, for the summary (None without video)."""
+    if args.no_video:
+        return None
+    if toy_dir:
+        return f"toy-world latent map {os.path.join(toy_dir, toy.model.LATENT_MAP_DIR)}"
+    return args.vae or "tiny random (embedded default)"
+
+
 def _rates(summary: dict, chunk_frames: int, steady_n: int, denoise_s: float, loop_start: float | None,
            video) -> None:
     """Adds the two throughputs to ``summary``: denoise-only (latent frames per second over the chunks after the
@@ -387,6 +407,9 @@ def print_written(s: dict) -> None:
         size = s.get("video_size") or [0, 0]
         print(f"video        {s['video']}: {s['video_frames']} frames of {size[0]}x{size[1]} at {s['fps']} fps "
               f"(VAE: {s['vae']})" + (f"; frames in {s['frames_dir']}" if s.get("frames_dir") else ""))
+    if s.get("contact_sheet"):
+        print(f"sheet        {s['contact_sheet']}: {len(s['contact_sheet_frames'])} frames of each video, evenly "
+              f"spaced, the last included")
 
 
 def main(argv: list[str] | None = None) -> int:

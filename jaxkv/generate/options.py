@@ -23,7 +23,11 @@ FRAME_FORMATS = ("png", "npy")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).
 SEED_MAX = 2 ** 63 - 1
 
-DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3, num_chunks=8,
+# The video, cache and sampler defaults below are those of --random-weights and of a Wan --checkpoint; the toy-world
+# model (the default) takes them from its release's settings for every flag not passed (`jaxkv.generate.toy`).
+DEFAULT_NUM_CHUNKS = 240        # 720 latent = video frames of the toy world: 45 s at 16 fps
+DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3,
+                num_chunks=DEFAULT_NUM_CHUNKS,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
                 policy="ring", precision="float32", rope="absolute", out="jaxkv_out", format="npy",
                 preview_scale=4, preview_frames=12, fps=16, dilated_every=0)
@@ -85,14 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
     p = argparse.ArgumentParser(
         prog="jaxkv generate",
-        description="Stream video latents chunk by chunk with causal Wan 2.1 on a ring KV cache "
-                    "(Self-Forcing sampler), writing each chunk to --out as it finishes. With no arguments: the "
-                    "tiny preset with seeded random weights. Ctrl-C / SIGTERM stop after the current chunk.",
+        description="Stream video chunk by chunk with causal Wan 2.1 on a ring KV cache (Self-Forcing sampler), "
+                    "writing each chunk to --out as it finishes. With no arguments: the toy world shipped in the "
+                    "package (a tiny causal Wan trained in this repository on coloured shapes bouncing in a box) "
+                    "streams its default prompt to OUT/video.mp4 and OUT/contact_sheet.png, with the chunk, window, "
+                    "sink, steps and shift it was trained for. Ctrl-C / SIGTERM stop after the current chunk.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--checkpoint", metavar="DIR", help="converted jaxkv checkpoint directory (`jaxkv convert`), "
-                   "loaded in --precision's weight dtype; default: random weights of --preset")
-    m.add_argument("--preset", default=d["preset"], help="preset for random weights when no --checkpoint")
+    m.add_argument("--checkpoint", metavar="DIR", help="converted jaxkv checkpoint or release directory (`jaxkv "
+                   "convert`), or a toy-world release (`python -m jaxkv.toyworld train --out DIR`: its settings are "
+                   "the defaults of the video, cache and sampler flags, and its latent map decodes the mp4), loaded "
+                   "in --precision's weight dtype; default: the toy-world release shipped in the package")
+    m.add_argument("--random-weights", action="store_true", help="seeded random weights of --preset instead of a "
+                   "trained model, with a seeded stand-in context and a tiny random VAE (pictures of noise: for "
+                   "tests and timing); not with --checkpoint")
+    m.add_argument("--preset", default=d["preset"], help="Wan preset of --random-weights (needs it)")
     m.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
                    help="dtype policy (jaxkv.precision.Precision): float32 everywhere, or bfloat16 = Self-Forcing's "
                         "inference: weights (a checkpoint is cast on load; a 14B one takes ~28 GB instead of ~56 GB), "
@@ -105,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(heads and FFN; divides the model's heads). N*M must equal the device count. A checkpoint "
                         "is read straight into its shards. Default: one device")
     m.add_argument("--weights-seed", type=_seed, default=d["weights_seed"],
-                   help=f"seed of the random weights, 0..{SEED_MAX}")
+                   help=f"seed of --random-weights (needs it), 0..{SEED_MAX}")
     t = p.add_argument_group("text")
     t.add_argument("--context", metavar="FILE", help="text embeddings [tokens, text_dim] (.npy or .safetensors); "
                    "default: a seeded stand-in")
@@ -113,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--guidance-scale when --context is given (default with the stand-in context: zeros)")
     t.add_argument("--guidance-scale", type=float, help="classifier-free guidance scale (runs the negative "
                    "context as a second session; default: no guidance)")
-    t.add_argument("--prompt", metavar="TEXT", help="text prompt, encoded once by --text-encoder (default: the "
-                   "embedded tiny random umT5, which only fits a model with its text_dim); not with --context")
+    t.add_argument("--prompt", metavar="TEXT", help="text prompt, encoded once by --text-encoder (default: a "
+                   "release's own encoder, else the embedded tiny random umT5, which only fits a model with its "
+                   "text_dim); not with --context. A toy-world model takes toy-world prompts (e.g. 'a red circle "
+                   "and a blue square, fast'; default: its release's prompt)")
     t.add_argument("--negative-prompt", metavar="TEXT", help="negative prompt for guidance (may be \"\"); "
                    "required with --guidance-scale and --prompt")
     t.add_argument("--text-encoder", metavar="DIR", help="converted jaxkv umT5 directory (converters.umt5)")
@@ -129,14 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--switch-sink", choices=SWITCH_SINK, default=argparse.SUPPRESS, help="at a prompt switch, "
                    "keep the sink's K/V (default: keep; LongLive's global sink) or recompute them under the new "
                    "prompt")
-    v = p.add_argument_group("video and cache (frames are latent frames)")
+    toy_note = ("the defaults shown are those of --random-weights and Wan checkpoints; a toy-world model's settings "
+                "replace those of --height, --width, --chunk-frames, --window-frames, --sink-frames, --steps and "
+                "--shift for each one not passed")
+    v = p.add_argument_group("video and cache (frames are latent frames)", toy_note)
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
     v.add_argument("--width", type=_positive, default=d["width"], help="latent width")
     v.add_argument("--chunk-frames", type=_positive, default=d["chunk_frames"], help="frames per chunk")
     v.add_argument("--window-frames", type=_positive, default=d["window_frames"],
                    help="rolling attention window, including the current chunk")
     v.add_argument("--sink-frames", type=_non_negative, default=d["sink_frames"], help="pinned first frames")
-    v.add_argument("--num-chunks", type=_positive, default=d["num_chunks"], help="chunks to generate")
+    v.add_argument("--num-chunks", type=_positive, default=d["num_chunks"], help="chunks to generate (the "
+                   "default is 45 s of toy-world video at 16 fps)")
     v.add_argument("--batch", type=_positive, default=d["batch"], help="independent videos (sessions)")
     v.add_argument("--policy", choices=POLICIES, default=d["policy"], help="cache policy")
     v.add_argument("--dilated-every", type=_non_negative, default=d["dilated_every"], metavar="K",
@@ -149,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "absolute frame (Self-Forcing); cache-relative: keys cached unrotated and rotated by their rank "
                    "in the cache, so frame indices stay within the cache however long the stream (no int32 "
                    "limit on --num-chunks)")
-    s = p.add_argument_group("sampler")
+    s = p.add_argument_group("sampler", toy_note)
     s.add_argument("--steps", type=_parse_steps, default=_parse_steps(d["steps"]),
                    help="denoising steps on the 1000-step grid, comma-separated")
     s.add_argument("--shift", type=float, default=d["shift"], help="flow-matching shift")
@@ -168,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--preview-frames", type=_int_in(1, 1000), default=d["preview_frames"],
                    help="preview.png shows the first and the last this many frames of each video")
     o.add_argument("--vae", metavar="DIR", help="converted jaxkv Wan VAE directory: each chunk is decoded as it "
-                   "arrives and appended to OUT/video.mp4 (default: a tiny random VAE, seeded)")
+                   "arrives and appended to OUT/video.mp4 (default: a release's own VAE, else a tiny random VAE, "
+                   "seeded); not with a toy-world model, which decodes with its latent map. Any run with video also "
+                   "writes OUT/contact_sheet.png (evenly spaced decoded frames, the last included)")
     o.add_argument("--fps", type=_int_in(1, 240), help=f"frames per second of the mp4 (default {d['fps']}, Wan's)")
     o.add_argument("--frames", choices=FRAME_FORMATS, help="also write the decoded frames: png = OUT/frames/"
                    "frame_VIDEO_NNNNNN.png per frame, npy = OUT/frames/chunk_NNNNNN.npy (uint8 [batch, n, H, W, 3]) "
                    "per chunk; one chunk of frames in host memory at a time, disk grows with the run")
-    o.add_argument("--no-video", action="store_true", help="no mp4 (latents and preview only)")
+    o.add_argument("--no-video", action="store_true", help="no mp4 and no contact sheet (latents and preview only)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     r = p.add_argument_group("session (jaxkv.session)")
     r.add_argument("--save-state", metavar="DIR", help="after the last chunk (or when stopped by a signal) save the "
@@ -187,10 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The settings a session continues under: --resume takes them from the session, and refuses other values.
-SESSION_SETTINGS = ("checkpoint", "preset", "precision", "weights_seed", "context", "negative_context",
-                    "guidance_scale", "prompt", "negative_prompt", "text_encoder", "height", "width", "chunk_frames",
-                    "window_frames", "sink_frames", "batch", "policy", "dilated_every", "dilation", "buckets",
-                    "rope", "steps", "shift", "context_noise", "seed", "vae", "no_video")
+SESSION_SETTINGS = ("checkpoint", "random_weights", "preset", "precision", "weights_seed", "context",
+                    "negative_context", "guidance_scale", "prompt", "negative_prompt", "text_encoder", "height",
+                    "width", "chunk_frames", "window_frames", "sink_frames", "batch", "policy", "dilated_every",
+                    "dilation", "buckets", "rope", "steps", "shift", "context_noise", "seed", "vae", "no_video")
 
 
 def explicit_flags(argv: list[str]) -> set[str]:
@@ -199,6 +218,29 @@ def explicit_flags(argv: list[str]) -> set[str]:
     for action in p._actions:
         action.default = argparse.SUPPRESS
     return set(vars(p.parse_args(argv)))
+
+
+def explicit(args: argparse.Namespace) -> set[str]:
+    """The destinations the user passed: ``args.explicit_flags`` (set by `jaxkv.generate.main` from the argv), or,
+    for a Namespace parsed without it (e.g. from Python), every setting that differs from its default."""
+    given = getattr(args, "explicit_flags", None)
+    if given is not None:
+        return set(given)
+    defaults = vars(build_parser().parse_args([]))
+    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """The model choice: ``--random-weights`` (with ``--preset`` / ``--weights-seed``), or ``--checkpoint DIR``
+    (default: the shipped toy world). Raises UsageError for flags of the other choice."""
+    if args.random_weights and args.checkpoint:
+        raise UsageError("--random-weights and --checkpoint both choose the weights; pass one")
+    if not args.random_weights:
+        given = explicit(args)
+        for flag, name in (("--preset", "preset"), ("--weights-seed", "weights_seed")):
+            if name in given:
+                raise UsageError(f"{flag} chooses random weights: add --random-weights (without it the model is "
+                                 f"--checkpoint DIR, by default the toy world shipped in the package)")
 
 
 def flag_name(dest: str) -> str:
@@ -253,7 +295,3 @@ def check(args: argparse.Namespace) -> None:
                 raise UsageError(f"{flag} has no effect with --no-video")
     if args.save_state and args.resume and os.path.abspath(args.save_state) == os.path.abspath(args.resume):
         raise UsageError("--save-state is the --resume directory; save the continued session to another directory")
-    if args.checkpoint:
-        for flag, name in (("--weights-seed", "weights_seed"), ("--preset", "preset")):
-            if getattr(args, name) != DEFAULTS[name]:
-                raise UsageError(f"{flag} chooses random weights; it has no effect with --checkpoint")

@@ -6,7 +6,8 @@ Layout of ``--out``::
     latents/chunk_000000.npy   float32 [batch, chunk_frames, latent_height, latent_width, channels], one per chunk
     latents/...                (``--format safetensors``: chunk_000000.safetensors holding one tensor "latents")
     preview.png                first and last frames through a fixed latent-to-RGB projection (`preview`)
-    video.mp4                  the VAE-decoded video, grown chunk by chunk (`video`; video_B.mp4 per video, batch > 1)
+    video.mp4                  the decoded video, grown chunk by chunk (`video`; video_B.mp4 per video, batch > 1)
+    contact_sheet.png          with video: decoded frames spread evenly over the stream, bounded (`contact_sheet`)
     frames/                    with ``--frames``: frame_B_NNNNNN.png per frame or chunk_NNNNNN.npy per chunk
     summary.json               settings, timings and how the run ended
 

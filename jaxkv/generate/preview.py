@@ -38,9 +38,15 @@ def preview_image(latents: np.ndarray, scale: int = 4, gap: int = 1, columns: in
     """[batch, frames, h, w, channels] -> uint8 [rows, cols, 3]: frames left to right in rows of ``columns``, each
     video below the previous one, each latent pixel a ``scale`` x ``scale`` block, tiles ``gap`` black pixels
     apart."""
-    b, f, h, w, _ = latents.shape
     tiles = np.repeat(np.repeat(latent_to_rgb(latents), scale, axis=2), scale, axis=3)   # [b, f, H, W, 3]
-    th, tw = h * scale, w * scale
+    return tile_grid(tiles, columns, gap)
+
+
+def tile_grid(tiles: np.ndarray, columns: int, gap: int = 1) -> np.ndarray:
+    """uint8 [batch, frames, H, W, 3] -> uint8 [rows, cols, 3]: frames left to right in rows of ``columns`` (fewer
+    when there are fewer frames), each video's rows below the previous video's, tiles ``gap`` black pixels apart.
+    Shared by the preview and the contact sheet (`jaxkv.generate.contact_sheet`)."""
+    b, f, th, tw, _ = tiles.shape
     cols = min(f, columns)
     rows_per_video = -(-f // cols)
     rows = b * rows_per_video

@@ -10,7 +10,8 @@ What a continuation writes: ``--out`` holds its own chunks, numbered from 0 in `
 its first chunk) and ``"resumed_from"``. The runs' latents concatenated in order are the uninterrupted stream's, bit
 for bit. With video, the VAE decoder's feature caches are part of the session, so the continuation's mp4 carries on
 where the previous one stopped (4 frames per latent frame, no new first frame): the mp4 files played in order are
-the uninterrupted video.
+the uninterrupted video. A toy-world video (`jaxkv.generate.toy`) decodes each latent frame alone, so its session
+holds no decoder state and its continuation's mp4 carries on all the same.
 """
 
 from __future__ import annotations
@@ -36,17 +37,13 @@ def _norm(dest: str, value):
 
 
 def recorded_settings(args) -> dict:
-    """The settings a session of this run continues under (JSON-able)."""
-    return {dest: _norm(dest, getattr(args, dest)) for dest in options.SESSION_SETTINGS}
-
-
-def _explicit(args) -> set[str]:
-    explicit = getattr(args, "explicit_flags", None)
-    if explicit is not None:
-        return set(explicit)
-    # Called with a parsed Namespace but no argv (e.g. from Python): whatever differs from the defaults was given.
-    defaults = vars(options.build_parser().parse_args([]))
-    return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    """The settings a session of this run continues under (JSON-able). The checkpoint is the directory the run
+    was given: a release's root (``args.release``, set by `inputs.pick_up_release`), not its dit/ part, so that a
+    toy-world session resumes as one (its latent map and settings are found from the root)."""
+    recorded = {dest: _norm(dest, getattr(args, dest)) for dest in options.SESSION_SETTINGS}
+    if getattr(args, "release", None):
+        recorded["checkpoint"] = _norm("checkpoint", args.release)
+    return recorded
 
 
 def apply_resume(args) -> dict | None:
@@ -64,7 +61,7 @@ def apply_resume(args) -> dict | None:
         raise UsageError(f"--resume {args.resume} is a jaxkv session but not one saved by this jaxkv generate (its "
                          f"recorded settings are missing or of another version); continue it from Python with "
                          f"jaxkv.rollout.Stream.from_session")
-    explicit = _explicit(args)
+    explicit = options.explicit(args)
     conflicts = []
     for dest in options.SESSION_SETTINGS:
         saved, now = recorded[dest], _norm(dest, getattr(args, dest))
@@ -102,7 +99,10 @@ def load(args, config, rc) -> S.Session:
 
 
 def restore_video(video, session: S.Session) -> None:
-    """Continues the mp4 sink's decoder from the session's VAE feature caches (after its warm-up reset)."""
+    """Continues the mp4 sink's decoder from the session's VAE feature caches (after its warm-up reset). A toy-world
+    `FrameDecoder` carries nothing between chunks: nothing to restore."""
+    if not _stateful(video.decoder):
+        return
     extra = session.extras.get(S.VAE_DECODER)
     if extra is None:
         raise UsageError("--resume: the session holds no VAE decoder state, so a video cannot continue seamlessly; "
@@ -120,7 +120,15 @@ def restore_video(video, session: S.Session) -> None:
 def save(args, stream, video, chunks_written: int) -> str:
     """Writes the stream's session (and the VAE decoder's caches) to ``--save-state``; returns its path. The
     stream must not step again before this returns (the session shares its buffers)."""
-    extras = {} if video is None else {S.VAE_DECODER: S.vae_extra(video.decoder.state)}
+    extras = {S.VAE_DECODER: S.vae_extra(video.decoder.state)} if video is not None and _stateful(video.decoder) \
+        else {}
     session = stream.session(copy=False, extras=extras)
     return S.save(args.save_state, session, force=args.overwrite,
                   metadata={"generate": recorded_settings(args), "chunks_written_by_this_run": chunks_written})
+
+
+def _stateful(decoder) -> bool:
+    """A Wan VAE `StreamDecoder` (feature caches carried between chunks), not a toy-world `FrameDecoder`."""
+    from jaxkv.models.wan_vae import StreamDecoder
+
+    return isinstance(decoder, StreamDecoder)

@@ -1,13 +1,16 @@
-"""The mp4 output of ``jaxkv generate``: `Mp4Sink` decodes each latent chunk with the Wan VAE as it arrives and
-appends the frames to ``OUT/video.mp4`` (``video_B.mp4`` per video for a batch > 1), optionally also writing them
-to ``OUT/frames/``.
+"""The mp4 output of ``jaxkv generate``: `Mp4Sink` decodes each latent chunk as it arrives and appends the frames to
+``OUT/video.mp4`` (``video_B.mp4`` per video for a batch > 1) and to the bounded ``OUT/contact_sheet.png``
+(`jaxkv.generate.contact_sheet`), optionally also writing them to ``OUT/frames/``.
 
-Nothing here waits for the device: `write_chunk` dispatches the decode (`StreamDecoder`, asynchronous) and hands
-the resulting device array to the `VideoWriter`, whose host thread is the one that waits for and encodes it. The
-loop has already dispatched the next chunk's denoising, so the decode of chunk k overlaps it where the runtime
-runs them concurrently. Only ``--frames`` fetches the frames on the caller's thread (one chunk at a time).
+The decoder is any object with the `jaxkv.models.wan_vae.StreamDecoder` interface: ``decoder(latents [batch, T, h,
+w, C]) -> uint8 [batch, n, H, W, 3]`` (asynchronous) and ``reset()``. Two exist: the Wan VAE's `StreamDecoder`
+(T latent frames give ``1 + 4 (T - 1)`` video frames for the first chunk, ``4 T`` later: the VAE's causal first
+frame) and the toy world's `jaxkv.toyworld.latents.FrameDecoder` (one frame per latent frame).
 
-Frame counts: T latent frames give ``1 + 4 (T - 1)`` video frames (the VAE's causal first frame).
+Nothing here waits for the device: `write_chunk` dispatches the decode and hands the resulting device array to the
+`VideoWriter`, whose host thread is the one that waits for and encodes it. The loop has already dispatched the next
+chunk's denoising, so the decode of chunk k overlaps it where the runtime runs them concurrently. Only ``--frames``
+fetches the frames on the caller's thread (one chunk at a time).
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.generate.png import write_png
-from jaxkv.models import wan_vae
-from jaxkv.video import VideoWriter
-
+from jaxkv.generate.contact_sheet import FILE as CONTACT_SHEET
+from jaxkv.generate.contact_sheet import ContactSheet
 from jaxkv.generate.outputs import FRAMES_DIR
+from jaxkv.generate.png import write_png
+from jaxkv.video import VideoWriter
 
 
 def video_names(batch: int) -> tuple[str, ...]:
@@ -31,26 +34,27 @@ def video_names(batch: int) -> tuple[str, ...]:
 
 
 class Mp4Sink:
-    """Output sink: latent chunk float32 [batch, T, h, w, z_dim] -> decoded frames -> mp4 (and ``--frames``).
+    """Output sink: latent chunk float32 [batch, T, h, w, C] -> decoded frames -> mp4, contact sheet (and
+    ``--frames``).
 
     Args:
       out: the output directory.
-      params, config: the VAE; ``config.z_dim`` must equal the latents' channels (checked by the caller).
-      batch, latent_height, latent_width: the stream's latent geometry.
+      decoder: the frame decoder (see the module docstring) of ``batch`` streams, built for the latents' channels
+        and size (checked by the caller).
+      batch: the stream's batch (one mp4 per video).
       fps: frames per second of the mp4.
       frames: None, "png" (``frames/frame_B_NNNNNN.png`` per video frame) or "npy" (``frames/chunk_NNNNNN.npy``,
-        uint8 [batch, n, 8h, 8w, 3] per chunk).
+        uint8 [batch, n, H, W, 3] per chunk).
     """
 
-    def __init__(self, out: str, params: dict, config: wan_vae.WanVAEConfig, *, batch: int, latent_height: int,
-                 latent_width: int, fps: int, frames: str | None = None):
+    def __init__(self, out: str, decoder, *, batch: int, fps: int, frames: str | None = None):
         if frames not in (None, "png", "npy"):
             raise ValueError(f"frames must be None, 'png' or 'npy', got {frames!r}")
-        self.decoder = wan_vae.StreamDecoder(params, config, latent_height=latent_height, latent_width=latent_width,
-                                             batch=batch)
+        self.decoder = decoder
         self.paths = [os.path.join(out, n) for n in video_names(batch)]
         self.fps, self.frames, self.frames_dir = fps, frames, os.path.join(out, FRAMES_DIR)
-        self.names = video_names(batch) + ((FRAMES_DIR,) if frames else ())
+        self.sheet = ContactSheet(os.path.join(out, CONTACT_SHEET))
+        self.names = video_names(batch) + self.sheet.names + ((FRAMES_DIR,) if frames else ())
         if frames:
             os.makedirs(self.frames_dir, exist_ok=True)
         self.writers = [VideoWriter(p, fps) for p in self.paths]
@@ -73,6 +77,7 @@ class Mp4Sink:
         self.size = (int(frames.shape[2]), int(frames.shape[3]))
         for b, writer in enumerate(self.writers):
             writer.append(frames[b])
+        self.sheet.add(frames)
         if self.frames == "npy":
             path = os.path.join(self.frames_dir, f"chunk_{index:06d}.npy")
             with open(f"{path}.tmp", "wb") as f:
@@ -85,18 +90,20 @@ class Mp4Sink:
                     write_png(os.path.join(self.frames_dir, f"frame_{b}_{first + j:06d}.png"), host[b, j])
 
     def close(self) -> dict:
-        """Finishes every mp4 (waits for the encoder threads); returns what the summary records."""
+        """Finishes every mp4 (waits for the encoder threads) and writes the contact sheet; returns what the summary
+        records."""
         errors = []
         for writer in self.writers:              # every file is finalised even if one encoder failed
             try:
                 writer.close()
             except Exception as e:  # noqa: BLE001 - the first is re-raised below
                 errors.append(e)
+        sheet = self.sheet.write()             # also when an encoder failed: the frames it shows were decoded
         self.closed_at = time.perf_counter()
         if errors:
             raise errors[0]
         summary = {"video": self.paths if len(self.paths) > 1 else self.paths[0], "video_frames": self.video_frames,
-                   "fps": self.fps, "video_size": list(self.size) if self.size else None}
+                   "fps": self.fps, "video_size": list(self.size) if self.size else None, **sheet}
         if self.frames:
             summary["frames_dir"] = self.frames_dir
         return summary

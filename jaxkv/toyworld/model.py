@@ -118,6 +118,18 @@ def is_release(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, SETTINGS_FILE))
 
 
+def read_settings(directory: str) -> Settings:
+    """The `Settings` of a release from its toyworld.json alone (no weights read), format checked as `load` checks
+    it: for a caller that validates its flags before loading anything (``jaxkv generate``)."""
+    path = os.path.join(directory, SETTINGS_FILE)
+    with open(path) as f:
+        meta = json.load(f)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION \
+            or not isinstance(meta.get("settings"), dict):
+        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} file with settings")
+    return Settings.from_dict(meta["settings"])
+
+
 def load(directory: str = RELEASE_DIR) -> ToyModel:
     """Reads a release; the DiT in float32. FileNotFoundError / ValueError name what is missing or wrong."""
     path = os.path.join(directory, SETTINGS_FILE)
