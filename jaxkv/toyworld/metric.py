@@ -16,7 +16,8 @@ Detection (`detect`), per frame and per colour of `world.COLOURS`, vectorised ov
    its sharpest corner pixels. After it, uniform noise leaves at most 43 pixels of a colour in an object box, under
    `MIN_AREA` (60, about half the smallest shape, the triangle: ~114 pixels as detected).
 3. **One object per colour.** The object is the mask within `WINDOW` pixels of the mask's per-axis median (a shape
-   reaches at most 9.5 pixels from its centre), so stray pixels elsewhere neither drag the centroid nor enlarge the
+   reaches at most 9.5 pixels from its centre), re-centred once on the centre of mass of what that box holds (the
+   median of two blobs lies at the edge of one), so stray pixels elsewhere neither drag the centroid nor enlarge the
    box. The whole mask is not one blob necessarily: an object cut in two by another one drawn over it stays one
    object. What lies outside the box is ``stray``: a second object of the same colour when it reaches `MIN_AREA`.
 4. **Features.** Area, centroid (x, y in the world's units: pixel i's centre is at i + 0.5, as in
@@ -120,14 +121,9 @@ def _first(mask: np.ndarray) -> np.ndarray:
     return np.where(mask.any(-1), mask.argmax(-1), -1)
 
 
-def _features(masks: np.ndarray) -> Detections:
-    """Detections of one block of masks bool [B, C, H, W]."""
-    columns, rows = masks.sum(2), masks.sum(3)                  # per-x and per-y pixel counts [B, C, SIZE]
-    total = columns.sum(-1)
-    # per-axis median of the mask: the first index where the running count reaches half the total
-    half = (total[..., None] + 1) // 2
-    mx = np.where(total > 0, (columns.cumsum(-1) >= half).argmax(-1), 0)
-    my = np.where(total > 0, (rows.cumsum(-1) >= half).argmax(-1), 0)
+def _boxed(masks: np.ndarray, mx: np.ndarray, my: np.ndarray):
+    """The part of masks bool [B, C, H, W] within `WINDOW` of pixel (mx, my) int [B, C], with its column and row
+    counts [B, C, SIZE], area [B, C] and centre of mass cx, cy [B, C] (NaN where empty)."""
     inx = np.abs(_INDEX - mx[..., None]) <= WINDOW             # [B, C, SIZE]
     iny = np.abs(_INDEX - my[..., None]) <= WINDOW
     obj = masks & iny[..., :, None] & inx[..., None, :]
@@ -136,6 +132,21 @@ def _features(masks: np.ndarray) -> Detections:
     with np.errstate(invalid="ignore", divide="ignore"):
         cx = (columns * (_INDEX + 0.5)).sum(-1) / area
         cy = (rows * (_INDEX + 0.5)).sum(-1) / area
+    return obj, columns, rows, area, cx, cy
+
+
+def _features(masks: np.ndarray) -> Detections:
+    """Detections of one block of masks bool [B, C, H, W]."""
+    columns, rows = masks.sum(2), masks.sum(3)                  # per-x and per-y pixel counts [B, C, SIZE]
+    total = columns.sum(-1)
+    # per-axis median of the mask: the first index where the running count reaches half the total
+    half = (total[..., None] + 1) // 2
+    mx = np.where(total > 0, (columns.cumsum(-1) >= half).argmax(-1), 0)
+    my = np.where(total > 0, (rows.cumsum(-1) >= half).argmax(-1), 0)
+    obj, columns, rows, area, cx, cy = _boxed(masks, mx, my)
+    # the median of two blobs lies at the edge of one, so centre the box once more on what it holds
+    obj, columns, rows, area, cx, cy = _boxed(masks, np.where(area > 0, np.floor(cx), mx).astype(int),
+                                              np.where(area > 0, np.floor(cy), my).astype(int))
     x0, y0 = _first(columns > 0), _first(rows > 0)
     x1 = np.where(area > 0, world.SIZE - 1 - _first(columns[..., ::-1] > 0), -1)
     y1 = np.where(area > 0, world.SIZE - 1 - _first(rows[..., ::-1] > 0), -1)
@@ -271,14 +282,17 @@ def occlusion(detections: Detections, prompt: str) -> Occlusion:
 def frame_adherence(detections: Detections, prompt: str) -> np.ndarray:
     """float64 [T]: per frame, matched / max(named, detected).
 
-    matched: the prompt's objects seen in their colour and shape; a touching object (see `occlusion`) needs only
-    its colour, and a hidden one counts as seen. detected: the colours seen, plus one for each colour with a
+    matched: the prompt's objects seen in their colour and shape; a covered object (see `occlusion`), or one with
+    an earlier-named object hidden under it, needs only its colour, and a hidden one counts as seen. detected: the colours seen, plus one for each colour with a
     second blob (``stray >= MIN_AREA``), so an object the prompt does not name, or a duplicate, costs as much as a
     missing one."""
     colours, shapes, _ = _objects(prompt)
     d = detections
     _, cover, hidden = occlusion(d, prompt)
-    right = (d.present[:, colours] & ((d.shape[:, colours] == shapes) | cover)) | hidden
+    # an object with another hidden under it: the slivers of the lower one blend into its outline
+    over_hidden = np.cumsum(hidden, 1) - hidden > 0
+    unsure = cover | over_hidden
+    right = (d.present[:, colours] & ((d.shape[:, colours] == shapes) | unsure)) | hidden
     detected = d.present.sum(1) + (d.stray >= MIN_AREA).sum(1)
     return right.sum(1) / np.maximum(len(colours), detected)
 
