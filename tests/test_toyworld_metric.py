@@ -184,7 +184,7 @@ def test_other_shapes_keep_only_the_covered_frames(clip):
     prompt = "a red triangle and a blue circle, fast"
     s = metric.score(frames, prompt)
     # neither shape matches, so a frame can only score through the exemption of a covered object (1 of 2)
-    _, cover, hidden = metric.occlusion(metric.detect(frames), prompt)
+    cover, hidden = metric.occlusion(metric.detect(frames), prompt)
     exempt = cover[:, 0] | hidden[:, 0]          # the only exemptions two objects allow (hidden: both count)
     assert s.adherence == pytest.approx((exempt.astype(int) + hidden[:, 0]).mean() / 2)
     assert s.adherence < 0.5 and s.continuity == 1.0                # the motion is right, the shapes are not
