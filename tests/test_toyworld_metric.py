@@ -91,8 +91,8 @@ def test_detect_sees_nothing_in_noise_or_background():
 def test_detect_reports_a_second_blob_of_a_colour_as_stray():
     frames = np.empty((1, world.SIZE, world.SIZE, 3), np.uint8)
     frames[:] = world.BACKGROUND
-    frames[world.shape_mask("circle", np.array([[15.0, 15.0]])) | world.shape_mask("circle", np.array([[48.0, 48.0]]))] \
-        = world.COLOURS["red"]
+    two = world.shape_mask("circle", np.array([[15.0, 15.0]])) | world.shape_mask("circle", np.array([[48.0, 48.0]]))
+    frames[two] = world.COLOURS["red"]
     found = metric.detect(frames)
     c = metric.COLOUR_NAMES.index("red")
     assert found.present[0, c] and found.shape[0, c] == world.SHAPES.index("circle")
