@@ -347,6 +347,8 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
             cond, neg = flow[:batch], flow[batch:]
             flow = neg + rc.guidance_scale * (cond - neg)
         x0 = x - sigma_i * flow
+        if rc.schedule.sampler == "euler":       # the noise this prediction implies: an Euler step of the flow
+            eps = x + (1.0 - sigma_i) * flow
         return ((1.0 - next_sigma_i) * x0 + next_sigma_i * eps, cache), None
 
     cache = state.cache if rc.bounded else wrap_clock(state.cache)

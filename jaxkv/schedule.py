@@ -18,6 +18,9 @@ import numpy as np
 from jaxkv.validate import check_int, is_int, is_real
 
 
+SAMPLERS = ("self-forcing", "euler")
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The denoising schedule of a streaming rollout (static, hashable).
@@ -31,6 +34,10 @@ class Schedule:
       context_noise: timestep of the extra forward that commits the chunk's clean K/V, in
         0..num_train_timesteps (Self-Forcing: 0).
       num_train_timesteps: size of the table (1000).
+      sampler: what a step re-noises its x0 with: "self-forcing" (default): fresh noise, Self-Forcing's sampler;
+        "euler": the noise the prediction implies, ``eps = x + (1 - sigma) v``, which makes each step the Euler
+        step of the flow ODE from sigma to the next sigma (deterministic after the first input; for a model
+        trained with plain flow matching rather than distilled for a few fresh-noise steps).
     """
 
     steps: tuple[int, ...] = (1000, 750, 500, 250)
@@ -38,10 +45,13 @@ class Schedule:
     warp: bool = True
     context_noise: float = 0.0
     num_train_timesteps: int = 1000
+    sampler: str = "self-forcing"
 
     def __post_init__(self):
         n = check_int("Schedule.num_train_timesteps", self.num_train_timesteps, minimum=1)
         object.__setattr__(self, "num_train_timesteps", n)
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"Schedule.sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if not isinstance(self.warp, (bool, np.bool_)):
             raise ValueError(f"Schedule.warp must be a bool, got {self.warp!r}")
         for name in ("shift", "context_noise"):

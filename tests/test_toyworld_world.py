@@ -211,3 +211,15 @@ def test_clips_are_deterministic_for_a_seeded_generator():
         colours = {tuple(p) for p in clip.reshape(-1, 3)} - {world.BACKGROUND}
         named = {world.COLOURS[c] for c, _ in world.parse_prompt(prompt)[0]}
         assert colours <= named and colours                            # only the named colours appear
+
+
+def test_canonical_scene_is_a_function_of_the_prompt():
+    scene = world.canonical_scene("a red circle and a blue square, fast")
+    assert scene.prompt == "a red circle and a blue square, fast"
+    for thing, (position, angle) in zip(scene.things, world.CANONICAL_STARTS):
+        assert thing.position == position
+        assert np.hypot(*thing.velocity) == pytest.approx(world.SPEEDS["fast"])
+        assert np.degrees(np.arctan2(thing.velocity[1], thing.velocity[0])) % 360 == pytest.approx(angle)
+    assert world.canonical_scene("a red circle and a blue square, fast") == scene
+    with pytest.raises(ValueError, match="must end with a speed"):
+        world.canonical_scene("a red circle")

@@ -1,8 +1,11 @@
 """The toy world's latent space: a fixed linear map from 64x64 RGB frames to 16 x 16 x 16 latents, and back.
 
 Each 4x4 pixel patch (48 numbers in [-1, 1]) is projected on the 16 principal components of the world's patches
-(`LatentMap.fit`), and each channel divided by its standard deviation so the DiT sees unit-variance latents, as
-Wan's DiT sees the VAE's normalised latents. Decoding is the transpose (the basis is orthonormal) followed by a
+(`LatentMap.fit`), and divided by one scale, the RMS of all 16 coefficients, so the DiT sees latents of unit
+variance on average, as Wan's DiT sees the VAE's normalised latents. One scale, not one per channel: the basis is
+orthonormal, so a squared error in these latents is a squared error in pixels, and the DiT's loss weighs each
+component by what it shows (per-channel unit variance would give the last 8 components, under 5 % of the
+variance, half of the loss). Decoding is the transpose (the basis is orthonormal) followed by a
 clamp, so ``decode(encode(x))`` is the orthogonal projection of x onto the basis: 33 dB PSNR on world frames, edges
 blurred over a pixel or two. A frame stays a frame: no temporal compression (1 latent frame = 1 video frame).
 
@@ -53,7 +56,8 @@ def to_unit(frames) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LatentMap:
-    """basis float32 [48, 16] (orthonormal columns), mean float32 [48], std float32 [16]."""
+    """basis float32 [48, 16] (orthonormal columns), mean float32 [48], std float32 [16] (the scale of each
+    channel; `fit` gives all channels one)."""
 
     basis: np.ndarray
     mean: np.ndarray
@@ -78,7 +82,8 @@ class LatentMap:
         values, vectors = np.linalg.eigh(np.cov((patches - mean).T))
         basis = vectors[:, ::-1][:, :CHANNELS]
         basis *= np.sign(basis[np.abs(basis).argmax(0), np.arange(CHANNELS)])
-        return cls(basis, mean, np.sqrt(values[::-1][:CHANNELS]))
+        rms = np.sqrt(values[::-1][:CHANNELS].mean())
+        return cls(basis, mean, np.full(CHANNELS, rms))
 
     def encode(self, frames) -> np.ndarray:
         """uint8 frames [..., 64, 64, 3] -> normalised latents float32 [..., 16, 16, 16] (numpy)."""

@@ -4,7 +4,8 @@
 2. **Diffusion forcing under the streaming mask.** Clips of `TrainConfig.chunks` chunks go through
    `jaxkv.models.wan.forward_block_causal` with the sink + window mask the stream will use. A clip's first j chunks
    (j uniform in 0..chunks-1) are clean, as committed chunks are in the cache at generation (timestep 0); the
-   others each get their own noise level. Loss: the flow ``eps - x0`` on the noisy chunks (rectified flow, Wan's
+   others each get their own noise level, drawn from the sampler's levels (`Settings.steps`): the model only has
+   to be right where it will be asked, which is what makes a few thousand steps enough. Loss: the flow ``eps - x0`` on the noisy chunks (rectified flow, Wan's
    parameterisation). The text encoder trains with the DiT. The DiT starts from `init_dit`: Wan's random init
    with every residual branch's output projection and the head zeroed (the DiT "adaLN-zero" start), which
    trained markedly faster here than the test-oriented `wan.init_params` alone.
@@ -51,7 +52,6 @@ class TrainConfig:
     steps: int = 2000            # diffusion-forcing steps
     lr: float = 1e-3
     warmup: int = 100
-    train_shift: float = 3.0     # noise levels sigma = s u / (1 + (s - 1) u), u ~ U(0, 1)
     sf_steps: int = 100          # self-forcing steps
     sf_batch: int = 4
     sf_chunks: int = 4           # chunks rolled out after the true first chunk (the 4-chunk cache wraps)
@@ -76,11 +76,21 @@ def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
 
 
 def batch(latent_map, tokenizer, seed: int, stage: int, step: int, size: int, frames: int):
-    """(latents float32 [size, frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len]) of
-    fresh random scenes, drawn from (seed, stage, step) alone."""
-    video, prompts = world.clips(np.random.default_rng([seed, stage, step]), size, frames)
+    """(latents float32 [size, frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
+    at_start bool [size]) of random prompts' `world.canonical_scene`, each clip starting at the scene's first frame
+    (``at_start``, half of them) or at a frame uniform in 1..`MAX_START`; drawn from (seed, stage, step) alone."""
+    rng = np.random.default_rng([seed, stage, step])
+    prompts = [world.random_prompt(rng) for _ in range(size)]
+    at_start = rng.random(size) < 0.5
+    starts = np.where(at_start, 0, rng.integers(1, MAX_START + 1, size))
+    video = np.stack([world.render(world.canonical_scene(p), frames, int(t)) for p, t in zip(prompts, starts)])
     ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
-    return latent_map.encode(video), ids, mask
+    return latent_map.encode(video), ids, mask, at_start
+
+
+# Training clips start anywhere in the first MAX_START frames of a scene: its paths (a fold of period 88 or 44
+# frames per axis, `world.trajectory`) have long covered every state by then.
+MAX_START = 4096
 
 
 # ------------------------------------------------------------------------------------------------ losses
@@ -107,15 +117,17 @@ def _context(text_params, ids, mask):
     return _encode_masked(text_params, text.CONFIG, ids, mask)
 
 
-def diffusion_forcing_loss(params, x0, ids, mask, key, tc: TrainConfig, settings: Settings):
+def diffusion_forcing_loss(params, x0, ids, mask, at_start, key, tc: TrainConfig, settings: Settings):
     """Flow-matching loss of clips x0 [B, F, h, w, c] with independent per-chunk noise levels (see the module)."""
     b, f = x0.shape[:2]
     chunks = f // settings.chunk_frames
     k_level, k_clean, k_eps = jax.random.split(key, 3)
-    u = jax.random.uniform(k_level, (b, chunks), minval=1e-3)
-    s = tc.train_shift
-    sigma = s * u / (1 + (s - 1) * u)
-    clean = jnp.arange(chunks)[None] < jax.random.randint(k_clean, (b, 1), 0, chunks)   # a clean prefix
+    levels = jnp.asarray(settings.schedule().sigmas(), jnp.float32)        # the sampler's noise levels
+    sigma = levels[jax.random.randint(k_level, (b, chunks), 0, levels.shape[0])]
+    # a clean prefix, of at least one chunk unless the clip starts the scene: chunk 0 without context is only ever
+    # a scene's first frame, which the prompt fixes (`world.canonical_scene`)
+    prefix = jax.random.randint(k_clean, (b, 1), jnp.where(at_start, 0, 1)[:, None], chunks)
+    clean = jnp.arange(chunks)[None] < prefix
     sigma = jnp.where(clean, 0.0, sigma)
     sigma = jnp.repeat(sigma, settings.chunk_frames, axis=1)                     # [B, F]
     eps = jax.random.normal(k_eps, x0.shape)
@@ -128,7 +140,7 @@ def diffusion_forcing_loss(params, x0, ids, mask, key, tc: TrainConfig, settings
     return jnp.sum(per_frame * noisy) / jnp.maximum(jnp.sum(noisy), 1.0)
 
 
-def self_forcing_loss(params, x0, ids, mask, key, settings: Settings):
+def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
     """x0 [B, (1 + K) * chunk_frames, ...]: commit chunk 0, roll out K chunks, squared error to chunks 1..K."""
     rc = rollout_config(settings)
     cf = settings.chunk_frames
@@ -149,8 +161,8 @@ def _optimizer(lr: float, steps: int, warmup: int):
 
 def _step_fn(loss_fn, optimizer):
     @jax.jit
-    def step(params, opt_state, x0, ids, mask, key):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x0, ids, mask, key)
+    def step(params, opt_state, x0, ids, mask, at_start, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x0, ids, mask, at_start, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -210,10 +222,11 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
               "text": text.init_text_params(tc.seed)}
     stages = [
         ("diffusion forcing", tc.steps, tc.batch, tc.chunks,
-         lambda p, x, i, m, k: diffusion_forcing_loss(p, x, i, m, k, tc, settings), _optimizer(tc.lr, tc.steps,
+         lambda p, x, i, m, a, k: diffusion_forcing_loss(p, x, i, m, a, k, tc, settings), _optimizer(tc.lr, tc.steps,
                                                                                               tc.warmup)),
         ("self-forcing", tc.sf_steps, tc.sf_batch, 1 + tc.sf_chunks,
-         lambda p, x, i, m, k: self_forcing_loss(p, x, i, m, k, settings), _optimizer(tc.sf_lr, tc.sf_steps, 20)),
+         lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings), _optimizer(tc.sf_lr, tc.sf_steps,
+                                                                                               20)),
     ]
     record: dict[str, Any] = {"stages": []}
     first_stage, first_step, losses = 0, 0, []
@@ -236,9 +249,9 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         done = first_step                     # steps of this stage whose update is in params
         try:
             for step in bar:
-                x0, ids, mask = batch(latent_map, tokenizer, tc.seed, stage + 1, step, size,
-                                      chunks * settings.chunk_frames)
-                params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask,
+                x0, ids, mask, at_start = batch(latent_map, tokenizer, tc.seed, stage + 1, step, size,
+                                                chunks * settings.chunk_frames)
+                params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask, at_start,
                                                   jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
                 done = step + 1
                 losses.append(float(loss))

@@ -7,7 +7,8 @@ pass over each other (later objects are drawn on top). Any number of frames can 
 so a clip is a window of an endless, exactly reproducible stream.
 
 A prompt names the scene: ``"a red circle and a blue square, fast"`` (`format_prompt` / `parse_prompt`); the words
-are `VOCABULARY`. `sample_scene` draws the unnamed parts (positions, directions) from a numpy Generator.
+are `VOCABULARY`. `sample_scene` draws the unnamed parts (positions, directions) from a numpy Generator;
+`canonical_scene` fixes them per prompt (the scenes the toy model streams).
 """
 
 from __future__ import annotations
@@ -110,6 +111,22 @@ def sample_scene(rng: np.random.Generator, prompt: str | None = None) -> Scene:
         v = SPEEDS[speed]
         things.append(Thing(colour, shape, (float(x), float(y)), (float(v * np.cos(angle)), float(v * np.sin(angle)))))
     return Scene(tuple(things), speed)
+
+
+# Where and whither the k-th named shape of a prompt starts in `canonical_scene` (x, y; degrees, y down).
+CANONICAL_STARTS = (((20.0, 22.0), 35.0), ((44.0, 42.0), 215.0))
+
+
+def canonical_scene(prompt: str) -> Scene:
+    """The scene a toy model streams for ``prompt``: the k-th named shape starts at `CANONICAL_STARTS` [k] (so the
+    whole video is a function of the prompt). Training clips start anywhere along such a scene's endless path;
+    `sample_scene` draws the random scenes the metric is tested on."""
+    objects, speed = parse_prompt(prompt)
+    v = SPEEDS[speed]
+    things = tuple(Thing(colour, shape, position, (v * float(np.cos(np.radians(angle))),
+                                                   v * float(np.sin(np.radians(angle)))))
+                   for (colour, shape), (position, angle) in zip(objects, CANONICAL_STARTS))
+    return Scene(things, speed)
 
 
 def trajectory(thing: Thing, frames: int, start: int = 0) -> np.ndarray:
