@@ -52,6 +52,9 @@ class TrainConfig:
     steps: int = 2000            # diffusion-forcing steps
     lr: float = 1e-3
     warmup: int = 100
+    first_steps: int = 400       # first-chunk steps
+    first_batch: int = 32
+    first_lr: float = 5e-4
     sf_steps: int = 100          # self-forcing steps
     sf_batch: int = 4
     sf_chunks: int = 4           # chunks rolled out after the true first chunk (the 4-chunk cache wraps)
@@ -75,13 +78,14 @@ def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
     return latents.LatentMap.fit(frames.reshape(-1, *frames.shape[2:]))
 
 
-def batch(latent_map, tokenizer, seed: int, stage: int, step: int, size: int, frames: int):
+def batch(latent_map, tokenizer, seed: int, stage: int, step: int, size: int, frames: int, start_share: float = 0.5):
     """(latents float32 [size, frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
     at_start bool [size]) of random prompts' `world.canonical_scene`, each clip starting at the scene's first frame
-    (``at_start``, half of them) or at a frame uniform in 1..`MAX_START`; drawn from (seed, stage, step) alone."""
+    (``at_start``, a ``start_share`` of them) or at a frame uniform in 1..`MAX_START`; drawn from (seed, stage,
+    step) alone."""
     rng = np.random.default_rng([seed, stage, step])
     prompts = [world.random_prompt(rng) for _ in range(size)]
-    at_start = rng.random(size) < 0.5
+    at_start = rng.random(size) < start_share
     starts = np.where(at_start, 0, rng.integers(1, MAX_START + 1, size))
     video = np.stack([world.render(world.canonical_scene(p), frames, int(t)) for p, t in zip(prompts, starts)])
     ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
@@ -220,26 +224,30 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     key = jax.random.key(tc.seed)
     params = {"dit": init_dit(jax.random.fold_in(key, 0)),
               "text": text.init_text_params(tc.seed)}
+    # (name, steps, batch, chunks per clip, share of clips at a scene's start, loss, optimizer)
     stages = [
-        ("diffusion forcing", tc.steps, tc.batch, tc.chunks,
-         lambda p, x, i, m, a, k: diffusion_forcing_loss(p, x, i, m, a, k, tc, settings), _optimizer(tc.lr, tc.steps,
-                                                                                              tc.warmup)),
-        ("self-forcing", tc.sf_steps, tc.sf_batch, 1 + tc.sf_chunks,
-         lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings), _optimizer(tc.sf_lr, tc.sf_steps,
-                                                                                               20)),
+        ("diffusion forcing", tc.steps, tc.batch, tc.chunks, 0.5,
+         lambda p, x, i, m, a, k: diffusion_forcing_loss(p, x, i, m, a, k, tc, settings),
+         _optimizer(tc.lr, tc.steps, tc.warmup)),
+        ("first chunks", tc.first_steps, tc.first_batch, 1, 1.0,
+         lambda p, x, i, m, a, k: diffusion_forcing_loss(p, x, i, m, a, k, tc, settings),
+         _optimizer(tc.first_lr, tc.first_steps, 20)),
+        ("self-forcing", tc.sf_steps, tc.sf_batch, 1 + tc.sf_chunks, 0.5,
+         lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings),
+         _optimizer(tc.sf_lr, tc.sf_steps, 20)),
     ]
     record: dict[str, Any] = {"stages": []}
     first_stage, first_step, losses = 0, 0, []
-    opt_state = stages[0][5].init(params)
+    opt_state = stages[0][6].init(params)
     if resume:
         position, _ = _read_position(snapshot)
         first_stage = position["stage"]
-        opt_state = stages[first_stage][5].init(params)
+        opt_state = stages[first_stage][6].init(params)
         position, (params, opt_state) = _load_snapshot(snapshot, (params, opt_state))
         first_step, losses = position["step"], position["losses"]
         record["stages"] = position["finished_stages"]
     for stage in range(first_stage, len(stages)):
-        name, steps, size, chunks, loss_fn, optimizer = stages[stage]
+        name, steps, size, chunks, start_share, loss_fn, optimizer = stages[stage]
         if stage != first_stage:
             opt_state, first_step, losses = optimizer.init(params), 0, []
         step_fn = _step_fn(loss_fn, optimizer)
@@ -250,7 +258,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         try:
             for step in bar:
                 x0, ids, mask, at_start = batch(latent_map, tokenizer, tc.seed, stage + 1, step, size,
-                                                chunks * settings.chunk_frames)
+                                                chunks * settings.chunk_frames, start_share)
                 params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask, at_start,
                                                   jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
                 done = step + 1
@@ -270,7 +278,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
                                  "loss_first_50": float(np.mean(losses[:50])),
                                  "loss_last_50": float(np.mean(losses[-50:]))})
         if stage + 1 < len(stages):
-            _save_snapshot(snapshot, stage + 1, 0, params, stages[stage + 1][5].init(params), [], record["stages"])
+            _save_snapshot(snapshot, stage + 1, 0, params, stages[stage + 1][6].init(params), [], record["stages"])
     record.update(seed=tc.seed, train_config=dataclasses.asdict(tc), seconds=round(time.perf_counter() - started, 1),
                   command=command or f"python -m jaxkv.toyworld train --out {out} --seed {tc.seed}",
                   jax_version=jax.__version__)
