@@ -77,7 +77,8 @@ def test_a_toy_checkpoint_fills_only_the_flags_not_passed(tmp_path):
     rel = _copy_release(tmp_path, window_frames=6, sink_frames=0, steps=[1000, 500], shift=3.0,
                         prompt="a green triangle, fast")
     args = _resolve(["--checkpoint", rel])
-    assert (args.chunk_frames, args.window_frames, args.sink_frames) == (3, 6, 0)
+    shipped = json.load(open(os.path.join(RELEASE, "toyworld.json")))["settings"]
+    assert (args.chunk_frames, args.window_frames, args.sink_frames) == (shipped["chunk_frames"], 6, 0)
     assert args.steps == (1000, 500) and args.shift == 3.0 and args.prompt == "a green triangle, fast"
     # a flag passed keeps its value, even one equal to the generic default
     args = _resolve(["--checkpoint", rel, "--window-frames", "9", "--steps", "1000,750,500,250", "--prompt",
@@ -196,14 +197,17 @@ def test_a_toy_run_is_the_toy_models_own_stream_decoded_by_its_latent_map(runs):
     assert s["vae"].startswith("toy-world latent map") and s["model"].startswith("checkpoint ")
     assert (s["chunk_frames"], s["window_frames"], s["sink_frames"]) == (
         settings["chunk_frames"], settings["window_frames"], settings["sink_frames"])
-    # the contact sheet: every frame of so short a stream, 8 to a row
+    # the contact sheet: every frame of so short a stream, up to 8 to a row
     from tests.test_generate import read_png
 
     assert s["contact_sheet"] == str(out / "contact_sheet.png") and s["contact_sheet_frames"] == list(range(n))
     sheet = read_png(out / "contact_sheet.png")
-    rows = -(-n // 8)
-    assert sheet.shape == (rows * 65 - 1, 8 * 65 - 1, 3)
-    np.testing.assert_array_equal(sheet[65:129, 65 * 2:65 * 2 + 64], frames[0, 10])
+    cols = min(n, 8)
+    rows = -(-n // cols)
+    assert sheet.shape == (rows * 65 - 1, cols * 65 - 1, 3)
+    for k in (0, n - 1):                      # first and last tile, row-major
+        r, c = divmod(k, cols)
+        np.testing.assert_array_equal(sheet[65 * r:65 * r + 64, 65 * c:65 * c + 64], frames[0, k])
     assert "contact_sheet.png" in json.loads((out / "manifest.json").read_text())["entries"]
 
 

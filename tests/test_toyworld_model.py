@@ -138,7 +138,8 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
 
     from jaxkv.toyworld import train as T
 
-    tc = T.TrainConfig(steps=3, sf_steps=2, batch=2, sf_batch=1, fit_frames=64, snapshot_every=2, warmup=1)
+    # stage 1 only (a stage of 0 steps compiles nothing): three runs, each one compilation
+    tc = T.TrainConfig(steps=4, first_steps=0, sf_steps=0, batch=2, fit_frames=64, snapshot_every=2, warmup=1)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     T.train(a, tc, progress=False)
     calls = {"n": 0}
@@ -149,7 +150,7 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
 
         def step(*args):
             calls["n"] += 1
-            if calls["n"] == 4:               # stage 1's three steps, then the first self-forcing step
+            if calls["n"] == 3:               # the third step, after the snapshot of step 2
                 raise KeyboardInterrupt
             return inner(*args)
         return step

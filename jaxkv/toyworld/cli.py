@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             return 130
         print(f"wrote {args.out} in {record['seconds']:.0f} s: " + ", ".join(
-            f"{s['name']} {s['steps']} steps, loss {s['loss_first_50']:.3f} -> {s['loss_last_50']:.3f}"
-            for s in record["stages"]))
+            f"{s['name']} {s['steps']} steps" + (f", loss {s['loss_first_50']:.3f} -> {s['loss_last_50']:.3f}"
+                                                 if s["steps"] else "") for s in record["stages"]))
         print(f"check it with: jaxkv toyworld check {args.out}")
     elif args.command == "check":
         from jaxkv.toyworld import model, quality

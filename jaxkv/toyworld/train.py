@@ -275,8 +275,8 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
             raise
         bar.close()
         record["stages"].append({"name": name, "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
-                                 "loss_first_50": float(np.mean(losses[:50])),
-                                 "loss_last_50": float(np.mean(losses[-50:]))})
+                                 "loss_first_50": float(np.mean(losses[:50])) if losses else None,
+                                 "loss_last_50": float(np.mean(losses[-50:])) if losses else None})
         if stage + 1 < len(stages):
             _save_snapshot(snapshot, stage + 1, 0, params, stages[stage + 1][6].init(params), [], record["stages"])
     record.update(seed=tc.seed, train_config=dataclasses.asdict(tc), seconds=round(time.perf_counter() - started, 1),
