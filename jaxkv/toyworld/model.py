@@ -25,6 +25,7 @@ from jaxkv.models import wan
 from jaxkv.models.release import PARTS
 from jaxkv.models.umt5 import TextEncoder
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.rollout import RolloutConfig
 from jaxkv.schedule import Schedule
 from jaxkv.toyworld import latents, text
 
@@ -56,6 +57,13 @@ class Settings:
 
     def schedule(self) -> Schedule:
         return Schedule(steps=tuple(self.steps), shift=self.shift)
+
+    def rollout_config(self, **overrides) -> RolloutConfig:
+        """The `RolloutConfig` of these settings on the 16x16 latent, with any field replaced by ``overrides``
+        (e.g. ``sink_frames=0``, ``policy="rolling"``, ``dilated_every=2, dilation=2, buckets=4``)."""
+        rc = RolloutConfig(latent_height=LATENT_SIZE, latent_width=LATENT_SIZE, chunk_frames=self.chunk_frames,
+                           window_frames=self.window_frames, sink_frames=self.sink_frames, schedule=self.schedule())
+        return dataclasses.replace(rc, **overrides) if overrides else rc
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -7,23 +7,19 @@ model through its own loop (files, video, signals).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator
 
 import jax
 import numpy as np
 
 from jaxkv import rollout as R
-from jaxkv.toyworld.model import LATENT_SIZE, ToyModel
+from jaxkv.toyworld.model import ToyModel
 
 
 def rollout_config(model: ToyModel, **overrides) -> R.RolloutConfig:
-    """The model's `RolloutConfig` (its chunk, window, sink and schedule), with any field replaced by
-    ``overrides`` (e.g. ``sink_frames=0``, ``policy="rolling"``, ``dilated_every=2, dilation=3, buckets=4``)."""
-    s = model.settings
-    rc = R.RolloutConfig(latent_height=LATENT_SIZE, latent_width=LATENT_SIZE, chunk_frames=s.chunk_frames,
-                         window_frames=s.window_frames, sink_frames=s.sink_frames, schedule=s.schedule())
-    return dataclasses.replace(rc, **overrides) if overrides else rc
+    """The model's `RolloutConfig` (`Settings.rollout_config`: its chunk, window, sink and schedule), with any
+    field replaced by ``overrides``."""
+    return model.settings.rollout_config(**overrides)
 
 
 def stream_frames(model: ToyModel, prompts: list[str], *, num_chunks: int, seed: int = 0,

@@ -40,7 +40,7 @@ from jaxkv.models import wan
 from jaxkv.models.umt5.encoder import _encode_masked
 from jaxkv.models.wan import model as M
 from jaxkv.toyworld import latents, text, world
-from jaxkv.toyworld.model import LATENT_SIZE, WAN_CONFIG, Settings
+from jaxkv.toyworld.model import WAN_CONFIG, Settings
 from jaxkv.toyworld.model import save as save_release
 
 
@@ -61,12 +61,6 @@ class TrainConfig:
     sf_lr: float = 2e-4
     fit_frames: int = 2048       # frames the latent map is fitted on
     snapshot_every: int = 250
-
-
-def rollout_config(settings: Settings) -> R.RolloutConfig:
-    return R.RolloutConfig(latent_height=LATENT_SIZE, latent_width=LATENT_SIZE, chunk_frames=settings.chunk_frames,
-                           window_frames=settings.window_frames, sink_frames=settings.sink_frames,
-                           schedule=settings.schedule())
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -146,7 +140,7 @@ def diffusion_forcing_loss(params, x0, ids, mask, at_start, key, tc: TrainConfig
 
 def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
     """x0 [B, (1 + K) * chunk_frames, ...]: commit chunk 0, roll out K chunks, squared error to chunks 1..K."""
-    rc = rollout_config(settings)
+    rc = settings.rollout_config()
     cf = settings.chunk_frames
     state = R.init_state(params["dit"], WAN_CONFIG, rc, _context(params["text"], ids, mask))
     cache = state.cache.begin_chunk()
