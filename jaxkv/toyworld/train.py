@@ -185,11 +185,16 @@ def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: 
     os.replace(tmp, path)
 
 
+def _read_position(path: str) -> dict:
+    """The snapshot's stage, step, losses and finished stages (position.json)."""
+    with open(os.path.join(path, "position.json")) as f:
+        return json.load(f)
+
+
 def _load_snapshot(path: str, template):
     from safetensors.numpy import load_file
 
-    with open(os.path.join(path, "position.json")) as f:
-        position = json.load(f)
+    position = _read_position(path)
     flat = load_file(os.path.join(path, "state.safetensors"))
     leaves, treedef = jax.tree.flatten(template)
     if len(flat) != len(leaves):
@@ -234,8 +239,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     first_stage, first_step, losses = 0, 0, []
     opt_state = stages[0][6].init(params)
     if resume:
-        position, _ = _read_position(snapshot)
-        first_stage = position["stage"]
+        first_stage = _read_position(snapshot)["stage"]
         opt_state = stages[first_stage][6].init(params)
         position, (params, opt_state) = _load_snapshot(snapshot, (params, opt_state))
         first_step, losses = position["step"], position["losses"]
@@ -279,8 +283,3 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     save_release(out, params["dit"], params["text"], latent_map, settings, {"training": record}, force=force)
     shutil.rmtree(snapshot, ignore_errors=True)
     return record
-
-
-def _read_position(snapshot: str) -> tuple[dict, None]:
-    with open(os.path.join(snapshot, "position.json")) as f:
-        return json.load(f), None
