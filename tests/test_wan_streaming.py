@@ -61,6 +61,45 @@ def test_streaming_equals_block_causal_full_sequence(policy, window_frames, sink
     assert compile_count(step) == 1   # positions and slots are traced: one program for every chunk
 
 
+
+@pytest.mark.parametrize("chunk_frames,window_frames,sink_frames", [
+    (1, 3, 1), pytest.param(2, 4, 2, marks=pytest.mark.slow), pytest.param(2, None, 0, marks=pytest.mark.slow)])
+def test_teacher_forcing_equals_a_stream_that_committed_the_clean_chunks(chunk_frames, window_frames, sink_frames):
+    """Noisy chunk c of `forward_teacher_forcing` is what a stream predicts for it after committing the clean chunks
+    before it at timestep 0 (with evictions: 10 frames through a 3- or 4-frame window)."""
+    params, clean, t, ctx = _setup(5, batch=2, frames=10)
+    noisy = jax.random.normal(jax.random.key(6), clean.shape)
+    got = wan.forward_teacher_forcing(params, CFG, clean, noisy, t, ctx, chunk_frames=chunk_frames,
+                                      window_frames=window_frames, sink_frames=sink_frames)
+    spec = jaxkv.RingSpec.from_frames(TPF, chunk_frames, window_frames or 10, sink_frames)
+    cache = wan.init_cache(CFG, spec, 2)
+    cross = wan.cross_kv(params, CFG, ctx)
+    step = jax.jit(lambda c, x, tt: wan.forward_chunk(params, CFG, c, cross, x, tt))
+    want = []
+    for start in range(0, 10, chunk_frames):
+        sl = slice(start, start + chunk_frames)
+        cache = cache.begin_chunk()
+        flow, cache = step(cache, noisy[:, sl], t[:, sl])
+        want.append(flow)
+        _, cache = step(cache, clean[:, sl], jnp.zeros_like(t[:, sl]))   # the commit pass overwrites the slot
+    want = jnp.concatenate(want, axis=1)
+    assert got.shape == want.shape == clean.shape
+    assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) <= 1e-5
+    # the noisy chunks never see each other: changing noisy chunk 0 leaves every later chunk's flow unchanged
+    moved = wan.forward_teacher_forcing(params, CFG, clean, noisy.at[:, :chunk_frames].add(1.0), t, ctx,
+                                        chunk_frames=chunk_frames, window_frames=window_frames,
+                                        sink_frames=sink_frames)
+    np.testing.assert_allclose(np.asarray(moved[:, chunk_frames:]), np.asarray(got[:, chunk_frames:]), atol=1e-6)
+    assert float(jnp.abs(moved[:, :chunk_frames] - got[:, :chunk_frames]).max()) > 1e-3
+
+
+def test_teacher_forcing_rejects_mismatched_copies():
+    params, clean, t, ctx = _setup(7, batch=1, frames=4)
+    with pytest.raises(ValueError, match="one shape"):
+        wan.forward_teacher_forcing(params, CFG, clean, clean[:, :2], t, ctx, chunk_frames=1)
+    with pytest.raises(ValueError, match="timesteps"):
+        wan.forward_teacher_forcing(params, CFG, clean, clean, t[:, :3], ctx, chunk_frames=1)
+
 @pytest.mark.slow
 def test_first_chunk_equals_bidirectional_forward():
     params, latents, t, ctx = _setup(1, batch=1, frames=6)

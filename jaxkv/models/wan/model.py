@@ -469,6 +469,66 @@ def forward_block_causal(params, config: WanConfig, latents, timesteps, context,
     return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, backend, precision)
 
 
+def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, context, *, chunk_frames: int,
+                            window_frames: int | None = None, sink_frames: int = 0, pad_context: bool = True,
+                            backend: str = "auto", precision: Precision | str = Precision()):
+    """Every chunk of a clip denoised as a stream denoises it: each noisy chunk sees the *clean* chunks before it
+    (teacher forcing, CausVid's training forward), in one pass over the clean and the noisy copy of the clip.
+
+    The clean copy runs at timestep 0 under the block-causal mask (`forward_block_causal`), as a stream's commit
+    pass writes each chunk's K/V; noisy chunk c then attends to the clean K/V of the chunks its mask shows (the
+    sink, the window) and to its own noisy K/V, never to another noisy chunk. So chunk c's flow equals that of
+    `forward_chunk` on a cache holding the clean chunks before it (a stream that committed them with
+    ``context_noise = 0``): tested against that. Unlike `forward_block_causal`, where a chunk after a noisy one sees
+    it noisy, every chunk here is trained in the context generation gives it. It costs about two
+    `forward_block_causal` passes: twice the tokens, and the noisy chunks' attention folds the chunk axis into the
+    batch (each fold reads the clean keys with its own chunk's replaced by the noisy ones).
+
+    Args:
+      clean, noisy: [batch, frames, height, width, in_dim], the clip and its noisy copy.
+      timesteps: float [batch] or [batch, frames // pt]: the noisy copy's (the clean copy's are 0).
+      context, chunk_frames, window_frames, sink_frames: as `forward_block_causal`.
+    Returns:
+      float32 [batch, frames, height, width, out_dim]: the flow predicted for each noisy chunk.
+    """
+    clean, noisy = jnp.asarray(clean), jnp.asarray(noisy)
+    if clean.shape != noisy.shape:
+        raise ValueError(f"clean and noisy must have one shape, got {list(clean.shape)} and {list(noisy.shape)}")
+    gf, gh, gw = _check_latents(config, clean, "clean")
+    _check_latents(config, noisy, "noisy")
+    b = clean.shape[0]
+    t = _frame_timesteps(timesteps, b, gf)
+    precision = _precision(params, precision)
+    mask = block_causal_spec(config, clean, chunk_frames, window_frames, sink_frames).mask()
+    n = gf * gh * gw                                      # tokens of one copy
+    tpc = mask.chunk                                      # tokens per chunk
+    chunks = n // tpc
+    positions = sequence_positions(b, n)
+    chunk_of = jnp.arange(n) // tpc                       # [n]
+    own = chunk_of[None, :] == jnp.arange(chunks)[:, None]                   # [chunks, n]: fold c's own tokens
+    kv_dtype = jnp.dtype(precision.cache_dtype)
+
+    def self_attention(q, k, v, state, layer):
+        q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
+        out_clean = attend(q[:, :n], k[:, :n], v[:, :n], positions, positions, mask=mask, backend=backend)
+        # fold c: the queries of noisy chunk c; the keys are the clean copy's with chunk c's replaced by the noisy
+        fold = lambda a: a.reshape(b * chunks, tpc, *a.shape[2:])
+        swap = lambda a: jnp.where(own[None, :, :, None, None], a[:, None, n:], a[:, None, :n]).reshape(
+            b * chunks, n, *a.shape[2:])
+        q_pos = fold(positions)
+        kv_pos = jnp.broadcast_to(positions[:, None], (b, chunks, n)).reshape(b * chunks, n)
+        out_noisy = attend(fold(q[:, n:]), swap(k), swap(v), q_pos, kv_pos, mask=mask, backend=backend)
+        out_noisy = out_noisy.reshape(b, n, *out_noisy.shape[2:])
+        return jnp.concatenate([out_clean, out_noisy], axis=1).astype(jnp.float32), state
+
+    cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context, precision=precision)
+    latents = jnp.concatenate([clean, noisy], axis=1)
+    both_t = jnp.concatenate([jnp.zeros_like(t), t], axis=1)
+    flow = _dit(params, config, latents, both_t, jnp.concatenate([positions, positions], axis=1), cross,
+                self_attention, None, backend, precision)[0]
+    return flow[:, clean.shape[1]:]
+
+
 # ------------------------------------------------------------------------------------------------ streaming
 
 
