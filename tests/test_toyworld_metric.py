@@ -75,7 +75,7 @@ def test_detect_finds_each_shape_with_its_centre_under_every_decoder(colour, dec
             assert (found.stray == 0).all()
 
 
-def test_detect_sees_nothing_in_noise_or_background():
+def test_detect_sees_nothing_in_noise_background_or_the_empty_box(decoder):
     rng = np.random.default_rng(1)
     noise = rng.integers(0, 256, size=(600, world.SIZE, world.SIZE, 3), dtype=np.uint8)
     found = metric.detect(noise)
@@ -86,6 +86,11 @@ def test_detect_sees_nothing_in_noise_or_background():
     background[:] = world.BACKGROUND
     found = metric.detect(background)
     assert not found.present.any() and (found.area == 0).all() and (found.bbox == -1).all()
+    # nor in the empty box: the wall's grey is outside every colour's cap, clean, decoded or blurred
+    box = world.empty_frames(5)
+    for frames in (box, decoder(box), blurred(box, rng)):
+        found = metric.detect(frames)
+        assert (found.area == 0).all() and (found.stray == 0).all()
 
 
 def test_detect_reports_a_second_blob_of_a_colour_as_stray():

@@ -111,11 +111,13 @@ def test_render_colours_are_exact_and_later_objects_are_drawn_on_top():
     assert (m_below & m_above).any(1).any(1).all()                     # they overlap in every frame
     expected = np.empty_like(video)
     expected[:] = world.BACKGROUND
+    w = world.WALL_WIDTH
+    expected[:, :w] = expected[:, -w:] = expected[:, :, :w] = expected[:, :, -w:] = world.WALL
     expected[m_below & ~m_above] = world.COLOURS["red"]
     expected[m_above] = world.COLOURS["blue"]
     np.testing.assert_array_equal(video, expected)
     # the palette only: no blending anywhere
-    palette = {world.BACKGROUND, world.COLOURS["red"], world.COLOURS["blue"]}
+    palette = {world.BACKGROUND, world.WALL, world.COLOURS["red"], world.COLOURS["blue"]}
     assert {tuple(p) for p in video.reshape(-1, 3)} == palette
 
 
@@ -208,7 +210,7 @@ def test_clips_are_deterministic_for_a_seeded_generator():
     assert (prompts, video.tobytes()) != (prompts_other, other.tobytes())
     for clip, prompt in zip(video, prompts):
         world.parse_prompt(prompt)                                     # every prompt is well formed
-        colours = {tuple(p) for p in clip.reshape(-1, 3)} - {world.BACKGROUND}
+        colours = {tuple(p) for p in clip.reshape(-1, 3)} - {world.BACKGROUND, world.WALL}
         named = {world.COLOURS[c] for c, _ in world.parse_prompt(prompt)[0]}
         assert colours <= named and colours                            # only the named colours appear
 

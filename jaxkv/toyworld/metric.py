@@ -43,7 +43,10 @@ import numpy as np
 from jaxkv.toyworld import world
 from jaxkv.validate import check_int
 
-PALETTE = np.array([world.BACKGROUND, *world.COLOURS.values()], np.float32)   # [1 + C, 3]; entry 0 background
+# [1 + C, 3]; entry 0 background. The wall (`world.WALL`) is left out on purpose: its grey lies between the background
+# and the colours, so as an entry it would take blurred object edges; it lies outside every colour's cap (each colour
+# is farther from it than its cap: green, the nearest, 124 against a cap of 96), so wall pixels are never an object's.
+PALETTE = np.array([world.BACKGROUND, *world.COLOURS.values()], np.float32)
 COLOUR_NAMES = tuple(world.COLOURS)                                           # detection's colour axis order
 COLOUR_FRACTION = 0.5      # a colour's mask reaches this fraction of the way from it to the background
 _CAP2 = (COLOUR_FRACTION * np.linalg.norm(PALETTE - PALETTE[0], axis=-1)) ** 2   # squared caps [1 + C]

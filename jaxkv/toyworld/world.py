@@ -6,6 +6,11 @@ centre moves by its velocity and reflects off the walls (the shape stays inside 
 pass over each other (later objects are drawn on top). Any number of frames can be rendered from any frame on,
 so a clip is a window of an endless, exactly reproducible stream.
 
+The walls are drawn: a `WALL_WIDTH`-pixel grey border (`empty_frames`). Wan's DiT has no absolute position
+embedding (its 3-D RoPE only sees differences of positions), so from a frame of a uniform background it cannot tell
+where the box ends: the toy models trained without a border let shapes leave the box and, drawing a first frame from
+noise, could hardly place anything. A visible wall is something its attention can find.
+
 A prompt names the scene: ``"a red circle and a blue square, fast"`` (`format_prompt` / `parse_prompt`); the words
 are `VOCABULARY`. `sample_scene` draws the unnamed parts (positions, directions) from a numpy Generator;
 `canonical_scene` fixes them per prompt (the scenes the toy model streams).
@@ -20,13 +25,15 @@ import numpy as np
 
 SIZE = 64                                   # frames are SIZE x SIZE RGB
 BACKGROUND = (16, 16, 24)
+WALL = (110, 110, 120)                      # the border; far from every shape colour (see jaxkv.toyworld.metric)
+WALL_WIDTH = 4                              # pixels: one latent patch, so a wall patch is flat grey
 COLOURS = {"red": (230, 50, 50), "green": (40, 200, 70), "blue": (60, 100, 240), "yellow": (235, 215, 40)}
 SHAPES = ("circle", "square", "triangle")
 SPEEDS = {"slow": 1.0, "fast": 2.0}         # pixels per frame
 RADIUS = 8.0                                # circle radius; square half-side 7; triangle circumradius 9.5
 HALF_SIDE = 7.0
 TRIANGLE_R = 9.5
-MARGIN = 10.0                               # a centre stays in [MARGIN, SIZE - MARGIN]: every shape fits inside
+MARGIN = 14.0                               # centres stay in [MARGIN, SIZE - MARGIN]: shapes fit inside the walls
 MAX_OBJECTS = 2
 VOCABULARY = ("a", "and", *COLOURS, *SHAPES, *SPEEDS)
 
@@ -158,12 +165,19 @@ def shape_mask(shape: str, centres: np.ndarray) -> np.ndarray:
     raise ValueError(f"unknown shape {shape!r}; shapes are {SHAPES}")
 
 
+def empty_frames(frames: int) -> np.ndarray:
+    """uint8 [frames, SIZE, SIZE, 3]: the empty box, background inside a `WALL_WIDTH`-pixel wall."""
+    video = np.empty((frames, SIZE, SIZE, 3), np.uint8)
+    video[:] = WALL
+    video[:, WALL_WIDTH:SIZE - WALL_WIDTH, WALL_WIDTH:SIZE - WALL_WIDTH] = BACKGROUND
+    return video
+
+
 def render(scene: Scene, frames: int, start: int = 0) -> np.ndarray:
     """uint8 [frames, SIZE, SIZE, 3]: frames start .. start + frames - 1 of the scene."""
     if frames < 1 or start < 0:
         raise ValueError(f"render needs frames >= 1 and start >= 0, got frames={frames}, start={start}")
-    video = np.empty((frames, SIZE, SIZE, 3), np.uint8)
-    video[:] = BACKGROUND
+    video = empty_frames(frames)
     for thing in scene.things:
         mask = shape_mask(thing.shape, trajectory(thing, frames, start))
         video[mask] = COLOURS[thing.colour]
