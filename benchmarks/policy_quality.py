@@ -1,11 +1,11 @@
 """What each cache policy costs in quality on long streams: the shipped toy-world model streamed under several
 retention policies, scored by `jaxkv.toyworld.metric` per window of chunks, with speed and cache bytes.
 
-The model was trained with 1-frame chunks, a 1-frame sink plus a 3-frame window (4 frames in all) and absolute
+The model was trained with 3-frame chunks, a 3-frame sink plus a 6-frame window (9 frames in all) and cache-relative
 RoPE. The same prompts and seeds are streamed under every policy; the chunks of all policies are generated in turn
-in this one process (chunk i of every policy, then chunk i + 1), so the speed column compares like with like. Speed is the
-median time of a chunk (4 denoising passes + the commit pass, the stream's donated jitted step) after the first.
-Cache bytes are the stream's whole KV cache (all layers, K + V + positions) for the batch.
+in this one process (chunk i of every policy, then chunk i + 1), so the speed column compares like with like. Speed
+is the median time of a chunk (4 denoising passes + the commit pass, the stream's donated jitted step) after the
+first. Cache bytes are the stream's whole KV cache (all layers, K + V + positions) for the batch.
 
 Scores (1 = perfect; see `jaxkv.toyworld.metric.score`): adherence (the prompt's shapes, in its colours, and no
 others), continuity (plausible frame-to-frame motion), overall = their product; "drift" columns are the overall
@@ -32,18 +32,19 @@ from jaxkv.toyworld import metric, model as toy_model, sample
 PROMPTS = ("a red circle and a blue square, slow", "a green triangle, fast", "a yellow square and a red triangle, fast",
            "a blue circle, slow")
 
-# name -> RolloutConfig overrides of the model's own settings (1-frame chunks, 1-frame sink + 3-frame window,
-# absolute RoPE)
+# name -> RolloutConfig overrides of the model's own settings (3-frame chunks, 3-frame sink + 6-frame window,
+# cache-relative RoPE); dilated layers run on absolute RoPE only (RolloutConfig refuses them with cache-relative)
 POLICIES = {
-    "ring, sink 1 + window 3 (trained)": {},
-    "rolling, sink 1 + window 3": {"policy": "rolling"},
-    "ring, sink 1 + window 3, cache-relative RoPE": {"rope": "cache-relative"},
-    "ring, no sink, window 3": {"sink_frames": 0},
-    "ring, no sink, window 2": {"sink_frames": 0, "window_frames": 2},
-    "ring, no sink, window 1 (chunk only)": {"sink_frames": 0, "window_frames": 1},
-    "ring, no sink, window 6": {"sink_frames": 0, "window_frames": 6},
-    "ring, sink 1 + window 8": {"window_frames": 8},
-    "mixed: odd layers dilated (every 2nd frame, 4 buckets)": {"dilated_every": 2, "dilation": 2, "buckets": 4},
+    "ring, sink 3 + window 6 (trained)": {},
+    "rolling, sink 3 + window 6": {"policy": "rolling"},
+    "ring, sink 3 + window 6, absolute RoPE": {"rope": "absolute"},
+    "ring, no sink, window 6": {"sink_frames": 0},
+    "ring, no sink, window 3 (chunk only)": {"sink_frames": 0, "window_frames": 3},
+    "ring, no sink, window 9": {"sink_frames": 0, "window_frames": 9},
+    "ring, sink 3 + window 3": {"window_frames": 3},
+    "ring, sink 3 + window 12": {"window_frames": 12},
+    "mixed: odd layers dilated (every 2nd frame, 4 buckets), absolute RoPE": {"dilated_every": 2, "dilation": 2,
+                                                                             "buckets": 4, "rope": "absolute"},
 }
 
 

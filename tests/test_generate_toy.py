@@ -62,7 +62,7 @@ def test_no_arguments_resolve_to_the_shipped_release_and_its_settings():
     assert (args.height, args.width) == (16, 16)          # 64x64 frames in 4x4 latent patches
     assert (args.chunk_frames, args.window_frames, args.sink_frames) == (
         want["chunk_frames"], want["window_frames"], want["sink_frames"])
-    assert list(args.steps) == want["steps"] and args.shift == want["shift"]
+    assert list(args.steps) == want["steps"] and args.shift == want["shift"] and args.rope == want["rope"]
     assert args.prompt == want["prompt"] and world.parse_prompt(args.prompt)
     assert args.num_chunks == options.DEFAULT_NUM_CHUNKS >= 200
     assert str(options.DEFAULT_NUM_CHUNKS) in options.build_parser().format_help()
@@ -74,12 +74,13 @@ def test_no_arguments_resolve_to_the_shipped_release_and_its_settings():
 
 
 def test_a_toy_checkpoint_fills_only_the_flags_not_passed(tmp_path):
-    rel = _copy_release(tmp_path, window_frames=6, sink_frames=0, steps=[1000, 500], shift=3.0,
-                        prompt="a green triangle, fast")
+    rel = _copy_release(tmp_path, window_frames=12, sink_frames=0, steps=[1000, 500], shift=3.0,
+                        prompt="a green triangle, fast", rope="absolute")
     args = _resolve(["--checkpoint", rel])
     shipped = json.load(open(os.path.join(RELEASE, "toyworld.json")))["settings"]
-    assert (args.chunk_frames, args.window_frames, args.sink_frames) == (shipped["chunk_frames"], 6, 0)
+    assert (args.chunk_frames, args.window_frames, args.sink_frames) == (shipped["chunk_frames"], 12, 0)
     assert args.steps == (1000, 500) and args.shift == 3.0 and args.prompt == "a green triangle, fast"
+    assert args.rope == "absolute"
     # a flag passed keeps its value, even one equal to the generic default
     args = _resolve(["--checkpoint", rel, "--window-frames", "9", "--steps", "1000,750,500,250", "--prompt",
                      "a yellow square, slow"])

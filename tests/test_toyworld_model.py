@@ -139,7 +139,7 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
     from jaxkv.toyworld import train as T
 
     # stage 1 only (a stage of 0 steps compiles nothing): three runs, each one compilation
-    tc = T.TrainConfig(steps=4, first_steps=0, sf_steps=0, batch=2, fit_frames=64, snapshot_every=2, warmup=1)
+    tc = T.TrainConfig(steps=4, sf_steps=0, batch=2, fit_frames=64, snapshot_every=2, warmup=1)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     T.train(a, tc, progress=False)
     calls = {"n": 0}
@@ -159,9 +159,18 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         T.train(b, tc, progress=False)
     assert not os.path.exists(b) and os.path.isdir(b + ".partial")
+    position_file = os.path.join(b + ".partial", "position.json")
+    with open(position_file) as f:
+        position = json.load(f)
+    assert position["step"] == 2 and position["seconds"] >= position["stage_seconds"] > 0
+    # the time spent before the interruption is carried into the resumed run's record
+    position.update(seconds=1000.0, stage_seconds=900.0)
+    with open(position_file, "w") as f:
+        json.dump(position, f)
     monkeypatch.setattr(T, "_step_fn", step_fn)
-    T.train(b, tc, resume=True, progress=False)
+    record = T.train(b, tc, resume=True, progress=False)
     assert not os.path.exists(b + ".partial")
+    assert record["seconds"] > 1000.0 and record["stages"][0]["seconds"] > 900.0
     for part in ("dit", "text_encoder"):
         wa, wb = (load_file(os.path.join(d, part, "params.safetensors")) for d in (a, b))
         assert wa.keys() == wb.keys()

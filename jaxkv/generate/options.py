@@ -25,7 +25,7 @@ SEED_MAX = 2 ** 63 - 1
 
 # The video, cache and sampler defaults below are those of --random-weights and of a Wan --checkpoint; the toy-world
 # model (the default) takes them from its release's settings for every flag not passed (`jaxkv.generate.toy`).
-DEFAULT_NUM_CHUNKS = 480        # 480 one-frame chunks of the toy world: 30 s of video at 16 fps
+DEFAULT_NUM_CHUNKS = 200        # 200 three-frame chunks of the toy world: 600 frames, 37.5 s at 16 fps
 DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3,
                 num_chunks=DEFAULT_NUM_CHUNKS,
                 steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rolling attention window, including the current chunk")
     v.add_argument("--sink-frames", type=_non_negative, default=d["sink_frames"], help="pinned first frames")
     v.add_argument("--num-chunks", type=_positive, default=d["num_chunks"], help="chunks to generate (the "
-                   "default is 30 s of toy-world video at 16 fps)")
+                   "default is 37.5 s of toy-world video at 16 fps)")
     v.add_argument("--batch", type=_positive, default=d["batch"], help="independent videos (sessions)")
     v.add_argument("--policy", choices=POLICIES, default=d["policy"], help="cache policy")
     v.add_argument("--dilated-every", type=_non_negative, default=d["dilated_every"], metavar="K",

@@ -8,9 +8,10 @@ release's, and the latent map takes the VAE's place. What differs is settled her
 - the model: ``--checkpoint DIR`` when DIR is a toy-world release, or no ``--checkpoint`` and no
   ``--random-weights`` (the release shipped in the package, `jaxkv.toyworld.model.RELEASE_DIR`);
 - the geometry: ``--height``/``--width`` (the 16 x 16 latent), ``--chunk-frames``, ``--window-frames``,
-  ``--sink-frames``, ``--steps`` and ``--shift`` the model was trained for, each unless passed (a flag passed keeps
-  its value, so ``--window-frames 6`` still runs the model on another window); and ``--prompt`` its default prompt
-  unless the text is given (``--prompt``, ``--context`` or ``--prompt-schedule``). A resumed session keeps its own;
+  ``--sink-frames``, ``--steps``, ``--shift`` and ``--rope`` the model was trained for, each unless passed (a flag
+  passed keeps its value, so ``--window-frames 12`` still runs the model on another window); and ``--prompt`` its
+  default prompt unless the text is given (``--prompt``, ``--context`` or ``--prompt-schedule``). A resumed session
+  keeps its own;
 - the text: every prompt (``--prompt``, ``--negative-prompt``, the schedule's) must parse as a toy-world prompt
   (`jaxkv.toyworld.world.parse_prompt`), a UsageError naming the vocabulary otherwise;
 - the video: one frame per latent frame, decoded by the release's `LatentMap` (`FrameDecoder`); ``--vae`` is refused.
@@ -29,7 +30,7 @@ def _geometry(settings: model.Settings) -> dict:
     """The flag destinations a toy model's settings fill, with their values."""
     return {"height": model.LATENT_SIZE, "width": model.LATENT_SIZE, "chunk_frames": settings.chunk_frames,
             "window_frames": settings.window_frames, "sink_frames": settings.sink_frames,
-            "steps": tuple(settings.steps), "shift": float(settings.shift)}
+            "steps": tuple(settings.steps), "shift": float(settings.shift), "rope": settings.rope}
 
 
 def prepare(args, *, fill: bool) -> str | None:

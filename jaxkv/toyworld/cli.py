@@ -13,11 +13,11 @@ def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="jaxkv toyworld", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 25 minutes on 2 cores)",
+    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 30 minutes on 2 cores)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the data, the init and the noise")
-    t.add_argument("--steps", type=int, default=d.steps, help="diffusion-forcing steps")
+    t.add_argument("--steps", type=int, default=d.steps, help="teacher-forcing steps")
     t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
     t.add_argument("--resume", action="store_true", help="continue from the snapshot in DIR.partial (written "
                    f"every {d.snapshot_every} steps and on Ctrl-C)")
@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         report = quality.check(toy)
         for row in report.per_prompt:
             print(f"{row['prompt']:<44} adherence {row['adherence']:.2f}  continuity {row['continuity']:.2f}  "
-                  f"overall {row['overall']:.2f}")
+                  f"overall {row['overall']:.2f}  tracking {row['tracking']:.2f}")
         verdict = "passes" if report.passed else "FAILS"
         print(f"mean overall {report.overall:.3f}: {verdict} the threshold {quality.THRESHOLD} "
-              f"({quality.CHUNKS} chunks per prompt, seed {quality.SEED})")
+              f"({quality.FRAMES} frames per prompt, seed {quality.SEED})")
+        print(f"tracking {report.tracking:.3f}: the share of frames and named shapes drawn within "
+              f"{quality.TRACK_RADIUS:g} px of where the world puts them (not part of the bar)")
         return 0 if report.passed else 1
     return 0

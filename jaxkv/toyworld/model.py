@@ -46,13 +46,20 @@ LATENT_SIZE = 64 // latents.PATCH          # 16: latent height and width
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """The streaming settings of a toy model (latent frames; what it was trained with and generates with)."""
+    """The streaming settings of a toy model (latent frames; what it was trained with and generates with).
 
-    chunk_frames: int = 1
-    window_frames: int = 3
-    sink_frames: int = 1
+    Wan's 3-frame chunks; the cache holds the first chunk as the sink and the two latest chunks as the window. RoPE
+    is cache-relative (keys rotated by their rank in the cache, `jaxkv.models.wan.cache_relative_rope`): the sink
+    stays at rank 0 however long the stream runs, so the model never meets a distance to it that its 9-frame
+    training clips did not show it (with absolute RoPE, a model trained on short clips drew garbage once the stream
+    was ~20 frames past its sink)."""
+
+    chunk_frames: int = 3
+    window_frames: int = 6
+    sink_frames: int = 3
     steps: tuple[int, ...] = (1000, 750, 500, 250)
     shift: float = 1.0
+    rope: str = "cache-relative"
     prompt: str = "a red circle and a blue square, slow"    # the default prompt
 
     def schedule(self) -> Schedule:
@@ -60,9 +67,10 @@ class Settings:
 
     def rollout_config(self, **overrides) -> RolloutConfig:
         """The `RolloutConfig` of these settings on the 16x16 latent, with any field replaced by ``overrides``
-        (e.g. ``sink_frames=0``, ``policy="rolling"``, ``dilated_every=2, dilation=2, buckets=4``)."""
+        (e.g. ``sink_frames=0``, ``policy="rolling"``, ``rope="absolute"``)."""
         rc = RolloutConfig(latent_height=LATENT_SIZE, latent_width=LATENT_SIZE, chunk_frames=self.chunk_frames,
-                           window_frames=self.window_frames, sink_frames=self.sink_frames, schedule=self.schedule())
+                           window_frames=self.window_frames, sink_frames=self.sink_frames, schedule=self.schedule(),
+                           rope=self.rope)
         return dataclasses.replace(rc, **overrides) if overrides else rc
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,7 +81,8 @@ class Settings:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Settings":
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: tuple(v) if k == "steps" else v for k, v in d.items() if k in known})
+        # releases written before "rope" was recorded streamed with absolute RoPE
+        return cls(**{"rope": "absolute", **{k: tuple(v) if k == "steps" else v for k, v in d.items() if k in known}})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -1,20 +1,26 @@
 """Training the toy model from scratch on CPU, with optax: ``python -m jaxkv.toyworld train --out DIR``.
 
 1. The latent map is fitted on world frames (`latents.LatentMap.fit`, a second).
-2. **Diffusion forcing under the streaming mask.** Clips of `TrainConfig.chunks` chunks go through
-   `jaxkv.models.wan.forward_block_causal` with the sink + window mask the stream will use. A clip's first j chunks
-   (j uniform in 0..chunks-1) are clean, as committed chunks are in the cache at generation (timestep 0); the
-   others each get their own noise level, drawn from the sampler's levels (`Settings.steps`): the model only has
-   to be right where it will be asked, which is what makes a few thousand steps enough. Loss: the flow ``eps - x0`` on the noisy chunks (rectified flow, Wan's
-   parameterisation). The text encoder trains with the DiT. The DiT starts from `init_dit`: Wan's random init
-   with every residual branch's output projection and the head zeroed (the DiT "adaLN-zero" start), which
-   trained markedly faster here than the test-oriented `wan.init_params` alone.
-3. **Self-forcing through the ring.** The first chunk of a clip is committed to an empty cache as generation
-   commits a chunk; then `jaxkv.rollout.rollout` samples the next ``sf_chunks`` chunks with the model's own few-step
-   sampler on the ring cache (its own samples fill the cache; the ring wraps), and the loss is the squared error of
-   the rolled-out latents to the world's true continuation, differentiated through the whole rollout. The world
-   is deterministic once its first frames are seen, so the true continuation is the target; what this stage adds
-   over stage 2 is that the model learns from the inputs it will really see: its own samples, not the truth.
+2. **Teacher forcing on the stream's own layout.** A clip is what the cache holds once it is full: the sink (the
+   prompt's first `Settings.sink_frames` frames, `world.canonical_scene`) and then `Settings.window_frames` frames
+   from anywhere along the scene's path (or, for ``start_share`` of the clips, straight on from the sink: a stream's
+   beginning). `jaxkv.models.wan.forward_teacher_forcing` denoises every chunk of it at once as a stream denoises it,
+   after the clean chunks before it, each chunk at its own noise level drawn from the sampler's levels
+   (`Settings.steps`): the model is trained exactly where generation will ask it. Loss: the flow ``eps - x0``
+   (rectified flow, Wan's parameterisation) on every chunk but those whose answer the clip does not fix: a window
+   chunk that does not follow the sink, seen after fewer than `CONTEXT_FRAMES` frames of its own path, cannot know
+   which way the shapes go. The text encoder trains with the DiT. The DiT starts from `init_dit`: Wan's random init
+   with every residual branch's output projection and the head zeroed (the DiT "adaLN-zero" start).
+   The clip is never longer than the cache, so with cache-relative RoPE (`Settings.rope`) its positions are the
+   ranks a full cache gives: training and a stream of any length see the same relative distances.
+3. **Self-forcing through the ring** (``sf_steps``; 0 in the shipped recipe, see below). The sink and the first
+   `context_chunks` window chunks of a clip are committed to an empty cache as generation commits chunks; then
+   `jaxkv.rollout.rollout` samples the rest with the model's own few-step sampler on the ring cache, and the loss
+   is the squared error of the rolled-out latents to the world's true continuation, differentiated through the
+   whole rollout (the world is deterministic once its first frames are seen). On an earlier model (1-frame chunks,
+   3-frame window, absolute RoPE) 300 such steps did not improve its streams: the quality score of 48-frame streams
+   of the check's prompts started from their true first frames went from 0.15 to 0.10. The shipped recipe spends
+   its budget on stage 2.
 
 Every random draw is a function of (seed, stage, step), so a run is reproducible and a resumed run
 (`--resume`, from the snapshot written every ``snapshot_every`` steps and on Ctrl-C) continues exactly.
@@ -47,20 +53,25 @@ from jaxkv.toyworld.model import save as save_release
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    batch: int = 8
-    chunks: int = 5              # chunks per diffusion-forcing clip: the last sees the sink + window, not chunk 1
-    steps: int = 2000            # diffusion-forcing steps
-    lr: float = 1e-3
+    batch: int = 8               # clips per teacher-forcing step
+    steps: int = 1300            # teacher-forcing steps
+    lr: float = 2e-3
     warmup: int = 100
-    first_steps: int = 400       # first-chunk steps
-    first_batch: int = 32
-    first_lr: float = 5e-4
-    sf_steps: int = 100          # self-forcing steps
+    start_share: float = 0.5     # clips that run straight on from the sink (a stream's beginning)
+    sf_steps: int = 0            # self-forcing steps (see the module docstring)
     sf_batch: int = 4
-    sf_chunks: int = 4           # chunks rolled out after the true first chunk (the 4-chunk cache wraps)
     sf_lr: float = 2e-4
     fit_frames: int = 2048       # frames the latent map is fitted on
     snapshot_every: int = 250
+
+
+# Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
+CONTEXT_FRAMES = 2
+
+
+def context_chunks(settings: Settings) -> int:
+    """Window chunks of a clip that must precede a chunk for its answer to be fixed (`CONTEXT_FRAMES`)."""
+    return -(-CONTEXT_FRAMES // settings.chunk_frames)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -72,22 +83,27 @@ def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
     return latents.LatentMap.fit(frames.reshape(-1, *frames.shape[2:]))
 
 
-def batch(latent_map, tokenizer, seed: int, stage: int, step: int, size: int, frames: int, start_share: float = 0.5):
-    """(latents float32 [size, frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
-    at_start bool [size]) of random prompts' `world.canonical_scene`, each clip starting at the scene's first frame
-    (``at_start``, a ``start_share`` of them) or at a frame uniform in 1..`MAX_START`; drawn from (seed, stage,
-    step) alone."""
+def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step: int, size: int,
+          start_share: float):
+    """A batch of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone: (latents float32
+    [size, sink_frames + window_frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
+    at_start bool [size]). Each clip is a random prompt's `world.canonical_scene`: its first ``sink_frames`` frames
+    (the sink), then ``window_frames`` frames from frame ``sink_frames`` on (``at_start``, a ``start_share`` of the
+    clips) or from a frame uniform in ``sink_frames + 1`` .. `MAX_START`."""
     rng = np.random.default_rng([seed, stage, step])
     prompts = [world.random_prompt(rng) for _ in range(size)]
     at_start = rng.random(size) < start_share
-    starts = np.where(at_start, 0, rng.integers(1, MAX_START + 1, size))
-    video = np.stack([world.render(world.canonical_scene(p), frames, int(t)) for p, t in zip(prompts, starts)])
+    sink = settings.sink_frames
+    starts = np.where(at_start, sink, rng.integers(sink + 1, MAX_START + 1, size))
+    video = np.stack([np.concatenate([world.render(world.canonical_scene(p), sink),
+                                      world.render(world.canonical_scene(p), settings.window_frames, int(t))])
+                      for p, t in zip(prompts, starts)])
     ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
     return latent_map.encode(video), ids, mask, at_start
 
 
-# Training clips start anywhere in the first MAX_START frames of a scene: its paths (a fold of period 88 or 44
-# frames per axis, `world.trajectory`) have long covered every state by then.
+# Training clips start anywhere in the first MAX_START frames of a scene: its paths (folds of period 2 x 36 px / |v|
+# per axis, at most ~126 frames at the world's speeds: `world.trajectory`) have long covered every state by then.
 MAX_START = 4096
 
 
@@ -115,40 +131,49 @@ def _context(text_params, ids, mask):
     return _encode_masked(text_params, text.CONFIG, ids, mask)
 
 
-def diffusion_forcing_loss(params, x0, ids, mask, at_start, key, tc: TrainConfig, settings: Settings):
-    """Flow-matching loss of clips x0 [B, F, h, w, c] with independent per-chunk noise levels (see the module)."""
+def supervised_chunks(at_start, settings: Settings):
+    """bool [batch, chunks]: the chunks of a `batch` clip whose answer the clip fixes. The sink is a prompt's
+    first frames (fixed by the prompt); a window chunk of a clip that does not start at the sink is fixed once
+    `context_chunks` of the window precede it."""
+    sink_chunks = settings.sink_frames // settings.chunk_frames
+    chunks = sink_chunks + settings.window_frames // settings.chunk_frames
+    index = jnp.arange(chunks)[None]
+    return jnp.asarray(at_start)[:, None] | (index < sink_chunks) | (index >= sink_chunks + context_chunks(settings))
+
+
+def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
+    """Flow-matching loss of clips x0 [B, F, h, w, c] (`batch`), every chunk denoised after the clean chunks before
+    it (`wan.forward_teacher_forcing`) at its own noise level; the mean over the `supervised_chunks`."""
     b, f = x0.shape[:2]
-    chunks = f // settings.chunk_frames
-    k_level, k_clean, k_eps = jax.random.split(key, 3)
+    cf = settings.chunk_frames
+    k_level, k_eps = jax.random.split(key)
     levels = jnp.asarray(settings.schedule().sigmas(), jnp.float32)        # the sampler's noise levels
-    sigma = levels[jax.random.randint(k_level, (b, chunks), 0, levels.shape[0])]
-    # a clean prefix, of at least one chunk unless the clip starts the scene: chunk 0 without context is only ever
-    # a scene's first frame, which the prompt fixes (`world.canonical_scene`)
-    prefix = jax.random.randint(k_clean, (b, 1), jnp.where(at_start, 0, 1)[:, None], chunks)
-    clean = jnp.arange(chunks)[None] < prefix
-    sigma = jnp.where(clean, 0.0, sigma)
-    sigma = jnp.repeat(sigma, settings.chunk_frames, axis=1)                     # [B, F]
+    sigma = jnp.repeat(levels[jax.random.randint(k_level, (b, f // cf), 0, levels.shape[0])], cf, axis=1)   # [B, F]
     eps = jax.random.normal(k_eps, x0.shape)
     xt = (1 - sigma[..., None, None, None]) * x0 + sigma[..., None, None, None] * eps
-    flow = wan.forward_block_causal(params["dit"], WAN_CONFIG, xt, 1000.0 * sigma, _context(params["text"], ids, mask),
-                                    chunk_frames=settings.chunk_frames, window_frames=settings.window_frames,
-                                    sink_frames=settings.sink_frames)
+    flow = wan.forward_teacher_forcing(params["dit"], WAN_CONFIG, x0, xt, 1000.0 * sigma,
+                                       _context(params["text"], ids, mask), chunk_frames=cf,
+                                       window_frames=settings.window_frames, sink_frames=settings.sink_frames)
     per_frame = jnp.mean((flow - (eps - x0)) ** 2, axis=(2, 3, 4))              # [B, F]
-    noisy = (sigma > 0).astype(jnp.float32)
-    return jnp.sum(per_frame * noisy) / jnp.maximum(jnp.sum(noisy), 1.0)
+    weight = jnp.repeat(supervised_chunks(at_start, settings), cf, axis=1).astype(jnp.float32)
+    return jnp.sum(per_frame * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
 def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
-    """x0 [B, (1 + K) * chunk_frames, ...]: commit chunk 0, roll out K chunks, squared error to chunks 1..K."""
+    """x0 [B, F, ...] (`batch`): commit the sink and the first `context_chunks` window chunks, roll the rest out on
+    the ring, squared error to the world's continuation."""
     rc = settings.rollout_config()
     cf = settings.chunk_frames
+    committed = settings.sink_frames // cf + context_chunks(settings)
     state = R.init_state(params["dit"], WAN_CONFIG, rc, _context(params["text"], ids, mask))
-    cache = state.cache.begin_chunk()
-    _, cache = M.forward_chunk(params["dit"], WAN_CONFIG, cache, state.cross, x0[:, :cf],
-                               jnp.full((x0.shape[0],), rc.schedule.context_noise), rope=rc.rope)
-    out = R.rollout(params["dit"], WAN_CONFIG, rc, None, num_chunks=(x0.shape[1] - cf) // cf, key=key,
-                    state=R.RolloutState(cache, state.cross), first_chunk=1)
-    return jnp.mean((out.latents - x0[:, cf:]) ** 2)
+    cache = state.cache
+    for c in range(committed):
+        cache = cache.begin_chunk()
+        _, cache = M.forward_chunk(params["dit"], WAN_CONFIG, cache, state.cross, x0[:, c * cf:(c + 1) * cf],
+                                   jnp.full((x0.shape[0],), rc.schedule.context_noise), rope=rc.rope)
+    out = R.rollout(params["dit"], WAN_CONFIG, rc, None, num_chunks=x0.shape[1] // cf - committed, key=key,
+                    state=R.RolloutState(cache, state.cross), first_chunk=committed)
+    return jnp.mean((out.latents - x0[:, committed * cf:]) ** 2)
 
 
 def _optimizer(lr: float, steps: int, warmup: int):
@@ -170,8 +195,10 @@ def _step_fn(loss_fn, optimizer):
 # ------------------------------------------------------------------------------------------------ snapshots
 
 
-def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: list[float], done: list) -> None:
-    """params + optimizer state + position, atomically (a Ctrl-C while writing keeps the previous snapshot)."""
+def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: list[float], done: list,
+                   seconds: tuple[float, float]) -> None:
+    """params + optimizer state + position, atomically (a Ctrl-C while writing keeps the previous snapshot).
+    ``seconds``: (the run's, the stage's) training time so far, so a resumed run records the whole of it."""
     from safetensors.numpy import save_file
 
     leaves = jax.tree.leaves((params, opt_state))
@@ -179,7 +206,8 @@ def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: 
     os.makedirs(tmp, exist_ok=True)
     save_file({f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}, os.path.join(tmp, "state.safetensors"))
     with open(os.path.join(tmp, "position.json"), "w") as f:
-        json.dump({"stage": stage, "step": step, "losses": losses, "finished_stages": done}, f)
+        json.dump({"stage": stage, "step": step, "losses": losses, "finished_stages": done,
+                   "seconds": round(seconds[0], 1), "stage_seconds": round(seconds[1], 1)}, f)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)
@@ -223,40 +251,44 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     key = jax.random.key(tc.seed)
     params = {"dit": init_dit(jax.random.fold_in(key, 0)),
               "text": text.init_text_params(tc.seed)}
-    # (name, steps, batch, chunks per clip, share of clips at a scene's start, loss, optimizer)
+    # (name, steps, batch, share of clips at a scene's start, loss, optimizer)
     stages = [
-        ("diffusion forcing", tc.steps, tc.batch, tc.chunks, 0.5,
-         lambda p, x, i, m, a, k: diffusion_forcing_loss(p, x, i, m, a, k, tc, settings),
+        ("teacher forcing", tc.steps, tc.batch, tc.start_share,
+         lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings),
          _optimizer(tc.lr, tc.steps, tc.warmup)),
-        ("first chunks", tc.first_steps, tc.first_batch, 1, 1.0,
-         lambda p, x, i, m, a, k: diffusion_forcing_loss(p, x, i, m, a, k, tc, settings),
-         _optimizer(tc.first_lr, tc.first_steps, 20)),
-        ("self-forcing", tc.sf_steps, tc.sf_batch, 1 + tc.sf_chunks, 0.5,
+        ("self-forcing", tc.sf_steps, tc.sf_batch, tc.start_share,
          lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings),
          _optimizer(tc.sf_lr, tc.sf_steps, 20)),
     ]
     record: dict[str, Any] = {"stages": []}
     first_stage, first_step, losses = 0, 0, []
-    opt_state = stages[0][6].init(params)
+    before, stage_before = 0.0, 0.0        # seconds spent in earlier processes (a resumed run): run, stage
+    opt_state = stages[0][5].init(params)
     if resume:
         first_stage = _read_position(snapshot)["stage"]
-        opt_state = stages[first_stage][6].init(params)
+        opt_state = stages[first_stage][5].init(params)
         position, (params, opt_state) = _load_snapshot(snapshot, (params, opt_state))
         first_step, losses = position["step"], position["losses"]
         record["stages"] = position["finished_stages"]
+        before, stage_before = position.get("seconds", 0.0), position.get("stage_seconds", 0.0)
     for stage in range(first_stage, len(stages)):
-        name, steps, size, chunks, start_share, loss_fn, optimizer = stages[stage]
+        name, steps, size, start_share, loss_fn, optimizer = stages[stage]
         if stage != first_stage:
-            opt_state, first_step, losses = optimizer.init(params), 0, []
+            opt_state, first_step, losses, stage_before = optimizer.init(params), 0, [], 0.0
         step_fn = _step_fn(loss_fn, optimizer)
         t0 = time.perf_counter()
+
+        def seconds():
+            now = time.perf_counter()
+            return before + now - started, stage_before + now - t0
+
         bar = tqdm(range(first_step, steps), desc=name, disable=not progress, file=sys.stderr, initial=first_step,
                    total=steps)
         done = first_step                     # steps of this stage whose update is in params
         try:
             for step in bar:
-                x0, ids, mask, at_start = batch(latent_map, tokenizer, tc.seed, stage + 1, step, size,
-                                                chunks * settings.chunk_frames, start_share)
+                x0, ids, mask, at_start = batch(latent_map, tokenizer, settings, tc.seed, stage + 1, step, size,
+                                                start_share)
                 params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask, at_start,
                                                   jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
                 done = step + 1
@@ -264,20 +296,22 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
                 if step % 10 == 0:
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
                 if done % tc.snapshot_every == 0 and done < steps:
-                    _save_snapshot(snapshot, stage, done, params, opt_state, losses, record["stages"])
+                    _save_snapshot(snapshot, stage, done, params, opt_state, losses, record["stages"], seconds())
         except KeyboardInterrupt:
             bar.close()
-            _save_snapshot(snapshot, stage, done, params, opt_state, losses[:done], record["stages"])
+            _save_snapshot(snapshot, stage, done, params, opt_state, losses[:done], record["stages"], seconds())
             print(f"interrupted: snapshot at {name} step {done} in {snapshot}; continue with --resume",
                   file=sys.stderr)
             raise
         bar.close()
-        record["stages"].append({"name": name, "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
+        record["stages"].append({"name": name, "steps": steps, "seconds": round(seconds()[1], 1),
                                  "loss_first_50": float(np.mean(losses[:50])) if losses else None,
                                  "loss_last_50": float(np.mean(losses[-50:])) if losses else None})
         if stage + 1 < len(stages):
-            _save_snapshot(snapshot, stage + 1, 0, params, stages[stage + 1][6].init(params), [], record["stages"])
-    record.update(seed=tc.seed, train_config=dataclasses.asdict(tc), seconds=round(time.perf_counter() - started, 1),
+            _save_snapshot(snapshot, stage + 1, 0, params, stages[stage + 1][5].init(params), [], record["stages"],
+                           (seconds()[0], 0.0))
+    record.update(seed=tc.seed, train_config=dataclasses.asdict(tc),
+                  seconds=round(before + time.perf_counter() - started, 1),
                   command=command or f"python -m jaxkv.toyworld train --out {out} --seed {tc.seed}",
                   jax_version=jax.__version__)
     save_release(out, params["dit"], params["text"], latent_map, settings, {"training": record}, force=force)
