@@ -577,8 +577,12 @@ def test_interrupted_conversion_leaves_the_old_destination(tmp_path, monkeypatch
 
 
 _SLOW_CONVERT = """
-import sys, time
+import signal, sys, time
 from converters import cli, sources
+# a shell's dispositions: a test run started under nohup or in the background hands SIGHUP / SIGINT down ignored,
+# and a conversion rightly leaves ignored signals alone (jaxkv.files)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 ready, calls, real = sys.argv[1], [], sources.SafetensorsSource.read
 def read(self, key):  # a slow disk: the conversion is still streaming when the test signals it
     calls.append(key)
