@@ -71,7 +71,7 @@ def check(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED) -> Report:
     if frames % chunk_frames:
         raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
     videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
-    return scores_of(videos, PROMPTS, model.settings.chunk_frames)
+    return scores_of(videos, PROMPTS, chunk_frames)
 
 
 def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, canonical: bool = False) -> np.ndarray:

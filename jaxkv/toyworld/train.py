@@ -95,9 +95,9 @@ def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step
     at_start = rng.random(size) < start_share
     sink = settings.sink_frames
     starts = np.where(at_start, sink, rng.integers(sink + 1, MAX_START + 1, size))
-    video = np.stack([np.concatenate([world.render(world.canonical_scene(p), sink),
-                                      world.render(world.canonical_scene(p), settings.window_frames, int(t))])
-                      for p, t in zip(prompts, starts)])
+    scenes = [world.canonical_scene(p) for p in prompts]
+    video = np.stack([np.concatenate([world.render(scene, sink), world.render(scene, settings.window_frames, int(t))])
+                      for scene, t in zip(scenes, starts)])
     ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
     return latent_map.encode(video), ids, mask, at_start
 
