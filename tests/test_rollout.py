@@ -156,6 +156,25 @@ def test_rollout_can_continue_from_its_state():
             R.rollout(params, CFG, rc, ctx, num_chunks=1, key=key, state=first.state, first_chunk=bad)
 
 
+@pytest.mark.parametrize("policy", ["ring", pytest.param("rolling", marks=pytest.mark.slow)])
+def test_committing_a_streams_own_chunks_gives_its_state(policy):
+    # the cache after committing a stream's 4 chunks (past the first eviction: sink 1 + window 2) holds what the
+    # stream's own commit passes wrote, so the next chunk comes out the same
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
+                         schedule=Schedule(steps=(1000, 500), context_noise=20.0))
+    params, ctx, key = _params(20), _ctx(21, batch=2), jax.random.key(22)
+    first = R.rollout(params, CFG, rc, ctx, num_chunks=4, key=key)
+    state = R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx), first.latents)
+    for a, b in zip(jax.tree.leaves(state.cache), jax.tree.leaves(first.state.cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    nxt = [R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
+           for s in (first.state, state)]
+    np.testing.assert_allclose(np.asarray(nxt[1]), np.asarray(nxt[0]), atol=1e-5)
+    for bad in (first.latents[:, :0], first.latents[..., :2], first.latents[:1]):
+        with pytest.raises(ValueError, match="commit" if bad.shape[0] == 2 else "sessions"):
+            R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx), bad)
+
+
 @pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
     tiny = wan.preset("tiny")

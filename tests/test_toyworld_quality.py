@@ -79,3 +79,53 @@ def test_random_weights_fail_and_the_shipped_model_moves_the_prompts_shapes(repo
                                        "plain test")
 def test_the_shipped_model_clears_the_bar(reports):
     assert reports[1].passed, reports[1]
+
+
+def test_chunk_errors_measure_against_the_world():
+    # the world's own chunks are on the path (up to detection: pixels quantise a centre); the frame before a chunk
+    # held still is off by the path's own steps, computed here from world.trajectory, give or take that frame's
+    # own detection error (the triangle inequality); a blank chunk finds nothing
+    rng = np.random.default_rng(4)
+    prompts = [world.random_prompt(rng) for _ in range(6)]
+    starts = rng.integers(10, 500, 6)
+    scenes = [world.canonical_scene(p) for p in prompts]
+    truth = np.stack([world.render(sc, 3, int(t)) for sc, t in zip(scenes, starts)])
+    before = np.stack([world.render(sc, 1, int(t) - 1) for sc, t in zip(scenes, starts)])
+    assert quality.chunk_errors(truth, prompts, starts).max() <= np.sqrt(2) * metric.CENTROID_ERROR
+    steps = np.concatenate([np.linalg.norm(world.trajectory(thing, 4, int(t) - 1)[1:]
+                                           - world.trajectory(thing, 1, int(t) - 1), axis=-1)[None]
+                            for sc, t in zip(scenes, starts) for thing in sc.things])
+    assert steps.min() > 0.5
+    held = quality.chunk_errors(before.repeat(3, axis=1), prompts, starts)
+    assert (np.abs(held - steps) <= quality.chunk_errors(before, prompts, starts - 1) + 1e-9).all()
+    assert np.isinf(quality.chunk_errors(world.empty_frames(3)[None].repeat(6, 0), prompts, starts)).all()
+
+
+@pytest.mark.slow
+def test_next_chunk_reads_the_world_the_still_frame_and_the_model(shipped):
+    step = quality.next_chunk(shipped, clips=12)
+    assert step.model.shape == step.still.shape == step.world.shape == (shipped.settings.chunk_frames,)
+    assert (step.world <= 0.5).all()
+    # half the prompts are slow (1 px a frame), half fast (2 px): the still frame's median error grows by a step
+    assert (np.diff(step.still) > 0.5).all() and 0.5 < step.still[0] < 2.5
+    assert np.isfinite(step.model).all()
+    random = dataclasses.replace(shipped, params=wan.init_params(shipped.config, jax.random.key(1)))
+    assert np.isinf(quality.next_chunk(random, clips=4).model).all()
+
+
+def test_check_cli_refuses_a_directory_that_is_not_a_release(tmp_path, capsys):
+    from jaxkv.toyworld import cli
+
+    assert cli.main(["check", str(tmp_path)]) == 2
+    assert "not a toy-world release" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_check_cli_prints_the_bar_tracking_and_the_next_chunk(reports, capsys):
+    from jaxkv.toyworld import cli
+
+    code = cli.main(["check"])
+    out = capsys.readouterr().out
+    assert code == (0 if reports[1].passed else 1)
+    assert f"mean overall {reports[1].overall:.3f}" in out and f"tracking {reports[1].tracking:.3f}" in out
+    assert "next chunk from the world's own frames" in out and "held still" in out

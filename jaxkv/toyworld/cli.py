@@ -69,5 +69,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({quality.FRAMES} frames per prompt, seed {quality.SEED})")
         print(f"tracking {report.tracking:.3f}: the share of frames and named shapes drawn within "
               f"{quality.TRACK_RADIUS:g} px of where the world puts them (not part of the bar)")
+        step = quality.next_chunk(toy)
+        px = lambda errors: " / ".join(f"{e:.2f}" for e in errors)     # noqa: E731
+        print(f"next chunk from the world's own frames ({quality.NEXT_CLIPS} clips; median px from the true centre "
+              f"per frame): model {px(step.model)}, the last frame held still {px(step.still)}, the world's own "
+              f"chunk {px(step.world)}")
         return 0 if report.passed else 1
     return 0

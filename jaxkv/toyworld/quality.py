@@ -13,6 +13,10 @@ prompt's `world.canonical_scene`, so each named object's detected centre can be 
 it. The metric only judges what is plausible from the prompt, and it forgives an object missing under another one
 (the world draws later-named shapes on top): a model that merges two shapes into one blob once they meet scores
 well on it while tracking shows the loss. It is reported beside the bar, not part of it.
+
+`next_chunk` reads the one step a stream repeats: given the world's own frames as context (a full cache of them),
+how far from the world's are the shapes of the chunk the model samples next, against the same frames held still.
+A model that has not learnt motion draws its chunks no better than the still frame.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ FRAMES = 48          # per prompt (16 chunks of the shipped model)
 SEED = 0
 THRESHOLD = 0.5
 TRACK_RADIUS = 3.0   # px from the true centre for `tracking` (5 x the metric's CENTROID_ERROR: a slow shape's 3 frames)
+
+
+NEXT_CLIPS = 48      # clips of `next_chunk`
+NEXT_START = 2000    # `next_chunk`'s chunks start anywhere before this frame of their scene
 
 
 class Report(NamedTuple):
@@ -82,3 +90,63 @@ def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, can
     clips = np.stack([world.render(world.canonical_scene(p) if canonical else world.sample_scene(rng, p), frames)
                       for p in PROMPTS])
     return np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(clips)))
+
+
+class NextChunk(NamedTuple):
+    """`next_chunk`'s reading: per frame of the generated chunk, the median over (clip, named shape) of the distance
+    (px) from the shape's detected centre to the world's (inf where it is not detected)."""
+
+    model: np.ndarray     # float64 [chunk_frames]: the model's chunk
+    still: np.ndarray     # float64 [chunk_frames]: the last frame before the chunk held still (no motion at all)
+    world: np.ndarray     # float64 [chunk_frames]: the world's own chunk through the latent map (the floor)
+
+
+def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) -> NextChunk:
+    """How well the model continues the world's own frames by one chunk, the step every chunk of a stream takes.
+
+    ``clips`` random prompts' canonical scenes; for each, the cache is given what a full cache holds when a stream
+    makes the chunk starting at a random frame t (`NEXT_START`): the sink (the scene's first frames) and the
+    window's frames before t, all committed from the world's true frames (`jaxkv.rollout.commit`); the model then
+    samples the chunk t .. t + chunk_frames - 1 with its sampler. Motion is what this reads: a model that draws
+    the shapes where they were scores `still`, one that moves them as the world does scores near `world`."""
+    import jax
+
+    from jaxkv import rollout as R
+
+    st = model.settings
+    cf, sink, before = st.chunk_frames, st.sink_frames, st.window_frames - st.chunk_frames
+    if sink % cf or before % cf:
+        raise ValueError(f"next_chunk commits whole chunks: the sink ({sink}) and the window before a chunk "
+                         f"({before}) must be multiples of the chunk ({cf} frames)")
+    rng = np.random.default_rng([seed, clips])
+    prompts = [world.random_prompt(rng) for _ in range(clips)]
+    starts = rng.integers(sink + before, NEXT_START, clips)
+    scenes = [world.canonical_scene(p) for p in prompts]
+    context = np.stack([np.concatenate([world.render(sc, sink), world.render(sc, before, int(t) - before)])
+                        if before else world.render(sc, sink) for sc, t in zip(scenes, starts)])
+    truth = np.stack([world.render(sc, cf, int(t)) for sc, t in zip(scenes, starts)])
+    rc = st.rollout_config()
+    state = R.init_state(model.params, model.config, rc, model.context(prompts))
+    state = jax.jit(R.commit, static_argnums=(1, 2))(model.params, model.config, rc, state,
+                                                     model.latent_map.encode(context))
+    out = R.jit_rollout(model.params, model.config, rc, None, num_chunks=1, key=jax.random.key(seed), state=state,
+                    first_chunk=(sink + before) // cf)
+    generated = np.asarray(model.latent_map.decode_uint8(out.latents))
+    still = np.repeat(context[:, -1:], cf, axis=1)
+    through_map = np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(truth)))
+    return NextChunk(*(np.median(chunk_errors(v, prompts, starts), axis=0)
+                       for v in (generated, still, through_map)))
+
+
+def chunk_errors(chunks: np.ndarray, prompts, starts) -> np.ndarray:
+    """float64 [sum of the prompts' shapes, F]: for ``chunks`` uint8 [len(prompts), F, 64, 64, 3] showing frames
+    starts[i] .. starts[i] + F - 1 of each prompt's canonical scene, each named shape's distance (px) from its
+    detected centre to the world's (inf where not detected)."""
+    errors = []
+    for frames, prompt, start in zip(chunks, prompts, starts):
+        detections = metric.detect(frames)
+        for thing in world.canonical_scene(prompt).things:
+            centre = detections.centroid[:, metric.COLOUR_NAMES.index(thing.colour)]
+            error = np.linalg.norm(centre - world.trajectory(thing, len(frames), int(start)), axis=-1)
+            errors.append(np.nan_to_num(error, nan=np.inf))
+    return np.stack(errors)

@@ -44,7 +44,6 @@ import optax
 from jaxkv import rollout as R
 from jaxkv.models import wan
 from jaxkv.models.umt5.encoder import _encode_masked
-from jaxkv.models.wan import model as M
 from jaxkv.toyworld import latents, text, world
 from jaxkv.toyworld.model import WAN_CONFIG, Settings
 from jaxkv.toyworld.model import save as save_release
@@ -166,13 +165,9 @@ def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
     state = R.init_state(params["dit"], WAN_CONFIG, rc, _context(params["text"], ids, mask))
-    cache = state.cache
-    for c in range(committed):
-        cache = cache.begin_chunk()
-        _, cache = M.forward_chunk(params["dit"], WAN_CONFIG, cache, state.cross, x0[:, c * cf:(c + 1) * cf],
-                                   jnp.full((x0.shape[0],), rc.schedule.context_noise), rope=rc.rope)
+    state = R.commit(params["dit"], WAN_CONFIG, rc, state, x0[:, :committed * cf])
     out = R.rollout(params["dit"], WAN_CONFIG, rc, None, num_chunks=x0.shape[1] // cf - committed, key=key,
-                    state=R.RolloutState(cache, state.cross), first_chunk=committed)
+                    state=state, first_chunk=committed)
     return jnp.mean((out.latents - x0[:, committed * cf:]) ** 2)
 
 
