@@ -373,8 +373,8 @@ def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, la
         raise ValueError("commit writes one session per row; it does not support guidance (guidance_scale is set)")
     if latents.ndim != 5 or latents.shape[1] % cf or latents.shape[1] == 0 \
             or tuple(latents.shape[2:]) != tuple(rc.chunk_shape(config, batch)[2:]):
-        raise ValueError(f"commit needs latents [batch, n * {cf}, {', '.join(map(str, rc.chunk_shape(config, 1)[2:]))}]"
-                         f" (whole chunks), got {list(latents.shape)}")
+        frame = ", ".join(map(str, rc.chunk_shape(config, 1)[2:]))
+        raise ValueError(f"commit needs latents [batch, n * {cf}, {frame}] (whole chunks), got {list(latents.shape)}")
     if state.cache.batch != batch:
         raise ValueError(f"the state has {state.cache.batch} sessions, the latents {batch} rows")
     cache = state.cache
@@ -384,6 +384,10 @@ def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, la
                                    jnp.full((batch,), rc.schedule.context_noise), rope=rc.rope, backend=rc.backend,
                                    precision=rc.precision)
     return RolloutState(cache, state.cross)
+
+
+jit_commit = jax.jit(commit, static_argnums=(1, 2))
+jit_commit.__doc__ = "`commit` under jax.jit (config and rc static)."
 
 
 # ------------------------------------------------------------------------------------------------ whole rollout

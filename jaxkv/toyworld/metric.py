@@ -269,6 +269,12 @@ def _meets(box: np.ndarray, other: np.ndarray) -> np.ndarray:
 
 def occlusion(detections: Detections, prompt: str) -> Occlusion:
     """`Occlusion` of the prompt's objects in ``detections``."""
+    return _judge(detections, prompt)[0]
+
+
+def _judge(detections: Detections, prompt: str) -> tuple[Occlusion, np.ndarray]:
+    """(`occlusion`, `transitions`): each object's steps are judged with its own occlusion, which depends on
+    the steps of the objects above it, so both come out of one pass from the top object down."""
     colours, _, speed = _objects(prompt)
     present = detections.present[:, colours]                    # [T, N]
     seen_any = detections.area[:, colours] > 0                  # some pixels, maybe under MIN_AREA
@@ -298,14 +304,15 @@ def occlusion(detections: Detections, prompt: str) -> Occlusion:
     # colour is no cover), and only while n's own path keeps it under one
     centre = detections.centroid[:, colours]
     moving = np.zeros_like(present)              # present, with plausible steps into and out of the frame
+    steps = np.zeros((frames - 1, count), bool)
     for n in range(count - 1, -1, -1):
         if n < count - 1:
             hidden[:, n] &= moving[:, n + 1:].any(1) & _on_its_path(
                 hidden[:, n], present[:, n] & ~covered[:, n], centre[:, n], centre[:, n + 1:], speed,
                 after[:, n] < frames)
-        ok = _steps(present[:, n], hidden[:, n], covered[:, n] | hidden[:, n], centre[:, n], speed)
-        moving[:, n] = present[:, n] & np.append(ok, True) & np.insert(ok, 0, True)
-    return Occlusion(covered, hidden)
+        steps[:, n] = _steps(present[:, n], hidden[:, n], covered[:, n] | hidden[:, n], centre[:, n], speed)
+        moving[:, n] = present[:, n] & np.append(steps[:, n], True) & np.insert(steps[:, n], 0, True)
+    return Occlusion(covered, hidden), steps
 
 
 def _runs(flags: np.ndarray):
@@ -401,12 +408,7 @@ def transitions(detections: Detections, prompt: str) -> np.ndarray:
     are skipped where a frame they need is missing (that absence already failed) or the object is covered or
     hidden in any frame they span.
     """
-    colours, _, speed = _objects(prompt)
-    cover, hidden = occlusion(detections, prompt)
-    present = detections.present[:, colours]                     # [T, N]
-    centre = detections.centroid[:, colours]                     # [T, N, 2]
-    return np.stack([_steps(present[:, n], hidden[:, n], cover[:, n] | hidden[:, n], centre[:, n], speed)
-                     for n in range(len(colours))], axis=1)
+    return _judge(detections, prompt)[1]
 
 
 def _steps(present: np.ndarray, hidden: np.ndarray, shaded: np.ndarray, centre: np.ndarray,

@@ -127,10 +127,9 @@ def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) ->
     truth = np.stack([world.render(sc, cf, int(t)) for sc, t in zip(scenes, starts)])
     rc = st.rollout_config()
     state = R.init_state(model.params, model.config, rc, model.context(prompts))
-    state = jax.jit(R.commit, static_argnums=(1, 2))(model.params, model.config, rc, state,
-                                                     model.latent_map.encode(context))
+    state = R.jit_commit(model.params, model.config, rc, state, model.latent_map.encode(context))
     out = R.jit_rollout(model.params, model.config, rc, None, num_chunks=1, key=jax.random.key(seed), state=state,
-                    first_chunk=(sink + before) // cf)
+                        first_chunk=(sink + before) // cf)
     generated = np.asarray(model.latent_map.decode_uint8(out.latents))
     still = np.repeat(context[:, -1:], cf, axis=1)
     through_map = np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(truth)))
