@@ -121,11 +121,38 @@ def test_check_cli_refuses_a_directory_that_is_not_a_release(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_check_cli_prints_the_bar_tracking_and_the_next_chunk(reports, capsys):
+def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports, capsys):
     from jaxkv.toyworld import cli
 
-    code = cli.main(["check"])
+    code = cli.main(["check", "--survey"])
     out = capsys.readouterr().out
     assert code == (0 if reports[1].passed else 1)
     assert f"mean overall {reports[1].overall:.3f}" in out and f"tracking {reports[1].tracking:.3f}" in out
     assert "next chunk from the world's own frames" in out and "held still" in out
+    assert "survey (16 prompts x 2 seeds, 48 frames): overall" in out
+
+
+def test_survey_prompts_are_the_checks_then_distinct_valid_ones():
+    prompts = quality.survey_prompts(40)
+    assert prompts[:len(quality.PROMPTS)] == quality.PROMPTS
+    assert len(set(prompts)) == 40 and prompts == quality.survey_prompts(40)
+    for p in prompts:
+        world.parse_prompt(p)
+    assert quality.survey_prompts(16) == quality.survey_prompts()
+    everything = quality.survey_prompts(240)         # every prompt the vocabulary makes: 2 x (4 x 3 + 4 x 3 x 3 x 3)
+    assert len(set(everything)) == 240
+    for bad in (3, 241):
+        with pytest.raises(ValueError, match="count"):
+            quality.survey_prompts(bad)
+
+
+@pytest.mark.slow
+def test_survey_of_the_checks_prompts_and_seed_is_the_check(reports, shipped):
+    one = quality.survey(shipped, prompts=len(quality.PROMPTS), seeds=1)
+    assert one.overall == reports[1].overall and one.tracking == reports[1].tracking
+    assert one.by_seed == (reports[1].overall,) and one.prompts == quality.PROMPTS
+    wide = quality.survey(shipped, prompts=6, seeds=2)
+    assert len(wide.by_seed) == 2 and wide.overall == pytest.approx(np.mean(wide.by_seed))
+    assert len(wide.prompts) == 6
+    with pytest.raises(ValueError, match="seeds"):
+        quality.survey(shipped, seeds=0)

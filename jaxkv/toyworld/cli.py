@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="stream the quality check's prompts with a release and score them (exit code "
                        "1 below the threshold)")
     c.add_argument("release", nargs="?", help="toy-world release directory (default: the shipped one)")
+    c.add_argument("--survey", action="store_true", help="also stream 16 prompts x 2 seeds (quality.survey): a "
+                   "steadier reading than the bar's 4 streams, for comparing models")
     return p
 
 
@@ -74,5 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"next chunk from the world's own frames ({quality.NEXT_CLIPS} clips; median px from the true centre "
               f"per frame): model {px(step.model)}, the last frame held still {px(step.still)}, the world's own "
               f"chunk {px(step.world)}")
+        if args.survey:
+            wide = quality.survey(toy)
+            print(f"survey ({len(wide.prompts)} prompts x {len(wide.by_seed)} seeds, {quality.FRAMES} frames): "
+                  f"overall {wide.overall:.3f} (per seed {' / '.join(f'{x:.3f}' for x in wide.by_seed)}), "
+                  f"tracking {wide.tracking:.3f}")
         return 0 if report.passed else 1
     return 0

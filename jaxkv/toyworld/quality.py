@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxkv.toyworld import metric, sample, world
 from jaxkv.toyworld.model import ToyModel
+from jaxkv.validate import check_int
 
 PROMPTS = ("a red circle and a blue square, slow", "a green triangle, fast", "a yellow square and a red triangle, fast",
            "a blue circle, slow")
@@ -80,6 +81,50 @@ def check(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED) -> Report:
         raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
     videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
     return scores_of(videos, PROMPTS, chunk_frames)
+
+
+SURVEY_PROMPTS = 16  # `survey`: the check's prompts and 12 more
+SURVEY_SEEDS = 2
+
+
+class Survey(NamedTuple):
+    overall: float                  # mean overall score over every (prompt, seed) stream
+    tracking: float                 # mean tracking over the same streams
+    by_seed: tuple[float, ...]      # mean overall of each seed's streams (their spread is the reading's noise)
+    prompts: tuple[str, ...]
+
+
+def survey_prompts(count: int = SURVEY_PROMPTS) -> tuple[str, ...]:
+    """`PROMPTS`, then distinct random prompts (`world.random_prompt`, a fixed draw) up to ``count``."""
+    import math
+
+    c, s = len(world.COLOURS), len(world.SHAPES)
+    distinct = len(world.SPEEDS) * sum(math.perm(c, n) * s ** n for n in range(1, world.MAX_OBJECTS + 1))
+    count = check_int("count", count, minimum=len(PROMPTS), maximum=distinct)
+    rng = np.random.default_rng([SEED, count])
+    prompts = list(PROMPTS)
+    while len(prompts) < count:
+        prompt = world.random_prompt(rng)
+        if prompt not in prompts:
+            prompts.append(prompt)
+    return tuple(prompts)
+
+
+def survey(model: ToyModel, *, prompts: int = SURVEY_PROMPTS, seeds: int = SURVEY_SEEDS,
+           frames: int = FRAMES) -> Survey:
+    """A steadier reading than `check` for comparing models (not the bar): ``prompts`` prompts (`survey_prompts`)
+    streamed with each of ``seeds`` seeds (`SEED`, `SEED` + 1, ...) for ``frames`` frames, scored as `check` scores
+    its streams. The check's 4 streams move by a few hundredths between models that differ only by noise; the
+    spread of `Survey.by_seed` shows how much. With ``prompts=4, seeds=1`` it is `check`'s streams exactly."""
+    seeds = check_int("seeds", seeds, minimum=1)
+    chosen = survey_prompts(prompts)
+    chunk_frames = model.settings.chunk_frames
+    if frames % chunk_frames:
+        raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
+    reports = [scores_of(sample.video(model, list(chosen), num_chunks=frames // chunk_frames, seed=SEED + i),
+                         chosen, chunk_frames) for i in range(seeds)]
+    return Survey(float(np.mean([r.overall for r in reports])), float(np.mean([r.tracking for r in reports])),
+                  tuple(r.overall for r in reports), chosen)
 
 
 def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, canonical: bool = False) -> np.ndarray:
