@@ -130,6 +130,7 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
     assert f"mean overall {reports[1].overall:.3f}" in out and f"tracking {reports[1].tracking:.3f}" in out
     assert "next chunk from the world's own frames" in out and "held still" in out
     assert "survey (16 prompts x 2 seeds, 48 frames): overall" in out
+    assert "denoising that chunk once at each noise level" in out and "level 0.25: " in out
 
 
 def test_survey_prompts_are_the_checks_then_distinct_valid_ones():
@@ -156,3 +157,38 @@ def test_survey_of_the_checks_prompts_and_seed_is_the_check(reports, shipped):
     assert len(wide.prompts) == 6
     with pytest.raises(ValueError, match="seeds"):
         quality.survey(shipped, seeds=0)
+
+
+def test_denoising_errors_scale_as_sigma_squared_for_a_dit_that_predicts_no_flow(shipped):
+    # a zero head predicts zero flow, so its x0 is the noisy input itself: error sigma^2 * mean((eps - x0)^2)
+    params = dict(shipped.params, head=jax.tree.map(np.zeros_like, shipped.params["head"]))
+    errors = quality.denoising_errors(dataclasses.replace(shipped, params=params), clips=6)
+    assert errors.sigmas.tolist() == [1.0, 0.75, 0.5, 0.25]
+    np.testing.assert_allclose(errors.model / errors.model[:1], np.broadcast_to(errors.sigmas[:, None] ** 2,
+                                                                               errors.model.shape), rtol=1e-4)
+    assert (errors.model[0] > 1.0).all()                       # eps - x0: unit noise plus the latents
+    _, _, context, truth = quality._world_chunks(shipped, 6, quality.SEED)
+    x = shipped.latent_map.encode(np.concatenate([context[:, -1:], truth], axis=1))
+    np.testing.assert_allclose(errors.still, np.mean((x[:, 1:] - x[:, :1]) ** 2, axis=(0, 2, 3, 4)), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_denoising_errors_first_level_is_the_streams_first_step(shipped):
+    from jaxkv import rollout as R
+    from jaxkv.schedule import Schedule
+
+    clips, st = 4, shipped.settings
+    errors = quality.denoising_errors(shipped, clips=clips)
+    # the same clips streamed: the world's frames committed, then one sampler step from the same noise
+    prompts, _, context, truth = quality._world_chunks(shipped, clips, quality.SEED)
+    x0 = shipped.latent_map.encode(np.concatenate([context, truth], axis=1))
+    eps = np.random.default_rng([quality.SEED, clips, 1]).standard_normal(x0.shape).astype(np.float32)
+    rc = st.rollout_config(schedule=Schedule(steps=(1000,), shift=st.shift))
+    state = R.init_state(shipped.params, shipped.config, rc, shipped.context(prompts))
+    state = R.commit(shipped.params, shipped.config, rc, state, x0[:, :context.shape[1]])
+    out = R.rollout(shipped.params, shipped.config, rc, None, num_chunks=1, noise=eps[None, None, :, -3:],
+                    state=state, first_chunk=context.shape[1] // 3)
+    streamed = np.mean((np.asarray(out.latents) - x0[:, -3:]) ** 2, axis=(0, 2, 3, 4))
+    np.testing.assert_allclose(errors.model[0], streamed, rtol=2e-3)
+    # the lower levels hold more of the answer: the shipped model's last step is far better than its first
+    assert (errors.model[-1] < 0.2 * errors.model[0]).all() and (errors.model[-1] < errors.still).all()

@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"next chunk from the world's own frames ({quality.NEXT_CLIPS} clips; median px from the true centre "
               f"per frame): model {px(step.model)}, the last frame held still {px(step.still)}, the world's own "
               f"chunk {px(step.world)}")
+        levels = quality.denoising_errors(toy)
+        mse = lambda errors: "/".join(f"{e:.3f}" for e in errors)     # noqa: E731
+        print(f"denoising that chunk once at each noise level (x0 squared error per frame, latent units): "
+              + ", ".join(f"level {s:g}: {mse(e)}" for s, e in zip(levels.sigmas, levels.model))
+              + f"; the last frame held still {mse(levels.still)}")
         if args.survey:
             wide = quality.survey(toy)
             print(f"survey ({len(wide.prompts)} prompts x {len(wide.by_seed)} seeds, {quality.FRAMES} frames): "

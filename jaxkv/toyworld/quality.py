@@ -16,7 +16,11 @@ well on it while tracking shows the loss. It is reported beside the bar, not par
 
 `next_chunk` reads the one step a stream repeats: given the world's own frames as context (a full cache of them),
 how far from the world's are the shapes of the chunk the model samples next, against the same frames held still.
-A model that has not learnt motion draws its chunks no better than the still frame.
+A model that has not learnt motion draws its chunks no better than the still frame. `denoising_errors` reads the
+same chunks one level down: the error of the model's x0 prediction at each of its sampler's noise levels, so it
+shows which step falls short (at level 1 the input holds nothing of the chunk: that step decides the motion).
+
+`survey` streams 16 prompts x 2 seeds: a steadier reading than the bar's 4 streams when comparing recipes.
 """
 
 from __future__ import annotations
@@ -146,6 +150,26 @@ class NextChunk(NamedTuple):
     world: np.ndarray     # float64 [chunk_frames]: the world's own chunk through the latent map (the floor)
 
 
+def _world_chunks(model: ToyModel, clips: int, seed: int):
+    """The clips `next_chunk` and `denoising_errors` read: ``clips`` random prompts' canonical scenes, each at a
+    random frame t < `NEXT_START`; returns (prompts, starts int [clips], context uint8 [clips, sink + window -
+    chunk frames, 64, 64, 3]: the sink and the window's frames before t, truth uint8 [clips, chunk_frames, ...]:
+    frames t .. t + chunk_frames - 1)."""
+    st = model.settings
+    cf, sink, before = st.chunk_frames, st.sink_frames, st.window_frames - st.chunk_frames
+    if sink % cf or before % cf:
+        raise ValueError(f"the world's chunks are committed whole: the sink ({sink}) and the window before a chunk "
+                         f"({before}) must be multiples of the chunk ({cf} frames)")
+    rng = np.random.default_rng([seed, clips])
+    prompts = [world.random_prompt(rng) for _ in range(clips)]
+    starts = rng.integers(sink + before, NEXT_START, clips)
+    scenes = [world.canonical_scene(p) for p in prompts]
+    context = np.stack([np.concatenate([world.render(sc, sink), world.render(sc, before, int(t) - before)])
+                        if before else world.render(sc, sink) for sc, t in zip(scenes, starts)])
+    truth = np.stack([world.render(sc, cf, int(t)) for sc, t in zip(scenes, starts)])
+    return prompts, starts, context, truth
+
+
 def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) -> NextChunk:
     """How well the model continues the world's own frames by one chunk, the step every chunk of a stream takes.
 
@@ -159,27 +183,62 @@ def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) ->
     from jaxkv import rollout as R
 
     st = model.settings
-    cf, sink, before = st.chunk_frames, st.sink_frames, st.window_frames - st.chunk_frames
-    if sink % cf or before % cf:
-        raise ValueError(f"next_chunk commits whole chunks: the sink ({sink}) and the window before a chunk "
-                         f"({before}) must be multiples of the chunk ({cf} frames)")
-    rng = np.random.default_rng([seed, clips])
-    prompts = [world.random_prompt(rng) for _ in range(clips)]
-    starts = rng.integers(sink + before, NEXT_START, clips)
-    scenes = [world.canonical_scene(p) for p in prompts]
-    context = np.stack([np.concatenate([world.render(sc, sink), world.render(sc, before, int(t) - before)])
-                        if before else world.render(sc, sink) for sc, t in zip(scenes, starts)])
-    truth = np.stack([world.render(sc, cf, int(t)) for sc, t in zip(scenes, starts)])
+    prompts, starts, context, truth = _world_chunks(model, clips, seed)
     rc = st.rollout_config()
     state = R.init_state(model.params, model.config, rc, model.context(prompts))
     state = R.jit_commit(model.params, model.config, rc, state, model.latent_map.encode(context))
     out = R.jit_rollout(model.params, model.config, rc, None, num_chunks=1, key=jax.random.key(seed), state=state,
-                        first_chunk=(sink + before) // cf)
+                        first_chunk=context.shape[1] // st.chunk_frames)
     generated = np.asarray(model.latent_map.decode_uint8(out.latents))
-    still = np.repeat(context[:, -1:], cf, axis=1)
+    still = np.repeat(context[:, -1:], st.chunk_frames, axis=1)
     through_map = np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(truth)))
     return NextChunk(*(np.median(chunk_errors(v, prompts, starts), axis=0)
                        for v in (generated, still, through_map)))
+
+
+class DenoisingErrors(NamedTuple):
+    """`denoising_errors`' reading: mean squared error in latent units (mean over clips, positions, channels)."""
+
+    sigmas: np.ndarray    # float64 [levels]: the sampler's noise levels, first step first
+    model: np.ndarray     # float64 [levels, chunk_frames]: of the model's x0 prediction at each level, per frame
+    still: np.ndarray     # float64 [chunk_frames]: of the last frame before the chunk held still
+
+
+def denoising_errors(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) -> DenoisingErrors:
+    """Where in its sampler a model falls short. `next_chunk`'s clips (the world's true frames: sink, the window's
+    frames before the chunk, the chunk) with the chunk noised to each of the sampler's levels (``(1 - sigma) x +
+    sigma eps``, one eps draw from ``seed``) and denoised once after the true frames
+    (`jaxkv.models.wan.forward_teacher_forcing`, as training does); the error of the predicted x0 (``x - sigma *
+    flow``) per frame of the chunk. At level 1 the input holds nothing of the chunk, so that row is the model's
+    own guess of where the shapes go, the guess the later steps refine: a row no better than `still` is a model
+    that has not learnt the motion."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.models import wan
+
+    st = model.settings
+    schedule = st.schedule()
+    prompts, _, context, truth = _world_chunks(model, clips, seed)
+    x0 = model.latent_map.encode(np.concatenate([context, truth], axis=1))        # [clips, F, 16, 16, 16]
+    eps = np.random.default_rng([seed, clips, 1]).standard_normal(x0.shape).astype(np.float32)
+    text = model.context(prompts)
+    cf = st.chunk_frames
+
+    @jax.jit
+    def predict(params, x0, eps, text, sigma, timestep):
+        xt = (1 - sigma) * x0 + sigma * eps
+        flow = wan.forward_teacher_forcing(params, model.config, x0, xt, jnp.full(x0.shape[:2], timestep), text,
+                                           chunk_frames=cf, window_frames=st.window_frames,
+                                           sink_frames=st.sink_frames)
+        return (xt - sigma * flow)[:, -cf:]
+
+    sigmas = np.asarray(schedule.sigmas(), np.float64)
+    errors = np.stack([np.mean((np.asarray(predict(model.params, x0, eps, text, np.float32(s), np.float32(t)),
+                                           np.float64) - x0[:, -cf:]) ** 2, axis=(0, 2, 3, 4))
+                       for s, t in zip(sigmas, schedule.timesteps())])
+    still = np.mean((x0[:, -cf - 1:-cf] - x0[:, -cf:]) ** 2, axis=(0, 2, 3, 4))
+    return DenoisingErrors(sigmas, errors.astype(np.float64), still.astype(np.float64))
 
 
 def chunk_errors(chunks: np.ndarray, prompts, starts) -> np.ndarray:
