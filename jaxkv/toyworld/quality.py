@@ -121,7 +121,7 @@ def survey(model: ToyModel, *, prompts: int = SURVEY_PROMPTS, seeds: int = SURVE
     its streams. The check's 4 streams move by a few hundredths between models that differ only by noise; the
     spread of `Survey.by_seed` shows how much. With ``prompts=4, seeds=1`` it is `check`'s streams exactly."""
     seeds = check_int("seeds", seeds, minimum=1)
-    chosen = survey_prompts(prompts)
+    chosen = survey_prompts(check_int("prompts", prompts, minimum=len(PROMPTS)))
     chunk_frames = model.settings.chunk_frames
     if frames % chunk_frames:
         raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
