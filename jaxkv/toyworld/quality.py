@@ -25,6 +25,7 @@ shows which step falls short (at level 1 the input holds nothing of the chunk: t
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -80,11 +81,16 @@ def scores_of(videos: np.ndarray, prompts, chunk_frames: int) -> Report:
 
 def check(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED) -> Report:
     """Streams `PROMPTS` with the model for ``frames`` frames (whole chunks) and scores them."""
+    return _streamed(model, PROMPTS, frames, seed)
+
+
+def _streamed(model: ToyModel, prompts, frames: int, seed: int) -> Report:
+    """`scores_of` the model's streams of ``prompts`` for ``frames`` frames (whole chunks) with ``seed``."""
     chunk_frames = model.settings.chunk_frames
     if frames % chunk_frames:
         raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
-    videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
-    return scores_of(videos, PROMPTS, chunk_frames)
+    videos = sample.video(model, list(prompts), num_chunks=frames // chunk_frames, seed=seed)
+    return scores_of(videos, prompts, chunk_frames)
 
 
 SURVEY_PROMPTS = 16  # `survey`: the check's prompts and 12 more
@@ -100,8 +106,6 @@ class Survey(NamedTuple):
 
 def survey_prompts(count: int = SURVEY_PROMPTS) -> tuple[str, ...]:
     """`PROMPTS`, then distinct random prompts (`world.random_prompt`, a fixed draw) up to ``count``."""
-    import math
-
     c, s = len(world.COLOURS), len(world.SHAPES)
     distinct = len(world.SPEEDS) * sum(math.perm(c, n) * s ** n for n in range(1, world.MAX_OBJECTS + 1))
     count = check_int("count", count, minimum=len(PROMPTS), maximum=distinct)
@@ -122,11 +126,7 @@ def survey(model: ToyModel, *, prompts: int = SURVEY_PROMPTS, seeds: int = SURVE
     spread of `Survey.by_seed` shows how much. With ``prompts=4, seeds=1`` it is `check`'s streams exactly."""
     seeds = check_int("seeds", seeds, minimum=1)
     chosen = survey_prompts(check_int("prompts", prompts, minimum=len(PROMPTS)))
-    chunk_frames = model.settings.chunk_frames
-    if frames % chunk_frames:
-        raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
-    reports = [scores_of(sample.video(model, list(chosen), num_chunks=frames // chunk_frames, seed=SEED + i),
-                         chosen, chunk_frames) for i in range(seeds)]
+    reports = [_streamed(model, chosen, frames, SEED + i) for i in range(seeds)]
     return Survey(float(np.mean([r.overall for r in reports])), float(np.mean([r.tracking for r in reports])),
                   tuple(r.overall for r in reports), chosen)
 
