@@ -130,6 +130,21 @@ def test_shipped_release_is_small_and_complete():
     assert "toyworld train" in training["command"] and "seed" in training
 
 
+def test_training_noise_levels_follow_the_samplers_warped_table():
+    """Training draws a chunk's level u uniform, warped by the shift the sampler's steps are warped by: so the share
+    of levels at or below the sampler's sigma for step d is d / 1000 (the sampler's steps sit at the quantiles of
+    the training levels), checked against `Schedule`'s own warp."""
+    from jaxkv.schedule import Schedule
+    from jaxkv.toyworld import train as T
+
+    for shift in (1.0, 3.0, 5.0):
+        levels = np.asarray(T.noise_levels(jax.random.key(0), (200_000,), shift))
+        assert levels.dtype == np.float32 and levels.min() >= 0.0 and levels.max() < 1.0
+        for d in (900, 750, 500, 250, 100):
+            sigma = Schedule(steps=(d,), shift=shift).sigmas()[0]
+            assert abs(np.mean(levels <= sigma) - d / 1000) < 0.005, (shift, d)
+
+
 @pytest.mark.slow
 def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
     """Two runs of the same config write the same weights; a run stopped by Ctrl-C and resumed from its snapshot

@@ -121,7 +121,7 @@ def test_check_cli_refuses_a_directory_that_is_not_a_release(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports, capsys):
+def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports, shipped, capsys):
     from jaxkv.toyworld import cli
 
     code = cli.main(["check", "--survey"])
@@ -130,7 +130,9 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
     assert f"mean overall {reports[1].overall:.3f}" in out and f"tracking {reports[1].tracking:.3f}" in out
     assert "next chunk from the world's own frames" in out and "held still" in out
     assert "survey (16 prompts x 2 seeds, 48 frames): overall" in out
-    assert "denoising that chunk once at each noise level" in out and "level 0.25: " in out
+    assert "denoising that chunk once at each noise level" in out
+    for sigma in shipped.settings.schedule().sigmas():             # every level of the shipped sampler
+        assert f"level {sigma:g}: " in out
 
 
 def test_survey_prompts_are_the_checks_then_distinct_valid_ones():
@@ -163,7 +165,8 @@ def test_denoising_errors_scale_as_sigma_squared_for_a_dit_that_predicts_no_flow
     # a zero head predicts zero flow, so its x0 is the noisy input itself: error sigma^2 * mean((eps - x0)^2)
     params = dict(shipped.params, head=jax.tree.map(np.zeros_like, shipped.params["head"]))
     errors = quality.denoising_errors(dataclasses.replace(shipped, params=params), clips=6)
-    assert errors.sigmas.tolist() == [1.0, 0.75, 0.5, 0.25]
+    # the shipped steps 1000 / 750 / 500 / 250 warped with shift 3: 3 d / (1 + 2 d) for d = 1, 0.75, 0.5, 0.25
+    assert errors.sigmas.tolist() == pytest.approx([1.0, 0.9, 0.75, 0.5])
     np.testing.assert_allclose(errors.model / errors.model[:1], np.broadcast_to(errors.sigmas[:, None] ** 2,
                                                                                errors.model.shape), rtol=1e-4)
     assert (errors.model[0] > 1.0).all()                       # eps - x0: unit noise plus the latents
@@ -190,5 +193,6 @@ def test_denoising_errors_first_level_is_the_streams_first_step(shipped):
                     state=state, first_chunk=context.shape[1] // 3)
     streamed = np.mean((np.asarray(out.latents) - x0[:, -3:]) ** 2, axis=(0, 2, 3, 4))
     np.testing.assert_allclose(errors.model[0], streamed, rtol=2e-3)
-    # the lower levels hold more of the answer: the shipped model's last step is far better than its first
-    assert (errors.model[-1] < 0.2 * errors.model[0]).all() and (errors.model[-1] < errors.still).all()
+    # each lower level holds more of the answer: the shipped model's error falls step by step, to well under the
+    # still frame's
+    assert (np.diff(errors.model, axis=0) < 0).all() and (errors.model[-1] < 0.5 * errors.still).all()

@@ -39,8 +39,14 @@ FORMAT_VERSION = 1
 # carries 2 * 2 * 16 = 64 latent values, fewer than the width (96): the flow target holds the input noise, which a
 # token must carry through the residual stream (a first try with (1, 4, 4) patches, 256 values into 128 dims,
 # could not: its samples stayed noisy and its loss stalled at 1.5).
+#
+# RoPE base 100, not Wan's 10,000: with 3 heads of 32 channels Wan's RoPE split gives height and width 10 channels
+# each, and at base 10,000 their frequencies barely vary over the 8x8 token grid, so the first sampler step (pure
+# noise in: position is all a query has) could not address "the same place a frame back" and drew a smeared copy of
+# the last frame; at base 100 a model trained on the sampler's 4 levels guessed the next chunk better than holding
+# the last frame still (README, "The toy world").
 WAN_CONFIG = WanConfig(dim=96, ffn_dim=256, num_heads=3, num_layers=4, patch_size=(1, 2, 2),
-                       text_dim=text.CONFIG.dim, text_len=text.CONFIG.text_len, freq_dim=64)
+                       text_dim=text.CONFIG.dim, text_len=text.CONFIG.text_len, freq_dim=64, rope_theta=100.0)
 LATENT_SIZE = 64 // latents.PATCH          # 16: latent height and width
 
 
@@ -58,7 +64,7 @@ class Settings:
     window_frames: int = 6
     sink_frames: int = 3
     steps: tuple[int, ...] = (1000, 750, 500, 250)
-    shift: float = 1.0
+    shift: float = 3.0      # the sampler's steps warp to sigma 1, 0.9, 0.75, 0.5; training draws its levels with it
     rope: str = "cache-relative"
     prompt: str = "a red circle and a blue square, slow"    # the default prompt
 
