@@ -21,6 +21,13 @@ from jaxkv.validate import check_int, is_int, is_real
 SAMPLERS = ("self-forcing", "euler")
 
 
+def shifted(sigma, shift: float):
+    """The flow-matching shift of noise levels: ``s * sigma / (1 + (s - 1) * sigma)`` (numpy or jax arrays; s > 1
+    moves levels towards 1). The table's warp below, and the level distribution a model is trained on
+    (`jaxkv.toyworld.train.noise_levels`), so the two cannot drift apart."""
+    return shift * sigma / (1.0 + (shift - 1.0) * sigma)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The denoising schedule of a streaming rollout (static, hashable).
@@ -80,8 +87,7 @@ class Schedule:
         """(timesteps, sigmas) float64 [num_train_timesteps + 1] of the shifted table, with the appended 0."""
         n = self.num_train_timesteps
         lin = np.linspace(1.0, 0.0, n + 1)[:-1]
-        sigma = self.shift * lin / (1.0 + (self.shift - 1.0) * lin)
-        sigma = np.append(sigma, 0.0)
+        sigma = np.append(shifted(lin, self.shift), 0.0)
         return sigma * n, sigma
 
     def timesteps(self) -> np.ndarray:

@@ -46,6 +46,7 @@ import optax
 from jaxkv import rollout as R
 from jaxkv.models import wan
 from jaxkv.models.umt5.encoder import _encode_masked
+from jaxkv.schedule import shifted
 from jaxkv.toyworld import latents, text, world
 from jaxkv.toyworld.model import WAN_CONFIG, Settings
 from jaxkv.toyworld.model import save as save_release
@@ -143,11 +144,9 @@ def supervised_chunks(at_start, settings: Settings):
 
 
 def noise_levels(key, shape, shift: float):
-    """float32 ``shape``: sigma = s u / (1 + (s - 1) u) for u uniform in [0, 1), the flow-matching table's shift s
-    (`jaxkv.schedule`) applied to a uniform level; s > 1 puts more of them near pure noise, where the shapes' places
-    are decided."""
-    u = jax.random.uniform(key, shape)
-    return shift * u / (1 + (shift - 1) * u)
+    """float32 ``shape``: `jaxkv.schedule.shifted` (u, shift) for u uniform in [0, 1), the warp the sampler's steps
+    go through; a shift > 1 puts more of them near pure noise, where the shapes' places are decided."""
+    return shifted(jax.random.uniform(key, shape), shift)
 
 
 def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
