@@ -365,24 +365,28 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
 def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, latents) -> RolloutState:
     """Commits given clean latents [batch, n * chunk_frames, h, w, in_dim] to the cache, chunk by chunk, as a
     stream commits the chunks it generates (the pass at ``rc.schedule.context_noise``): a stream that continues
-    from known frames, e.g. a video's first chunks or a world's true frames. No guidance (one session per row)."""
+    from known frames, e.g. a video's first chunks or a world's true frames. With guidance each row's frames go to
+    both its sessions (the conditional and the negative one), as `generate_chunk` commits a guided chunk."""
     _check_model(config)
     latents = jnp.asarray(latents, jnp.float32)
     batch, cf = latents.shape[0], rc.chunk_frames
-    if rc.guidance_scale is not None:
-        raise ValueError("commit writes one session per row; it does not support guidance (guidance_scale is set)")
     if latents.ndim != 5 or latents.shape[1] % cf or latents.shape[1] == 0 \
             or tuple(latents.shape[2:]) != tuple(rc.chunk_shape(config, batch)[2:]):
         frame = ", ".join(map(str, rc.chunk_shape(config, 1)[2:]))
         raise ValueError(f"commit needs latents [batch, n * {cf}, {frame}] (whole chunks), got {list(latents.shape)}")
-    if state.cache.batch != batch:
-        raise ValueError(f"the state has {state.cache.batch} sessions, the latents {batch} rows")
+    guided = rc.guidance_scale is not None
+    sessions = 2 * batch if guided else batch
+    if state.cache.batch != sessions:
+        raise ValueError(f"the state has {state.cache.batch} sessions, the latents {batch} rows"
+                         f"{' (guidance doubles them)' if guided else ''}")
+    if guided:
+        latents = jnp.concatenate([latents, latents], axis=0)
     cache = state.cache
     for c in range(latents.shape[1] // cf):
         cache = cache.begin_chunk() if rc.bounded else wrap_clock(cache).begin_chunk()
         _, cache = M.forward_chunk(params, config, cache, state.cross, latents[:, c * cf:(c + 1) * cf],
-                                   jnp.full((batch,), rc.schedule.context_noise), rope=rc.rope, backend=rc.backend,
-                                   precision=rc.precision)
+                                   jnp.full((sessions,), rc.schedule.context_noise), rope=rc.rope,
+                                   backend=rc.backend, precision=rc.precision)
     return RolloutState(cache, state.cross)
 
 

@@ -3,6 +3,8 @@ compilation count, guidance, differentiability, and the Self-Forcing schedule.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,6 +175,27 @@ def test_committing_a_streams_own_chunks_gives_its_state(policy):
     for bad in (first.latents[:, :0], first.latents[..., :2], first.latents[:1]):
         with pytest.raises(ValueError, match="commit" if bad.shape[0] == 2 else "sessions"):
             R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx), bad)
+
+
+def test_committing_a_guided_streams_own_chunks_gives_its_state():
+    # a guided stream commits each chunk to both sessions of its row (the conditional and the negative one); commit
+    # under guidance must write the same caches, so the stream continues the same from either state
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, guidance_scale=2.5,
+                         schedule=Schedule(steps=(1000, 500), context_noise=20.0))
+    params, ctx, neg, key = _params(23), _ctx(24, batch=2), _ctx(25, batch=2), jax.random.key(26)
+    first = R.rollout(params, CFG, rc, ctx, num_chunks=4, key=key, negative_context=neg)
+    state = R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx, neg), first.latents)
+    assert state.cache.batch == 4
+    for a, b in zip(jax.tree.leaves(state.cache), jax.tree.leaves(first.state.cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    nxt = [R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
+           for s in (first.state, state)]
+    np.testing.assert_allclose(np.asarray(nxt[1]), np.asarray(nxt[0]), atol=1e-5)
+    unguided = dataclasses.replace(rc, guidance_scale=None)
+    with pytest.raises(ValueError, match="4 sessions, the latents 2 rows"):
+        R.commit(params, CFG, unguided, R.init_state(params, CFG, rc, ctx, neg), first.latents)
+    with pytest.raises(ValueError, match="guidance doubles them"):
+        R.commit(params, CFG, rc, R.init_state(params, CFG, unguided, ctx), first.latents)
 
 
 @pytest.mark.slow  # over 12 s on 2 loaded cores
