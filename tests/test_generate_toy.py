@@ -73,6 +73,24 @@ def test_no_arguments_resolve_to_the_shipped_release_and_its_settings():
     assert where.startswith(f"toy-world release {RELEASE}: DiT from") and "latent map from" in where
 
 
+def test_a_release_trained_for_guidance_streams_with_it_unless_told_otherwise(tmp_path):
+    rel = _copy_release(tmp_path, guidance_scale=2.5, negative_prompt="")
+    args = _resolve(["--checkpoint", rel])
+    assert args.guidance_scale == 2.5 and args.negative_prompt == ""
+    args = _resolve(["--checkpoint", rel, "--guidance-scale", "4", "--negative-prompt", "a red circle, slow"])
+    assert args.guidance_scale == 4.0 and args.negative_prompt == "a red circle, slow"
+    args = _resolve(["--checkpoint", rel, "--prompt-schedule", str(tmp_path / "unused.json")])
+    assert args.guidance_scale == 2.5 and args.negative_prompt == ""
+    context = tmp_path / "context.npy"
+    np.save(context, np.zeros((16, 32), np.float32))
+    args = _resolve(["--checkpoint", rel, "--context", str(context)])     # no negative to go with precomputed text
+    assert args.guidance_scale is None and args.negative_prompt is None
+    with pytest.raises(UsageError, match="--negative-prompt 'a red cat, slow' is not a toy-world prompt"):
+        _resolve(["--checkpoint", rel, "--negative-prompt", "a red cat, slow"])
+    # the shipped release and releases written before guidance existed stream without it
+    assert _resolve([]).guidance_scale is None
+
+
 def test_a_toy_checkpoint_fills_only_the_flags_not_passed(tmp_path):
     rel = _copy_release(tmp_path, window_frames=12, sink_frames=0, steps=[1000, 500], shift=3.0,
                         prompt="a green triangle, fast", rope="absolute")

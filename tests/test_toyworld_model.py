@@ -145,6 +145,77 @@ def test_training_noise_levels_follow_the_samplers_warped_table():
             assert abs(np.mean(levels <= sigma) - d / 1000) < 0.005, (shift, d)
 
 
+def test_a_pure_noise_share_of_training_levels_is_one_and_the_rest_keep_the_warped_table():
+    from jaxkv.schedule import Schedule
+    from jaxkv.toyworld import train as T
+
+    key = jax.random.key(1)
+    np.testing.assert_array_equal(np.asarray(T.noise_levels(key, (1000,), 3.0, 0.0)),
+                                  np.asarray(T.noise_levels(key, (1000,), 3.0)))
+    for share in (0.25, 0.5):
+        levels = np.asarray(T.noise_levels(key, (200_000,), 3.0, share))
+        pure = levels == 1.0
+        assert abs(pure.mean() - share) < 0.005
+        rest = levels[~pure]                      # still the warped uniform draw, independent of the choice
+        for d in (750, 500, 250):
+            assert abs(np.mean(rest <= Schedule(steps=(d,), shift=3.0).sigmas()[0]) - d / 1000) < 0.006, (share, d)
+
+
+def test_text_dropout_captions_clips_with_the_empty_prompt_and_changes_nothing_else(fitted):
+    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld.model import Settings
+
+    tokenizer = text.tokenizer()
+    empty_ids, empty_mask, _ = tokenizer([""], text.CONFIG.text_len)
+    draw = lambda dropout: T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5, dropout)   # noqa: E731
+    kept, default, gone, half = draw(0.0), T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5), draw(1.0), \
+        draw(0.5)
+    for a, b in zip(kept, default):
+        np.testing.assert_array_equal(a, b)
+    for other in (gone, half):                    # the clips and their layout are the same draws
+        np.testing.assert_array_equal(other[0], kept[0])
+        np.testing.assert_array_equal(other[3], kept[3])
+    assert (gone[1] == empty_ids).all() and (gone[2] == empty_mask).all()
+    dropped = (half[1] == empty_ids).all(1)
+    assert 0 < dropped.sum() < 16                 # some clips, not all; the others keep their own prompt
+    np.testing.assert_array_equal(half[1][~dropped], kept[1][~dropped])
+    assert not (kept[1] == empty_ids).all(1).any()
+
+
+def test_settings_carry_guidance_and_old_releases_stream_without_it():
+    from jaxkv.toyworld.model import Settings
+
+    guided = Settings(guidance_scale=2.0, negative_prompt="")
+    assert Settings.from_dict(guided.to_dict()) == guided
+    assert guided.rollout_config().guidance_scale == 2.0
+    old = {k: v for k, v in Settings().to_dict().items() if k not in ("guidance_scale", "negative_prompt")}
+    assert Settings.from_dict(old).guidance_scale is None and Settings().rollout_config().guidance_scale is None
+
+
+@pytest.mark.slow
+def test_a_guided_toy_stream_at_scale_one_is_the_unguided_stream(fitted, tmp_path):
+    """Guidance runs the negative prompt as a second session: at scale 1 it subtracts exactly what it adds, so the
+    frames match the unguided stream's; at scale 3 they differ (the negative session is really used)."""
+    import dataclasses
+
+    from jaxkv.models import wan
+    from jaxkv.toyworld import model as TM
+    from jaxkv.toyworld import sample
+
+    out = str(tmp_path / "release")
+    TM.save(out, wan.init_params(TM.WAN_CONFIG, jax.random.key(3)), text.init_text_params(3), fitted, TM.Settings(),
+            {})
+    toy = TM.load(out)
+    prompts = ["a red circle, slow", "a green square and a blue triangle, fast"]
+    plain = sample.video(toy, prompts, num_chunks=2)
+    at = lambda g: sample.video(toy, prompts, num_chunks=2, rc=sample.rollout_config(toy, guidance_scale=g))  # noqa
+    assert np.abs(at(1.0).astype(int) - plain).max() <= 1
+    guided_model = dataclasses.replace(toy, settings=dataclasses.replace(toy.settings, guidance_scale=3.0))
+    guided = sample.video(guided_model, prompts, num_chunks=2)
+    np.testing.assert_array_equal(guided, at(3.0))
+    assert np.abs(guided.astype(int) - plain).mean() > 1
+
+
 @pytest.mark.slow
 def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
     """Two runs of the same config write the same weights; a run stopped by Ctrl-C and resumed from its snapshot

@@ -9,11 +9,13 @@ release's, and the latent map takes the VAE's place. What differs is settled her
   ``--random-weights`` (the release shipped in the package, `jaxkv.toyworld.model.RELEASE_DIR`);
 - the geometry: ``--height``/``--width`` (the 16 x 16 latent), ``--chunk-frames``, ``--window-frames``,
   ``--sink-frames``, ``--steps``, ``--shift`` and ``--rope`` the model was trained for, each unless passed (a flag
-  passed keeps its value, so ``--window-frames 12`` still runs the model on another window); and ``--prompt`` its
-  default prompt unless the text is given (``--prompt``, ``--context`` or ``--prompt-schedule``). A resumed session
-  keeps its own;
+  passed keeps its value, so ``--window-frames 12`` still runs the model on another window); ``--prompt`` its
+  default prompt unless the text is given (``--prompt``, ``--context`` or ``--prompt-schedule``); and, for a model
+  whose settings name a guidance scale, ``--guidance-scale`` and ``--negative-prompt`` unless passed (not with
+  ``--context``: precomputed text has no negative to go with it). A resumed session keeps its own;
 - the text: every prompt (``--prompt``, ``--negative-prompt``, the schedule's) must parse as a toy-world prompt
-  (`jaxkv.toyworld.world.parse_prompt`), a UsageError naming the vocabulary otherwise;
+  (`jaxkv.toyworld.world.parse_prompt`), a UsageError naming the vocabulary otherwise; the negative prompt may
+  also be empty;
 - the video: one frame per latent frame, decoded by the release's `LatentMap` (`FrameDecoder`); ``--vae`` is refused.
 """
 
@@ -65,8 +67,13 @@ def prepare(args, *, fill: bool) -> str | None:
                 setattr(args, dest, value)
         if args.prompt is None and not args.context and not args.prompt_schedule:
             args.prompt = settings.prompt
+        # a model trained for guidance streams with it, against its negative prompt, when the text is prompts
+        if settings.guidance_scale is not None and "guidance_scale" not in given and not args.context:
+            args.guidance_scale = settings.guidance_scale
+            if args.negative_prompt is None and not args.negative_context:
+                args.negative_prompt = settings.negative_prompt
     for flag, text in (("--prompt", args.prompt), ("--negative-prompt", args.negative_prompt)):
-        if text is not None:
+        if text is not None and not (flag == "--negative-prompt" and text == ""):     # "": the empty prompt
             check_prompt(text, flag)
     return directory
 

@@ -67,6 +67,9 @@ class Settings:
     shift: float = 3.0      # the sampler's steps warp to sigma 1, 0.9, 0.75, 0.5; training draws its levels with it
     rope: str = "cache-relative"
     prompt: str = "a red circle and a blue square, slow"    # the default prompt
+    # classifier-free guidance against ``negative_prompt`` (a model trained with text dropout); None: none
+    guidance_scale: float | None = None
+    negative_prompt: str = ""
 
     def schedule(self) -> Schedule:
         return Schedule(steps=tuple(self.steps), shift=self.shift)
@@ -76,7 +79,7 @@ class Settings:
         (e.g. ``sink_frames=0``, ``policy="rolling"``, ``rope="absolute"``)."""
         rc = RolloutConfig(latent_height=LATENT_SIZE, latent_width=LATENT_SIZE, chunk_frames=self.chunk_frames,
                            window_frames=self.window_frames, sink_frames=self.sink_frames, schedule=self.schedule(),
-                           rope=self.rope)
+                           rope=self.rope, guidance_scale=self.guidance_scale)
         return dataclasses.replace(rc, **overrides) if overrides else rc
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,6 +113,11 @@ class ToyModel:
         for p in prompts:
             parse_prompt(p)
         return self.text_encoder.encode(list(prompts))
+
+    def negative_context(self, batch: int) -> np.ndarray:
+        """float32 [batch, text_len, text_dim]: the settings' negative prompt (what guidance steers away from) for
+        each of ``batch`` rows."""
+        return self.text_encoder.encode([self.settings.negative_prompt] * batch)
 
 
 def save(directory: str, params: dict, text_params: dict, latent_map: latents.LatentMap, settings: Settings,

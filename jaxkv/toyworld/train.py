@@ -60,6 +60,8 @@ class TrainConfig:
     lr: float = 2e-3
     warmup: int = 100
     start_share: float = 0.5     # clips that run straight on from the sink (a stream's beginning)
+    text_dropout: float = 0.0    # clips whose text is the empty prompt (what classifier-free guidance subtracts)
+    pure_noise_share: float = 0.0    # chunks trained at sigma 1 exactly (the sampler's first step) among `noise_levels`
     sf_steps: int = 0            # self-forcing steps (see the module docstring)
     sf_batch: int = 4
     sf_lr: float = 2e-4
@@ -86,12 +88,13 @@ def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
 
 
 def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step: int, size: int,
-          start_share: float):
+          start_share: float, text_dropout: float = 0.0):
     """A batch of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone: (latents float32
     [size, sink_frames + window_frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
     at_start bool [size]). Each clip is a random prompt's `world.canonical_scene`: its first ``sink_frames`` frames
     (the sink), then ``window_frames`` frames from frame ``sink_frames`` on (``at_start``, a ``start_share`` of the
-    clips) or from a frame uniform in ``sink_frames + 1`` .. `MAX_START`."""
+    clips) or from a frame uniform in ``sink_frames + 1`` .. `MAX_START`. A ``text_dropout`` share of the clips is
+    captioned with the empty prompt (drawn last, so the other draws do not depend on it)."""
     rng = np.random.default_rng([seed, stage, step])
     prompts = [world.random_prompt(rng) for _ in range(size)]
     at_start = rng.random(size) < start_share
@@ -100,6 +103,8 @@ def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step
     scenes = [world.canonical_scene(p) for p in prompts]
     video = np.stack([np.concatenate([world.render(scene, sink), world.render(scene, settings.window_frames, int(t))])
                       for scene, t in zip(scenes, starts)])
+    if text_dropout:
+        prompts = ["" if drop else p for p, drop in zip(prompts, rng.random(size) < text_dropout)]
     ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
     return latent_map.encode(video), ids, mask, at_start
 
@@ -143,20 +148,25 @@ def supervised_chunks(at_start, settings: Settings):
     return jnp.asarray(at_start)[:, None] | (index < sink_chunks) | (index >= sink_chunks + context_chunks(settings))
 
 
-def noise_levels(key, shape, shift: float):
+def noise_levels(key, shape, shift: float, pure_noise_share: float = 0.0):
     """float32 ``shape``: `jaxkv.schedule.shifted` (u, shift) for u uniform in [0, 1), the warp the sampler's steps
-    go through; a shift > 1 puts more of them near pure noise, where the shapes' places are decided."""
-    return shifted(jax.random.uniform(key, shape), shift)
+    go through; a shift > 1 puts more of them near pure noise, where the shapes' places are decided. A
+    ``pure_noise_share`` of them is 1 exactly: the sampler's first step, where the shapes are decided from the
+    context alone."""
+    sigma = shifted(jax.random.uniform(key, shape), shift)
+    if pure_noise_share:
+        sigma = jnp.where(jax.random.uniform(jax.random.fold_in(key, 1), shape) < pure_noise_share, 1.0, sigma)
+    return sigma
 
 
-def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
+def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings, pure_noise_share: float = 0.0):
     """Flow-matching loss of clips x0 [B, F, h, w, c] (`batch`), every chunk denoised after the clean chunks before
     it (`wan.forward_teacher_forcing`) at its own noise level (`noise_levels`); the mean over the
     `supervised_chunks`."""
     b, f = x0.shape[:2]
     cf = settings.chunk_frames
     k_level, k_eps = jax.random.split(key)
-    sigma = jnp.repeat(noise_levels(k_level, (b, f // cf), settings.shift), cf, axis=1)      # [B, F]
+    sigma = jnp.repeat(noise_levels(k_level, (b, f // cf), settings.shift, pure_noise_share), cf, axis=1)  # [B, F]
     eps = jax.random.normal(k_eps, x0.shape)
     xt = (1 - sigma[..., None, None, None]) * x0 + sigma[..., None, None, None] * eps
     flow = wan.forward_teacher_forcing(params["dit"], WAN_CONFIG, x0, xt, 1000.0 * sigma,
@@ -170,7 +180,7 @@ def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Setting
 def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
     """x0 [B, F, ...] (`batch`): commit the sink and the first `context_chunks` window chunks, roll the rest out on
     the ring, squared error to the world's continuation."""
-    rc = settings.rollout_config()
+    rc = settings.rollout_config(guidance_scale=None)      # training rolls out the conditional model alone
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
     state = R.init_state(params["dit"], WAN_CONFIG, rc, _context(params["text"], ids, mask))
@@ -258,7 +268,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     # (name, steps, batch, share of clips at a scene's start, loss, optimizer)
     stages = [
         ("teacher forcing", tc.steps, tc.batch, tc.start_share,
-         lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings),
+         lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, tc.pure_noise_share),
          _optimizer(tc.lr, tc.steps, tc.warmup)),
         ("self-forcing", tc.sf_steps, tc.sf_batch, tc.start_share,
          lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings),
@@ -292,7 +302,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         try:
             for step in bar:
                 x0, ids, mask, at_start = batch(latent_map, tokenizer, settings, tc.seed, stage + 1, step, size,
-                                                start_share)
+                                                start_share, tc.text_dropout)
                 params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask, at_start,
                                                   jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
                 done = step + 1
