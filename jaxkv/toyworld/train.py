@@ -24,6 +24,10 @@
    of the check's prompts started from their true first frames went from 0.15 to 0.10. The shipped recipe spends
    its budget on stage 2.
 
+Two options, off in the shipped recipe (each measured worse on the quality survey, README "The toy world"):
+``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with classifier-free
+guidance (`Settings.guidance_scale`); ``pure_noise_share`` trains a share of the chunks at level 1 exactly.
+
 Every random draw is a function of (seed, stage, step), so a run is reproducible and a resumed run
 (`--resume`, from the snapshot written every ``snapshot_every`` steps and on Ctrl-C) continues exactly.
 """
