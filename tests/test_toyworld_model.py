@@ -159,6 +159,10 @@ def test_a_pure_noise_share_of_training_levels_is_one_and_the_rest_keep_the_warp
         rest = levels[~pure]                      # still the warped uniform draw, independent of the choice
         for d in (750, 500, 250):
             assert abs(np.mean(rest <= Schedule(steps=(d,), shift=3.0).sigmas()[0]) - d / 1000) < 0.006, (share, d)
+    for name in ("start_share", "text_dropout", "pure_noise_share"):
+        for bad in (-0.1, 1.5, float("nan"), "0.1", True):
+            with pytest.raises(ValueError, match=f"TrainConfig.{name} is a share"):
+                T.TrainConfig(**{name: bad})
 
 
 def test_text_dropout_captions_clips_with_the_empty_prompt_and_changes_nothing_else(fitted):

@@ -54,6 +54,7 @@ from jaxkv.schedule import shifted
 from jaxkv.toyworld import latents, text, world
 from jaxkv.toyworld.model import WAN_CONFIG, Settings
 from jaxkv.toyworld.model import save as save_release
+from jaxkv.validate import is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,12 @@ class TrainConfig:
     sf_lr: float = 2e-4
     fit_frames: int = 2048       # frames the latent map is fitted on
     snapshot_every: int = 250
+
+    def __post_init__(self):
+        for name in ("start_share", "text_dropout", "pure_noise_share"):
+            value = getattr(self, name)
+            if not is_real(value) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"TrainConfig.{name} is a share of clips or chunks, in [0, 1]; got {value!r}")
 
 
 # Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
