@@ -114,9 +114,11 @@ class ToyModel:
             parse_prompt(p)
         return self.text_encoder.encode(list(prompts))
 
-    def negative_context(self, batch: int) -> np.ndarray:
+    def negative_context(self, batch: int, rc: RolloutConfig) -> np.ndarray | None:
         """float32 [batch, text_len, text_dim]: the settings' negative prompt (what guidance steers away from) for
-        each of ``batch`` rows."""
+        each of ``batch`` rows when ``rc`` guides; None when it does not."""
+        if rc.guidance_scale is None:
+            return None
         return self.text_encoder.encode([self.settings.negative_prompt] * batch)
 
 

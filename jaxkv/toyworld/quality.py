@@ -185,7 +185,7 @@ def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) ->
     st = model.settings
     prompts, starts, context, truth = _world_chunks(model, clips, seed)
     rc = st.rollout_config()
-    negative = model.negative_context(clips) if rc.guidance_scale is not None else None
+    negative = model.negative_context(clips, rc)
     state = R.init_state(model.params, model.config, rc, model.context(prompts), negative)
     state = R.jit_commit(model.params, model.config, rc, state, model.latent_map.encode(context))
     out = R.jit_rollout(model.params, model.config, rc, None, num_chunks=1, key=jax.random.key(seed), state=state,

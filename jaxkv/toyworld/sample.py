@@ -27,7 +27,7 @@ def stream_frames(model: ToyModel, prompts: list[str], *, num_chunks: int, seed:
     """Yields each chunk's frames, uint8 [len(prompts), chunk_frames, 64, 64, 3], as the stream makes them."""
     rc = rc if rc is not None else rollout_config(model)
     context = model.context(prompts)
-    negative = model.negative_context(len(prompts)) if rc.guidance_scale is not None else None
+    negative = model.negative_context(len(prompts), rc)
     stream = R.Stream(model.params, model.config, rc, context, num_chunks=num_chunks, key=jax.random.key(seed),
                       negative_context=negative)
     decode = jax.jit(model.latent_map.decode_uint8)
