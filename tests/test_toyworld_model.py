@@ -159,7 +159,7 @@ def test_a_pure_noise_share_of_training_levels_is_one_and_the_rest_keep_the_warp
         rest = levels[~pure]                      # still the warped uniform draw, independent of the choice
         for d in (750, 500, 250):
             assert abs(np.mean(rest <= Schedule(steps=(d,), shift=3.0).sigmas()[0]) - d / 1000) < 0.006, (share, d)
-    for name in ("start_share", "text_dropout", "pure_noise_share"):
+    for name in ("start_share", "text_dropout", "pure_noise_share", "refine_pure_noise_share"):
         for bad in (-0.1, 1.5, float("nan"), "0.1", True):
             with pytest.raises(ValueError, match=f"TrainConfig.{name} is a share"):
                 T.TrainConfig(**{name: bad})
@@ -228,8 +228,10 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
 
     from jaxkv.toyworld import train as T
 
-    # stage 1 only (a stage of 0 steps compiles nothing): three runs, each one compilation
-    tc = T.TrainConfig(steps=4, sf_steps=0, batch=2, fit_frames=64, snapshot_every=2, warmup=1)
+    # the two teacher-forcing stages (a stage of 0 steps compiles nothing); the run is stopped in the first and
+    # resumed through the second
+    tc = T.TrainConfig(steps=4, refine_steps=2, refine_warmup=1, sf_steps=0, batch=2, fit_frames=64,
+                       snapshot_every=2, warmup=1)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     T.train(a, tc, progress=False)
     calls = {"n": 0}
@@ -261,8 +263,20 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
     record = T.train(b, tc, resume=True, progress=False)
     assert not os.path.exists(b + ".partial")
     assert record["seconds"] > 1000.0 and record["stages"][0]["seconds"] > 900.0
+    assert [(s["name"], s["steps"]) for s in record["stages"]] == [
+        ("teacher forcing", 4), ("teacher forcing, level-1 share", 2), ("self-forcing", 0)]
     for part in ("dit", "text_encoder"):
         wa, wb = (load_file(os.path.join(d, part, "params.safetensors")) for d in (a, b))
         assert wa.keys() == wb.keys()
         for k in wa:
             np.testing.assert_array_equal(wa[k], wb[k], err_msg=f"{part}/{k}")
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--steps", "--refine-steps", "--sf-steps"])
+def test_train_cli_refuses_a_negative_count_before_writing_anything(tmp_path, capsys, flag):
+    from jaxkv.toyworld import cli
+
+    out = tmp_path / "release"
+    assert cli.main(["train", "--out", str(out), flag, "-1"]) == 2
+    assert f"{flag} must be >= 0" in capsys.readouterr().err
+    assert not out.exists() and not os.path.exists(str(out) + ".partial")

@@ -13,11 +13,14 @@ def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="jaxkv toyworld", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 30 minutes on 2 cores)",
+    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 35 minutes on 2 cores)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the data, the init and the noise")
     t.add_argument("--steps", type=int, default=d.steps, help="teacher-forcing steps")
+    t.add_argument("--refine-steps", type=int, default=d.refine_steps,
+                   help=f"teacher-forcing steps of the second stage (lr {d.refine_lr:g}, "
+                   f"{d.refine_pure_noise_share * 100:.0f}%% of the chunks at noise level 1)")
     t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
     t.add_argument("--resume", action="store_true", help="continue from the snapshot in DIR.partial (written "
                    f"every {d.snapshot_every} steps and on Ctrl-C)")
@@ -36,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from jaxkv.toyworld.train import TrainConfig, train
 
-        for name in ("seed", "steps", "sf_steps"):
+        for name in ("seed", "steps", "refine_steps", "sf_steps"):
             if getattr(args, name) < 0:
                 print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
                 return 2
-        tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps, sf_steps=args.sf_steps)
+        tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps,
+                                 refine_steps=args.refine_steps, sf_steps=args.sf_steps)
         command = "jaxkv toyworld train " + " ".join(sys.argv[2:] if argv is None else argv[1:])
         try:
             record = train(args.out, tc, resume=args.resume, progress=not args.no_progress, command=command,

@@ -15,18 +15,24 @@
    with every residual branch's output projection and the head zeroed (the DiT "adaLN-zero" start).
    The clip is never longer than the cache, so with cache-relative RoPE (`Settings.rope`) its positions are the
    ranks a full cache gives: training and a stream of any length see the same relative distances.
-3. **Self-forcing through the ring** (``sf_steps``; 0 in the shipped recipe, see below). The sink and the first
+3. **Teacher forcing with a level-1 share** (``refine_steps``): stage 2's loss for a few more steps at a lower
+   learning rate (``refine_lr``), with a quarter of the chunks at noise level 1 exactly (``refine_pure_noise_share``),
+   where the sampler's first step decides from the context alone where the shapes go. From scratch, that share
+   taught the one-step motion but loosened the shapes' outlines (their budget moved away from the low levels); after
+   stage 2 has spent its steps on every level, it lifts the quality survey (README "The toy world").
+4. **Self-forcing through the ring** (``sf_steps``; 0 in the shipped recipe, see below). The sink and the first
    `context_chunks` window chunks of a clip are committed to an empty cache as generation commits chunks; then
    `jaxkv.rollout.rollout` samples the rest with the model's own few-step sampler on the ring cache, and the loss
    is the squared error of the rolled-out latents to the world's true continuation, differentiated through the
    whole rollout (the world is deterministic once its first frames are seen). On an earlier model (1-frame chunks,
    3-frame window, absolute RoPE) 300 such steps did not improve its streams: the quality score of 48-frame streams
    of the check's prompts started from their true first frames went from 0.15 to 0.10. The shipped recipe spends
-   its budget on stage 2.
+   its budget on stages 2 and 3.
 
-Two options, off in the shipped recipe (each measured worse on the quality survey, README "The toy world"):
-``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with classifier-free
-guidance (`Settings.guidance_scale`); ``pure_noise_share`` trains a share of the chunks at level 1 exactly.
+Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, README "The toy
+world"): ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
+classifier-free guidance (`Settings.guidance_scale`); ``pure_noise_share`` trains a share of the chunks at level 1
+exactly (stage 3's ``refine_pure_noise_share`` from the start).
 
 Every random draw is a function of (seed, stage, step), so a run is reproducible and a resumed run
 (`--resume`, from the snapshot written every ``snapshot_every`` steps and on Ctrl-C) continues exactly.
@@ -67,6 +73,10 @@ class TrainConfig:
     start_share: float = 0.5     # clips that run straight on from the sink (a stream's beginning)
     text_dropout: float = 0.0    # clips whose text is the empty prompt (what classifier-free guidance subtracts)
     pure_noise_share: float = 0.0    # chunks trained at sigma 1 exactly (the sampler's first step) among `noise_levels`
+    refine_steps: int = 300      # teacher-forcing steps of the second stage, from the first stage's weights
+    refine_lr: float = 5e-4
+    refine_warmup: int = 20
+    refine_pure_noise_share: float = 0.25    # `pure_noise_share` of the second stage
     sf_steps: int = 0            # self-forcing steps (see the module docstring)
     sf_batch: int = 4
     sf_lr: float = 2e-4
@@ -74,7 +84,7 @@ class TrainConfig:
     snapshot_every: int = 250
 
     def __post_init__(self):
-        for name in ("start_share", "text_dropout", "pure_noise_share"):
+        for name in ("start_share", "text_dropout", "pure_noise_share", "refine_pure_noise_share"):
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"TrainConfig.{name} is a share of clips or chunks, in [0, 1]; got {value!r}")
@@ -281,6 +291,9 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         ("teacher forcing", tc.steps, tc.batch, tc.start_share,
          lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, tc.pure_noise_share),
          _optimizer(tc.lr, tc.steps, tc.warmup)),
+        ("teacher forcing, level-1 share", tc.refine_steps, tc.batch, tc.start_share,
+         lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, tc.refine_pure_noise_share),
+         _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
         ("self-forcing", tc.sf_steps, tc.sf_batch, tc.start_share,
          lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings),
          _optimizer(tc.sf_lr, tc.sf_steps, 20)),
