@@ -19,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the data, the init and the noise")
     t.add_argument("--steps", type=int, default=d.steps, help="teacher-forcing steps")
     t.add_argument("--refine-steps", type=int, default=d.refine_steps,
-                   help=f"teacher-forcing steps of the second stage (lr {d.refine_lr:g}, "
+                   help=f"teacher-forcing steps after --steps (lr {d.refine_lr:g}, "
                    f"{d.refine_pure_noise_share * 100:.0f}%% of the chunks at noise level 1)")
     t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
     t.add_argument("--resume", action="store_true", help="continue from the snapshot in DIR.partial (written "

@@ -73,10 +73,10 @@ class TrainConfig:
     start_share: float = 0.5     # clips that run straight on from the sink (a stream's beginning)
     text_dropout: float = 0.0    # clips whose text is the empty prompt (what classifier-free guidance subtracts)
     pure_noise_share: float = 0.0    # chunks trained at sigma 1 exactly (the sampler's first step) among `noise_levels`
-    refine_steps: int = 300      # teacher-forcing steps of the second stage, from the first stage's weights
+    refine_steps: int = 300      # stage 3: teacher-forcing steps from stage 2's weights (see the module docstring)
     refine_lr: float = 5e-4
     refine_warmup: int = 20
-    refine_pure_noise_share: float = 0.25    # `pure_noise_share` of the second stage
+    refine_pure_noise_share: float = 0.25    # `pure_noise_share` of stage 3
     sf_steps: int = 0            # self-forcing steps (see the module docstring)
     sf_batch: int = 4
     sf_lr: float = 2e-4
@@ -286,14 +286,15 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     key = jax.random.key(tc.seed)
     params = {"dit": init_dit(jax.random.fold_in(key, 0)),
               "text": text.init_text_params(tc.seed)}
-    # (name, steps, batch, share of clips at a scene's start, loss, optimizer)
+    def teacher_forcing(pure_noise_share):
+        return lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, pure_noise_share)
+
+    # (name, steps, batch, share of clips at a scene's start, loss, optimizer): stages 2, 3 and 4 of the docstring
     stages = [
-        ("teacher forcing", tc.steps, tc.batch, tc.start_share,
-         lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, tc.pure_noise_share),
+        ("teacher forcing", tc.steps, tc.batch, tc.start_share, teacher_forcing(tc.pure_noise_share),
          _optimizer(tc.lr, tc.steps, tc.warmup)),
         ("teacher forcing, level-1 share", tc.refine_steps, tc.batch, tc.start_share,
-         lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, tc.refine_pure_noise_share),
-         _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
+         teacher_forcing(tc.refine_pure_noise_share), _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
         ("self-forcing", tc.sf_steps, tc.sf_batch, tc.start_share,
          lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings),
          _optimizer(tc.sf_lr, tc.sf_steps, 20)),
