@@ -5,6 +5,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -220,6 +221,60 @@ def test_a_guided_toy_stream_at_scale_one_is_the_unguided_stream(fitted, tmp_pat
     assert np.abs(guided.astype(int) - plain).mean() > 1
 
 
+def test_self_forcing_clips_are_the_teacher_forcing_draws_run_on_past_the_cache(fitted):
+    """Stage 4's clips: the same draws as a teacher-forcing batch of that (seed, stage, step), with more frames of
+    each scene after the sink; at_start clips run straight on from the sink."""
+    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld.model import Settings
+
+    tokenizer, settings = text.tokenizer(), Settings()
+    cache = settings.sink_frames + settings.window_frames
+    short = T.batch(fitted, tokenizer, settings, 0, 3, 5, 6, 0.5)
+    long = T.batch(fitted, tokenizer, settings, 0, 3, 5, 6, 0.5, after_sink=15)
+    assert short[0].shape[1] == cache and long[0].shape[1] == settings.sink_frames + 15 > cache
+    np.testing.assert_array_equal(long[0][:, :cache], short[0])
+    for a, b in zip(long[1:], short[1:]):
+        np.testing.assert_array_equal(a, b)
+    assert long[3].any() and not long[3].all()
+    with pytest.raises(ValueError, match="TrainConfig.sf_chunks is a number of chunks"):
+        T.TrainConfig(sf_chunks=0)
+
+
+@pytest.mark.slow
+def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fitted):
+    """`train.self_forcing_loss` on a clip of sink + 5 chunks: the squared error of what a stream that committed the
+    sink and the first window chunk then generates chunk by chunk (`rollout.generate_chunk`, the ring wrapping past
+    its 9 frames) against the clip's last 4 chunks; and its gradient reaches the weights through every chunk."""
+    from jaxkv import rollout as R
+    from jaxkv.models import wan
+    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld.model import WAN_CONFIG, Settings
+
+    settings = Settings()
+    rc = settings.rollout_config()
+    x0, ids, mask, at_start = T.batch(fitted, text.tokenizer(), settings, 0, 3, 1, 2, 0.5, after_sink=15)
+    params = {"dit": wan.init_params(WAN_CONFIG, jax.random.key(1)), "text": text.init_text_params(1)}
+    key = jax.random.key(7)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings)))(params)
+
+    @jax.jit
+    def stream(p):
+        state = R.init_state(p["dit"], WAN_CONFIG, rc, T._context(p["text"], ids, mask))
+        state = R.commit(p["dit"], WAN_CONFIG, rc, state, x0[:, :6])
+        chunks = []
+        for c in range(2, 6):           # chunk indices of the stream: 0 the sink, 1 the committed window chunk
+            x, state = R.generate_chunk(p["dit"], WAN_CONFIG, rc, state, R.chunk_noise(key, WAN_CONFIG, rc, 2, c))
+            chunks.append(x)
+        return jnp.concatenate(chunks, axis=1), state
+
+    frames, state = stream(params)
+    assert int(state.cache.chunk_start.max()) >= 5 * rc.chunk_frames * 64      # the stream ran past its cache
+    np.testing.assert_allclose(float(loss), float(jnp.mean((frames - x0[:, 6:]) ** 2)), rtol=1e-5)
+    norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
+    assert all(np.isfinite(norms)) and sum(norms) > 0
+
+
 @pytest.mark.slow
 def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
     """Two runs of the same config write the same weights; a run stopped by Ctrl-C and resumed from its snapshot
@@ -272,11 +327,12 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
             np.testing.assert_array_equal(wa[k], wb[k], err_msg=f"{part}/{k}")
 
 
-@pytest.mark.parametrize("flag", ["--seed", "--steps", "--refine-steps", "--sf-steps"])
-def test_train_cli_refuses_a_negative_count_before_writing_anything(tmp_path, capsys, flag):
+@pytest.mark.parametrize("flag, value, least", [("--seed", -1, 0), ("--steps", -1, 0), ("--refine-steps", -1, 0),
+                                               ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1)])
+def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path, capsys, flag, value, least):
     from jaxkv.toyworld import cli
 
     out = tmp_path / "release"
-    assert cli.main(["train", "--out", str(out), flag, "-1"]) == 2
-    assert f"{flag} must be >= 0" in capsys.readouterr().err
+    assert cli.main(["train", "--out", str(out), flag, str(value)]) == 2
+    assert f"{flag} must be >= {least}" in capsys.readouterr().err
     assert not out.exists() and not os.path.exists(str(out) + ".partial")

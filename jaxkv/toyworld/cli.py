@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"teacher-forcing steps after --steps (lr {d.refine_lr:g}, "
                    f"{d.refine_pure_noise_share * 100:.0f}%% of the chunks at noise level 1)")
     t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
+    t.add_argument("--sf-chunks", type=int, default=d.sf_chunks,
+                   help="chunks each self-forcing clip rolls out on the ring after its committed frames")
     t.add_argument("--resume", action="store_true", help="continue from the snapshot in DIR.partial (written "
                    f"every {d.snapshot_every} steps and on Ctrl-C)")
     t.add_argument("--overwrite", action="store_true", help="replace DIR if it is a toy-world release")
@@ -43,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) < 0:
                 print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
                 return 2
-        tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps,
-                                 refine_steps=args.refine_steps, sf_steps=args.sf_steps)
+        if args.sf_chunks < 1:
+            print("jaxkv toyworld train: --sf-chunks must be >= 1", file=sys.stderr)
+            return 2
+        tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps, refine_steps=args.refine_steps,
+                                 sf_steps=args.sf_steps, sf_chunks=args.sf_chunks)
         command = "jaxkv toyworld train " + " ".join(sys.argv[2:] if argv is None else argv[1:])
         try:
             record = train(args.out, tc, resume=args.resume, progress=not args.no_progress, command=command,

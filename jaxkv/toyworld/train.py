@@ -20,14 +20,16 @@
    where the sampler's first step decides from the context alone where the shapes go. From scratch, that share
    taught the one-step motion but loosened the shapes' outlines (their budget moved away from the low levels); after
    stage 2 has spent its steps on every level, it lifts the quality survey (README "The toy world").
-4. **Self-forcing through the ring** (``sf_steps``; 0 in the shipped recipe, see below). The sink and the first
-   `context_chunks` window chunks of a clip are committed to an empty cache as generation commits chunks; then
-   `jaxkv.rollout.rollout` samples the rest with the model's own few-step sampler on the ring cache, and the loss
-   is the squared error of the rolled-out latents to the world's true continuation, differentiated through the
-   whole rollout (the world is deterministic once its first frames are seen). On an earlier model (1-frame chunks,
-   3-frame window, absolute RoPE) 300 such steps did not improve its streams: the quality score of 48-frame streams
-   of the check's prompts started from their true first frames went from 0.15 to 0.10. The shipped recipe spends
-   its budget on stages 2 and 3.
+4. **Self-forcing through the ring** (``sf_steps``; 0 in the shipped recipe, see below). A clip is the sink and
+   `context_chunks` window chunks (committed to an empty cache as generation commits chunks) followed by
+   ``sf_chunks`` more chunks of the same scene (`batch` with ``after_sink``); `jaxkv.rollout.rollout` samples those
+   with the model's own few-step sampler on the ring cache, past its capacity once ``sf_chunks`` > 1 (the ring
+   evicts the true frames and the model continues from its own), and the loss is the squared error of the
+   rolled-out latents to the world's true continuation, differentiated through the whole rollout (the world is
+   deterministic once its first frames are seen). On an earlier model (1-frame chunks, 3-frame window, absolute
+   RoPE) 300 such steps did not improve its streams: the quality score of 48-frame streams of the check's prompts
+   started from their true first frames went from 0.15 to 0.10. The shipped recipe spends its budget on stages 2
+   and 3 (README "The toy world": what self-forcing past the cache did to the shipped model's streams).
 
 Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, README "The toy
 world"): ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
@@ -78,6 +80,7 @@ class TrainConfig:
     refine_warmup: int = 20
     refine_pure_noise_share: float = 0.25    # `pure_noise_share` of stage 3
     sf_steps: int = 0            # self-forcing steps (see the module docstring)
+    sf_chunks: int = 4           # chunks a self-forcing clip rolls out after its committed frames (past the cache)
     sf_batch: int = 4
     sf_lr: float = 2e-4
     fit_frames: int = 2048       # frames the latent map is fitted on
@@ -88,6 +91,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"TrainConfig.{name} is a share of clips or chunks, in [0, 1]; got {value!r}")
+        if isinstance(self.sf_chunks, bool) or not isinstance(self.sf_chunks, int) or self.sf_chunks < 1:
+            raise ValueError(f"TrainConfig.sf_chunks is a number of chunks, >= 1; got {self.sf_chunks!r}")
 
 
 # Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
@@ -109,20 +114,22 @@ def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
 
 
 def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step: int, size: int,
-          start_share: float, text_dropout: float = 0.0):
+          start_share: float, text_dropout: float = 0.0, after_sink: int | None = None):
     """A batch of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone: (latents float32
-    [size, sink_frames + window_frames, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
+    [size, sink_frames + after_sink, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
     at_start bool [size]). Each clip is a random prompt's `world.canonical_scene`: its first ``sink_frames`` frames
-    (the sink), then ``window_frames`` frames from frame ``sink_frames`` on (``at_start``, a ``start_share`` of the
-    clips) or from a frame uniform in ``sink_frames + 1`` .. `MAX_START`. A ``text_dropout`` share of the clips is
-    captioned with the empty prompt (drawn last, so the other draws do not depend on it)."""
+    (the sink), then ``after_sink`` frames (default ``window_frames``; more for a clip that runs on past the cache)
+    from frame ``sink_frames`` on (``at_start``, a ``start_share`` of the clips) or from a frame uniform in
+    ``sink_frames + 1`` .. `MAX_START`. A ``text_dropout`` share of the clips is captioned with the empty prompt
+    (drawn last, so the other draws do not depend on it)."""
     rng = np.random.default_rng([seed, stage, step])
     prompts = [world.random_prompt(rng) for _ in range(size)]
     at_start = rng.random(size) < start_share
     sink = settings.sink_frames
     starts = np.where(at_start, sink, rng.integers(sink + 1, MAX_START + 1, size))
     scenes = [world.canonical_scene(p) for p in prompts]
-    video = np.stack([np.concatenate([world.render(scene, sink), world.render(scene, settings.window_frames, int(t))])
+    after_sink = settings.window_frames if after_sink is None else after_sink
+    video = np.stack([np.concatenate([world.render(scene, sink), world.render(scene, after_sink, int(t))])
                       for scene, t in zip(scenes, starts)])
     if text_dropout:
         prompts = ["" if drop else p for p, drop in zip(prompts, rng.random(size) < text_dropout)]
@@ -199,8 +206,10 @@ def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Setting
 
 
 def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings):
-    """x0 [B, F, ...] (`batch`): commit the sink and the first `context_chunks` window chunks, roll the rest out on
-    the ring, squared error to the world's continuation."""
+    """x0 [B, F, ...] (`batch`, ``after_sink`` frames after the sink): commit the sink and the first
+    `context_chunks` window chunks, roll the other (F - committed) / chunk_frames chunks out on the ring (noise of
+    chunk n from ``fold_in(key, n)``, n counted from the stream's first chunk); the mean squared error of the
+    rolled-out latents to the clip's."""
     rc = settings.rollout_config(guidance_scale=None)      # training rolls out the conditional model alone
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
@@ -289,13 +298,14 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     def teacher_forcing(pure_noise_share):
         return lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, pure_noise_share)
 
-    # (name, steps, batch, share of clips at a scene's start, loss, optimizer): stages 2, 3 and 4 of the docstring
+    # (name, steps, batch, frames after the sink, loss, optimizer): stages 2, 3 and 4 of the docstring
+    sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
     stages = [
-        ("teacher forcing", tc.steps, tc.batch, tc.start_share, teacher_forcing(tc.pure_noise_share),
+        ("teacher forcing", tc.steps, tc.batch, settings.window_frames, teacher_forcing(tc.pure_noise_share),
          _optimizer(tc.lr, tc.steps, tc.warmup)),
-        ("teacher forcing, level-1 share", tc.refine_steps, tc.batch, tc.start_share,
+        ("teacher forcing, level-1 share", tc.refine_steps, tc.batch, settings.window_frames,
          teacher_forcing(tc.refine_pure_noise_share), _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
-        ("self-forcing", tc.sf_steps, tc.sf_batch, tc.start_share,
+        ("self-forcing", tc.sf_steps, tc.sf_batch, sf_frames,
          lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings),
          _optimizer(tc.sf_lr, tc.sf_steps, 20)),
     ]
@@ -311,7 +321,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         record["stages"] = position["finished_stages"]
         before, stage_before = position.get("seconds", 0.0), position.get("stage_seconds", 0.0)
     for stage in range(first_stage, len(stages)):
-        name, steps, size, start_share, loss_fn, optimizer = stages[stage]
+        name, steps, size, after_sink, loss_fn, optimizer = stages[stage]
         if stage != first_stage:
             opt_state, first_step, losses, stage_before = optimizer.init(params), 0, [], 0.0
         step_fn = _step_fn(loss_fn, optimizer)
@@ -327,7 +337,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         try:
             for step in bar:
                 x0, ids, mask, at_start = batch(latent_map, tokenizer, settings, tc.seed, stage + 1, step, size,
-                                                start_share, tc.text_dropout)
+                                                tc.start_share, tc.text_dropout, after_sink)
                 params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask, at_start,
                                                   jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
                 done = step + 1
