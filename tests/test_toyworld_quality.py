@@ -124,7 +124,7 @@ def test_check_cli_refuses_a_directory_that_is_not_a_release(tmp_path, capsys):
 def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports, shipped, capsys):
     from jaxkv.toyworld import cli
 
-    code = cli.main(["check", "--survey"])
+    code = cli.main(["check", "--survey", "--long"])
     out = capsys.readouterr().out
     assert code == (0 if reports[1].passed else 1)
     assert f"mean overall {reports[1].overall:.3f}" in out and f"tracking {reports[1].tracking:.3f}" in out
@@ -133,6 +133,33 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
     assert "denoising that chunk once at each noise level" in out
     for sigma in shipped.settings.schedule().sigmas():             # every level of the shipped sampler
         assert f"level {sigma:g}: " in out
+    long = out[out.index("long streams (4 prompts x 300 frames), per 30 frames: "):].splitlines()[0]
+    for part, name in zip(long.split(": ", 1)[1].split("; "), ("overall", "continuity", "named shapes seen")):
+        values = [float(v) for v in part.removeprefix(name).split()]
+        assert len(values) == 10 and all(0 <= v <= 1 for v in values), part
+
+
+def test_long_scores_see_shapes_fade_and_freeze_after_the_bars_frames():
+    """`long_scores` per 30-frame window: the world's canonical streams score at the top in every window; the same
+    streams with the box emptied from frame 30 on lose every named shape there; held still from frame 30 on, the
+    shapes are still seen but their continuity falls."""
+    truth = np.stack([world.render(world.canonical_scene(p), 60) for p in quality.PROMPTS])
+    faded, frozen = truth.copy(), truth.copy()
+    faded[:, 30:] = world.empty_frames(30)
+    frozen[:, 30:] = truth[:, 29:30]
+    top = quality.long_scores(truth, quality.PROMPTS, 3)
+    assert top.window_frames == 30 and top.overall.shape == top.seen.shape == (2,)
+    assert (top.seen >= 0.95).all() and (top.overall >= 0.9).all()
+    gone = quality.long_scores(faded, quality.PROMPTS, 3)
+    assert gone.seen[0] == top.seen[0] and gone.seen[1] == 0 and gone.overall[1] == 0
+    # (the fast prompts' shapes are held within reach of a wall, where the metric cannot tell a stop from a bounce
+    # and forgives most of their frames: 0.83 and 0.85; the slow ones, held away from the walls, 0.05 and 0.03)
+    still = quality.long_scores(frozen, quality.PROMPTS, 3)
+    assert still.seen[1] >= 0.95 and still.continuity[1] < 0.5 and still.continuity[0] == top.continuity[0]
+    with pytest.raises(ValueError, match="windows of 25 frames must be whole 3-frame chunks"):
+        quality.long_scores(truth, quality.PROMPTS, 3, 25)
+    with pytest.raises(ValueError, match="divide the 60 frames"):
+        quality.long_scores(truth, quality.PROMPTS, 3, 27)
 
 
 def test_survey_prompts_are_the_checks_then_distinct_valid_ones():

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("release", nargs="?", help="toy-world release directory (default: the shipped one)")
     c.add_argument("--survey", action="store_true", help="also stream 16 prompts x 2 seeds (quality.survey): a "
                    "steadier reading than the bar's 4 streams, for comparing models")
+    c.add_argument("--long", action="store_true", help="also stream the bar's prompts for 300 frames and print, "
+                   "per 30 frames, the score and the share of the named shapes still drawn")
     return p
 
 
@@ -95,5 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"survey ({len(wide.prompts)} prompts x {len(wide.by_seed)} seeds, {quality.FRAMES} frames): "
                   f"overall {wide.overall:.3f} (per seed {' / '.join(f'{x:.3f}' for x in wide.by_seed)}), "
                   f"tracking {wide.tracking:.3f}")
+        if args.long:
+            run = quality.long_streams(toy)
+            row = lambda values: " ".join(f"{v:.2f}" for v in values)     # noqa: E731
+            print(f"long streams ({len(quality.PROMPTS)} prompts x {quality.LONG_FRAMES} frames), per "
+                  f"{run.window_frames} frames: overall {row(run.overall)}; continuity {row(run.continuity)}; "
+                  f"named shapes seen {row(run.seen)}")
         return 0 if report.passed else 1
     return 0

@@ -21,6 +21,8 @@ same chunks one level down: the error of the model's x0 prediction at each of it
 shows which step falls short (at level 1 the input holds nothing of the chunk: that step decides the motion).
 
 `survey` streams 16 prompts x 2 seeds: a steadier reading than the bar's 4 streams when comparing recipes.
+`long_streams` streams the bar's prompts for 300 frames and scores every 30: the bar's 48 frames hide what happens
+after them (a model whose shapes stop moving, or fade into the empty box, can look fine there).
 """
 
 from __future__ import annotations
@@ -129,6 +131,51 @@ def survey(model: ToyModel, *, prompts: int = SURVEY_PROMPTS, seeds: int = SURVE
     reports = [_streamed(model, chosen, frames, SEED + i) for i in range(seeds)]
     return Survey(float(np.mean([r.overall for r in reports])), float(np.mean([r.tracking for r in reports])),
                   tuple(r.overall for r in reports), chosen)
+
+
+LONG_FRAMES = 300    # `long_streams`: frames per prompt (100 chunks of the shipped model) ...
+LONG_WINDOW = 30     # ... scored per window of this many frames
+
+
+class LongStreams(NamedTuple):
+    """`long_streams`' reading, per window of `LONG_WINDOW` frames (means over the prompts)."""
+
+    window_frames: int
+    overall: np.ndarray      # float64 [windows]: the metric's overall score of each window (`metric.Scores`)
+    continuity: np.ndarray   # float64 [windows]: its continuity part
+    seen: np.ndarray         # float64 [windows]: the share of (frame, named shape) pairs whose colour is detected
+
+
+def long_scores(videos: np.ndarray, prompts, chunk_frames: int, window_frames: int = LONG_WINDOW) -> LongStreams:
+    """`LongStreams` of ``videos`` uint8 [len(prompts), T, 64, 64, 3], T a multiple of ``window_frames``, itself a
+    multiple of ``chunk_frames``."""
+    window_frames = check_int("window_frames", window_frames, minimum=2)
+    if window_frames % chunk_frames or videos.shape[1] % window_frames:
+        raise ValueError(f"windows of {window_frames} frames must be whole {chunk_frames}-frame chunks and divide "
+                         f"the {videos.shape[1]} frames")
+    overall, continuity, seen = [], [], []
+    for video, prompt in zip(videos, prompts):
+        s = metric.score(video, prompt, chunk_frames=chunk_frames, window_chunks=window_frames // chunk_frames)
+        overall.append(s.window_overall)
+        continuity.append(s.window_continuity)
+        named = [metric.COLOUR_NAMES.index(t.colour) for t in world.canonical_scene(prompt).things]
+        seen.append(metric.detect(video).present[:, named].mean(axis=1).reshape(-1, window_frames).mean(axis=1))
+    return LongStreams(window_frames, *(np.mean(x, axis=0) for x in (overall, continuity, seen)))
+
+
+def long_streams(model: ToyModel, *, frames: int = LONG_FRAMES, window_frames: int = LONG_WINDOW,
+                 seed: int = SEED) -> LongStreams:
+    """Streams `PROMPTS` for ``frames`` frames (seed ``seed``, the model's settings) and scores each window of
+    ``window_frames`` frames (`long_scores`): whether the shapes stay drawn, and keep moving, past the bar's
+    `FRAMES`."""
+    chunk_frames = model.settings.chunk_frames
+    frames = check_int("frames", frames, minimum=2)
+    window_frames = check_int("window_frames", window_frames, minimum=2)
+    if window_frames % chunk_frames or frames % window_frames:
+        raise ValueError(f"windows of {window_frames} frames must be whole {chunk_frames}-frame chunks and divide "
+                         f"the {frames} frames")
+    videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
+    return long_scores(videos, PROMPTS, chunk_frames, window_frames)
 
 
 def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, canonical: bool = False) -> np.ndarray:
