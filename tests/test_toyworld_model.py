@@ -327,6 +327,29 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
             np.testing.assert_array_equal(wa[k], wb[k], err_msg=f"{part}/{k}")
 
 
+def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp_path, capsys):
+    """A snapshot records its run's TrainConfig; resuming it with other settings would mix two runs' steps, so it
+    is refused, naming the settings, and the snapshot is left as it was."""
+    import dataclasses
+
+    from jaxkv.toyworld import cli
+    from jaxkv.toyworld import train as T
+
+    out = tmp_path / "release"
+    snapshot = tmp_path / "release.partial"
+    snapshot.mkdir()
+    position = {"stage": 2, "step": 0, "losses": [], "finished_stages": [], "seconds": 1.0, "stage_seconds": 0.0,
+                "train_config": dataclasses.asdict(T.TrainConfig(sf_steps=50))}
+    (snapshot / "position.json").write_text(json.dumps(position))
+    before = sorted(os.listdir(snapshot))
+    with pytest.raises(ValueError, match="sf_chunks 4 there, 2 here, sf_steps 50 there, 0 here"):
+        T.train(str(out), T.TrainConfig(sf_chunks=2), resume=True, progress=False)
+    assert cli.main(["train", "--out", str(out), "--resume", "--sf-steps", "50", "--sf-chunks", "3"]) == 2
+    assert "resume with the flags it was started with" in capsys.readouterr().err
+    assert not out.exists() and sorted(os.listdir(snapshot)) == before
+    assert json.loads((snapshot / "position.json").read_text()) == position
+
+
 @pytest.mark.parametrize("flag, value, least", [("--seed", -1, 0), ("--steps", -1, 0), ("--refine-steps", -1, 0),
                                                ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1)])
 def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path, capsys, flag, value, least):

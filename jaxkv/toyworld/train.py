@@ -240,9 +240,10 @@ def _step_fn(loss_fn, optimizer):
 
 
 def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: list[float], done: list,
-                   seconds: tuple[float, float]) -> None:
+                   seconds: tuple[float, float], tc: TrainConfig) -> None:
     """params + optimizer state + position, atomically (a Ctrl-C while writing keeps the previous snapshot).
-    ``seconds``: (the run's, the stage's) training time so far, so a resumed run records the whole of it."""
+    ``seconds``: (the run's, the stage's) training time so far, so a resumed run records the whole of it; ``tc``
+    the run's config, which a resumed run must repeat."""
     from safetensors.numpy import save_file
 
     leaves = jax.tree.leaves((params, opt_state))
@@ -251,7 +252,8 @@ def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: 
     save_file({f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}, os.path.join(tmp, "state.safetensors"))
     with open(os.path.join(tmp, "position.json"), "w") as f:
         json.dump({"stage": stage, "step": step, "losses": losses, "finished_stages": done,
-                   "seconds": round(seconds[0], 1), "stage_seconds": round(seconds[1], 1)}, f)
+                   "seconds": round(seconds[0], 1), "stage_seconds": round(seconds[1], 1),
+                   "train_config": dataclasses.asdict(tc)}, f)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)
@@ -289,6 +291,13 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         raise FileExistsError(f"{out} exists; pass force=True (--overwrite) to replace a toy-world release")
     if resume and not os.path.isdir(snapshot):
         raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
+    if resume:      # a resumed run is the interrupted one continued: same config, or its steps would not be its own
+        saved = _read_position(snapshot).get("train_config")         # (snapshots before this check hold none)
+        changed = sorted(k for k, v in dataclasses.asdict(tc).items() if saved is not None and saved.get(k) != v)
+        if changed:
+            raise ValueError(f"--resume: the snapshot at {snapshot} was written by a run with other settings ("
+                             + ", ".join(f"{k} {saved.get(k)!r} there, {getattr(tc, k)!r} here" for k in changed)
+                             + "); resume with the flags it was started with")
     started = time.perf_counter()
     latent_map = fit_latent_map(tc)
     tokenizer = text.tokenizer()
@@ -345,10 +354,10 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
                 if step % 10 == 0:
                     bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
                 if done % tc.snapshot_every == 0 and done < steps:
-                    _save_snapshot(snapshot, stage, done, params, opt_state, losses, record["stages"], seconds())
+                    _save_snapshot(snapshot, stage, done, params, opt_state, losses, record["stages"], seconds(), tc)
         except KeyboardInterrupt:
             bar.close()
-            _save_snapshot(snapshot, stage, done, params, opt_state, losses[:done], record["stages"], seconds())
+            _save_snapshot(snapshot, stage, done, params, opt_state, losses[:done], record["stages"], seconds(), tc)
             print(f"interrupted: snapshot at {name} step {done} in {snapshot}; continue with --resume",
                   file=sys.stderr)
             raise
@@ -358,7 +367,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
                                  "loss_last_50": float(np.mean(losses[-50:])) if losses else None})
         if stage + 1 < len(stages):
             _save_snapshot(snapshot, stage + 1, 0, params, stages[stage + 1][5].init(params), [], record["stages"],
-                           (seconds()[0], 0.0))
+                           (seconds()[0], 0.0), tc)
     record.update(seed=tc.seed, train_config=dataclasses.asdict(tc),
                   seconds=round(before + time.perf_counter() - started, 1),
                   command=command or f"python -m jaxkv.toyworld train --out {out} --seed {tc.seed}",
