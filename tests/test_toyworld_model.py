@@ -240,6 +240,37 @@ def test_self_forcing_clips_are_the_teacher_forcing_draws_run_on_past_the_cache(
         T.TrainConfig(sf_chunks=0)
 
 
+def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fade(fitted):
+    """`train.colour_shares` of encoded world frames: each palette colour's share of the pixels, counted exactly on
+    the rendered frames, to within half a percentage point; shapes faded three quarters of the way into the
+    background lose their share, and `colour_share_error` sees it (and is zero for the frames themselves)."""
+    from jaxkv.toyworld import train as T
+
+    video, _ = world.clips(np.random.default_rng(1), 8, 6)
+    palette = [world.BACKGROUND, world.WALL, *world.COLOURS.values()]
+    counted = 100 * np.stack([(video == np.asarray(c, np.uint8)).all(-1).mean((-2, -1)) for c in palette], -1)
+    x = fitted.encode(video)
+    shares = np.asarray(T.colour_shares(fitted, x))
+    assert shares.shape == (8, 6, len(palette))
+    np.testing.assert_allclose(shares, counted, atol=0.5)
+    assert counted[..., 2:].max() > 2.0                 # the shapes are there to be counted
+
+    shape_pixels = ~((video == np.asarray(world.BACKGROUND, np.uint8)).all(-1)
+                     | (video == np.asarray(world.WALL, np.uint8)).all(-1))
+    faded = video.astype(np.float32)
+    faded[shape_pixels] = 0.25 * faded[shape_pixels] + 0.75 * np.asarray(world.BACKGROUND, np.float32)
+    faded_shares = np.asarray(T.colour_shares(fitted, fitted.encode(np.round(faded).astype(np.uint8))))
+    present = counted[..., 2:] > 1.0
+    assert (faded_shares[..., 2:][present] < 0.1 * shares[..., 2:][present]).all()
+    assert float(T.colour_share_error(fitted, x, x)) == 0.0
+    expected = np.mean((faded_shares[..., 2:] - shares[..., 2:]) ** 2)
+    np.testing.assert_allclose(float(T.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)),
+                                                          x)), expected, rtol=1e-5)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="TrainConfig.sf_colour_weight is a loss weight"):
+            T.TrainConfig(sf_colour_weight=bad)
+
+
 @pytest.mark.slow
 def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fitted):
     """`train.self_forcing_loss` on a clip of sink + 5 chunks: the squared error of what a stream that committed the
@@ -271,6 +302,12 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
     frames, state = stream(params)
     assert int(state.cache.chunk_start.max()) >= 5 * rc.chunk_frames * 64      # the stream ran past its cache
     np.testing.assert_allclose(float(loss), float(jnp.mean((frames - x0[:, 6:]) ** 2)), rtol=1e-5)
+    # with the colour-share term: the same stream's frames, their shares against the clip's
+    coloured = jax.jit(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.5))
+    np.testing.assert_allclose(float(coloured(params)), float(jnp.mean((frames - x0[:, 6:]) ** 2))
+                               + 0.5 * float(T.colour_share_error(fitted, frames, x0[:, 6:])), rtol=1e-5)
+    with pytest.raises(ValueError, match="a colour_weight needs the latent_map"):
+        T.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, None, 0.5)
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
     assert all(np.isfinite(norms)) and sum(norms) > 0
 
@@ -343,7 +380,7 @@ def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp
     (snapshot / "position.json").write_text(json.dumps(position))
     before = sorted(os.listdir(snapshot))
     with pytest.raises(ValueError, match="sf_chunks 4 there, 2 here, sf_steps 50 there, 0 here"):
-        T.train(str(out), T.TrainConfig(sf_chunks=2), resume=True, progress=False)
+        T.train(str(out), T.TrainConfig(sf_chunks=2, sf_steps=0), resume=True, progress=False)
     assert cli.main(["train", "--out", str(out), "--resume", "--sf-steps", "50", "--sf-chunks", "3"]) == 2
     assert "resume with the flags it was started with" in capsys.readouterr().err
     assert not out.exists() and sorted(os.listdir(snapshot)) == before
@@ -358,4 +395,14 @@ def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path
     out = tmp_path / "release"
     assert cli.main(["train", "--out", str(out), flag, str(value)]) == 2
     assert f"{flag} must be >= {least}" in capsys.readouterr().err
+    assert not out.exists() and not os.path.exists(str(out) + ".partial")
+
+
+@pytest.mark.parametrize("value", ["-0.5", "inf", "nan"])
+def test_train_cli_refuses_a_colour_weight_out_of_range_before_writing_anything(tmp_path, capsys, value):
+    from jaxkv.toyworld import cli
+
+    out = tmp_path / "release"
+    assert cli.main(["train", "--out", str(out), "--sf-colour-weight", value]) == 2
+    assert "--sf-colour-weight must be finite and >= 0" in capsys.readouterr().err
     assert not out.exists() and not os.path.exists(str(out) + ".partial")

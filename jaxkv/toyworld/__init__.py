@@ -5,7 +5,7 @@ repository (the embedded default of ``jaxkv generate``), and a quality metric th
   latents   the latent space: a fixed linear map of 4x4 pixel patches to 16 channels and back
   text      the word-level tokenizer and the tiny umT5 encoder of the prompts
   model     the toy model's configuration, streaming settings and release directory (load / save)
-  train     training from scratch on CPU: teacher forcing over a sink-plus-window cache (self-forcing optional)
+  train     training from scratch on CPU: teacher forcing over a sink-plus-window cache, then self-forcing on the ring
   sample    streaming a toy model to frames
   metric    a quality metric of generated toy-world video: detect the shapes, score adherence, continuity, drift
   quality   the bar a model must clear (``jaxkv toyworld check``)

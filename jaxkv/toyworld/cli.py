@@ -13,7 +13,7 @@ def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="jaxkv toyworld", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 37 minutes on 2 cores)",
+    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 47 minutes on 2 cores)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the data, the init and the noise")
@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
     t.add_argument("--sf-chunks", type=int, default=d.sf_chunks,
                    help="chunks each self-forcing clip rolls out on the ring after its committed frames")
+    t.add_argument("--sf-colour-weight", type=float, default=d.sf_colour_weight,
+                   help="weight of the self-forcing loss's colour-share term (train.colour_share_error: the shapes' "
+                   "pixel shares of the rollout against the world's; it keeps the shapes from fading)")
     t.add_argument("--resume", action="store_true", help="continue from the snapshot in DIR.partial (written "
                    f"every {d.snapshot_every} steps and on Ctrl-C)")
     t.add_argument("--overwrite", action="store_true", help="replace DIR if it is a toy-world release")
@@ -50,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.sf_chunks < 1:
             print("jaxkv toyworld train: --sf-chunks must be >= 1", file=sys.stderr)
             return 2
+        if not 0.0 <= args.sf_colour_weight < float("inf"):
+            print("jaxkv toyworld train: --sf-colour-weight must be finite and >= 0", file=sys.stderr)
+            return 2
         tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps, refine_steps=args.refine_steps,
-                                 sf_steps=args.sf_steps, sf_chunks=args.sf_chunks)
+                                 sf_steps=args.sf_steps, sf_chunks=args.sf_chunks,
+                                 sf_colour_weight=args.sf_colour_weight)
         command = "jaxkv toyworld train " + " ".join(sys.argv[2:] if argv is None else argv[1:])
         try:
             record = train(args.out, tc, resume=args.resume, progress=not args.no_progress, command=command,
