@@ -162,6 +162,18 @@ def test_long_scores_see_shapes_fade_and_freeze_after_the_bars_frames():
         quality.long_scores(truth, quality.PROMPTS, 3, 27)
 
 
+def test_long_streams_refuse_windows_that_do_not_divide_the_stream_before_streaming(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("streamed before checking its windows")
+
+    monkeypatch.setattr(quality.sample, "video", never)
+    toy = toy_model.load()
+    with pytest.raises(ValueError, match="divide the 100 frames"):
+        quality.long_streams(toy, frames=100)
+    with pytest.raises(ValueError, match="windows of 20 frames must be whole 3-frame chunks"):
+        quality.long_streams(toy, frames=120, window_frames=20)
+
+
 def test_survey_prompts_are_the_checks_then_distinct_valid_ones():
     prompts = quality.survey_prompts(40)
     assert prompts[:len(quality.PROMPTS)] == quality.PROMPTS

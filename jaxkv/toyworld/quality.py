@@ -146,13 +146,19 @@ class LongStreams(NamedTuple):
     seen: np.ndarray         # float64 [windows]: the share of (frame, named shape) pairs whose colour is detected
 
 
+def _check_windows(frames: int, window_frames: int, chunk_frames: int) -> int:
+    """``window_frames``, checked: whole chunks, dividing ``frames``."""
+    window_frames = check_int("window_frames", window_frames, minimum=2)
+    if window_frames % chunk_frames or frames % window_frames:
+        raise ValueError(f"windows of {window_frames} frames must be whole {chunk_frames}-frame chunks and divide "
+                         f"the {frames} frames")
+    return window_frames
+
+
 def long_scores(videos: np.ndarray, prompts, chunk_frames: int, window_frames: int = LONG_WINDOW) -> LongStreams:
     """`LongStreams` of ``videos`` uint8 [len(prompts), T, 64, 64, 3], T a multiple of ``window_frames``, itself a
     multiple of ``chunk_frames``."""
-    window_frames = check_int("window_frames", window_frames, minimum=2)
-    if window_frames % chunk_frames or videos.shape[1] % window_frames:
-        raise ValueError(f"windows of {window_frames} frames must be whole {chunk_frames}-frame chunks and divide "
-                         f"the {videos.shape[1]} frames")
+    window_frames = _check_windows(videos.shape[1], window_frames, chunk_frames)
     overall, continuity, seen = [], [], []
     for video, prompt in zip(videos, prompts):
         s = metric.score(video, prompt, chunk_frames=chunk_frames, window_chunks=window_frames // chunk_frames)
@@ -170,10 +176,7 @@ def long_streams(model: ToyModel, *, frames: int = LONG_FRAMES, window_frames: i
     `FRAMES`."""
     chunk_frames = model.settings.chunk_frames
     frames = check_int("frames", frames, minimum=2)
-    window_frames = check_int("window_frames", window_frames, minimum=2)
-    if window_frames % chunk_frames or frames % window_frames:
-        raise ValueError(f"windows of {window_frames} frames must be whole {chunk_frames}-frame chunks and divide "
-                         f"the {frames} frames")
+    window_frames = _check_windows(frames, window_frames, chunk_frames)      # before streaming anything
     videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
     return long_scores(videos, PROMPTS, chunk_frames, window_frames)
 
