@@ -13,7 +13,7 @@ def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="jaxkv toyworld", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 64 minutes on 2 cores)",
+    t = sub.add_parser("train", help="train the toy model from scratch on CPU (about 90 minutes on 2 cores)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the data, the init and the noise")

@@ -29,8 +29,9 @@
    are seen) plus ``sf_colour_weight`` x `colour_share_error`. The colour term is what makes the stage work: where
    the model is unsure of a shape's place the squared error rewards a fainter, wider shape, and without the term
    such rollouts faded the shapes into the empty box; the term, blind to place, holds each colour's pixel share to
-   the world's. With it, 100 steps lift the quality survey and the check over stage 3's weights, and 300 steps
-   (the default) lift the survey further and keep long streams moving (README "The toy world").
+   the world's. With it, 100 steps lift the quality survey and the check over stage 3's weights, 300 steps lift
+   the survey further and keep long streams moving, and 600 (the default) hold 300-frame streams at their early
+   score (README "The toy world").
 
 Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, README "The toy
 world"): ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
@@ -80,7 +81,7 @@ class TrainConfig:
     refine_lr: float = 5e-4
     refine_warmup: int = 20
     refine_pure_noise_share: float = 0.25    # `pure_noise_share` of stage 3
-    sf_steps: int = 300          # self-forcing steps (see the module docstring)
+    sf_steps: int = 600          # self-forcing steps (see the module docstring)
     sf_chunks: int = 4           # chunks a self-forcing clip rolls out after its committed frames (past the cache)
     sf_batch: int = 4
     sf_lr: float = 1e-4
