@@ -268,6 +268,26 @@ def test_a_frozen_object_fails_once_the_speed_check_can_see_it():
     assert s.adherence == 1.0
 
 
+@pytest.mark.parametrize("prompt, held", [
+    ("a green triangle, fast", 18),                      # x 49.5: against the right wall, where a stop looks like a bounce
+    ("a red circle and a blue square, slow", 14),        # overlapping: the circle covered by the square (which the
+])                                                       # speed check stops: it is held away from the walls)
+def test_a_stop_the_speed_check_forgives_fails_the_travel_check(prompt, held, monkeypatch):
+    """A canonical stream held still from frame ``held`` for 70 frames: once a whole `STOP_FRAMES` window lies in
+    the held part, every transition of every object fails. Without the travel check (its span set to 0) those
+    transitions of the first-named object pass the other checks: its stop is within reach of a wall, or it is
+    covered."""
+    truth = world.render(world.canonical_scene(prompt), held + 1)
+    frames = np.concatenate([truth, np.repeat(truth[-1:], 71, 0)])[:72 + held - (72 + held) % 3]
+    first_stopped = held + metric.STOP_FRAMES - 1          # the first frame whose window holds only the held frame
+    steps = metric.transitions(metric.detect(frames), prompt)
+    assert not steps[first_stopped - 1:].any()
+    assert steps[:held].all()                              # the world's own frames before it pass
+    monkeypatch.setattr(metric, "STOP_SPAN", 0.0)
+    forgiven = metric.transitions(metric.detect(frames), prompt)
+    assert forgiven[first_stopped - 1:, 0].all()
+
+
 def test_shuffled_frames_lose_continuity(clip):
     scene, frames = clip
     order = np.random.default_rng(7).permutation(len(frames))

@@ -134,7 +134,9 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
     for sigma in shipped.settings.schedule().sigmas():             # every level of the shipped sampler
         assert f"level {sigma:g}: " in out
     long = out[out.index("long streams (4 prompts x 300 frames), per 30 frames: "):].splitlines()[0]
-    for part, name in zip(long.split(": ", 1)[1].split("; "), ("overall", "continuity", "named shapes seen")):
+    parts = long.split(": ", 1)[1].split("; ")
+    assert len(parts) == 4
+    for part, name in zip(parts, ("overall", "continuity", "named shapes seen", "named shapes moving")):
         values = [float(v) for v in part.removeprefix(name).split()]
         assert len(values) == 10 and all(0 <= v <= 1 for v in values), part
 
@@ -142,20 +144,27 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
 def test_long_scores_see_shapes_fade_and_freeze_after_the_bars_frames():
     """`long_scores` per 30-frame window: the world's canonical streams score at the top in every window; the same
     streams with the box emptied from frame 30 on lose every named shape there; held still from frame 30 on, the
-    shapes are still seen but their continuity falls."""
+    shapes are still seen but their continuity falls and none reads as moving (the fast prompts' stops, within
+    reach of a wall, included, which continuity forgives)."""
     truth = np.stack([world.render(world.canonical_scene(p), 60) for p in quality.PROMPTS])
     faded, frozen = truth.copy(), truth.copy()
     faded[:, 30:] = world.empty_frames(30)
     frozen[:, 30:] = truth[:, 29:30]
     top = quality.long_scores(truth, quality.PROMPTS, 3)
     assert top.window_frames == 30 and top.overall.shape == top.seen.shape == (2,)
-    assert (top.seen >= 0.95).all() and (top.overall >= 0.9).all()
+    assert (top.seen >= 0.95).all() and (top.overall >= 0.9).all() and (top.moving == 1).all()
     gone = quality.long_scores(faded, quality.PROMPTS, 3)
-    assert gone.seen[0] == top.seen[0] and gone.seen[1] == 0 and gone.overall[1] == 0
-    # (the fast prompts' shapes are held within reach of a wall, where the metric cannot tell a stop from a bounce
-    # and forgives most of their frames: 0.83 and 0.85; the slow ones, held away from the walls, 0.05 and 0.03)
+    assert gone.seen[0] == top.seen[0] and gone.seen[1] == 0 and gone.overall[1] == 0 and gone.moving[1] == 0
+    # (the fast prompts' shapes are held within reach of a wall, where the speed check cannot tell a stop from a
+    # bounce: 0.67 and 0.68, the travel check failing only the window's last transitions, whose 30 frames back
+    # hold less than its span; the slow ones, held away from the walls, 0.05 and 0.03)
     still = quality.long_scores(frozen, quality.PROMPTS, 3)
     assert still.seen[1] >= 0.95 and still.continuity[1] < 0.5 and still.continuity[0] == top.continuity[0]
+    assert still.moving[0] == 1 and still.moving[1] == 0
+    # a shape that moves by less than the span: 2 px each way over the window, the stops the model makes
+    crawl = truth.copy()
+    crawl[:, 30:] = np.stack([np.roll(truth[:, 29], (i // 10) - 1, axis=2) for i in range(30)], axis=1)
+    assert (quality.long_scores(crawl, quality.PROMPTS, 3).moving == [1, 0]).all()
     with pytest.raises(ValueError, match="windows of 25 frames must be whole 3-frame chunks"):
         quality.long_scores(truth, quality.PROMPTS, 3, 25)
     with pytest.raises(ValueError, match="divide the 60 frames"):

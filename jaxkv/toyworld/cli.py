@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--survey", action="store_true", help="also stream 16 prompts x 2 seeds (quality.survey): a "
                    "steadier reading than the bar's 4 streams, for comparing models")
     c.add_argument("--long", action="store_true", help="also stream the bar's prompts for 300 frames and print, "
-                   "per 30 frames, the score and the share of the named shapes still drawn")
+                   "per 30 frames, the score and the shares of the named shapes still drawn and still moving")
     return p
 
 
@@ -109,6 +109,6 @@ def main(argv: list[str] | None = None) -> int:
             row = lambda values: " ".join(f"{v:.2f}" for v in values)     # noqa: E731
             print(f"long streams ({len(quality.PROMPTS)} prompts x {quality.LONG_FRAMES} frames), per "
                   f"{run.window_frames} frames: overall {row(run.overall)}; continuity {row(run.continuity)}; "
-                  f"named shapes seen {row(run.seen)}")
+                  f"named shapes seen {row(run.seen)}; named shapes moving {row(run.moving)}")
         return 0 if report.passed else 1
     return 0

@@ -206,6 +206,16 @@ HIDE_REACH = 9.0
 OUTLINE_REACH = world.HALF_SIDE * np.sqrt(2)       # px: the farthest any shape's pixel lies from its centre (9.9)
 # the most clear frames before an object went under from which its velocity is read (`_on_its_path`)
 TRACK_FRAMES = 12
+# The travel check: over any `STOP_FRAMES` frames in at least `STOP_SEEN` of which an object is present, its centre
+# must span `STOP_SPAN` px along x or y. The world's shapes move 1 or 2 px a frame: over such windows of 100 world
+# scenes of 300 frames (20 canonical, 80 random; bounces and crossings included), each decoded by a principal-
+# component map and by a blurring decoder, every centre spanned at least 9.0 px (slow) and 15 px (fast);
+# a shape the model has stopped spans under 3. Covered frames count (a covered shape's visible centroid moves with
+# it), so two blobs stuck together, covered in every frame, do not pass for a crossing. The speed check cannot
+# see a stop within reach of a wall (it passes for a bounce), nor a covered object's; this one can.
+STOP_FRAMES = 30
+STOP_SEEN = 15
+STOP_SPAN = 6.0
 
 
 class Scores(NamedTuple):
@@ -402,7 +412,11 @@ def transitions(detections: Detections, prompt: str) -> np.ndarray:
         too slow object fails);
       * straightness (velocity changes only at walls): along each axis whose wall is out of reach of the middle
         point, c[t + 1] - 2 c[t + 1 - LAG] + c[t + 1 - 2 LAG] is at most `CURVE_SLACK`; a bounce flips only the
-        axis that reached a wall.
+        axis that reached a wall;
+      * travel: over the `STOP_FRAMES` frames up to t + 1, if it is present in at least `STOP_SEEN` of them, its
+        centre spans at least `STOP_SPAN` px along x or y there (a stop within reach of a wall passes the speed
+        check as a bounce, and a covered object's speed is not checked; no bounce or crossing holds a shape still
+        for long).
     "Within reach" means within LAG * speed + CENTROID_ERROR of a wall of the centres' box [MARGIN, SIZE -
     MARGIN] (an object can only have bounced on an axis if it was that near). The speed and straightness checks
     are skipped where a frame they need is missing (that absence already failed) or the object is covered or
@@ -444,6 +458,14 @@ def _steps(present: np.ndarray, hidden: np.ndarray, shaded: np.ndarray, centre: 
         curve = np.abs(centre[t] - 2 * centre[m] + centre[s])   # [.., 2]
         bad = (far[m] & (curve > CURVE_SLACK)).any(-1)
         ok[sel] &= ~(checked & bad)
+
+    if frames >= STOP_FRAMES:                                    # transitions into frames STOP_FRAMES - 1 on
+        windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, STOP_FRAMES, axis=0)   # noqa: E731
+        hi = windows(np.where(present[:, None], centre, -np.inf)).max(-1)    # [T - STOP_FRAMES + 1, 2]
+        lo = windows(np.where(present[:, None], centre, np.inf)).min(-1)
+        judged = windows(present).sum(-1) >= STOP_SEEN
+        stopped = judged & ((hi - lo).max(-1) < STOP_SPAN) & present[STOP_FRAMES - 1:]
+        ok[STOP_FRAMES - 2:] &= ~stopped
     return ok
 
 

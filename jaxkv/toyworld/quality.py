@@ -144,6 +144,9 @@ class LongStreams(NamedTuple):
     overall: np.ndarray      # float64 [windows]: the metric's overall score of each window (`metric.Scores`)
     continuity: np.ndarray   # float64 [windows]: its continuity part
     seen: np.ndarray         # float64 [windows]: the share of (frame, named shape) pairs whose colour is detected
+    # float64 [windows]: the share of named shapes whose detected centre spans `metric.STOP_SPAN` px per
+    # `metric.STOP_FRAMES` frames of the window (6 px over 30): the metric's travel check, read per window
+    moving: np.ndarray
 
 
 def _check_windows(frames: int, window_frames: int, chunk_frames: int) -> int:
@@ -159,14 +162,20 @@ def long_scores(videos: np.ndarray, prompts, chunk_frames: int, window_frames: i
     """`LongStreams` of ``videos`` uint8 [len(prompts), T, 64, 64, 3], T a multiple of ``window_frames``, itself a
     multiple of ``chunk_frames``."""
     window_frames = _check_windows(videos.shape[1], window_frames, chunk_frames)
-    overall, continuity, seen = [], [], []
+    overall, continuity, seen, moving = [], [], [], []
     for video, prompt in zip(videos, prompts):
         s = metric.score(video, prompt, chunk_frames=chunk_frames, window_chunks=window_frames // chunk_frames)
         overall.append(s.window_overall)
         continuity.append(s.window_continuity)
         named = [metric.COLOUR_NAMES.index(t.colour) for t in world.canonical_scene(prompt).things]
-        seen.append(metric.detect(video).present[:, named].mean(axis=1).reshape(-1, window_frames).mean(axis=1))
-    return LongStreams(window_frames, *(np.mean(x, axis=0) for x in (overall, continuity, seen)))
+        found = metric.detect(video)
+        seen.append(found.present[:, named].mean(axis=1).reshape(-1, window_frames).mean(axis=1))
+        centres = found.centroid[:, named].reshape(-1, window_frames, len(named), 2)      # [windows, frames, N, 2]
+        here = ~np.isnan(centres)
+        span = np.where(here, centres, -np.inf).max(axis=1) - np.where(here, centres, np.inf).min(axis=1)
+        travel = metric.STOP_SPAN * window_frames / metric.STOP_FRAMES
+        moving.append((span.max(axis=-1) >= travel).mean(axis=1))                  # -inf: never seen
+    return LongStreams(window_frames, *(np.mean(x, axis=0) for x in (overall, continuity, seen, moving)))
 
 
 def long_streams(model: ToyModel, *, frames: int = LONG_FRAMES, window_frames: int = LONG_WINDOW,
