@@ -29,9 +29,9 @@
    are seen) plus ``sf_colour_weight`` x `colour_share_error`. The colour term is what makes the stage work: where
    the model is unsure of a shape's place the squared error rewards a fainter, wider shape, and without the term
    such rollouts faded the shapes into the empty box; the term, blind to place, holds each colour's pixel share to
-   the world's. With it, 100 steps lift the quality survey and the check over stage 3's weights, 300 steps lift
-   the survey further and keep long streams moving, and 600 (the default) hold 300-frame streams at their early
-   score (README "The toy world").
+   the world's. With it, 100 steps lift the quality survey and the check over stage 3's weights, and 300 and 600
+   (the default) lift the survey further and keep the shapes drawn through 300-frame streams; they still stop
+   moving after ~30 frames there, as every release before (README "The toy world").
 
 Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, README "The toy
 world"): ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
