@@ -273,7 +273,7 @@ def test_a_frozen_object_fails_once_the_speed_check_can_see_it():
     ("a red circle and a blue square, slow", 14),        # overlapping: the circle covered by the square (which the
 ])                                                       # speed check stops: it is held away from the walls)
 def test_a_stop_the_speed_check_forgives_fails_the_travel_check(prompt, held, monkeypatch):
-    """A canonical stream held still from frame ``held`` for 70 frames: once a whole `STOP_FRAMES` window lies in
+    """A canonical stream whose frame ``held`` is repeated 71 more times: once a whole `STOP_FRAMES` window lies in
     the held part, every transition of every object fails. Without the travel check (its span set to 0) those
     transitions of the first-named object pass the other checks: its stop is within reach of a wall, or it is
     covered."""

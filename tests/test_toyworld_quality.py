@@ -144,8 +144,8 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
 def test_long_scores_see_shapes_fade_and_freeze_after_the_bars_frames():
     """`long_scores` per 30-frame window: the world's canonical streams score at the top in every window; the same
     streams with the box emptied from frame 30 on lose every named shape there; held still from frame 30 on, the
-    shapes are still seen but their continuity falls and none reads as moving (the fast prompts' stops, within
-    reach of a wall, included, which continuity forgives)."""
+    shapes are still seen but their continuity falls and none reads as moving (the fast prompts' stops within
+    reach of a wall included, which the speed check forgives)."""
     truth = np.stack([world.render(world.canonical_scene(p), 60) for p in quality.PROMPTS])
     faded, frozen = truth.copy(), truth.copy()
     faded[:, 30:] = world.empty_frames(30)

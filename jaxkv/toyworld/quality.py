@@ -162,6 +162,7 @@ def long_scores(videos: np.ndarray, prompts, chunk_frames: int, window_frames: i
     """`LongStreams` of ``videos`` uint8 [len(prompts), T, 64, 64, 3], T a multiple of ``window_frames``, itself a
     multiple of ``chunk_frames``."""
     window_frames = _check_windows(videos.shape[1], window_frames, chunk_frames)
+    travel = metric.STOP_SPAN * window_frames / metric.STOP_FRAMES       # px a moving shape spans in a window
     overall, continuity, seen, moving = [], [], [], []
     for video, prompt in zip(videos, prompts):
         s = metric.score(video, prompt, chunk_frames=chunk_frames, window_chunks=window_frames // chunk_frames)
@@ -173,7 +174,6 @@ def long_scores(videos: np.ndarray, prompts, chunk_frames: int, window_frames: i
         centres = found.centroid[:, named].reshape(-1, window_frames, len(named), 2)      # [windows, frames, N, 2]
         here = ~np.isnan(centres)
         span = np.where(here, centres, -np.inf).max(axis=1) - np.where(here, centres, np.inf).min(axis=1)
-        travel = metric.STOP_SPAN * window_frames / metric.STOP_FRAMES
         moving.append((span.max(axis=-1) >= travel).mean(axis=1))                  # -inf: never seen
     return LongStreams(window_frames, *(np.mean(x, axis=0) for x in (overall, continuity, seen, moving)))
 
