@@ -74,6 +74,9 @@ class RolloutConfig:
       precision: the dtype policy of the run (`jaxkv.precision.Precision` or a preset name, "float32" or
         "bfloat16"): params must be in its param_dtype; the KV cache and the cross-attention K/V are built in its
         cache_dtype.
+      remat: run each DiT block under `jax.checkpoint` (`jaxkv.models.wan.forward_chunk`), for a gradient through
+        the rollout (Self-Forcing training): the blocks' activations are recomputed, not stored. Equal to float
+        rounding; no effect on what a rollout draws beyond that.
       rope: "absolute" (default; Self-Forcing: keys rotated at their absolute frame before the write) or
         "cache-relative" (keys cached unrotated and rotated at read by their rank in the cache, so the frame
         indices the model sees stay below the cache's frames; the positions then run on a wrapped clock
@@ -95,6 +98,7 @@ class RolloutConfig:
     buckets: int | None = None
     precision: Precision = Precision()
     rope: str = "absolute"
+    remat: bool = False
 
     def __post_init__(self, cache_dtype):
         for name in ("latent_height", "latent_width", "chunk_frames", "window_frames", "sink_frames"):
@@ -122,6 +126,9 @@ class RolloutConfig:
         object.__setattr__(self, "precision", precision)
         self._check_dilated()
         M.check_rope_mode(self.rope)
+        if not isinstance(self.remat, (bool, np.bool_)):
+            raise ValueError(f"RolloutConfig.remat must be a bool, got {self.remat!r}")
+        object.__setattr__(self, "remat", bool(self.remat))
         if self.rope == "cache-relative" and (self.policy not in WRAPPING_POLICIES or self.dilated_every):
             raise ValueError(f"rope='cache-relative' runs the positions on a wrapped clock, which keeps the slot of "
                              f"every chunk only for the policies {sorted(WRAPPING_POLICIES)} without dilated "
@@ -342,7 +349,7 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
         t_i, sigma_i, next_sigma_i, eps = xs
         x_in = jnp.concatenate([x, x], axis=0) if guided else x
         flow, cache = M.forward_chunk(params, config, cache, state.cross, x_in, jnp.full((sessions,), t_i),
-                                      rope=rc.rope, backend=rc.backend, precision=rc.precision)
+                                      rope=rc.rope, backend=rc.backend, precision=rc.precision, remat=rc.remat)
         if guided:
             cond, neg = flow[:batch], flow[batch:]
             flow = neg + rc.guidance_scale * (cond - neg)
@@ -386,7 +393,7 @@ def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, la
         cache = cache.begin_chunk() if rc.bounded else wrap_clock(cache).begin_chunk()
         _, cache = M.forward_chunk(params, config, cache, state.cross, latents[:, c * cf:(c + 1) * cf],
                                    jnp.full((sessions,), rc.schedule.context_noise), rope=rc.rope,
-                                   backend=rc.backend, precision=rc.precision)
+                                   backend=rc.backend, precision=rc.precision, remat=rc.remat)
     return RolloutState(cache, state.cross)
 
 

@@ -109,9 +109,12 @@ def cache_settings(cache) -> dict[str, Any]:
 
 
 def fingerprint(config: WanConfig, rc: RolloutConfig, cache) -> dict[str, Any]:
-    """{"model": WanConfig fields, "sampler": every RolloutConfig field, "cache": `cache_settings`}."""
-    return {"model": _plain(config.to_dict()), "sampler": _plain(dataclasses.asdict(rc)),
-            "cache": cache_settings(cache)}
+    """{"model": WanConfig fields, "sampler": every RolloutConfig field but ``remat``, "cache": `cache_settings`}.
+    (``remat`` only changes how a gradient is computed, not what a stream holds or draws, so sessions saved before
+    it existed, or under the other value, continue.)"""
+    sampler = dataclasses.asdict(rc)
+    sampler.pop("remat")
+    return {"model": _plain(config.to_dict()), "sampler": _plain(sampler), "cache": cache_settings(cache)}
 
 
 def expected_cache(config: WanConfig, rc: RolloutConfig, sessions: int):

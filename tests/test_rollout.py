@@ -237,6 +237,41 @@ def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
     assert float(f(optax.apply_updates(params, updates))) < float(value)
 
 
+@pytest.mark.parametrize("extra", [{}, {"rope": "cache-relative"},
+                                   pytest.param({"dilated_every": 2, "dilation": 2, "buckets": 2, "sink_frames": 0},
+                                                marks=pytest.mark.slow)])
+def test_remat_gives_the_gradient_of_the_rollout_without_it(extra):
+    """`RolloutConfig(remat=True)` recomputes each block in the backward pass (a ``remat2`` equation in the gradient's
+    program, none without it) and gives the same loss and gradient (float rounding), on the plain, the
+    cache-relative and the mixed dense/dilated layer scans; and it is not part of a session's fingerprint (it
+    changes nothing a stream holds)."""
+    from jaxkv import session
+
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)), **extra)
+    params, ctx = _params(21), _ctx(22)
+    noise = jax.random.normal(jax.random.key(23), rc.noise_shape(CFG, 1, 3))
+    target = jax.random.normal(jax.random.key(24), (1, 3, H, W, CFG.in_dim))
+    results = {}
+    for remat in (False, True):
+        cfg = dataclasses.replace(rc, remat=remat)
+        loss = lambda p: jnp.mean((R.rollout(p, CFG, cfg, ctx, num_chunks=3, noise=noise).latents - target) ** 2)
+        grad = jax.value_and_grad(loss)
+        assert ("remat2" in str(jax.make_jaxpr(grad)(params))) == remat
+        results[remat] = jax.jit(grad)(params)
+    (v0, g0), (v1, g1) = results[False], results[True]
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
+    assert scale > 0
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0)
+    cache = R.init_state(params, CFG, rc, ctx).cache
+    if not rc.dilated_every:        # (a session holds no mixed dense/dilated cache)
+        remat_rc = dataclasses.replace(rc, remat=True)
+        assert session.fingerprint(CFG, rc, cache) == session.fingerprint(CFG, remat_rc, cache)
+    with pytest.raises(ValueError, match="RolloutConfig.remat must be a bool"):
+        dataclasses.replace(rc, remat="yes")
+
+
 def test_self_forcing_schedule_values():
     s = Schedule()
     # warped through the shift-5 table: sigma(d) = 5u / (1 + 4u) with u = d/1000

@@ -387,6 +387,31 @@ def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp
     assert json.loads((snapshot / "position.json").read_text()) == position
 
 
+def test_resume_reads_a_field_a_snapshot_predates_as_its_default(tmp_path, capsys):
+    """A snapshot written before `TrainConfig.remat` existed holds no "remat": it was a run without it, so resuming
+    it with ``remat=True`` is refused, naming the field, and nothing changes."""
+    import dataclasses
+
+    from jaxkv.toyworld import cli
+    from jaxkv.toyworld import train as T
+
+    out = tmp_path / "release"
+    snapshot = tmp_path / "release.partial"
+    snapshot.mkdir()
+    config = dataclasses.asdict(T.TrainConfig())
+    del config["remat"]
+    position = {"stage": 2, "step": 0, "losses": [], "finished_stages": [], "seconds": 1.0, "stage_seconds": 0.0,
+                "train_config": config}
+    (snapshot / "position.json").write_text(json.dumps(position))
+    with pytest.raises(ValueError, match=r"\(remat False there, True here\)"):
+        T.train(str(out), T.TrainConfig(remat=True), resume=True, progress=False)
+    assert cli.main(["train", "--out", str(out), "--resume", "--remat"]) == 2     # the flag reaches the config
+    assert "(remat False there, True here)" in capsys.readouterr().err
+    assert not out.exists() and json.loads((snapshot / "position.json").read_text()) == position
+    with pytest.raises(ValueError, match="TrainConfig.remat is a bool"):
+        T.TrainConfig(remat=1)
+
+
 @pytest.mark.parametrize("flag, value, least", [("--seed", -1, 0), ("--steps", -1, 0), ("--refine-steps", -1, 0),
                                                ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1)])
 def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path, capsys, flag, value, least):

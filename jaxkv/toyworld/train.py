@@ -88,6 +88,11 @@ class TrainConfig:
     sf_colour_weight: float = 0.1    # weight of stage 4's colour-share term (`colour_share_error`)
     fit_frames: int = 2048       # frames the latent map is fitted on
     snapshot_every: int = 250
+    # Recompute each DiT block's activations in the backward pass instead of storing them (`jax.checkpoint`):
+    # on 2 CPU cores teacher-forcing steps 1.2-1.3x and self-forcing steps 1.7-2.1x faster (benchmarks/train_step.py),
+    # but the weights differ from a run without it in float rounding from the first step: it does not write the
+    # shipped release.
+    remat: bool = False
 
     def __post_init__(self):
         for name in ("start_share", "text_dropout", "pure_noise_share", "refine_pure_noise_share"):
@@ -99,6 +104,8 @@ class TrainConfig:
                              f"{self.sf_colour_weight!r}")
         if isinstance(self.sf_chunks, bool) or not isinstance(self.sf_chunks, int) or self.sf_chunks < 1:
             raise ValueError(f"TrainConfig.sf_chunks is a number of chunks, >= 1; got {self.sf_chunks!r}")
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"TrainConfig.remat is a bool; got {self.remat!r}")
 
 
 # Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
@@ -193,10 +200,11 @@ def noise_levels(key, shape, shift: float, pure_noise_share: float = 0.0):
     return sigma
 
 
-def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings, pure_noise_share: float = 0.0):
+def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings, pure_noise_share: float = 0.0,
+                         remat: bool = False):
     """Flow-matching loss of clips x0 [B, F, h, w, c] (`batch`), every chunk denoised after the clean chunks before
-    it (`wan.forward_teacher_forcing`) at its own noise level (`noise_levels`); the mean over the
-    `supervised_chunks`."""
+    it (`wan.forward_teacher_forcing`, its blocks under `jax.checkpoint` with ``remat``) at its own noise level
+    (`noise_levels`); the mean over the `supervised_chunks`."""
     b, f = x0.shape[:2]
     cf = settings.chunk_frames
     k_level, k_eps = jax.random.split(key)
@@ -205,7 +213,8 @@ def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Setting
     xt = (1 - sigma[..., None, None, None]) * x0 + sigma[..., None, None, None] * eps
     flow = wan.forward_teacher_forcing(params["dit"], WAN_CONFIG, x0, xt, 1000.0 * sigma,
                                        _context(params["text"], ids, mask), chunk_frames=cf,
-                                       window_frames=settings.window_frames, sink_frames=settings.sink_frames)
+                                       window_frames=settings.window_frames, sink_frames=settings.sink_frames,
+                                       remat=remat)
     per_frame = jnp.mean((flow - (eps - x0)) ** 2, axis=(2, 3, 4))              # [B, F]
     weight = jnp.repeat(supervised_chunks(at_start, settings), cf, axis=1).astype(jnp.float32)
     return jnp.sum(per_frame * weight) / jnp.maximum(jnp.sum(weight), 1.0)
@@ -241,15 +250,15 @@ def colour_share_error(latent_map: latents.LatentMap, x, target) -> jax.Array:
 
 
 def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
-                      latent_map: latents.LatentMap | None = None, colour_weight: float = 0.0):
+                      latent_map: latents.LatentMap | None = None, colour_weight: float = 0.0, remat: bool = False):
     """x0 [B, F, ...] (`batch`, ``after_sink`` frames after the sink): commit the sink and the first
     `context_chunks` window chunks, roll the other (F - committed) / chunk_frames chunks out on the ring (noise of
     chunk n from ``fold_in(key, n)``, n counted from the stream's first chunk); the mean squared error of the
     rolled-out latents to the clip's, plus ``colour_weight`` x their `colour_share_error` (``latent_map`` needed
-    then)."""
+    then). ``remat``: the rollout's blocks under `jax.checkpoint` (`jaxkv.rollout.RolloutConfig.remat`)."""
     if colour_weight and latent_map is None:
         raise ValueError("self_forcing_loss: a colour_weight needs the latent_map that decodes the latents")
-    rc = settings.rollout_config(guidance_scale=None)      # training rolls out the conditional model alone
+    rc = settings.rollout_config(guidance_scale=None, remat=remat)   # training rolls out the conditional model alone
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
     state = R.init_state(params["dit"], WAN_CONFIG, rc, _context(params["text"], ids, mask))
@@ -336,10 +345,13 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
     if resume:      # a resumed run is the interrupted one continued: same config, or its steps would not be its own
         saved = _read_position(snapshot).get("train_config")         # (snapshots before this check hold none)
-        changed = sorted(k for k, v in dataclasses.asdict(tc).items() if saved is not None and saved.get(k) != v)
+        default = dataclasses.asdict(TrainConfig())                  # (a field added since: its default then)
+        changed = sorted(k for k, v in dataclasses.asdict(tc).items()
+                         if saved is not None and saved.get(k, default[k]) != v)
         if changed:
             raise ValueError(f"--resume: the snapshot at {snapshot} was written by a run with other settings ("
-                             + ", ".join(f"{k} {saved.get(k)!r} there, {getattr(tc, k)!r} here" for k in changed)
+                             + ", ".join(f"{k} {saved.get(k, default[k])!r} there, {getattr(tc, k)!r} here"
+                                         for k in changed)
                              + "); resume with the flags it was started with")
     started = time.perf_counter()
     latent_map = fit_latent_map(tc)
@@ -348,7 +360,8 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     params = {"dit": init_dit(jax.random.fold_in(key, 0)),
               "text": text.init_text_params(tc.seed)}
     def teacher_forcing(pure_noise_share):
-        return lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, pure_noise_share)
+        return lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, pure_noise_share,
+                                                             tc.remat)
 
     # (name, steps, batch, frames after the sink, loss, optimizer): stages 2, 3 and 4 of the docstring
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
@@ -358,7 +371,8 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         ("teacher forcing, level-1 share", tc.refine_steps, tc.batch, settings.window_frames,
          teacher_forcing(tc.refine_pure_noise_share), _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
         ("self-forcing", tc.sf_steps, tc.sf_batch, sf_frames,
-         lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings, latent_map, tc.sf_colour_weight),
+         lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings, latent_map, tc.sf_colour_weight,
+                                                    tc.remat),
          _optimizer(tc.sf_lr, tc.sf_steps, 20)),
     ]
     record: dict[str, Any] = {"stages": []}

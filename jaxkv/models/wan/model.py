@@ -331,11 +331,12 @@ def _head(params, config: WanConfig, x, e, frames: int):
 
 
 def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossKV, self_attention, state,
-         backend: str, precision: Precision = Precision(), rotate: bool = True):
+         backend: str, precision: Precision = Precision(), rotate: bool = True, remat: bool = False):
     """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
     ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the float32
     q, k and v [batch, tokens, heads, head_dim], rotated at ``positions`` (unrotated when ``rotate`` is False: the
     callback rotates them, as cache-relative RoPE does); ``state`` (e.g. the stacked cache) rides in the scan carry.
+    ``remat``: each block under `jax.checkpoint` (see `forward_teacher_forcing`).
     Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
     gf, gh, gw = _check_latents(config, latents)
     b, n = positions.shape
@@ -355,6 +356,8 @@ def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossK
 
         return _block(p, x, e0, ck, cv, gf, attention, config, backend)
 
+    if remat:
+        run_block = jax.checkpoint(run_block, static_argnums=(6,))
     if isinstance(state, MixedCache):
         x, state = _scan_periods(run_block, x, state, params["blocks"], cross, self_attention)
     else:
@@ -471,7 +474,7 @@ def forward_block_causal(params, config: WanConfig, latents, timesteps, context,
 
 def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, context, *, chunk_frames: int,
                             window_frames: int | None = None, sink_frames: int = 0, pad_context: bool = True,
-                            backend: str = "auto", precision: Precision | str = Precision()):
+                            backend: str = "auto", precision: Precision | str = Precision(), remat: bool = False):
     """Every chunk of a clip denoised as a stream denoises it: each noisy chunk sees the *clean* chunks before it
     (teacher forcing, CausVid's training forward), in one pass over the clean and the noisy copy of the clip.
 
@@ -488,6 +491,11 @@ def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, 
       clean, noisy: [batch, frames, height, width, in_dim], the clip and its noisy copy.
       timesteps: float [batch] or [batch, frames // pt]: the noisy copy's (the clean copy's are 0).
       context, chunk_frames, window_frames, sink_frames: as `forward_block_causal`.
+      remat: run each block under `jax.checkpoint`: a gradient recomputes the block's activations (attention
+        probabilities included) instead of storing them for every layer. The same function to float rounding (the
+        recomputation may fuse differently). Scratch memory falls ~4x (`benchmarks/train_step.py`, the toy model);
+        on XLA:CPU the step also gets faster (1.2-1.3x here, 1.7-2.1x for a rollout's gradient: fewer bytes
+        written and read); on a GPU expect the usual trade of time for memory (not measured).
     Returns:
       float32 [batch, frames, height, width, out_dim]: the flow predicted for each noisy chunk.
     """
@@ -525,7 +533,7 @@ def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, 
     latents = jnp.concatenate([clean, noisy], axis=1)
     both_t = jnp.concatenate([jnp.zeros_like(t), t], axis=1)
     flow = _dit(params, config, latents, both_t, jnp.concatenate([positions, positions], axis=1), cross,
-                self_attention, None, backend, precision)[0]
+                self_attention, None, backend, precision, remat=remat)[0]
     return flow[:, clean.shape[1]:]
 
 
@@ -557,7 +565,7 @@ def _describe_layers(cache) -> str:
 
 
 def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, rope: str = "absolute",
-                  backend: str = "auto", precision: Precision | str = Precision()):
+                  backend: str = "auto", precision: Precision | str = Precision(), remat: bool = False):
     """One chunk of a stream: the flow prediction of the cache's reserved chunk, and the cache with its K/V written.
 
     The caller reserves the chunk (``cache = cache.begin_chunk()``) once, then may call this any number of times for
@@ -577,6 +585,7 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
       precision: the dtype policy (`jaxkv.precision.Precision` or a preset name): params in its param_dtype, the
         cache and the cross K/V in its cache_dtype (`init_cache(..., dtype=precision.cache_dtype)`,
         `cross_kv(..., precision=precision)`).
+      remat: each block under `jax.checkpoint`, for a gradient through the chunk (as `forward_teacher_forcing`).
     Returns:
       (flow float32 [batch, chunk_frames, height, width, out_dim], updated cache).
     """
@@ -614,7 +623,7 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
                                     (gh, gw), config, backend), cache
 
     return _dit(params, config, latents, timesteps, cache.chunk_positions(), cross, self_attention, cache, backend,
-                precision, rotate=rope == "absolute")
+                precision, rotate=rope == "absolute", remat=remat)
 
 
 def _relative_attend(q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend):
