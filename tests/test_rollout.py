@@ -246,24 +246,17 @@ def test_remat_gives_the_gradient_of_the_rollout_without_it(extra):
     cache-relative and the mixed dense/dilated layer scans; and it is not part of a session's fingerprint (it
     changes nothing a stream holds)."""
     from jaxkv import session
+    from tests.test_wan_streaming import remat_gradients_agree
 
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)), **extra)
     params, ctx = _params(21), _ctx(22)
     noise = jax.random.normal(jax.random.key(23), rc.noise_shape(CFG, 1, 3))
     target = jax.random.normal(jax.random.key(24), (1, 3, H, W, CFG.in_dim))
-    results = {}
-    for remat in (False, True):
+    def make_loss(remat):
         cfg = dataclasses.replace(rc, remat=remat)
-        loss = lambda p: jnp.mean((R.rollout(p, CFG, cfg, ctx, num_chunks=3, noise=noise).latents - target) ** 2)
-        grad = jax.value_and_grad(loss)
-        assert ("remat2" in str(jax.make_jaxpr(grad)(params))) == remat
-        results[remat] = jax.jit(grad)(params)
-    (v0, g0), (v1, g1) = results[False], results[True]
-    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
-    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
-    assert scale > 0
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0)
+        return lambda p: jnp.mean((R.rollout(p, CFG, cfg, ctx, num_chunks=3, noise=noise).latents - target) ** 2)
+
+    remat_gradients_agree(make_loss, params)
     cache = R.init_state(params, CFG, rc, ctx).cache
     if not rc.dilated_every:        # (a session holds no mixed dense/dilated cache)
         remat_rc = dataclasses.replace(rc, remat=True)

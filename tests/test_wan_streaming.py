@@ -202,16 +202,12 @@ def test_streaming_step_with_a_bf16_cache_lowers_for_cuda_with_the_pallas_kernel
     assert "triton" not in texts["xla"]
 
 
-def test_teacher_forcing_with_remat_gives_the_same_gradient():
-    """``remat=True`` puts each block under `jax.checkpoint` (a ``remat2`` equation in the gradient's program) and
-    changes nothing but float rounding: loss and gradient as without it."""
-    params, latents, t, ctx = _setup(5, batch=2, frames=6)
-    noisy = latents + jax.random.normal(jax.random.key(6), latents.shape)
+def remat_gradients_agree(make_loss, params):
+    """``make_loss(remat) -> loss(params)``: with ``remat`` the gradient's program holds a ``remat2`` equation
+    (without it none), and the loss and gradient equal those without it up to float rounding."""
     results = {}
     for remat in (False, True):
-        loss = lambda p: jnp.mean(wan.forward_teacher_forcing(p, CFG, latents, noisy, t, ctx, chunk_frames=2,
-                                                              window_frames=4, sink_frames=2, remat=remat) ** 2)
-        grad = jax.value_and_grad(loss)
+        grad = jax.value_and_grad(make_loss(remat))
         assert ("remat2" in str(jax.make_jaxpr(grad)(params))) == remat
         results[remat] = jax.jit(grad)(params)
     (v0, g0), (v1, g1) = results[False], results[True]
@@ -220,3 +216,11 @@ def test_teacher_forcing_with_remat_gives_the_same_gradient():
     assert scale > 0
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0)
+
+
+def test_teacher_forcing_with_remat_gives_the_same_gradient():
+    """``remat=True`` puts each block under `jax.checkpoint` and changes nothing but float rounding."""
+    params, latents, t, ctx = _setup(5, batch=2, frames=6)
+    noisy = latents + jax.random.normal(jax.random.key(6), latents.shape)
+    remat_gradients_agree(lambda remat: lambda p: jnp.mean(wan.forward_teacher_forcing(
+        p, CFG, latents, noisy, t, ctx, chunk_frames=2, window_frames=4, sink_frames=2, remat=remat) ** 2), params)
