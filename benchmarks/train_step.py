@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -36,15 +37,17 @@ def main(argv=None) -> int:
         print("train_step.py: --repeats must be >= 1", file=sys.stderr)
         return 2
 
+    from jaxkv.models import umt5
     from jaxkv.toyworld import model as toy_model
     from jaxkv.toyworld import text
     from jaxkv.toyworld import train as T
 
-    toy = toy_model.load(args.release) if args.release else toy_model.load()
+    directory = args.release or toy_model.RELEASE_DIR
+    toy = toy_model.load(directory)
     settings, tc, lm = toy.settings, T.TrainConfig(), toy.latent_map
     tokenizer = text.tokenizer()
-    params = {"dit": toy.params,
-              "text": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), toy.text_encoder._params)}
+    _, text_params, _ = umt5.load(os.path.join(directory, toy_model.PARTS["umt5"]), dtype=jnp.float32)
+    params = {"dit": toy.params, "text": text_params}
     key = jax.random.key(0)
     sf_frames = (T.context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
     tf_batch = T.batch(lm, tokenizer, settings, 0, 1, 0, tc.batch, tc.start_share, 0.0, settings.window_frames)
