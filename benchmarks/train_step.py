@@ -4,10 +4,11 @@ and the gradient, with and without it, side by side in one process.
 Both training losses of `jaxkv toyworld train` are timed on one batch each (the recipe's sizes): teacher forcing
 (stages 2-3: 8 clips of 9 frames, `train.teacher_forcing_loss`) and self-forcing past the cache (stage 4: 4 clips,
 the sink and one chunk committed, 4 chunks rolled out on the ring with the 4-step sampler,
-`train.self_forcing_loss`). Each program is compiled first, then the two variants of a loss run in turn ``--repeats``
-times (so both see the same machine load); the table gives the median seconds of a loss-and-gradient evaluation,
-the ratio, XLA's scratch (temp) bytes of each compiled program, and the largest difference between the two
-gradients relative to the largest gradient entry (float rounding: the recomputation may fuse differently).
+`train.self_forcing_loss` with the recipe's colour-share and outline terms). Each program is compiled first, then
+the two variants of a loss run in turn ``--repeats`` times (so both see the same machine load); the table gives the
+median seconds of a loss-and-gradient evaluation, the ratio, XLA's scratch (temp) bytes of each compiled program,
+and the largest difference between the two gradients relative to the largest gradient entry (float rounding: the
+recomputation may fuse differently).
 
     python benchmarks/train_step.py [--repeats 5] [--json PATH] [--release DIR]
 """
@@ -54,11 +55,11 @@ def main(argv=None) -> int:
     sf_batch = T.batch(lm, tokenizer, settings, 0, 3, 0, tc.sf_batch, tc.start_share, 0.0, sf_frames)
     losses = {
         f"teacher forcing ({tc.batch} clips x {settings.sink_frames + settings.window_frames} frames)":
-            lambda remat: lambda prm: T.teacher_forcing_loss(prm, *tf_batch, key, settings,
+            lambda remat: lambda prm: T.teacher_forcing_loss(prm, *tf_batch[:4], key, settings,
                                                              tc.refine_pure_noise_share, remat),
         f"self-forcing ({tc.sf_batch} clips, {tc.sf_chunks} chunks rolled out)":
-            lambda remat: lambda prm: T.self_forcing_loss(prm, *sf_batch, key, settings, lm, tc.sf_colour_weight,
-                                                          remat),
+            lambda remat: lambda prm: T.self_forcing_loss(prm, *sf_batch[:4], key, settings, lm, tc.sf_colour_weight,
+                                                          remat, sf_batch.objects, tc.sf_outline_weight),
     }
     rows = []
     for name, make in losses.items():

@@ -266,9 +266,76 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
     expected = np.mean((faded_shares[..., 2:] - shares[..., 2:]) ** 2)
     np.testing.assert_allclose(float(T.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)),
                                                           x)), expected, rtol=1e-5)
-    for bad in (-1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="TrainConfig.sf_colour_weight is a loss weight"):
-            T.TrainConfig(sf_colour_weight=bad)
+    for bad in (-1.0, float("inf"), float("nan"), "1"):
+        for name in ("sf_colour_weight", "sf_outline_weight"):
+            with pytest.raises(ValueError, match=f"TrainConfig.{name} is a loss weight"):
+                T.TrainConfig(**{name: bad})
+
+
+def test_batch_names_each_clips_objects_as_its_frames_show_them(fitted):
+    """`Batch.objects` of each clip: the colours and shapes that detection finds in its first frame (the canonical
+    starts lie apart), in prompt order, -1 rows after the last named one."""
+    from jaxkv.toyworld import metric
+    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld.model import Settings
+
+    clips = T.batch(fitted, text.tokenizer(), Settings(), 0, 3, 2, 12, 0.5)
+    assert clips.objects.shape == (12, world.MAX_OBJECTS, 2) and clips.objects.dtype == np.int32
+    found = metric.detect(np.asarray(fitted.decode_uint8(clips.latents[:, 0])))
+    counts = set()
+    for objects, present, shape in zip(clips.objects, found.present, found.shape):
+        named = objects[objects[:, 0] >= 0]
+        counts.add(len(named))
+        assert (objects[len(named):] == -1).all()
+        assert sorted(named[:, 0]) == list(np.flatnonzero(present))       # world.COLOURS order = metric's
+        assert [shape[c] for c in named[:, 0]] == list(named[:, 1])
+    assert counts == {1, 2}
+
+
+def test_shape_outline_is_the_renderers_shape():
+    """`train.shape_outline` thresholded at one half is `world.shape_mask`, for every shape and any centre."""
+    from jaxkv.toyworld import train as T
+
+    centres = np.random.default_rng(0).uniform(world.MARGIN, world.SIZE - world.MARGIN, (16, 2))
+    for index, shape in enumerate(world.SHAPES):
+        soft = np.asarray(T.shape_outline(np.full(16, index), centres))
+        assert soft.shape == (16, world.SIZE, world.SIZE)
+        np.testing.assert_array_equal(soft > 0.5, world.shape_mask(shape, centres), err_msg=shape)
+
+
+def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted):
+    """`train.outline_error` of world clips (through the latent map) is low; the same clips with the shapes
+    blurred, faded half-way into the background, or with another shape drawn in the named one's colour, score
+    clearly higher; the same shapes drawn
+    elsewhere score the same (blind to place); an object a clip does not name costs nothing; it has a gradient."""
+    import dataclasses
+
+    from jaxkv.toyworld import train as T
+
+    rng = np.random.default_rng(4)
+    scenes = [world.sample_scene(rng, "a red square and a green triangle, slow"),
+              world.sample_scene(rng, "a blue circle, fast"), world.sample_scene(rng, "a yellow triangle, fast")]
+    objects = np.full((3, 2, 2), -1, np.int32)
+    for row, scene in zip(objects, scenes):
+        for r, thing in zip(row, scene.things):
+            r[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
+    render = lambda scenes, start=0: np.stack([world.render(sc, 6, start) for sc in scenes])   # noqa: E731
+    error = lambda video, objects=objects: float(T.outline_error(fitted, fitted.encode(video), objects))  # noqa: E731
+    truth = error(render(scenes))
+    assert truth < 0.12
+    assert abs(error(render(scenes, 40)) - truth) < 0.03
+    video = render(scenes).astype(np.float32)
+    blurred = sum(np.roll(video, (dy, dx), axis=(2, 3)) for dy in range(-3, 4) for dx in range(-3, 4)) / 49
+    assert error(np.round(blurred).astype(np.uint8)) > truth + 0.05       # 7x7 box: corners rounded off
+    faded = 0.5 * video + 0.5 * np.asarray(world.BACKGROUND, np.float32)
+    assert error(np.round(faded).astype(np.uint8)) > truth + 0.15
+    other = {"circle": "triangle", "square": "triangle", "triangle": "circle"}
+    wrong = [dataclasses.replace(sc, things=tuple(dataclasses.replace(t, shape=other[t.shape]) for t in sc.things))
+             for sc in scenes]
+    assert error(render(wrong)) > truth + 0.25
+    assert float(T.outline_error(fitted, fitted.encode(render(wrong)), np.full_like(objects, -1))) == 0.0
+    grad = jax.grad(lambda x: T.outline_error(fitted, x, objects))(jnp.asarray(fitted.encode(render(scenes))))
+    assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).sum()) > 0
 
 
 @pytest.mark.slow
@@ -283,7 +350,7 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
 
     settings = Settings()
     rc = settings.rollout_config()
-    x0, ids, mask, at_start = T.batch(fitted, text.tokenizer(), settings, 0, 3, 1, 2, 0.5, after_sink=15)
+    x0, ids, mask, at_start, objects = T.batch(fitted, text.tokenizer(), settings, 0, 3, 1, 2, 0.5, after_sink=15)
     params = {"dit": wan.init_params(WAN_CONFIG, jax.random.key(1)), "text": text.init_text_params(1)}
     key = jax.random.key(7)
     loss, grads = jax.jit(jax.value_and_grad(
@@ -306,8 +373,15 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
     coloured = jax.jit(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.5))
     np.testing.assert_allclose(float(coloured(params)), float(jnp.mean((frames - x0[:, 6:]) ** 2))
                                + 0.5 * float(T.colour_share_error(fitted, frames, x0[:, 6:])), rtol=1e-5)
-    with pytest.raises(ValueError, match="a colour_weight needs the latent_map"):
+    with pytest.raises(ValueError, match="a colour_weight or outline_weight needs the latent_map"):
         T.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, None, 0.5)
+    # with the outline term: the same stream's frames against the clips' named objects
+    outlined = jax.jit(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.0, False,
+                                                     objects, 2.0))
+    np.testing.assert_allclose(float(outlined(params)), float(jnp.mean((frames - x0[:, 6:]) ** 2))
+                               + 2.0 * float(T.outline_error(fitted, frames, objects)), rtol=1e-5)
+    with pytest.raises(ValueError, match="an outline_weight needs the clips' named objects"):
+        T.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, None, 2.0)
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
     assert all(np.isfinite(norms)) and sum(norms) > 0
 
@@ -375,11 +449,11 @@ def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp
     out = tmp_path / "release"
     snapshot = tmp_path / "release.partial"
     snapshot.mkdir()
-    position = {"stage": 2, "step": 0, "losses": [], "finished_stages": [], "seconds": 1.0, "stage_seconds": 0.0,
-                "train_config": dataclasses.asdict(T.TrainConfig(sf_steps=50))}
+    position = {"stage": 2, "step": 3, "losses": [0.5] * 3, "finished_stages": [], "seconds": 1.0,
+                "stage_seconds": 0.5, "train_config": dataclasses.asdict(T.TrainConfig(sf_steps=50))}
     (snapshot / "position.json").write_text(json.dumps(position))
     before = sorted(os.listdir(snapshot))
-    with pytest.raises(ValueError, match="sf_chunks 4 there, 2 here, sf_steps 50 there, 0 here"):
+    with pytest.raises(ValueError, match="sf_steps 50 there, 0 here, sf_chunks 4 there, 2 here"):
         T.train(str(out), T.TrainConfig(sf_chunks=2, sf_steps=0), resume=True, progress=False)
     assert cli.main(["train", "--out", str(out), "--resume", "--sf-steps", "50", "--sf-chunks", "3"]) == 2
     assert "resume with the flags it was started with" in capsys.readouterr().err
@@ -387,29 +461,35 @@ def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp
     assert json.loads((snapshot / "position.json").read_text()) == position
 
 
-def test_resume_reads_a_field_a_snapshot_predates_as_its_default(tmp_path, capsys):
-    """A snapshot written before `TrainConfig.remat` existed holds no "remat": it was a run without it, so resuming
-    it with ``remat=True`` is refused, naming the field, and nothing changes."""
+def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
+    """`train.resume_conflicts`: a resumed run must repeat the settings of every stage its snapshot has begun (a
+    stage at step 0 has not begun), may change those of later stages, and may always change remat (float rounding
+    only). A field a snapshot predates reads as its value before it existed (sf_outline_weight: 0, no term)."""
     import dataclasses
 
-    from jaxkv.toyworld import cli
     from jaxkv.toyworld import train as T
 
-    out = tmp_path / "release"
-    snapshot = tmp_path / "release.partial"
-    snapshot.mkdir()
-    config = dataclasses.asdict(T.TrainConfig())
-    del config["remat"]
-    position = {"stage": 2, "step": 0, "losses": [], "finished_stages": [], "seconds": 1.0, "stage_seconds": 0.0,
-                "train_config": config}
-    (snapshot / "position.json").write_text(json.dumps(position))
-    with pytest.raises(ValueError, match=r"\(remat False there, True here\)"):
-        T.train(str(out), T.TrainConfig(remat=True), resume=True, progress=False)
-    assert cli.main(["train", "--out", str(out), "--resume", "--remat"]) == 2     # the flag reaches the config
-    assert "(remat False there, True here)" in capsys.readouterr().err
-    assert not out.exists() and json.loads((snapshot / "position.json").read_text()) == position
-    with pytest.raises(ValueError, match="TrainConfig.remat is a bool"):
-        T.TrainConfig(remat=1)
+    def position(stage, step, **config):
+        return {"stage": stage, "step": step, "train_config": {**dataclasses.asdict(T.TrainConfig()), **config}}
+
+    here = T.TrainConfig(steps=5, refine_steps=7, sf_steps=9, remat=True)
+    names = lambda stage, step: [c[0] for c in T.resume_conflicts(position(stage, step), here)]   # noqa: E731
+    assert names(0, 0) == []                                  # nothing begun
+    assert names(0, 1) == ["steps"]
+    assert names(1, 0) == ["steps"]                           # stage 2 done; stage 3's settings free
+    assert names(1, 4) == ["steps", "refine_steps"]
+    assert names(2, 0) == ["steps", "refine_steps"]
+    assert names(2, 1) == ["steps", "refine_steps", "sf_steps"]
+    # every stage's data: never free once a stage has begun; batch is stages 2 and 3's clip count
+    assert [c[0] for c in T.resume_conflicts(position(0, 1), T.TrainConfig(seed=3, batch=2, sf_batch=2))] == \
+        ["seed", "batch"]
+    assert [c[0] for c in T.resume_conflicts(position(1, 0), T.TrainConfig(batch=2, fit_frames=64))] == \
+        ["batch", "fit_frames"]
+    old = position(2, 4)
+    del old["train_config"]["sf_outline_weight"], old["train_config"]["remat"]
+    assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=0.0, remat=True)) == []
+    assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=2.0)) == [("sf_outline_weight", 0.0, 2.0)]
+    assert T.resume_conflicts({"stage": 2, "step": 4}, T.TrainConfig(steps=1)) == []     # no config recorded
 
 
 @pytest.mark.parametrize("flag, value, least", [("--seed", -1, 0), ("--steps", -1, 0), ("--refine-steps", -1, 0),
@@ -423,11 +503,12 @@ def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
 
 
+@pytest.mark.parametrize("flag", ["--sf-colour-weight", "--sf-outline-weight"])
 @pytest.mark.parametrize("value", ["-0.5", "inf", "nan"])
-def test_train_cli_refuses_a_colour_weight_out_of_range_before_writing_anything(tmp_path, capsys, value):
+def test_train_cli_refuses_a_loss_weight_out_of_range_before_writing_anything(tmp_path, capsys, flag, value):
     from jaxkv.toyworld import cli
 
     out = tmp_path / "release"
-    assert cli.main(["train", "--out", str(out), "--sf-colour-weight", value]) == 2
-    assert "--sf-colour-weight must be finite and >= 0" in capsys.readouterr().err
+    assert cli.main(["train", "--out", str(out), flag, value]) == 2
+    assert f"{flag} must be finite and >= 0" in capsys.readouterr().err
     assert not out.exists() and not os.path.exists(str(out) + ".partial")

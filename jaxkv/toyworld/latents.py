@@ -90,10 +90,13 @@ class LatentMap:
         z = (_unshuffle(to_unit(frames)) - self.mean) @ self.basis
         return (z / self.std).astype(np.float32)
 
-    def decode(self, latents) -> jax.Array:
-        """Normalised latents [..., h, w, 16] -> frames float32 [..., 4h, 4w, 3] in [-1, 1] (jax; jit-able)."""
+    def decode(self, latents, clamp: bool = True) -> jax.Array:
+        """Normalised latents [..., h, w, 16] -> frames float32 [..., 4h, 4w, 3] in [-1, 1] (jax; jit-able).
+        ``clamp=False`` leaves the linear map's values as they are (training losses: the clamp has no gradient
+        outside [-1, 1])."""
         patches = (jnp.asarray(latents, jnp.float32) * self.std) @ self.basis.T + self.mean
-        return jnp.clip(_shuffle(patches, jnp), -1.0, 1.0)
+        frames = _shuffle(patches, jnp)
+        return jnp.clip(frames, -1.0, 1.0) if clamp else frames
 
     def decode_uint8(self, latents) -> jax.Array:
         """As `decode`, as uint8 [..., 4h, 4w, 3]."""

@@ -26,12 +26,15 @@
    few-step sampler on the ring cache, past its capacity once ``sf_chunks`` > 1 (the ring evicts the true frames
    and the model continues from its own). The loss, differentiated through the whole rollout, is the squared error
    of the rolled-out latents to the world's true continuation (the world is deterministic once its first frames
-   are seen) plus ``sf_colour_weight`` x `colour_share_error`. The colour term is what makes the stage work: where
-   the model is unsure of a shape's place the squared error rewards a fainter, wider shape, and without the term
-   such rollouts faded the shapes into the empty box; the term, blind to place, holds each colour's pixel share to
-   the world's. With it, 100 steps lift the quality survey and the check over stage 3's weights, and 300 and 600
-   (the default) lift the survey further and keep the shapes drawn through 300-frame streams; they still stop
-   moving after ~30 frames there, as every release before (README "The toy world").
+   are seen) plus ``sf_colour_weight`` x `colour_share_error` plus ``sf_outline_weight`` x `outline_error`. The
+   colour term is what makes the stage work: where the model is unsure of a shape's place the squared error rewards
+   a fainter, wider shape, and without the term such rollouts faded the shapes into the empty box; the term, blind
+   to place, holds each colour's pixel share to the world's. With it, 100 steps lift the quality survey and the
+   check over stage 3's weights, and 300 and 600 (the default) lift the survey further and keep the shapes drawn
+   through 300-frame streams; they still stop moving after ~30 frames there, as every release before. The outline
+   term (off in the shipped recipe, ``sf_outline_weight`` 0), also blind to place, holds each named colour's mask
+   to its own shape, whole and sharp, wherever the rollout draws it (the squared error rewards a blob spread over
+   the shape's possible places, and the metric needs the shape's outline to tell it); README "The outline term".
 
 Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, README "The toy
 world"): ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
@@ -50,7 +53,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +89,8 @@ class TrainConfig:
     sf_batch: int = 4
     sf_lr: float = 1e-4
     sf_colour_weight: float = 0.1    # weight of stage 4's colour-share term (`colour_share_error`)
+    # weight of stage 4's outline term (`outline_error`); 0 in the shipped recipe so far (README "The outline term")
+    sf_outline_weight: float = 0.0
     fit_frames: int = 2048       # frames the latent map is fitted on
     snapshot_every: int = 250
     # Recompute each DiT block's activations in the backward pass instead of storing them (`jax.checkpoint`):
@@ -99,9 +104,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"TrainConfig.{name} is a share of clips or chunks, in [0, 1]; got {value!r}")
-        if not is_real(self.sf_colour_weight) or not 0.0 <= self.sf_colour_weight < float("inf"):
-            raise ValueError(f"TrainConfig.sf_colour_weight is a loss weight, finite and >= 0; got "
-                             f"{self.sf_colour_weight!r}")
+        for name in ("sf_colour_weight", "sf_outline_weight"):
+            value = getattr(self, name)
+            if not is_real(value) or not 0.0 <= value < float("inf"):
+                raise ValueError(f"TrainConfig.{name} is a loss weight, finite and >= 0; got {value!r}")
         if isinstance(self.sf_chunks, bool) or not isinstance(self.sf_chunks, int) or self.sf_chunks < 1:
             raise ValueError(f"TrainConfig.sf_chunks is a number of chunks, >= 1; got {self.sf_chunks!r}")
         if not isinstance(self.remat, bool):
@@ -126,15 +132,25 @@ def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
     return latents.LatentMap.fit(frames.reshape(-1, *frames.shape[2:]))
 
 
+class Batch(NamedTuple):
+    """What `batch` draws (``size`` clips)."""
+
+    latents: np.ndarray     # float32 [size, sink_frames + after_sink, 16, 16, 16]
+    ids: np.ndarray         # int32 [size, text_len]: the prompts' tokens
+    mask: np.ndarray        # int32 [size, text_len]
+    at_start: np.ndarray    # bool [size]: the clip runs straight on from the sink
+    objects: np.ndarray     # int32 [size, world.MAX_OBJECTS, 2]: (colour, shape) index of each named object in
+                            # prompt order (into world.COLOURS, world.SHAPES); -1 rows where a prompt names fewer
+
+
 def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step: int, size: int,
-          start_share: float, text_dropout: float = 0.0, after_sink: int | None = None):
-    """A batch of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone: (latents float32
-    [size, sink_frames + after_sink, 16, 16, 16], ids int32 [size, text_len], mask int32 [size, text_len],
-    at_start bool [size]). Each clip is a random prompt's `world.canonical_scene`: its first ``sink_frames`` frames
-    (the sink), then ``after_sink`` frames (default ``window_frames``; more for a clip that runs on past the cache)
-    from frame ``sink_frames`` on (``at_start``, a ``start_share`` of the clips) or from a frame uniform in
-    ``sink_frames + 1`` .. `MAX_START`. A ``text_dropout`` share of the clips is captioned with the empty prompt
-    (drawn last, so the other draws do not depend on it)."""
+          start_share: float, text_dropout: float = 0.0, after_sink: int | None = None) -> Batch:
+    """A `Batch` of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone. Each clip is a
+    random prompt's `world.canonical_scene`: its first ``sink_frames`` frames (the sink), then ``after_sink`` frames
+    (default ``window_frames``; more for a clip that runs on past the cache) from frame ``sink_frames`` on
+    (``at_start``, a ``start_share`` of the clips) or from a frame uniform in ``sink_frames + 1`` .. `MAX_START`. A
+    ``text_dropout`` share of the clips is captioned with the empty prompt (drawn last, so the other draws do not
+    depend on it); `Batch.objects` names the scene's objects whatever the caption."""
     rng = np.random.default_rng([seed, stage, step])
     prompts = [world.random_prompt(rng) for _ in range(size)]
     at_start = rng.random(size) < start_share
@@ -144,10 +160,14 @@ def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step
     after_sink = settings.window_frames if after_sink is None else after_sink
     video = np.stack([np.concatenate([world.render(scene, sink), world.render(scene, after_sink, int(t))])
                       for scene, t in zip(scenes, starts)])
+    objects = np.full((size, world.MAX_OBJECTS, 2), -1, np.int32)
+    for clip, scene in zip(objects, scenes):
+        for row, thing in zip(clip, scene.things):
+            row[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
     if text_dropout:
         prompts = ["" if drop else p for p, drop in zip(prompts, rng.random(size) < text_dropout)]
     ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
-    return latent_map.encode(video), ids, mask, at_start
+    return Batch(latent_map.encode(video), ids, mask, at_start, objects)
 
 
 # Training clips start anywhere in the first MAX_START frames of a scene: its paths (folds of period 2 x 36 px / |v|
@@ -235,9 +255,13 @@ def colour_shares(latent_map: latents.LatentMap, x) -> jax.Array:
     to within half a percentage point (the map blurs the edges)."""
     patches = (jnp.asarray(x, jnp.float32) * latent_map.std) @ latent_map.basis.T + latent_map.mean
     pixels = patches.reshape(*patches.shape[:-1], -1, 3)                     # [..., F, h, w, 16 pixels, RGB]
-    distance = jnp.sum((pixels[..., None, :] - PALETTE) ** 2, axis=-1)       # [..., F, h, w, 16, palette]
-    weights = jax.nn.softmax(-distance / SHARE_TEMPERATURE, axis=-1)
-    return 100.0 * jnp.mean(weights, axis=(-4, -3, -2))
+    return 100.0 * jnp.mean(_palette_weights(pixels), axis=(-4, -3, -2))
+
+
+def _palette_weights(pixels) -> jax.Array:
+    """[..., len(PALETTE)]: the soft assignment of pixels [..., 3] (in [-1, 1]) to the `PALETTE` colours."""
+    distance = jnp.sum((pixels[..., None, :] - PALETTE) ** 2, axis=-1)
+    return jax.nn.softmax(-distance / SHARE_TEMPERATURE, axis=-1)
 
 
 def colour_share_error(latent_map: latents.LatentMap, x, target) -> jax.Array:
@@ -249,15 +273,83 @@ def colour_share_error(latent_map: latents.LatentMap, x, target) -> jax.Array:
                      - colour_shares(latent_map, target)[..., SHAPE_COLOURS]) ** 2)
 
 
+# `outline_error`: a shape's soft mask weighs a pixel by the sigmoid of minus its signed distance (px) to the outline
+# over OUTLINE_SOFTNESS (about the pixel of blur the latent map leaves on the world's edges); a named object's centre
+# is read from its colour's mask only where the mask holds OUTLINE_PRESENT px (the triangle, the smallest shape,
+# covers ~114); an object lower in the prompt counts only while at most OUTLINE_CLEAR of its outline lies under a
+# later-named one (its visible centroid moves as it goes under, so its outline would be put in the wrong place).
+OUTLINE_SOFTNESS = 0.7
+OUTLINE_PRESENT = 40.0
+OUTLINE_CLEAR = 0.05
+_PIXEL_CENTRES = np.mgrid[0:world.SIZE, 0:world.SIZE].astype(np.float32) + 0.5     # [2 (y, x), SIZE, SIZE]
+
+
+def shape_outline(shape, centre) -> jax.Array:
+    """float32 [..., SIZE, SIZE]: the soft mask of `world.SHAPES` [shape] (int [...], traced) centred at centre
+    float [..., 2] (x, y, the world's units). Thresholded at 0.5 it is `world.shape_mask` (same outline: circle of
+    `world.RADIUS`, square of half-side `world.HALF_SIDE`, triangle of circumradius `world.TRIANGLE_R` pointing up)."""
+    dy = _PIXEL_CENTRES[0] - centre[..., 1, None, None]
+    dx = _PIXEL_CENTRES[1] - centre[..., 0, None, None]
+    r = world.TRIANGLE_R
+    distance = {"circle": jnp.sqrt(dx * dx + dy * dy + 1e-12) - world.RADIUS,
+                "square": jnp.maximum(jnp.abs(dx), jnp.abs(dy)) - world.HALF_SIDE,
+                # the slanted edges' normals have length 2 in (sqrt(3) dx, -dy); the base is y = +r/2
+                "triangle": jnp.maximum((np.sqrt(3.0) * jnp.abs(dx) - dy - r) / 2.0, dy - r / 2.0)}
+    chosen = sum(jnp.where(jnp.asarray(shape)[..., None, None] == i, distance[name], 0.0)
+                 for i, name in enumerate(world.SHAPES))
+    return jax.nn.sigmoid(-chosen / OUTLINE_SOFTNESS)
+
+
+def outline_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
+    """How far each named object of the clips is from its own shape where the latents x [B, F, h, w, 16] draw it:
+    the squared difference, summed over pixels and divided by the shape's area, between its colour's soft mask
+    (`colour_shares`' assignment, decoded to the 64x64 frame) and its shape's `shape_outline` centred on that mask's
+    centre of mass (with the objects named after it cut out: the world draws them on top); the mean over the
+    objects and frames where it counts (see OUTLINE_PRESENT, OUTLINE_CLEAR). ``objects`` int [B, N, 2]: each
+    clip's named objects in prompt order as (colour index into `world.COLOURS`, shape index into `world.SHAPES`),
+    -1 rows where a clip names fewer (`batch`).
+
+    Blind to where a shape is, like `colour_share_error`: the squared error to the world's frames rewards, where the
+    model is unsure of a shape's place, a blob spread over its possible places; this term rewards the named shape,
+    whole and sharp, wherever the model draws it. On the world's own frames (through the map) it is ~0.08."""
+    masks = _palette_weights(latent_map.decode(x, clamp=False))[..., SHAPE_COLOURS]   # [B, F, SIZE, SIZE, colours]
+    objects = jnp.asarray(objects)
+    named = objects[..., 0] >= 0                                             # [B, N]
+    drawn = jnp.einsum("bfyxc,bnc->bnfyx", masks, jax.nn.one_hot(objects[..., 0], masks.shape[-1]))
+    mass = jnp.sum(drawn, axis=(-2, -1))                                     # [B, N, F]
+    centre = jnp.stack([jnp.sum(drawn * _PIXEL_CENTRES[1], axis=(-2, -1)),
+                        jnp.sum(drawn * _PIXEL_CENTRES[0], axis=(-2, -1))], -1) / jnp.maximum(mass, 1e-3)[..., None]
+    outline = shape_outline(jnp.maximum(objects[..., 1], 0)[:, :, None], jax.lax.stop_gradient(centre))
+    outline = outline * named[:, :, None, None, None]                        # [B, N, F, SIZE, SIZE]
+    count = objects.shape[1]
+    errors, weights = [], []
+    for n in range(count):
+        on_top = 1.0 - jnp.prod(1.0 - outline[:, n + 1:], axis=1) if n + 1 < count else 0.0
+        area = jnp.maximum(jnp.sum(outline[:, n], axis=(-2, -1)), 1.0)       # [B, F]
+        target = outline[:, n] * (1.0 - on_top)
+        errors.append(jnp.sum((drawn[:, n] - target) ** 2, axis=(-2, -1)) / area)
+        under = jnp.sum(outline[:, n] * on_top, axis=(-2, -1)) / area
+        weights.append(jax.lax.stop_gradient(named[:, n, None] & (mass[:, n] >= OUTLINE_PRESENT)
+                                             & (under <= OUTLINE_CLEAR)).astype(jnp.float32))
+    errors, weights = jnp.stack(errors), jnp.stack(weights)
+    return jnp.sum(errors * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
 def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
-                      latent_map: latents.LatentMap | None = None, colour_weight: float = 0.0, remat: bool = False):
+                      latent_map: latents.LatentMap | None = None, colour_weight: float = 0.0, remat: bool = False,
+                      objects=None, outline_weight: float = 0.0):
     """x0 [B, F, ...] (`batch`, ``after_sink`` frames after the sink): commit the sink and the first
     `context_chunks` window chunks, roll the other (F - committed) / chunk_frames chunks out on the ring (noise of
     chunk n from ``fold_in(key, n)``, n counted from the stream's first chunk); the mean squared error of the
-    rolled-out latents to the clip's, plus ``colour_weight`` x their `colour_share_error` (``latent_map`` needed
-    then). ``remat``: the rollout's blocks under `jax.checkpoint` (`jaxkv.rollout.RolloutConfig.remat`)."""
-    if colour_weight and latent_map is None:
-        raise ValueError("self_forcing_loss: a colour_weight needs the latent_map that decodes the latents")
+    rolled-out latents to the clip's, plus ``colour_weight`` x their `colour_share_error` and ``outline_weight`` x
+    their `outline_error` against the clips' named ``objects`` (`Batch.objects`); either weight needs the
+    ``latent_map`` that decodes the latents. ``remat``: the rollout's blocks under `jax.checkpoint`
+    (`jaxkv.rollout.RolloutConfig.remat`)."""
+    if (colour_weight or outline_weight) and latent_map is None:
+        raise ValueError("self_forcing_loss: a colour_weight or outline_weight needs the latent_map that decodes the "
+                         "latents")
+    if outline_weight and objects is None:
+        raise ValueError("self_forcing_loss: an outline_weight needs the clips' named objects (Batch.objects)")
     rc = settings.rollout_config(guidance_scale=None, remat=remat)   # training rolls out the conditional model alone
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
@@ -269,6 +361,8 @@ def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
     loss = jnp.mean((out.latents - target) ** 2)
     if colour_weight:
         loss = loss + colour_weight * colour_share_error(latent_map, out.latents, target)
+    if outline_weight:
+        loss = loss + outline_weight * outline_error(latent_map, out.latents, objects)
     return loss
 
 
@@ -279,9 +373,10 @@ def _optimizer(lr: float, steps: int, warmup: int):
 
 
 def _step_fn(loss_fn, optimizer):
+    """One optax step of ``loss_fn(params, batch: Batch, key)``, jit-compiled."""
     @jax.jit
-    def step(params, opt_state, x0, ids, mask, at_start, key):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x0, ids, mask, at_start, key)
+    def step(params, opt_state, clips: Batch, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, clips, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -332,6 +427,36 @@ def _load_snapshot(path: str, template):
 # ------------------------------------------------------------------------------------------------ the run
 
 
+# What a resumed run may change (`resume_conflicts`). The stages (0, 1, 2: the docstring's 2, 3, 4) each TrainConfig
+# field changes; fields not listed change every stage (seed, fit_frames, start_share, text_dropout: the latent map and
+# the clips) but those in _RESUME_FREE, which change how a step is computed, not what (remat: float rounding only,
+# like resuming on another machine; each stage's record says whether it ran with remat).
+_FIELD_STAGES = {"batch": (0, 1), "steps": (0,), "lr": (0,), "warmup": (0,), "pure_noise_share": (0,),
+                 "refine_steps": (1,), "refine_lr": (1,), "refine_warmup": (1,), "refine_pure_noise_share": (1,),
+                 "sf_steps": (2,), "sf_chunks": (2,), "sf_batch": (2,), "sf_lr": (2,), "sf_colour_weight": (2,),
+                 "sf_outline_weight": (2,)}
+_RESUME_FREE = ("remat",)
+# The value a field added after snapshots began recording their config had before it existed (else its default).
+_BEFORE_FIELD = {"sf_outline_weight": 0.0}
+
+
+def resume_conflicts(position: dict, tc: TrainConfig) -> list[tuple[str, Any, Any]]:
+    """(field, the snapshot's value, ``tc``'s value) of each TrainConfig field that a run resuming the snapshot
+    ``position`` (its position.json) would change in a stage the snapshot has begun: a resumed run must repeat
+    the steps already taken, while a stage not yet begun may run with other settings (a run stopped between
+    stages continues with, say, more self-forcing steps). Empty for snapshots that record no config."""
+    saved = position.get("train_config")
+    if saved is None:
+        return []
+    begun = set(range(position["stage"] + (position["step"] > 0)))
+    out = []
+    for name, value in dataclasses.asdict(tc).items():
+        there = saved.get(name, _BEFORE_FIELD.get(name, getattr(TrainConfig(), name)))
+        if name not in _RESUME_FREE and begun & set(_FIELD_STAGES.get(name, (0, 1, 2))) and there != value:
+            out.append((name, there, value))
+    return out
+
+
 def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settings(), *, resume: bool = False,
           progress: bool = True, command: str | None = None, force: bool = False) -> dict[str, Any]:
     """Trains from scratch (or from the snapshot in ``out + '.partial'`` with ``resume``) and writes the release to
@@ -345,13 +470,10 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
     if resume:      # a resumed run is the interrupted one continued: same config, or its steps would not be its own
         saved = _read_position(snapshot).get("train_config")         # (snapshots before this check hold none)
-        default = dataclasses.asdict(TrainConfig())                  # (a field added since: its default then)
-        changed = sorted(k for k, v in dataclasses.asdict(tc).items()
-                         if saved is not None and saved.get(k, default[k]) != v)
+        changed = resume_conflicts(_read_position(snapshot), tc)
         if changed:
             raise ValueError(f"--resume: the snapshot at {snapshot} was written by a run with other settings ("
-                             + ", ".join(f"{k} {saved.get(k, default[k])!r} there, {getattr(tc, k)!r} here"
-                                         for k in changed)
+                             + ", ".join(f"{k} {there!r} there, {here!r} here" for k, there, here in changed)
                              + "); resume with the flags it was started with")
     started = time.perf_counter()
     latent_map = fit_latent_map(tc)
@@ -360,8 +482,8 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     params = {"dit": init_dit(jax.random.fold_in(key, 0)),
               "text": text.init_text_params(tc.seed)}
     def teacher_forcing(pure_noise_share):
-        return lambda p, x, i, m, a, k: teacher_forcing_loss(p, x, i, m, a, k, settings, pure_noise_share,
-                                                             tc.remat)
+        return lambda p, b, k: teacher_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings,
+                                                 pure_noise_share, tc.remat)
 
     # (name, steps, batch, frames after the sink, loss, optimizer): stages 2, 3 and 4 of the docstring
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
@@ -371,8 +493,8 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         ("teacher forcing, level-1 share", tc.refine_steps, tc.batch, settings.window_frames,
          teacher_forcing(tc.refine_pure_noise_share), _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
         ("self-forcing", tc.sf_steps, tc.sf_batch, sf_frames,
-         lambda p, x, i, m, a, k: self_forcing_loss(p, x, i, m, a, k, settings, latent_map, tc.sf_colour_weight,
-                                                    tc.remat),
+         lambda p, b, k: self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map,
+                                           tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight),
          _optimizer(tc.sf_lr, tc.sf_steps, 20)),
     ]
     record: dict[str, Any] = {"stages": []}
@@ -384,7 +506,10 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         opt_state = stages[first_stage][5].init(params)
         position, (params, opt_state) = _load_snapshot(snapshot, (params, opt_state))
         first_step, losses = position["step"], position["losses"]
-        record["stages"] = position["finished_stages"]
+        # stage records written before they carried remat: the interrupted run's setting (remat is _RESUME_FREE)
+        ran_with = (saved or {}).get("remat", False)
+        record["stages"] = [{**s, "remat": s.get("remat", ran_with)} for s in position["finished_stages"]]
+        resumed_remat = ran_with if first_step else tc.remat     # the setting of the stage's steps before this run
         before, stage_before = position.get("seconds", 0.0), position.get("stage_seconds", 0.0)
     for stage in range(first_stage, len(stages)):
         name, steps, size, after_sink, loss_fn, optimizer = stages[stage]
@@ -402,9 +527,9 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         done = first_step                     # steps of this stage whose update is in params
         try:
             for step in bar:
-                x0, ids, mask, at_start = batch(latent_map, tokenizer, settings, tc.seed, stage + 1, step, size,
-                                                tc.start_share, tc.text_dropout, after_sink)
-                params, opt_state, loss = step_fn(params, opt_state, x0, ids, mask, at_start,
+                clips = batch(latent_map, tokenizer, settings, tc.seed, stage + 1, step, size, tc.start_share,
+                              tc.text_dropout, after_sink)
+                params, opt_state, loss = step_fn(params, opt_state, clips,
                                                   jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
                 done = step + 1
                 losses.append(float(loss))
@@ -419,7 +544,8 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
                   file=sys.stderr)
             raise
         bar.close()
-        record["stages"].append({"name": name, "steps": steps, "seconds": round(seconds()[1], 1),
+        remat = tc.remat if stage != first_stage or not resume or resumed_remat == tc.remat else "mixed"
+        record["stages"].append({"name": name, "steps": steps, "seconds": round(seconds()[1], 1), "remat": remat,
                                  "loss_first_50": float(np.mean(losses[:50])) if losses else None,
                                  "loss_last_50": float(np.mean(losses[-50:])) if losses else None})
         if stage + 1 < len(stages):
