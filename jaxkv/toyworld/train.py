@@ -311,7 +311,7 @@ def outline_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
 
     Blind to where a shape is, like `colour_share_error`: the squared error to the world's frames rewards, where the
     model is unsure of a shape's place, a blob spread over its possible places; this term rewards the named shape,
-    whole and sharp, wherever the model draws it. On the world's own frames (through the map) it is ~0.08."""
+    whole and sharp, wherever the model draws it. On the world's own frames (through the map) it is ~0.09."""
     masks = _palette_weights(latent_map.decode(x, clamp=False))[..., SHAPE_COLOURS]   # [B, F, SIZE, SIZE, colours]
     objects = jnp.asarray(objects)
     named = objects[..., 0] >= 0                                             # [B, N]
@@ -469,8 +469,9 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     if resume and not os.path.isdir(snapshot):
         raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
     if resume:      # a resumed run is the interrupted one continued: same config, or its steps would not be its own
-        saved = _read_position(snapshot).get("train_config")         # (snapshots before this check hold none)
-        changed = resume_conflicts(_read_position(snapshot), tc)
+        interrupted = _read_position(snapshot)
+        saved = interrupted.get("train_config")                      # (snapshots before this check hold none)
+        changed = resume_conflicts(interrupted, tc)
         if changed:
             raise ValueError(f"--resume: the snapshot at {snapshot} was written by a run with other settings ("
                              + ", ".join(f"{k} {there!r} there, {here!r} here" for k, there, here in changed)
