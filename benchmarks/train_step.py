@@ -4,7 +4,7 @@ and the gradient, with and without it, side by side in one process.
 Both training losses of `jaxkv toyworld train` are timed on one batch each (the recipe's sizes): teacher forcing
 (stages 2-3: 8 clips of 9 frames, `train.teacher_forcing_loss`) and self-forcing past the cache (stage 4: 4 clips,
 the sink and one chunk committed, 4 chunks rolled out on the ring with the 4-step sampler,
-`train.self_forcing_loss` with the recipe's colour-share and outline terms). Each program is compiled first, then
+`train.self_forcing_loss` with the recipe's loss terms and weights). Each program is compiled first, then
 the two variants of a loss run in turn ``--repeats`` times (so both see the same machine load); the table gives the
 median seconds of a loss-and-gradient evaluation, the ratio, XLA's scratch (temp) bytes of each compiled program,
 and the largest difference between the two gradients relative to the largest gradient entry (float rounding: the
