@@ -490,10 +490,18 @@ def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
     assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=0.0, remat=True)) == []
     assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=2.0)) == [("sf_outline_weight", 0.0, 2.0)]
     assert T.resume_conflicts({"stage": 2, "step": 4}, T.TrainConfig(steps=1)) == []     # no config recorded
+    # the DiT's shape is every stage's: snapshots from before it was a setting read the shipped shape
+    del old["train_config"]["dit_dim"], old["train_config"]["dit_heads"]
+    assert T.resume_conflicts(old, T.TrainConfig()) == []
+    assert T.resume_conflicts(old, T.TrainConfig(dit_dim=192, dit_heads=6)) == [("dit_dim", 96, 192),
+                                                                                ("dit_heads", 3, 6)]
+    assert names(1, 0)[:1] == ["steps"] and [c[0] for c in T.resume_conflicts(
+        position(1, 0), T.TrainConfig(dit_layers=2))] == ["dit_layers"]
 
 
 @pytest.mark.parametrize("flag, value, least", [("--seed", -1, 0), ("--steps", -1, 0), ("--refine-steps", -1, 0),
-                                               ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1)])
+                                               ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1), ("--dit-dim", 0, 1),
+                                               ("--dit-ffn-dim", 0, 1), ("--dit-heads", -2, 1), ("--dit-layers", 0, 1)])
 def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path, capsys, flag, value, least):
     from jaxkv.toyworld import cli
 
@@ -512,3 +520,50 @@ def test_train_cli_refuses_a_loss_weight_out_of_range_before_writing_anything(tm
     assert cli.main(["train", "--out", str(out), flag, value]) == 2
     assert f"{flag} must be finite and >= 0" in capsys.readouterr().err
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
+
+
+def test_the_dits_shape_is_a_setting_checked_before_anything_is_written(tmp_path, capsys):
+    """`TrainConfig.dit_*` shape the DiT (`TrainConfig.wan_config`); a shape whose heads cannot carry RoPE's channel
+    pairs, or a size that is not a positive int, is refused by the config and by the CLI before anything exists."""
+    from jaxkv.toyworld import cli
+    from jaxkv.toyworld import model as TM
+    from jaxkv.toyworld import train as T
+
+    assert T.TrainConfig().wan_config() == TM.WAN_CONFIG
+    wide = T.TrainConfig(dit_dim=192, dit_ffn_dim=512, dit_heads=6, dit_layers=5).wan_config()
+    assert (wide.dim, wide.ffn_dim, wide.num_heads, wide.num_layers, wide.head_dim) == (192, 512, 6, 5, 32)
+    assert wide.rope_theta == TM.WAN_CONFIG.rope_theta and wide.patch_size == TM.WAN_CONFIG.patch_size
+    for bad in ({"dit_dim": 0}, {"dit_heads": True}, {"dit_layers": 2.0}, {"dit_ffn_dim": -1}):
+        with pytest.raises(ValueError, match=f"TrainConfig.{next(iter(bad))} is a size"):
+            T.TrainConfig(**bad)
+    with pytest.raises(ValueError, match=r"dit_dim \(100\) must split into dit_heads \(3\) heads of an even width"):
+        T.TrainConfig(dit_dim=100)
+    with pytest.raises(ValueError, match="even width"):
+        T.TrainConfig(dit_dim=96, dit_heads=32)               # heads of 3 channels
+    out = tmp_path / "release"
+    assert cli.main(["train", "--out", str(out), "--dit-dim", "100"]) == 2
+    assert "dit_dim (100) must split into dit_heads (3)" in capsys.readouterr().err
+    assert not out.exists() and not os.path.exists(str(out) + ".partial")
+
+
+@pytest.mark.slow
+def test_a_run_with_another_dit_shape_trains_every_stage_and_writes_it(tmp_path):
+    """A run with a non-default DiT shape takes its teacher-forcing and self-forcing steps with that shape and writes
+    a release that loads as it (the losses, the snapshot and the release all follow `TrainConfig.wan_config`)."""
+    from jaxkv.toyworld import model as TM
+    from jaxkv.toyworld import train as T
+
+    tc = T.TrainConfig(steps=1, refine_steps=0, sf_steps=1, sf_chunks=1, batch=1, sf_batch=1, fit_frames=64,
+                       warmup=1, dit_dim=48, dit_ffn_dim=64, dit_heads=2, dit_layers=1)
+    out = str(tmp_path / "small")
+    record = T.train(out, tc, progress=False)
+    assert [(s["name"], s["steps"]) for s in record["stages"]] == [
+        ("teacher forcing", 1), ("teacher forcing, level-1 share", 0), ("self-forcing", 1)]
+    assert all(np.isfinite(s["loss_last_50"]) for s in record["stages"] if s["steps"])
+    toy = TM.load(out)
+    assert toy.config == tc.wan_config() != TM.WAN_CONFIG
+    from jaxkv.models import wan
+
+    shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)     # noqa: E731
+    assert shapes(toy.params) == shapes(wan.init_params(tc.wan_config(), jax.random.key(0)))
+    assert record["train_config"]["dit_dim"] == 48

@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
                    "teacher-forcing steps 1.2-1.3x and self-forcing steps 1.7-2.1x faster on 2 CPU cores "
                    "(benchmarks/train_step.py), but the weights differ from the default run's in float rounding, so "
                    "it does not write the shipped release")
+    for name, what in (("dim", "width"), ("ffn_dim", "feed-forward width"), ("heads", "attention heads"),
+                       ("layers", "blocks")):
+        t.add_argument(f"--dit-{name.replace('_', '-')}", type=int, default=getattr(d, f"dit_{name}"),
+                       help=f"the DiT's {what} (a release must stay under 5 MB: 2 bytes a parameter)")
     t.add_argument("--resume", action="store_true", help="continue from the snapshot in DIR.partial (written "
                    f"every {d.snapshot_every} steps and on Ctrl-C)")
     t.add_argument("--overwrite", action="store_true", help="replace DIR if it is a toy-world release")
@@ -58,19 +62,21 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) < 0:
                 print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
                 return 2
-        if args.sf_chunks < 1:
-            print("jaxkv toyworld train: --sf-chunks must be >= 1", file=sys.stderr)
-            return 2
+        for name in ("sf_chunks", "dit_dim", "dit_ffn_dim", "dit_heads", "dit_layers"):
+            if getattr(args, name) < 1:
+                print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+                return 2
         for name in ("sf_colour_weight", "sf_outline_weight"):
             if not 0.0 <= getattr(args, name) < float("inf"):
                 print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be finite and >= 0", file=sys.stderr)
                 return 2
-        tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps, refine_steps=args.refine_steps,
-                                 sf_steps=args.sf_steps, sf_chunks=args.sf_chunks,
-                                 sf_colour_weight=args.sf_colour_weight, sf_outline_weight=args.sf_outline_weight,
-                                 remat=args.remat)
         command = "jaxkv toyworld train " + " ".join(sys.argv[2:] if argv is None else argv[1:])
         try:
+            tc = dataclasses.replace(TrainConfig(), seed=args.seed, steps=args.steps, refine_steps=args.refine_steps,
+                                     sf_steps=args.sf_steps, sf_chunks=args.sf_chunks,
+                                     sf_colour_weight=args.sf_colour_weight, sf_outline_weight=args.sf_outline_weight,
+                                     remat=args.remat, dit_dim=args.dit_dim, dit_ffn_dim=args.dit_ffn_dim,
+                                     dit_heads=args.dit_heads, dit_layers=args.dit_layers)
             record = train(args.out, tc, resume=args.resume, progress=not args.no_progress, command=command,
                            force=args.overwrite)
         except (FileExistsError, FileNotFoundError, ValueError) as e:

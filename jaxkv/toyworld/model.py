@@ -123,15 +123,16 @@ class ToyModel:
 
 
 def save(directory: str, params: dict, text_params: dict, latent_map: latents.LatentMap, settings: Settings,
-         info: dict, *, force: bool = False) -> None:
-    """Writes a release (see the module docstring); the DiT's weights are stored in bfloat16."""
+         info: dict, *, config: WanConfig = WAN_CONFIG, force: bool = False) -> None:
+    """Writes a release (see the module docstring): ``params`` a DiT of shape ``config``, its weights stored in
+    bfloat16."""
     from jaxkv.files import atomic_directory
     from jaxkv.models import umt5
 
     replace = (lambda p: None if is_release(p) else f"it is not a toy-world release (no {SETTINGS_FILE})") \
         if force else None
     with atomic_directory(directory, replace=replace) as tmp:
-        wan.save(os.path.join(tmp, PARTS["dit"]), WAN_CONFIG, _cast(params, jnp.bfloat16))
+        wan.save(os.path.join(tmp, PARTS["dit"]), config, _cast(params, jnp.bfloat16))
         umt5.save(os.path.join(tmp, PARTS["umt5"]), text.CONFIG, text_params,
                   tokenizer_files={"tokenizer.json": text.tokenizer_json().encode()})
         os.makedirs(os.path.join(tmp, LATENT_MAP_DIR))

@@ -63,6 +63,7 @@ import optax
 from jaxkv import rollout as R
 from jaxkv.models import wan
 from jaxkv.models.umt5.encoder import _encode_masked
+from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import shifted
 from jaxkv.toyworld import latents, text, world
 from jaxkv.toyworld.model import WAN_CONFIG, Settings
@@ -98,6 +99,17 @@ class TrainConfig:
     # but the weights differ from a run without it in float rounding from the first step: it does not write the
     # shipped release.
     remat: bool = False
+    # The DiT's shape (`wan_config`): the shipped release's by default. A release must stay under 5 MB (its DiT is
+    # stored in bfloat16: 2 bytes a parameter); dim 192, ffn 512, 6 heads is 2.3 M parameters, 4.6 MB.
+    dit_dim: int = WAN_CONFIG.dim
+    dit_ffn_dim: int = WAN_CONFIG.ffn_dim
+    dit_heads: int = WAN_CONFIG.num_heads
+    dit_layers: int = WAN_CONFIG.num_layers
+
+    def wan_config(self) -> WanConfig:
+        """The DiT's `WanConfig`: `jaxkv.toyworld.model.WAN_CONFIG` with this config's width, heads and depth."""
+        return dataclasses.replace(WAN_CONFIG, dim=self.dit_dim, ffn_dim=self.dit_ffn_dim, num_heads=self.dit_heads,
+                                   num_layers=self.dit_layers)
 
     def __post_init__(self):
         for name in ("start_share", "text_dropout", "pure_noise_share", "refine_pure_noise_share"):
@@ -112,6 +124,13 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.sf_chunks is a number of chunks, >= 1; got {self.sf_chunks!r}")
         if not isinstance(self.remat, bool):
             raise ValueError(f"TrainConfig.remat is a bool; got {self.remat!r}")
+        for name in ("dit_dim", "dit_ffn_dim", "dit_heads", "dit_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} is a size, an int >= 1; got {value!r}")
+        if self.dit_dim % (2 * self.dit_heads):
+            raise ValueError(f"TrainConfig.dit_dim ({self.dit_dim}) must split into dit_heads ({self.dit_heads}) "
+                             f"heads of an even width (RoPE rotates channel pairs)")
 
 
 # Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
@@ -183,16 +202,16 @@ MAX_START = 4096
 _ZERO_INIT = ("self_attn.o.", "cross_attn.o.", "ffn.fc2.", "head.head.")
 
 
-def init_dit(key) -> dict:
-    """The DiT's starting params: `wan.init_params`, then the `_ZERO_INIT` leaves zeroed, biases zero and norm
-    scales one."""
+def init_dit(key, config: WanConfig = WAN_CONFIG) -> dict:
+    """The DiT's starting params (shaped by ``config``): `wan.init_params`, then the `_ZERO_INIT` leaves zeroed,
+    biases zero and norm scales one."""
     def start(path, x):
         name = jax.tree_util.keystr(path, simple=True, separator=".") + "."
         if any(part in name for part in _ZERO_INIT) or name.endswith(".bias."):
             return jnp.zeros_like(x)
         return jnp.ones_like(x) if name.endswith(".scale.") else x
 
-    return jax.tree_util.tree_map_with_path(start, wan.init_params(WAN_CONFIG, key))
+    return jax.tree_util.tree_map_with_path(start, wan.init_params(config, key))
 
 
 def _context(text_params, ids, mask):
@@ -221,7 +240,7 @@ def noise_levels(key, shape, shift: float, pure_noise_share: float = 0.0):
 
 
 def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings, pure_noise_share: float = 0.0,
-                         remat: bool = False):
+                         remat: bool = False, config: WanConfig = WAN_CONFIG):
     """Flow-matching loss of clips x0 [B, F, h, w, c] (`batch`), every chunk denoised after the clean chunks before
     it (`wan.forward_teacher_forcing`, its blocks under `jax.checkpoint` with ``remat``) at its own noise level
     (`noise_levels`); the mean over the `supervised_chunks`."""
@@ -231,7 +250,7 @@ def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Setting
     sigma = jnp.repeat(noise_levels(k_level, (b, f // cf), settings.shift, pure_noise_share), cf, axis=1)  # [B, F]
     eps = jax.random.normal(k_eps, x0.shape)
     xt = (1 - sigma[..., None, None, None]) * x0 + sigma[..., None, None, None] * eps
-    flow = wan.forward_teacher_forcing(params["dit"], WAN_CONFIG, x0, xt, 1000.0 * sigma,
+    flow = wan.forward_teacher_forcing(params["dit"], config, x0, xt, 1000.0 * sigma,
                                        _context(params["text"], ids, mask), chunk_frames=cf,
                                        window_frames=settings.window_frames, sink_frames=settings.sink_frames,
                                        remat=remat)
@@ -337,7 +356,7 @@ def outline_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
 
 def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
                       latent_map: latents.LatentMap | None = None, colour_weight: float = 0.0, remat: bool = False,
-                      objects=None, outline_weight: float = 0.0):
+                      objects=None, outline_weight: float = 0.0, config: WanConfig = WAN_CONFIG):
     """x0 [B, F, ...] (`batch`, ``after_sink`` frames after the sink): commit the sink and the first
     `context_chunks` window chunks, roll the other (F - committed) / chunk_frames chunks out on the ring (noise of
     chunk n from ``fold_in(key, n)``, n counted from the stream's first chunk); the mean squared error of the
@@ -353,9 +372,9 @@ def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
     rc = settings.rollout_config(guidance_scale=None, remat=remat)   # training rolls out the conditional model alone
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
-    state = R.init_state(params["dit"], WAN_CONFIG, rc, _context(params["text"], ids, mask))
-    state = R.commit(params["dit"], WAN_CONFIG, rc, state, x0[:, :committed * cf])
-    out = R.rollout(params["dit"], WAN_CONFIG, rc, None, num_chunks=x0.shape[1] // cf - committed, key=key,
+    state = R.init_state(params["dit"], config, rc, _context(params["text"], ids, mask))
+    state = R.commit(params["dit"], config, rc, state, x0[:, :committed * cf])
+    out = R.rollout(params["dit"], config, rc, None, num_chunks=x0.shape[1] // cf - committed, key=key,
                     state=state, first_chunk=committed)
     target = x0[:, committed * cf:]
     loss = jnp.mean((out.latents - target) ** 2)
@@ -480,11 +499,12 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
     latent_map = fit_latent_map(tc)
     tokenizer = text.tokenizer()
     key = jax.random.key(tc.seed)
-    params = {"dit": init_dit(jax.random.fold_in(key, 0)),
+    config = tc.wan_config()
+    params = {"dit": init_dit(jax.random.fold_in(key, 0), config),
               "text": text.init_text_params(tc.seed)}
     def teacher_forcing(pure_noise_share):
         return lambda p, b, k: teacher_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings,
-                                                 pure_noise_share, tc.remat)
+                                                 pure_noise_share, tc.remat, config)
 
     # (name, steps, batch, frames after the sink, loss, optimizer): stages 2, 3 and 4 of the docstring
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
@@ -495,7 +515,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
          teacher_forcing(tc.refine_pure_noise_share), _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
         ("self-forcing", tc.sf_steps, tc.sf_batch, sf_frames,
          lambda p, b, k: self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map,
-                                           tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight),
+                                           tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight, config),
          _optimizer(tc.sf_lr, tc.sf_steps, 20)),
     ]
     record: dict[str, Any] = {"stages": []}
@@ -556,6 +576,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
                   seconds=round(before + time.perf_counter() - started, 1),
                   command=command or f"python -m jaxkv.toyworld train --out {out} --seed {tc.seed}",
                   jax_version=jax.__version__)
-    save_release(out, params["dit"], params["text"], latent_map, settings, {"training": record}, force=force)
+    save_release(out, params["dit"], params["text"], latent_map, settings, {"training": record}, config=config,
+                 force=force)
     shutil.rmtree(snapshot, ignore_errors=True)
     return record
