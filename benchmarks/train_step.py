@@ -56,10 +56,11 @@ def main(argv=None) -> int:
     losses = {
         f"teacher forcing ({tc.batch} clips x {settings.sink_frames + settings.window_frames} frames)":
             lambda remat: lambda prm: T.teacher_forcing_loss(prm, *tf_batch[:4], key, settings,
-                                                             tc.refine_pure_noise_share, remat),
+                                                             tc.refine_pure_noise_share, remat, toy.config),
         f"self-forcing ({tc.sf_batch} clips, {tc.sf_chunks} chunks rolled out)":
             lambda remat: lambda prm: T.self_forcing_loss(prm, *sf_batch[:4], key, settings, lm, tc.sf_colour_weight,
-                                                          remat, sf_batch.objects, tc.sf_outline_weight),
+                                                          remat, sf_batch.objects, tc.sf_outline_weight,
+                                                          toy.config),
     }
     rows = []
     for name, make in losses.items():
