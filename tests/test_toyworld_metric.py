@@ -132,7 +132,7 @@ def crossing(first: str, second: str, speed: str = "slow"):
 @pytest.mark.parametrize("first, second", [("triangle", "circle"), ("square", "square"), ("circle", "square")])
 def test_an_object_passing_under_another_is_not_a_failure(first, second, decoder):
     scene = crossing(first, second)
-    frames = world.render(scene, 60)
+    frames = world.render(scene, 60, bounce=False)
     found = metric.detect(frames)
     occ = metric.occlusion(found, scene.prompt)
     assert occ.covered[:, 0].any() and not occ.covered[:, 1].any()     # the later-named one is on top
@@ -149,7 +149,7 @@ def test_an_object_under_one_moving_along_with_it_stays_hidden_to_the_end(decode
     th = np.radians(10.0)
     scene = world.Scene((world.Thing("yellow", "triangle", (15.0, 42.0), (np.cos(th), -np.sin(th))),
                          world.Thing("red", "circle", (15.0, 22.0), (np.cos(th), np.sin(th)))), "slow")
-    frames = world.render(scene, 60)
+    frames = world.render(scene, 60, bounce=False)
     found = metric.detect(frames)
     absent = ~found.present[:, metric.COLOUR_NAMES.index("yellow")]
     assert absent[-24:].all() and not absent[:30].any()
@@ -164,11 +164,11 @@ def test_an_object_lost_where_it_went_under_is_hidden_only_while_its_path_stays_
     # (rightwards at 1 px a frame, the circle leftwards) leaves the circle's reach (HIDE_REACH + the velocity's
     # slack) about as soon as the real triangle comes out (7 frames), then it is missing for good
     scene = crossing("triangle", "circle")
-    frames = world.render(scene, 60)
+    frames = world.render(scene, 60, bounce=False)
     absent = ~metric.detect(frames).present[:, metric.COLOUR_NAMES.index("yellow")]
     under = np.nonzero(absent)[0][0]
     passage = np.argmin(absent[under:])                     # frames the real triangle spends out of sight: 7
-    frames[under:] = world.render(world.Scene(scene.things[1:], scene.speed), 60 - under, start=under)
+    frames[under:] = world.render(world.Scene(scene.things[1:], scene.speed), 60 - under, start=under, bounce=False)
     hidden = metric.occlusion(metric.detect(frames), scene.prompt).hidden[:, 0]
     assert passage == 7 and hidden[under:under + passage].all() and hidden.sum() <= passage + 4
     assert not hidden[under + passage + 4:].any()
@@ -178,11 +178,11 @@ def test_an_object_lost_where_it_went_under_is_hidden_only_while_its_path_stays_
 
 def test_an_object_that_goes_under_and_never_comes_out_fails_after_hide_frames():
     scene = crossing("triangle", "circle")
-    frames = world.render(scene, 150)
+    frames = world.render(scene, 150, bounce=False)
     found = metric.detect(frames)
     under = np.nonzero(~found.present[:, metric.COLOUR_NAMES.index("yellow")])[0][0]   # first frame hidden
     # from there the triangle is gone for good: repaint everything but the circle
-    later = world.render(world.Scene(scene.things[1:], scene.speed), 150 - under, start=under)
+    later = world.render(world.Scene(scene.things[1:], scene.speed), 150 - under, start=under, bounce=False)
     frames[under:] = later
     s = metric.score(frames, scene.prompt, chunk_frames=1, window_chunks=150)
     # it may count as hidden for at most HIDE_FRAMES frames, and as missing (half the prompt) after that
@@ -197,7 +197,7 @@ def test_an_object_that_goes_under_and_never_comes_out_fails_after_hide_frames()
 @pytest.fixture(scope="module")
 def clip():
     scene = world.sample_scene(np.random.default_rng(4), "a red circle and a blue square, fast")
-    return scene, world.render(scene, 300)
+    return scene, world.render(scene, 300, bounce=False)
 
 
 def test_noise_and_background_score_zero(clip):
@@ -277,7 +277,7 @@ def test_a_stop_the_speed_check_forgives_fails_the_travel_check(prompt, held, mo
     the held part, every transition of every object fails. Without the travel check (its span set to 0) those
     transitions of the first-named object pass the other checks: its stop is within reach of a wall, or it is
     covered."""
-    truth = world.render(world.canonical_scene(prompt), held + 1)
+    truth = world.render(world.canonical_scene(prompt), held + 1, bounce=False)
     frames = np.concatenate([truth, np.repeat(truth[-1:], 71, 0)])[:72 + held - (72 + held) % 3]
     first_stopped = held + metric.STOP_FRAMES - 1          # the first frame whose window holds only the held frame
     steps = metric.transitions(metric.detect(frames), prompt)
@@ -316,7 +316,7 @@ def test_a_spliced_jump_fails_the_transitions_around_it(clip):
         x, y = world.trajectory(t, 1, cut - 1)[0]
         things.append(world.Thing(t.colour, t.shape, (lo if x > 32 else hi, lo if y > 32 else hi), t.velocity))
     spliced = frames.copy()
-    spliced[cut:] = world.render(world.Scene(tuple(things), scene.speed), len(frames) - cut)
+    spliced[cut:] = world.render(world.Scene(tuple(things), scene.speed), len(frames) - cut, bounce=False)
     assert 22 * np.sqrt(2) > world.SPEEDS[scene.speed] + metric.COVERED_SLACK
     ok = metric.transitions(metric.detect(spliced), scene.prompt)
     bad = np.argwhere(~ok)[:, 0]
@@ -330,8 +330,8 @@ def test_a_spliced_jump_fails_the_transitions_around_it(clip):
 def test_an_object_vanishing_halfway_shows_in_the_later_windows():
     scene = world.Scene((world.Thing("red", "circle", (15.0, 20.0), (1.0, 0.3)),
                          world.Thing("blue", "square", (40.0, 45.0), (-1.0, 0.4))), "slow")
-    frames = world.render(scene, 450)                                    # 150 chunks: 3 windows of 50
-    frames[225:] = world.render(world.Scene(scene.things[:1], "slow"), 225, start=225)   # the square is gone
+    frames = world.render(scene, 450, bounce=False)                                    # 150 chunks: 3 windows of 50
+    frames[225:] = world.render(world.Scene(scene.things[:1], "slow"), 225, start=225, bounce=False)   # the square is gone
     s = metric.score(frames, scene.prompt)
     np.testing.assert_array_equal(s.window_start, [0, 50, 100])
     # window 0: whole; window 1: half its frames lose the square (matched 1 of 2 named); window 2: all do

@@ -28,27 +28,31 @@ def test_tracking_scores_the_canonical_scene_and_not_other_motion(shipped):
     elsewhere = quality.world_videos(shipped)                    # the same prompts, random layouts and headings
     frozen = np.repeat(truth[:, :1], truth.shape[1], axis=1)     # the right first frame, never moving
     for video, other, still, prompt in zip(truth, elsewhere, frozen, quality.PROMPTS):
-        assert quality.tracking(video, prompt) >= 0.9, prompt  # under 1 only where shapes cross
+        assert quality.tracking(video, prompt) >= 0.9, prompt
         assert quality.tracking(other, prompt) <= 0.1, prompt
-        assert quality.tracking(still, prompt) <= 0.15, prompt
+        # the first frame held still can only track a shape while the world brings it back near where it started
+        # (two shapes that meet head on bounce back along their paths): at most those frames, from the world's path
+        path = world.paths(world.canonical_scene(prompt), len(still))
+        home = np.linalg.norm(path - path[:1], axis=-1) <= quality.TRACK_RADIUS + 1.0       # [T, N]
+        assert quality.tracking(still, prompt) <= home.mean() + 0.05, prompt
 
 
-def test_a_shape_lost_under_another_fails_the_metric_as_it_fails_tracking():
-    # two shapes meet, and from then on only the later-named (upper) one is drawn: the metric reads the first as
-    # hidden under it (the world draws later-named shapes on top) only while the path it was on stays under the
-    # upper one (the canonical layout sends them head on: a few frames), then as missing, as tracking does
+def test_a_shape_lost_where_two_meet_fails_the_metric_as_it_fails_tracking():
+    # two shapes meet, and from then on only the later-named one is drawn, on its own path: the metric reads the
+    # first as missing from there (shapes bounce off each other, nothing covers it), as tracking does
     prompt = "a red circle and a blue square, slow"
     scene = world.canonical_scene(prompt)
     frames = 48
-    gap = np.linalg.norm(world.trajectory(scene.things[0], frames) - world.trajectory(scene.things[1], frames), axis=-1)
-    met = int(np.argmax(gap < 4.0))
+    path = world.paths(scene, frames)
+    contact = world.REACH["circle"] + world.REACH["square"] + world.CONTACT_GAP
+    met = int(np.argmax(np.linalg.norm(path[:, 0] - path[:, 1], axis=-1) < contact + 2.0))
     assert 0 < met < frames // 2
-    video = np.concatenate([world.render(scene, met),
-                            world.render(world.Scene(scene.things[1:], scene.speed), frames - met, met)])
-    hidden = metric.occlusion(metric.detect(video), prompt).hidden[:, 0]
-    assert 0 < hidden.sum() <= 12
+    video = world.render(scene, frames)
+    video[met:] = world.empty_frames(frames - met)
+    video[met:][world.shape_mask("square", path[met:, 1])] = world.COLOURS["blue"]
+    assert not metric.occlusion(metric.detect(video), prompt).hidden.any()
     scores = metric.score(video, prompt, window_chunks=frames // 3)
-    assert scores.adherence == pytest.approx(1 - 0.5 * (frames - met - hidden.sum()) / frames)
+    assert scores.adherence == pytest.approx(1 - 0.5 * (frames - met) / frames)
     assert quality.tracking(video, prompt) <= 0.5 + 0.5 * met / frames     # the first shape missed from `met` on
     assert metric.score(world.render(scene, frames), prompt, window_chunks=frames // 3).overall == 1.0
     assert quality.tracking(world.render(scene, frames), prompt) > 0.9
@@ -83,7 +87,7 @@ def test_the_shipped_model_clears_the_bar(reports):
 
 def test_chunk_errors_measure_against_the_world():
     # the world's own chunks are on the path (up to detection: pixels quantise a centre); the frame before a chunk
-    # held still is off by the path's own steps, computed here from world.trajectory, give or take that frame's
+    # held still is off by the path's own steps, computed here from world.paths, give or take that frame's
     # own detection error (the triangle inequality); a blank chunk finds nothing
     rng = np.random.default_rng(4)
     prompts = [world.random_prompt(rng) for _ in range(6)]
@@ -92,9 +96,8 @@ def test_chunk_errors_measure_against_the_world():
     truth = np.stack([world.render(sc, 3, int(t)) for sc, t in zip(scenes, starts)])
     before = np.stack([world.render(sc, 1, int(t) - 1) for sc, t in zip(scenes, starts)])
     assert quality.chunk_errors(truth, prompts, starts).max() <= np.sqrt(2) * metric.CENTROID_ERROR
-    steps = np.concatenate([np.linalg.norm(world.trajectory(thing, 4, int(t) - 1)[1:]
-                                           - world.trajectory(thing, 1, int(t) - 1), axis=-1)[None]
-                            for sc, t in zip(scenes, starts) for thing in sc.things])
+    steps = np.concatenate([np.linalg.norm(world.paths(sc, 4, int(t) - 1)[1:] - world.paths(sc, 1, int(t) - 1),
+                                           axis=-1).T for sc, t in zip(scenes, starts)])
     assert steps.min() > 0.5
     held = quality.chunk_errors(before.repeat(3, axis=1), prompts, starts)
     assert (np.abs(held - steps) <= quality.chunk_errors(before, prompts, starts - 1) + 1e-9).all()
@@ -155,11 +158,12 @@ def test_long_scores_see_shapes_fade_and_freeze_after_the_bars_frames():
     assert (top.seen >= 0.95).all() and (top.overall >= 0.9).all() and (top.moving == 1).all()
     gone = quality.long_scores(faded, quality.PROMPTS, 3)
     assert gone.seen[0] == top.seen[0] and gone.seen[1] == 0 and gone.overall[1] == 0 and gone.moving[1] == 0
-    # (the fast prompts' shapes are held within reach of a wall, where the speed check cannot tell a stop from a
-    # bounce: 0.67 and 0.68, the travel check failing only the window's last transitions, whose 30 frames back
-    # hold less than its span; the slow ones, held away from the walls, 0.05 and 0.03)
+    # (the fast prompts' shapes, and the default prompt's, which have bounced off each other back towards where
+    # they started, are held within reach of a wall, where the speed check cannot tell a stop from a bounce: 0.65-
+    # 0.68, the travel check failing only the window's last transitions, whose 30 frames back hold less than its
+    # span; the slow one-shape prompt's, held away from the walls, 0.03)
     still = quality.long_scores(frozen, quality.PROMPTS, 3)
-    assert still.seen[1] >= 0.95 and still.continuity[1] < 0.5 and still.continuity[0] == top.continuity[0]
+    assert still.seen[1] >= 0.95 and still.continuity[1] < 0.55 and still.continuity[0] == top.continuity[0]
     assert still.moving[0] == 1 and still.moving[1] == 0
     # a shape that moves by less than the span: 2 px each way over the window, the stops the model makes
     crawl = truth.copy()

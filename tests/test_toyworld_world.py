@@ -104,7 +104,7 @@ def test_render_colours_are_exact_and_later_objects_are_drawn_on_top():
     below = world.Thing("red", "square", (30.0, 30.0), (0.7, 0.0))
     above = world.Thing("blue", "circle", (34.0, 31.0), (-0.7, 0.0))
     scene = world.Scene((below, above), "slow")
-    video = world.render(scene, 12)
+    video = world.render(scene, 12, bounce=False)
     assert video.dtype == np.uint8 and video.shape == (12, world.SIZE, world.SIZE, 3)
     m_below = world.shape_mask("square", world.trajectory(below, 12))
     m_above = world.shape_mask("circle", world.trajectory(above, 12))
@@ -225,3 +225,94 @@ def test_canonical_scene_is_a_function_of_the_prompt():
     assert world.canonical_scene("a red circle and a blue square, fast") == scene
     with pytest.raises(ValueError, match="must end with a speed"):
         world.canonical_scene("a red circle")
+
+
+# -- two shapes bounce off each other (`world.paths`)
+
+def _contact(scene) -> float:
+    a, b = scene.things
+    return world.REACH[a.shape] + world.REACH[b.shape] + world.CONTACT_GAP
+
+
+def test_reach_is_the_farthest_pixel_of_each_shape():
+    # no pixel centre of a shape lies farther than REACH from its centre, and some lies within half a pixel of it
+    for shape, reach in world.REACH.items():
+        for centre in ([32.0, 32.0], [31.3, 30.8]):
+            ys, xs = np.nonzero(world.shape_mask(shape, np.array([centre]))[0])
+            far = np.hypot(xs + 0.5 - centre[0], ys + 0.5 - centre[1]).max()
+            assert reach - 1.0 <= far <= reach, shape
+
+
+two_shape_prompts = st.builds(lambda c, s, speed: world.format_prompt(list(zip(c, s)), speed),
+                              st.permutations(list(world.COLOURS)).map(lambda c: c[:2]),
+                              st.lists(st.sampled_from(world.SHAPES), min_size=2, max_size=2),
+                              st.sampled_from(sorted(world.SPEEDS)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(prompt=two_shape_prompts, seed=st.integers(0, 2 ** 32 - 1))
+def test_two_shapes_never_overlap_and_keep_their_speed(prompt, seed):
+    scene = world.sample_scene(np.random.default_rng(seed), prompt)
+    contact = _contact(scene)
+    path = world.paths(scene, 3000)
+    gap = np.linalg.norm(path[:, 0] - path[:, 1], axis=-1)
+    assert gap.min() >= contact - 1e-9
+    # their masks never share a pixel, and render shows every pixel of both in every frame
+    video = world.render(scene, 300)
+    for k, thing in enumerate(scene.things):
+        mask = world.shape_mask(thing.shape, path[:300, k])
+        assert (video[mask] == world.COLOURS[thing.colour]).all()
+    v = world.SPEEDS[scene.speed]
+    steps = np.linalg.norm(np.diff(path, axis=0), axis=-1)            # [T - 1, 2]
+    assert (steps <= v + 1e-9).all()
+    inside = ((path[:-1] > LO + v) & (path[:-1] < HI - v)).all(-1)   # no wall within a step: the speed exactly
+    np.testing.assert_allclose(steps[inside], v, atol=1e-9)
+    assert path.min() >= LO - 1e-9 and path.max() <= HI + 1e-9
+
+
+def test_shapes_meeting_head_on_bounce_back_and_alone_they_pass():
+    scene = world.canonical_scene("a red circle and a blue square, slow")    # the canonical layout: head on
+    path = world.paths(scene, 60)
+    apart = world.paths(scene, 60, bounce=False)
+    np.testing.assert_array_equal(apart[:, 0], world.trajectory(scene.things[0], 60))
+    assert world.paths(scene, 60).shape == apart.shape == (60, 2, 2)
+    gap = np.linalg.norm(path[:, 0] - path[:, 1], axis=-1)
+    turn = int(np.argmin(gap))
+    assert 3 < turn < 30 and _contact(scene) <= gap[turn] < _contact(scene) + 2 * world.SPEEDS["slow"]
+    np.testing.assert_allclose(path[:turn + 1], apart[:turn + 1], rtol=0, atol=1e-9)   # the same until they meet
+    # then each one's velocity is mirrored in the plane between them (nearly head on: nearly back the way it came)
+    n = (path[turn, 1] - path[turn, 0]) / gap[turn]
+    v = apart[1] - apart[0]                                                    # [2 shapes, 2]
+    mirrored = v - 2 * (v @ n)[:, None] * n
+    np.testing.assert_allclose(path[turn + 1:turn + 5] - path[turn:turn + 4], np.repeat(mirrored[None], 4, 0),
+                               rtol=0, atol=1e-9)
+    assert (mirrored @ v.T).diagonal().max() < -0.9 * world.SPEEDS["slow"] ** 2
+    assert (np.linalg.norm(apart[:, 0] - apart[:, 1], axis=-1) < _contact(scene) - 5).any()   # without: they cross
+
+
+def test_a_lone_shape_follows_its_trajectory():
+    scene = world.canonical_scene("a green triangle, fast")
+    np.testing.assert_array_equal(world.paths(scene, 500, 77)[:, 0], world.trajectory(scene.things[0], 500, 77))
+    # and sampled scenes start with their shapes apart
+    for seed in range(50):
+        pair = world.sample_scene(np.random.default_rng(seed), "a red circle and a blue triangle, fast")
+        assert np.linalg.norm(np.subtract(pair.things[0].position, pair.things[1].position)) >= _contact(pair)
+
+
+@settings(max_examples=20, deadline=None)
+@given(start=st.integers(0, 20_000), frames=st.integers(1, 50), prompt=two_shape_prompts)
+def test_paths_from_any_start_are_the_same_stream(start, frames, prompt):
+    scene = world.canonical_scene(prompt)
+    whole = world.paths(scene, start + frames)
+    np.testing.assert_array_equal(world.paths(scene, frames, start), whole[start:])
+    np.testing.assert_array_equal(world.render(scene, frames, start), world.render(scene, start + frames)[start:])
+
+
+def test_overlapping_starts_separate():
+    # a scene made with its shapes already overlapping (sample_scene draws none): they move apart, and from the
+    # second frame apart on (the first may follow a frame too close to turn back to) they never close in again
+    scene = world.Scene((world.Thing("red", "circle", (30.0, 30.0), (1.0, 0.0)),
+                         world.Thing("blue", "square", (36.0, 31.0), (-1.0, 0.0))), "slow")
+    gap = np.linalg.norm(np.subtract(*np.moveaxis(world.paths(scene, 400), 1, 0)), axis=-1)
+    first = int(np.argmax(gap >= _contact(scene)))
+    assert 0 < first < 20 and gap[first + 1:].min() >= _contact(scene) - 1e-9

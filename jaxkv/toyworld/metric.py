@@ -285,7 +285,8 @@ def occlusion(detections: Detections, prompt: str) -> Occlusion:
 def _judge(detections: Detections, prompt: str) -> tuple[Occlusion, np.ndarray]:
     """(`occlusion`, `transitions`): each object's steps are judged with its own occlusion, which depends on
     the steps of the objects above it, so both come out of one pass from the top object down."""
-    colours, _, speed = _objects(prompt)
+    colours, shapes, speed = _objects(prompt)
+    reach = np.array([world.REACH[world.SHAPES[k]] for k in shapes])
     present = detections.present[:, colours]                    # [T, N]
     seen_any = detections.area[:, colours] > 0                  # some pixels, maybe under MIN_AREA
     box = detections.bbox[:, colours]                           # [T, N, 4]
@@ -320,7 +321,10 @@ def _judge(detections: Detections, prompt: str) -> tuple[Occlusion, np.ndarray]:
             hidden[:, n] &= moving[:, n + 1:].any(1) & _on_its_path(
                 hidden[:, n], present[:, n] & ~covered[:, n], centre[:, n], centre[:, n + 1:], speed,
                 after[:, n] < frames)
-        steps[:, n] = _steps(present[:, n], hidden[:, n], covered[:, n] | hidden[:, n], centre[:, n], speed)
+        others = np.delete(centre, n, axis=1)                                  # [T, N - 1, 2]
+        contact = np.delete(reach, n) + reach[n] + world.CONTACT_GAP          # [N - 1]: where n bounces off each
+        steps[:, n] = _steps(present[:, n], hidden[:, n], covered[:, n] | hidden[:, n], centre[:, n], speed,
+                             others, contact)
         moving[:, n] = present[:, n] & np.append(steps[:, n], True) & np.insert(steps[:, n], 0, True)
     return Occlusion(covered, hidden), steps
 
@@ -426,9 +430,10 @@ def transitions(detections: Detections, prompt: str) -> np.ndarray:
 
 
 def _steps(present: np.ndarray, hidden: np.ndarray, shaded: np.ndarray, centre: np.ndarray,
-           speed: float) -> np.ndarray:
-    """`transitions` of one object: bool [T - 1] from its present, hidden, shaded (covered or hidden) bool [T] and
-    centroid float [T, 2]."""
+           speed: float, others: np.ndarray, contact: np.ndarray) -> np.ndarray:
+    """`transitions` of one object: bool [T - 1] from its present, hidden, shaded (covered or hidden) bool [T],
+    centroid float [T, 2], the other objects' centroids ``others`` float [T, M, 2] (NaN where absent) and the
+    centre distance at which it bounces off each, ``contact`` float [M] (`world.paths`)."""
     frames = len(present)
     seen = present | hidden
     later = np.arange(1, frames)                                 # frame t + 1 of each transition
@@ -440,13 +445,17 @@ def _steps(present: np.ndarray, hidden: np.ndarray, shaded: np.ndarray, centre: 
     reach = LAG * speed + CENTROID_ERROR
     wall = np.minimum(centre - world.MARGIN, world.SIZE - world.MARGIN - centre)   # [T, 2]
     far = wall > reach                                           # no bounce on that axis within LAG frames
+    # a frame from which the object may bounce off another before the next: `world.paths` turns two shapes round
+    # when their next step would bring them under contact, so they are within contact + both steps (+ detection)
+    gap = np.linalg.norm(others - centre[:, None], axis=-1)      # [T, M]; NaN where either is absent
+    touching = (gap <= contact + 2 * speed + 2 * CENTROID_ERROR).any(-1)
 
     sel = later >= LAG                                           # transitions with a speed check
     if sel.any():
         t, s = later[sel], later[sel] - LAG
         checked = present[s] & present[t] & ~_any_in(shaded, s, LAG)
         disp = np.linalg.norm(centre[t] - centre[s], axis=-1)
-        no_bounce = (far[t] | far[s]).all(-1)
+        no_bounce = (far[t] | far[s]).all(-1) & ~_any_in(touching, s, LAG)
         bad = (disp > LAG * speed + STEP_SLACK) | (no_bounce & (disp < LAG * speed - STEP_SLACK))
         ok[sel] &= ~(checked & bad)
 
@@ -456,7 +465,7 @@ def _steps(present: np.ndarray, hidden: np.ndarray, shaded: np.ndarray, centre: 
         m, s = t - LAG, t - 2 * LAG
         checked = present[s] & present[m] & present[t] & ~_any_in(shaded, s, 2 * LAG)
         curve = np.abs(centre[t] - 2 * centre[m] + centre[s])   # [.., 2]
-        bad = (far[m] & (curve > CURVE_SLACK)).any(-1)
+        bad = (far[m] & (curve > CURVE_SLACK)).any(-1) & ~_any_in(touching, s, 2 * LAG)
         ok[sel] &= ~(checked & bad)
 
     if frames >= STOP_FRAMES:                                    # transitions into frames STOP_FRAMES - 1 on

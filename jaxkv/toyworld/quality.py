@@ -63,9 +63,9 @@ def tracking(video: np.ndarray, prompt: str) -> float:
     detections = metric.detect(video)
     scene = world.canonical_scene(prompt)
     hits = []
-    for thing in scene.things:
+    for thing, path in zip(scene.things, np.moveaxis(world.paths(scene, len(video)), 1, 0)):
         centre = detections.centroid[:, metric.COLOUR_NAMES.index(thing.colour)]        # NaN where absent
-        error = np.linalg.norm(centre - world.trajectory(thing, len(video)), axis=-1)
+        error = np.linalg.norm(centre - path, axis=-1)
         hits.append(np.nan_to_num(error, nan=np.inf) <= TRACK_RADIUS)
     return float(np.mean(hits))
 
@@ -308,8 +308,9 @@ def chunk_errors(chunks: np.ndarray, prompts, starts) -> np.ndarray:
     errors = []
     for frames, prompt, start in zip(chunks, prompts, starts):
         detections = metric.detect(frames)
-        for thing in world.canonical_scene(prompt).things:
+        scene = world.canonical_scene(prompt)
+        for thing, path in zip(scene.things, np.moveaxis(world.paths(scene, len(frames), int(start)), 1, 0)):
             centre = detections.centroid[:, metric.COLOUR_NAMES.index(thing.colour)]
-            error = np.linalg.norm(centre - world.trajectory(thing, len(frames), int(start)), axis=-1)
+            error = np.linalg.norm(centre - path, axis=-1)
             errors.append(np.nan_to_num(error, nan=np.inf))
     return np.stack(errors)
