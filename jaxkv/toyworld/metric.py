@@ -29,10 +29,12 @@ frames: 3.4 s with one object, 4.3 s with two, on 2 shared CPU cores):
    the world's shapes through and not blobs of the right colour.
 
 Scoring (`score`): prompt adherence per frame (`frame_adherence`), temporal continuity per transition
-(`transitions`), their product `overall`, and the same per window of chunks for drift. The world draws later-named
-objects on top, so an earlier one may be partly or wholly under a later one (`occlusion`): its shape is then not
-checked, its centroid is not trusted, and it may be missing while its path keeps it under the other one. Real
-clips score 1.0 on every score.
+(`transitions`), their product `overall`, and the same per window of chunks for drift. The world's shapes bounce
+off each other and never overlap (`world.paths`), but a model may draw one over another: later-named objects are
+read as on top, so an earlier one may be partly or wholly under a later one (`occlusion`): its shape is then not
+checked, its centroid is not trusted, and it may be missing while its path keeps it under the other one (the
+world's own ``bounce=False`` clips, in which shapes pass over each other, are how the tests check this). Real
+clips, bouncing or passing over each other, score 1.0 on every score.
 """
 
 from __future__ import annotations
@@ -412,11 +414,12 @@ def transitions(detections: Detections, prompt: str) -> np.ndarray:
         covered, as its visible part's centroid shifts as it goes under);
       * speed, over `LAG` frames (one frame's step is too coarse: a square's pixels, hence its centroid, move in
         whole pixels): the displacement from frame t + 1 - LAG is at most LAG * speed + STEP_SLACK (reflection
-        only shortens a path), and at least LAG * speed - STEP_SLACK where no wall is within reach (a frozen or
-        too slow object fails);
-      * straightness (velocity changes only at walls): along each axis whose wall is out of reach of the middle
-        point, c[t + 1] - 2 c[t + 1 - LAG] + c[t + 1 - 2 LAG] is at most `CURVE_SLACK`; a bounce flips only the
-        axis that reached a wall;
+        only shortens a path), and at least LAG * speed - STEP_SLACK where no wall is within reach and it does
+        not come within bouncing distance of another (a frozen or too slow object fails);
+      * straightness (velocity changes only at walls and where two shapes bounce off each other): along each
+        axis whose wall is out of reach of the middle point, c[t + 1] - 2 c[t + 1 - LAG] + c[t + 1 - 2 LAG] is at
+        most `CURVE_SLACK`; a bounce flips only the axis that reached a wall; not checked where the object comes
+        within bouncing distance of another (its contact distance + both steps + detection) in any frame spanned;
       * travel: over the `STOP_FRAMES` frames up to t + 1, if it is present in at least `STOP_SEEN` of them, its
         centre spans at least `STOP_SPAN` px along x or y there (a stop within reach of a wall passes the speed
         check as a bounce, and a covered object's speed is not checked; no bounce or crossing holds a shape still

@@ -10,9 +10,9 @@ retrained one.
 
 `tracking` is a second, stricter reading that the metric cannot give: a stream of a prompt is meant to show that
 prompt's `world.canonical_scene`, so each named object's detected centre can be compared with where the world puts
-it. The metric only judges what is plausible from the prompt, and it forgives an object missing under another one
-(the world draws later-named shapes on top): a model that merges two shapes into one blob once they meet scores
-well on it while tracking shows the loss. It is reported beside the bar, not part of it.
+it (`world.paths`). The metric only judges what is plausible from the prompt, and it forgives an object missing
+under another one for a while (it reads later-named shapes as on top): a model that merges two shapes into one blob
+once they meet can score well on it while tracking shows the loss. It is reported beside the bar, not part of it.
 
 `next_chunk` reads the one step a stream repeats: given the world's own frames as context (a full cache of them),
 how far from the world's are the shapes of the chunk the model samples next, against the same frames held still.
@@ -57,9 +57,8 @@ class Report(NamedTuple):
 
 def tracking(video: np.ndarray, prompt: str) -> float:
     """The fraction of (frame, named object) pairs of ``video`` uint8 [T, 64, 64, 3] in which the object's colour
-    is detected within `TRACK_RADIUS` px of the object's centre in the prompt's `world.canonical_scene`. An object
-    wholly or partly under another one is usually missed (absent, or its visible centre shifted), so even the
-    world's own clips score under 1 where shapes cross."""
+    is detected within `TRACK_RADIUS` px of the object's centre in the prompt's `world.canonical_scene` (the
+    world's shapes bounce off each other and never hide one another: its own clips score 1 up to detection)."""
     detections = metric.detect(video)
     scene = world.canonical_scene(prompt)
     hits = []

@@ -190,8 +190,10 @@ def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step
     return Batch(latent_map.encode(video), ids, mask, at_start, objects)
 
 
-# Training clips start anywhere in the first MAX_START frames of a scene: its paths (folds of period 2 x 36 px / |v|
-# per axis, at most ~126 frames at the world's speeds: `world.trajectory`) have long covered every state by then.
+# Training clips start anywhere in the first MAX_START frames of a scene: a lone shape's path (folds of period
+# 2 x 36 px / |v| per axis, at most ~126 frames at the world's speeds: `world.trajectory`) has long covered every
+# state by then; two shapes bouncing off each other (`world.paths`) are not periodic, and meet 55-111 times (slow)
+# or 171-227 times (fast) in those frames of each canonical two-shape scene.
 MAX_START = 4096
 
 
