@@ -402,3 +402,30 @@ def test_real_clips_score_perfect_over_many_scenes(decoder):
             s = metric.score(g, scene.prompt)
             worst = min(worst, s.adherence, s.continuity, s.drift)
     assert worst >= 0.99
+
+
+# -- shapes that bounce off each other
+
+@pytest.mark.parametrize("prompt", ["a red circle and a blue square, slow", "a yellow square and a red triangle, fast",
+                                    "a green triangle and a blue triangle, fast"])
+def test_bounces_between_shapes_are_forgiven_and_only_near_contact(prompt, monkeypatch):
+    """The world's canonical two-shape streams bounce their shapes off each other several times in 300 frames and
+    score 1.0; with the contact exemption taken away (no two shapes ever within bouncing distance) the turns
+    fail the straightness and speed checks. And a turn far from the other shape and the walls still fails."""
+    scene = world.canonical_scene(prompt)
+    frames = world.render(scene, 300)
+    path = world.paths(scene, 300)
+    contact = world.REACH[scene.things[0].shape] + world.REACH[scene.things[1].shape] + world.CONTACT_GAP
+    assert (np.linalg.norm(path[:, 0] - path[:, 1], axis=-1) < contact + 2 * world.SPEEDS[scene.speed]).any()
+    assert metric.score(frames, prompt).continuity == 1.0
+    monkeypatch.setattr(world, "CONTACT_GAP", -1000.0)
+    assert metric.score(frames, prompt).continuity < 1.0
+    monkeypatch.undo()
+    # one shape alone, turned by a right angle mid-box: no wall, no other shape within reach of the turn
+    v = world.SPEEDS[scene.speed]
+    lone = world.Scene((world.Thing("red", "circle", (20.0, 32.0), (v, 0.0)),), scene.speed)
+    turned = world.Scene((world.Thing("red", "circle", (32.0, 32.0), (0.0, v)),), scene.speed)
+    k = int(12 / v)
+    clip = np.concatenate([world.render(lone, k), world.render(turned, 30 - k)])
+    steps = metric.transitions(metric.detect(clip), lone.prompt)[:, 0]
+    assert not steps[k:k + 2 * metric.LAG].all()
