@@ -242,7 +242,7 @@ def test_self_forcing_clips_are_the_teacher_forcing_draws_run_on_past_the_cache(
 
 def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fade(fitted):
     """`train.colour_shares` of encoded world frames: each palette colour's share of the pixels, counted exactly on
-    the rendered frames, to within half a percentage point; shapes faded three quarters of the way into the
+    the rendered frames, to within 0.8 percentage points; shapes faded three quarters of the way into the
     background lose their share, and `colour_share_error` sees it (and is zero for the frames themselves)."""
     from jaxkv.toyworld import train as T
 
@@ -252,7 +252,9 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
     x = fitted.encode(video)
     shares = np.asarray(T.colour_shares(fitted, x))
     assert shares.shape == (8, 6, len(palette))
-    np.testing.assert_allclose(shares, counted, atol=0.5)
+    # the largest error depends on the fit: over 5 fits and clip sets 0.34-0.75 points (shapes passing over each
+    # other), 0.41-0.61 (bouncing, as now); half a point held for this one fit only before the world changed
+    np.testing.assert_allclose(shares, counted, atol=0.8)
     assert counted[..., 2:].max() > 2.0                 # the shapes are there to be counted
 
     shape_pixels = ~((video == np.asarray(world.BACKGROUND, np.uint8)).all(-1)
