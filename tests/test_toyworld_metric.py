@@ -415,7 +415,7 @@ def test_bounces_between_shapes_are_forgiven_and_only_near_contact(prompt, monke
     scene = world.canonical_scene(prompt)
     frames = world.render(scene, 300)
     path = world.paths(scene, 300)
-    contact = world.REACH[scene.things[0].shape] + world.REACH[scene.things[1].shape] + world.CONTACT_GAP
+    contact = world.contact(scene.things[0].shape, scene.things[1].shape)
     assert (np.linalg.norm(path[:, 0] - path[:, 1], axis=-1) < contact + 2 * world.SPEEDS[scene.speed]).any()
     assert metric.score(frames, prompt).continuity == 1.0
     monkeypatch.setattr(world, "CONTACT_GAP", -1000.0)

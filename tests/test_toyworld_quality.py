@@ -44,7 +44,7 @@ def test_a_shape_lost_where_two_meet_fails_the_metric_as_it_fails_tracking():
     scene = world.canonical_scene(prompt)
     frames = 48
     path = world.paths(scene, frames)
-    contact = world.REACH["circle"] + world.REACH["square"] + world.CONTACT_GAP
+    contact = world.contact("circle", "square")
     met = int(np.argmax(np.linalg.norm(path[:, 0] - path[:, 1], axis=-1) < contact + 2.0))
     assert 0 < met < frames // 2
     video = world.render(scene, frames)

@@ -231,7 +231,7 @@ def test_canonical_scene_is_a_function_of_the_prompt():
 
 def _contact(scene) -> float:
     a, b = scene.things
-    return world.REACH[a.shape] + world.REACH[b.shape] + world.CONTACT_GAP
+    return world.contact(a.shape, b.shape)
 
 
 def test_reach_is_the_farthest_pixel_of_each_shape():

@@ -288,7 +288,6 @@ def _judge(detections: Detections, prompt: str) -> tuple[Occlusion, np.ndarray]:
     """(`occlusion`, `transitions`): each object's steps are judged with its own occlusion, which depends on
     the steps of the objects above it, so both come out of one pass from the top object down."""
     colours, shapes, speed = _objects(prompt)
-    reach = np.array([world.REACH[world.SHAPES[k]] for k in shapes])
     present = detections.present[:, colours]                    # [T, N]
     seen_any = detections.area[:, colours] > 0                  # some pixels, maybe under MIN_AREA
     box = detections.bbox[:, colours]                           # [T, N, 4]
@@ -324,7 +323,8 @@ def _judge(detections: Detections, prompt: str) -> tuple[Occlusion, np.ndarray]:
                 hidden[:, n], present[:, n] & ~covered[:, n], centre[:, n], centre[:, n + 1:], speed,
                 after[:, n] < frames)
         others = np.delete(centre, n, axis=1)                                  # [T, N - 1, 2]
-        contact = np.delete(reach, n) + reach[n] + world.CONTACT_GAP          # [N - 1]: where n bounces off each
+        contact = np.array([world.contact(world.SHAPES[shapes[n]], world.SHAPES[shapes[m]])   # [N - 1]
+                            for m in range(count) if m != n])
         steps[:, n] = _steps(present[:, n], hidden[:, n], covered[:, n] | hidden[:, n], centre[:, n], speed,
                              others, contact)
         moving[:, n] = present[:, n] & np.append(steps[:, n], True) & np.insert(steps[:, n], 0, True)

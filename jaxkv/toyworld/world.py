@@ -41,6 +41,11 @@ MAX_OBJECTS = 2
 # apart cannot overlap.
 REACH = {"circle": RADIUS, "square": HALF_SIDE * math.sqrt(2.0), "triangle": TRIANGLE_R}
 CONTACT_GAP = 1.0        # px kept between two shapes' reaches: they bounce before they touch
+
+
+def contact(a: str, b: str) -> float:
+    """The distance between the centres of shapes ``a`` and ``b`` at which they bounce off each other (`paths`)."""
+    return REACH[a] + REACH[b] + CONTACT_GAP
 VOCABULARY = ("a", "and", *COLOURS, *SHAPES, *SPEEDS)
 
 
@@ -121,8 +126,7 @@ def sample_scene(rng: np.random.Generator, prompt: str | None = None) -> Scene:
     things = []
     for colour, shape in objects:
         x, y = rng.uniform(MARGIN, SIZE - MARGIN, size=2)
-        while any(math.hypot(x - t.position[0], y - t.position[1]) < REACH[shape] + REACH[t.shape] + CONTACT_GAP
-                  for t in things):
+        while any(math.hypot(x - t.position[0], y - t.position[1]) < contact(shape, t.shape) for t in things):
             x, y = rng.uniform(MARGIN, SIZE - MARGIN, size=2)
         angle = rng.uniform(0.0, 2.0 * np.pi)
         v = SPEEDS[speed]
@@ -187,7 +191,7 @@ def paths(scene: Scene, frames: int, start: int = 0, *, bounce: bool = True) -> 
     """Centres float64 [frames, len(scene.things), 2] (x, y) of frames start .. start + frames - 1.
 
     A lone shape follows `trajectory`. Two shapes also bounce off each other: when the next step would bring their
-    centres closer than their reaches (+ `CONTACT_GAP`) while they approach, each one moving towards the other
+    centres closer than `contact` while they approach, each one moving towards the other
     mirrors its velocity in the plane between them (its speed is kept: the scene's speed holds for every shape),
     so shapes never overlap and nothing is ever hidden. The motion is stepped from frame 0 (`_pair_path`, cached
     per scene). With ``bounce=False`` every shape follows its own `trajectory` and shapes pass over each other
@@ -209,7 +213,7 @@ def _pair_path(scene: Scene, frames: int) -> np.ndarray:
     with its shapes overlapping only mirrors until they are apart). Python floats: a step
     of numpy calls on 2-vectors costs ~7x as much."""
     a, b = scene.things
-    contact = REACH[a.shape] + REACH[b.shape] + CONTACT_GAP
+    apart = contact(a.shape, b.shape)
     (ax, ay), (bx, by) = a.position, b.position
     (avx, avy), (bvx, bvy) = a.velocity, b.velocity
     out = np.empty((frames, 4))
@@ -219,7 +223,7 @@ def _pair_path(scene: Scene, frames: int) -> np.ndarray:
         dx, dy = bx - ax, by - ay
         dist = math.hypot(dx, dy)
         (qax, qay, wax, way), (qbx, qby, wbx, wby) = _wall_step(ax, ay, avx, avy), _wall_step(bx, by, bvx, bvy)
-        if math.hypot(qbx - qax, qby - qay) < contact and dist > 0:
+        if math.hypot(qbx - qax, qby - qay) < apart and dist > 0:
             nx, ny = dx / dist, dy / dist                    # from shape a towards shape b
             along = wax * nx + way * ny
             if along > 0:                                    # a closes on b
@@ -227,10 +231,10 @@ def _pair_path(scene: Scene, frames: int) -> np.ndarray:
             along = wbx * nx + wby * ny
             if along < 0:                                    # b closes on a
                 qbx, qby, wbx, wby = _wall_step(bx, by, wbx - 2 * along * nx, wby - 2 * along * ny)
-            if math.hypot(qbx - qax, qby - qay) < contact and dist >= contact and was_apart:
+            if math.hypot(qbx - qax, qby - qay) < apart and dist >= apart and was_apart:
                 qax, qay, wax, way = _wall_step(ax, ay, -avx, -avy)
                 qbx, qby, wbx, wby = _wall_step(bx, by, -bvx, -bvy)
-        was_apart = dist >= contact
+        was_apart = dist >= apart
         ax, ay, avx, avy, bx, by, bvx, bvy = qax, qay, wax, way, qbx, qby, wbx, wby
     out = out.reshape(frames, 2, 2)
     out.flags.writeable = False           # shared by every caller of the cache
