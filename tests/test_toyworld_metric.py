@@ -331,7 +331,7 @@ def test_an_object_vanishing_halfway_shows_in_the_later_windows():
     scene = world.Scene((world.Thing("red", "circle", (15.0, 20.0), (1.0, 0.3)),
                          world.Thing("blue", "square", (40.0, 45.0), (-1.0, 0.4))), "slow")
     frames = world.render(scene, 450, bounce=False)                                    # 150 chunks: 3 windows of 50
-    frames[225:] = world.render(world.Scene(scene.things[:1], "slow"), 225, start=225, bounce=False)   # the square is gone
+    frames[225:] = world.render(world.Scene(scene.things[:1], "slow"), 225, start=225, bounce=False)   # no square
     s = metric.score(frames, scene.prompt)
     np.testing.assert_array_equal(s.window_start, [0, 50, 100])
     # window 0: whole; window 1: half its frames lose the square (matched 1 of 2 named); window 2: all do
