@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="recompute each DiT block's activations in the backward pass instead of storing them: "
                    "teacher-forcing steps 1.2-1.3x and self-forcing steps 1.7-2.1x faster on 2 CPU cores "
                    "(benchmarks/train_step.py), but the weights differ from a run without it in float rounding (the "
-                   "shipped release 7 was trained with it, release 6 without)")
+                   "shipped release 8 and release 7 were trained with it, release 6 without)")
     for name, what in (("dim", "width"), ("ffn_dim", "feed-forward width"), ("heads", "attention heads"),
                        ("layers", "blocks")):
         t.add_argument(f"--dit-{name.replace('_', '-')}", type=int, default=getattr(d, f"dit_{name}"),

@@ -46,9 +46,9 @@ FORMAT_VERSION = 1
 # the last frame; at base 100 a model trained on the sampler's 4 levels guessed the next chunk better than holding
 # the last frame still (README, "The toy world").
 #
-# This is the default shape of a training run (`train.TrainConfig.dit_*`, release 6's); the shipped release 7 is twice
-# as wide (dim 192, ffn 512, 6 heads of the same 32 channels: its dit/config.json), and a loaded release always
-# carries its own config (`ToyModel.config`).
+# This is the default shape of a training run (`train.TrainConfig.dit_*`, release 6's); the shipped release 8 (like
+# release 7) is twice as wide (dim 192, ffn 512, 6 heads of the same 32 channels: its dit/config.json), and a loaded
+# release always carries its own config (`ToyModel.config`).
 WAN_CONFIG = WanConfig(dim=96, ffn_dim=256, num_heads=3, num_layers=4, patch_size=(1, 2, 2),
                        text_dim=text.CONFIG.dim, text_len=text.CONFIG.text_len, freq_dim=64, rope_theta=100.0)
 LATENT_SIZE = 64 // latents.PATCH          # 16: latent height and width

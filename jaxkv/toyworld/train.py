@@ -32,7 +32,7 @@
    to place, holds each colour's pixel share to the world's. With it, 100 steps lift the quality survey and the
    check over stage 3's weights, and 300 and 600 (the default) lift the survey further and keep the shapes drawn
    through 300-frame streams; at the default width they still stop moving after ~30 frames there (release 6), and
-   with a DiT twice as wide (``dit_*``, the shipped release 7, 300 steps) they keep moving. The outline
+   with a DiT twice as wide (``dit_*``, releases 7 and 8, 300 steps) they keep moving. The outline
    term (off in the shipped recipe, ``sf_outline_weight`` 0), also blind to place, holds each named colour's mask
    to its own shape, whole and sharp, wherever the rollout draws it (the squared error rewards a blob spread over
    the shape's possible places, and the metric needs the shape's outline to tell it); README "The outline term".
@@ -98,10 +98,11 @@ class TrainConfig:
     # Recompute each DiT block's activations in the backward pass instead of storing them (`jax.checkpoint`):
     # on 2 CPU cores teacher-forcing steps 1.2-1.3x and self-forcing steps 1.7-2.1x faster (benchmarks/train_step.py),
     # but the weights differ from a run without it in float rounding from the first step: the defaults (release 6's
-    # run) are without it; release 7 was trained with it.
+    # run) are without it; releases 7 and 8 were trained with it.
     remat: bool = False
-    # The DiT's shape (`wan_config`): release 6's by default; the shipped release 7 is dim 192, ffn 512, 6 heads
-    # (2.3 M parameters, 4.6 MB). A release must stay under 5 MB (its DiT is stored in bfloat16: 2 bytes a parameter).
+    # The DiT's shape (`wan_config`): release 6's by default; the shipped release 8 (as release 7) is dim 192,
+    # ffn 512, 6 heads (2.3 M parameters, 4.6 MB). A release must stay under 5 MB (its DiT is stored in bfloat16:
+    # 2 bytes a parameter).
     dit_dim: int = WAN_CONFIG.dim
     dit_ffn_dim: int = WAN_CONFIG.ffn_dim
     dit_heads: int = WAN_CONFIG.num_heads
