@@ -7,7 +7,8 @@ frames: 3.4 s with one object, 4.3 s with two, on 2 shared CPU cores):
 1. **Colour masks.** A pixel belongs to colour c when c is its nearest palette entry (the background included) and
    lies within half of c's distance to the background (`COLOUR_FRACTION`): a pixel more than half covered by an
    object. Nearest-entry assignment puts a blurred edge's boundary half-way between the two colours, so a
-   symmetric blur keeps an object's area; the cap rejects off-palette pixels. A fixed cap would not do: yellow is
+   symmetric blur keeps an object's area; the cap rejects off-palette pixels. The wall's `world.WALL_WIDTH`-pixel
+   border is left out (no shape reaches it; a decoder's colour offset once moved its grey within blue's cap). A fixed cap would not do: yellow is
    296 from the background, green 191, so one number either clips yellow's blurred edges or admits too much noise.
    Measured (world clips through a 16-of-48 principal-component map of 4x4 patches, like the toy model's latent
    map, 32 dB; and through a 3x3 box blur with a per-clip colour offset of up to 10 per channel): the masks keep
@@ -105,6 +106,11 @@ def _masks(block: np.ndarray) -> np.ndarray:
     near = np.take_along_axis(d2, nearest[..., None], -1)[..., 0] <= _CAP2[nearest]
     colours = np.arange(1, len(PALETTE))[None, :, None, None]
     raw = ((nearest[:, None] == colours) & near[:, None]).astype(np.uint8)   # [B, C, H, W]
+    # the wall is no shape's: no world shape reaches it (centres stay MARGIN from the edge, a shape reaches at most
+    # 9.9 px), and its grey, shifted by a decoder's colour offset, can fall within a colour's cap
+    w = world.WALL_WIDTH
+    raw[..., :w, :] = raw[..., -w:, :] = 0
+    raw[..., :, :w] = raw[..., :, -w:] = 0
     # 3x3 neighbourhood counts by two separable box sums over a zero-padded border
     padded = np.pad(raw, ((0, 0), (0, 0), (1, 1), (1, 1)))
     rows = padded[:, :, :-2] + padded[:, :, 1:-1] + padded[:, :, 2:]
