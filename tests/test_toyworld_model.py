@@ -502,7 +502,8 @@ def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
 
 
 @pytest.mark.parametrize("flag, value, least", [("--seed", -1, 0), ("--steps", -1, 0), ("--refine-steps", -1, 0),
-                                               ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1), ("--dit-dim", 0, 1),
+                                               ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1), ("--sf-batch", 0, 1),
+                                               ("--dit-dim", 0, 1),
                                                ("--dit-ffn-dim", 0, 1), ("--dit-heads", -2, 1), ("--dit-layers", 0, 1)])
 def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path, capsys, flag, value, least):
     from jaxkv.toyworld import cli
@@ -521,6 +522,16 @@ def test_train_cli_refuses_a_loss_weight_out_of_range_before_writing_anything(tm
     out = tmp_path / "release"
     assert cli.main(["train", "--out", str(out), flag, value]) == 2
     assert f"{flag} must be finite and >= 0" in capsys.readouterr().err
+    assert not out.exists() and not os.path.exists(str(out) + ".partial")
+
+
+@pytest.mark.parametrize("value", ["0", "-1e-4", "inf", "nan"])
+def test_train_cli_refuses_a_self_forcing_lr_out_of_range_before_writing_anything(tmp_path, capsys, value):
+    from jaxkv.toyworld import cli
+
+    out = tmp_path / "release"
+    assert cli.main(["train", "--out", str(out), f"--sf-lr={value}"]) == 2
+    assert "--sf-lr must be finite and > 0" in capsys.readouterr().err
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
 
 

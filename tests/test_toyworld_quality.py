@@ -1,5 +1,5 @@
 """The quality bar (`jaxkv.toyworld.quality`): the world's own clips clear it, random weights do not, the shipped
-model does not yet (strict xfail); `tracking` against the world's own scenes."""
+model (release 8) does; `tracking` against the world's own scenes."""
 
 import dataclasses
 
@@ -78,9 +78,6 @@ def test_random_weights_fail_and_the_shipped_model_moves_the_prompts_shapes(repo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the shipped model merges or blurs its shapes after a few chunks (issue #15 "
-                                       "stays open); strict: when a retrained model passes, this must become a "
-                                       "plain test")
 def test_the_shipped_model_clears_the_bar(reports):
     assert reports[1].passed, reports[1]
 

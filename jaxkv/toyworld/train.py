@@ -32,7 +32,7 @@
    to place, holds each colour's pixel share to the world's. With it, 100 steps lift the quality survey and the
    check over stage 3's weights, and 300 and 600 (the default) lift the survey further and keep the shapes drawn
    through 300-frame streams; at the default width they still stop moving after ~30 frames there (release 6), and
-   with a DiT twice as wide (``dit_*``, releases 7 and 8, 300 steps) they keep moving. The outline
+   with a DiT twice as wide (``dit_*``, release 7 with 300 steps, release 8 with 1,000) they keep moving. The outline
    term (off in the shipped recipe, ``sf_outline_weight`` 0), also blind to place, holds each named colour's mask
    to its own shape, whole and sharp, wherever the rollout draws it (the squared error rewards a blob spread over
    the shape's possible places, and the metric needs the shape's outline to tell it); README "The outline term".
