@@ -130,10 +130,14 @@ def test_render_from_any_start_equals_rendering_from_zero_and_slicing(seed, star
 
 
 @pytest.mark.parametrize("frames, start", [(0, 0), (-1, 0), (3, -1)])
-def test_render_rejects_bad_ranges(frames, start):
-    scene = world.sample_scene(np.random.default_rng(0), "a red circle, slow")
-    with pytest.raises(ValueError, match="frames >= 1 and start >= 0"):
-        world.render(scene, frames, start)
+def test_render_and_paths_reject_bad_ranges(frames, start):
+    for prompt in ("a red circle, slow", "a red circle and a blue square, fast"):
+        scene = world.sample_scene(np.random.default_rng(0), prompt)
+        for bounce in (True, False):
+            with pytest.raises(ValueError, match="frames >= 1 and start >= 0"):
+                world.render(scene, frames, start, bounce=bounce)
+            with pytest.raises(ValueError, match="frames >= 1 and start >= 0"):
+                world.paths(scene, frames, start, bounce=bounce)
 
 
 def every_scene():

@@ -41,12 +41,12 @@ MAX_OBJECTS = 2
 # apart cannot overlap.
 REACH = {"circle": RADIUS, "square": HALF_SIDE * math.sqrt(2.0), "triangle": TRIANGLE_R}
 CONTACT_GAP = 1.0        # px kept between two shapes' reaches: they bounce before they touch
+VOCABULARY = ("a", "and", *COLOURS, *SHAPES, *SPEEDS)
 
 
 def contact(a: str, b: str) -> float:
     """The distance between the centres of shapes ``a`` and ``b`` at which they bounce off each other (`paths`)."""
     return REACH[a] + REACH[b] + CONTACT_GAP
-VOCABULARY = ("a", "and", *COLOURS, *SHAPES, *SPEEDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +196,8 @@ def paths(scene: Scene, frames: int, start: int = 0, *, bounce: bool = True) -> 
     so shapes never overlap and nothing is ever hidden. The motion is stepped from frame 0 (`_pair_path`, cached
     per scene). With ``bounce=False`` every shape follows its own `trajectory` and shapes pass over each other
     (later-named ones drawn on top): occlusion, which a model may still draw and the metric must judge."""
+    if frames < 1 or start < 0:
+        raise ValueError(f"paths needs frames >= 1 and start >= 0, got frames={frames}, start={start}")
     if len(scene.things) == 1 or not bounce:
         return np.stack([trajectory(thing, frames, start) for thing in scene.things], axis=1)
     return _pair_path(scene, max(64, 1 << (start + frames - 1).bit_length()))[start:start + frames]
@@ -256,10 +258,9 @@ def _wall_step(x: float, y: float, vx: float, vy: float) -> tuple[float, float, 
 def render(scene: Scene, frames: int, start: int = 0, *, bounce: bool = True) -> np.ndarray:
     """uint8 [frames, SIZE, SIZE, 3]: frames start .. start + frames - 1 of the scene (shapes bounce off each
     other; with ``bounce=False`` they pass over each other, see `paths`)."""
-    if frames < 1 or start < 0:
-        raise ValueError(f"render needs frames >= 1 and start >= 0, got frames={frames}, start={start}")
+    centres = paths(scene, frames, start, bounce=bounce)             # checks frames and start
     video = empty_frames(frames)
-    for thing, centres in zip(scene.things, np.moveaxis(paths(scene, frames, start, bounce=bounce), 1, 0)):
+    for thing, centres in zip(scene.things, np.moveaxis(centres, 1, 0)):
         mask = shape_mask(thing.shape, centres)
         video[mask] = COLOURS[thing.colour]
     return video
