@@ -269,7 +269,7 @@ def test_a_frozen_object_fails_once_the_speed_check_can_see_it():
 
 
 @pytest.mark.parametrize("prompt, held", [
-    ("a green triangle, fast", 18),                      # x 49.5: against the right wall, where a stop looks like a bounce
+    ("a green triangle, fast", 18),                   # x 49.5: against the right wall, where a stop looks like a bounce
     ("a red circle and a blue square, slow", 14),        # overlapping: the circle covered by the square (which the
 ])                                                       # speed check stops: it is held away from the walls)
 def test_a_stop_the_speed_check_forgives_fails_the_travel_check(prompt, held, monkeypatch):

@@ -8,8 +8,9 @@ frames: 3.4 s with one object, 4.3 s with two, on 2 shared CPU cores):
    lies within half of c's distance to the background (`COLOUR_FRACTION`): a pixel more than half covered by an
    object. Nearest-entry assignment puts a blurred edge's boundary half-way between the two colours, so a
    symmetric blur keeps an object's area; the cap rejects off-palette pixels. The wall's `world.WALL_WIDTH`-pixel
-   border is left out (no shape reaches it; a decoder's colour offset once moved its grey within blue's cap). A fixed cap would not do: yellow is
-   296 from the background, green 191, so one number either clips yellow's blurred edges or admits too much noise.
+   border is left out (no shape reaches it; a decoder's colour offset once moved its grey within blue's cap). A
+   fixed cap would not do: yellow is 296 from the background, green 191, so one number either clips yellow's
+   blurred edges or admits too much noise.
    Measured (world clips through a 16-of-48 principal-component map of 4x4 patches, like the toy model's latent
    map, 32 dB; and through a 3x3 box blur with a per-clip colour offset of up to 10 per channel): the masks keep
    >= 96 % / >= 84 % of each object's pixels; uniform noise fills 13-20 % of each colour's mask before step 2.
