@@ -258,9 +258,9 @@ def _wall_step(x: float, y: float, vx: float, vy: float) -> tuple[float, float, 
 def render(scene: Scene, frames: int, start: int = 0, *, bounce: bool = True) -> np.ndarray:
     """uint8 [frames, SIZE, SIZE, 3]: frames start .. start + frames - 1 of the scene (shapes bounce off each
     other; with ``bounce=False`` they pass over each other, see `paths`)."""
-    centres = paths(scene, frames, start, bounce=bounce)             # checks frames and start
+    path = paths(scene, frames, start, bounce=bounce)                # [frames, N, 2]; checks frames and start
     video = empty_frames(frames)
-    for thing, centres in zip(scene.things, np.moveaxis(centres, 1, 0)):
+    for thing, centres in zip(scene.things, np.moveaxis(path, 1, 0)):
         mask = shape_mask(thing.shape, centres)
         video[mask] = COLOURS[thing.colour]
     return video
