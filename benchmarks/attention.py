@@ -38,7 +38,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxkv
 from jaxkv.attention import BlockSizes, attend
@@ -105,21 +104,32 @@ def _ring_case(window_frames, sink_frames, tokens_per_frame, dtype, head_dim, he
     spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
     cache, q = filled_ring(spec, dtype, head_dim, heads)
     mask = spec.mask()
-    shape = {"dtype": jnp.dtype(dtype).name, "tokens_per_frame": tokens_per_frame, "window_frames": window_frames,
-             "sink_frames": sink_frames, "queries": spec.chunk, "keys": spec.capacity, "heads": heads,
-             "head_dim": head_dim}
+    shape = {
+        "dtype": jnp.dtype(dtype).name,
+        "tokens_per_frame": tokens_per_frame,
+        "window_frames": window_frames,
+        "sink_frames": sink_frames,
+        "queries": spec.chunk,
+        "keys": spec.capacity,
+        "heads": heads,
+        "head_dim": head_dim,
+    }
     return spec, cache, q, mask, shape
 
 
-def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, reps: int, head_dim: int = HEAD_DIM,
-                heads: int = HEADS) -> dict:
-    spec, cache, q, mask, shape = _ring_case(window_frames, sink_frames, tokens_per_frame, jnp.float32, head_dim,
-                                             heads)
+def measure_cpu(
+    window_frames: int, sink_frames: int, tokens_per_frame: int, reps: int, head_dim: int = HEAD_DIM, heads: int = HEADS
+) -> dict:
+    spec, cache, q, mask, shape = _ring_case(window_frames, sink_frames, tokens_per_frame, jnp.float32, head_dim, heads)
     block_k = choose_block(spec.chunk, 512) or spec.chunk
-    ring = lambda backend: jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions,
-                                                       backend=backend, block_k=block_k, mask=mask))
-    variants = {"ring_blockwise": ring("xla_blockwise"), "ring_dense": ring("xla_dense"),
-                "copy_sdpa": jax.jit(_copy_then_sdpa)}
+    ring = lambda backend: jax.jit(
+        lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions, backend=backend, block_k=block_k, mask=mask)
+    )
+    variants = {
+        "ring_blockwise": ring("xla_blockwise"),
+        "ring_dense": ring("xla_dense"),
+        "copy_sdpa": jax.jit(_copy_then_sdpa),
+    }
     ms, outs, errors = _time(variants, (cache, q), reps)
     return {
         "part": "cpu",
@@ -136,14 +146,35 @@ def measure_cpu(window_frames: int, sink_frames: int, tokens_per_frame: int, rep
     }
 
 
-def measure_gpu(window_frames: int, sink_frames: int, tokens_per_frame: int, reps: int, *, dtype=jnp.bfloat16,
-                head_dim: int = HEAD_DIM, heads: int = HEADS, implementation: str = "cudnn", interpret: bool = False,
-                block_sizes: BlockSizes | None = None) -> dict:
+def measure_gpu(
+    window_frames: int,
+    sink_frames: int,
+    tokens_per_frame: int,
+    reps: int,
+    *,
+    dtype=jnp.bfloat16,
+    head_dim: int = HEAD_DIM,
+    heads: int = HEADS,
+    implementation: str = "cudnn",
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+) -> dict:
     """Pallas on the ring vs SDPA (cuDNN) on the same K/V and vs gather + SDPA. `implementation="xla"` and
     `interpret=True` run the same code on CPU (tests)."""
     spec, cache, q, mask, shape = _ring_case(window_frames, sink_frames, tokens_per_frame, dtype, head_dim, heads)
-    pallas = jax.jit(lambda c, q: attend(q, c.k, c.v, c.chunk_positions(), c.positions, backend="pallas",
-                                         block_sizes=block_sizes, interpret=interpret, mask=mask))
+    pallas = jax.jit(
+        lambda c, q: attend(
+            q,
+            c.k,
+            c.v,
+            c.chunk_positions(),
+            c.positions,
+            backend="pallas",
+            block_sizes=block_sizes,
+            interpret=interpret,
+            mask=mask,
+        )
+    )
     # A full ring: every key is visible to the chunk, so unmasked SDPA over the slots in physical order is exact.
     same_kv = jax.jit(lambda c, q: jax.nn.dot_product_attention(q, c.k, c.v, implementation=implementation))
     copy = jax.jit(functools.partial(_copy_then_sdpa, implementation=implementation))
@@ -189,15 +220,17 @@ def gpu_checks(interpret: bool = False, block_sizes: BlockSizes | None = None, c
             key, kk, kv = jax.random.split(key, 3)
             active = jnp.array([True, n == 0])
             shape = (2, spec.chunk, 2, head_dim)
-            cache = cache.begin_chunk(active=active).write(jax.random.normal(kk, shape, dtype),
-                                                           jax.random.normal(kv, shape, dtype), active=active)
+            cache = cache.begin_chunk(active=active).write(
+                jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype), active=active
+            )
         q = jax.random.normal(key, (2, spec.chunk, 4, head_dim), dtype)
         rope = None if style is None else CacheRope(style=style)
         args = (q, cache.k, cache.v, cache.chunk_positions(), cache.positions)
         row = {"part": "gpu_check", "head_dim": head_dim, "dtype": dtype, "mask": mask, "rope": style}
         try:
-            got = jax.jit(lambda *a: attend(*a, backend="pallas", rope=rope, interpret=interpret,
-                                            block_sizes=block_sizes, **mask))(*args)
+            got = jax.jit(
+                lambda *a: attend(*a, backend="pallas", rope=rope, interpret=interpret, block_sizes=block_sizes, **mask)
+            )(*args)
             want = dense_attention(*args, rope=rope, **mask)
             row["max_abs_diff"] = _max_diff(got, want)
             row["ok"] = bool(row["max_abs_diff"] < (2e-2 if dtype == "bfloat16" else 2e-3))
@@ -222,8 +255,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller CPU shapes, fewer reps (under a minute)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10, quick 3)")
-    parser.add_argument("--tokens-per-frame", type=int, default=None,
-                        help="CPU tokens per latent frame (default 260 = 1560 / 6; quick 156)")
+    parser.add_argument(
+        "--tokens-per-frame",
+        type=int,
+        default=None,
+        help="CPU tokens per latent frame (default 260 = 1560 / 6; quick 156)",
+    )
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part even when a GPU is present")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU part (on a GPU machine)")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
@@ -234,13 +271,23 @@ def main(argv=None) -> int:
         parser.error("--reps and --tokens-per-frame must be >= 1")
 
     rows = []
-    print(f"jax {jax.__version__}; CPU part: float32, {HEADS} heads x {HEAD_DIM}, {tpf} tokens/frame "
-          f"(Wan: {WAN_TOKENS_PER_FRAME}), {CHUNK_FRAMES}-frame chunks, wrapped full ring, {reps} reps (median)")
-    cpu_cols = [("window", "window_frames", 6), ("sink", "sink_frames", 4), ("queries", "queries", 7),
-                ("keys", "keys", 6), ("ring blk ms", "ring_blockwise_ms", 11), ("ring dense ms", "ring_dense_ms", 13),
-                ("copy+sdpa ms", "copy_sdpa_ms", 12), ("copy/blk", "copy_over_ring_blockwise", 8),
-                ("copy/dense", "copy_over_ring_dense", 10), ("blk max|diff|", "max_abs_diff", 13),
-                ("dense max|diff|", "ring_dense_max_abs_diff", 15)]
+    print(
+        f"jax {jax.__version__}; CPU part: float32, {HEADS} heads x {HEAD_DIM}, {tpf} tokens/frame "
+        f"(Wan: {WAN_TOKENS_PER_FRAME}), {CHUNK_FRAMES}-frame chunks, wrapped full ring, {reps} reps (median)"
+    )
+    cpu_cols = [
+        ("window", "window_frames", 6),
+        ("sink", "sink_frames", 4),
+        ("queries", "queries", 7),
+        ("keys", "keys", 6),
+        ("ring blk ms", "ring_blockwise_ms", 11),
+        ("ring dense ms", "ring_dense_ms", 13),
+        ("copy+sdpa ms", "copy_sdpa_ms", 12),
+        ("copy/blk", "copy_over_ring_blockwise", 8),
+        ("copy/dense", "copy_over_ring_dense", 10),
+        ("blk max|diff|", "max_abs_diff", 13),
+        ("dense max|diff|", "ring_dense_max_abs_diff", 15),
+    ]
     if not args.no_cpu:
         print(_header(cpu_cols))
         with jax.default_device(jax.devices("cpu")[0]):
@@ -249,18 +296,30 @@ def main(argv=None) -> int:
                 print(_line(rows[-1], cpu_cols), flush=True)
 
     if not args.no_gpu and jax.default_backend() == "gpu":
-        print(f"\nGPU part: {jax.devices()[0].device_kind}, bf16, full Wan 1.3B shapes "
-              f"({WAN_TOKENS_PER_FRAME} tokens/frame), {reps} reps (median)")
-        gpu_cols = [("window", "window_frames", 6), ("sink", "sink_frames", 4), ("queries", "queries", 7),
-                    ("keys", "keys", 6), ("pallas ms", "pallas_ms", 9), ("cudnn ms", "sdpa_ms", 8),
-                    ("copy+cudnn ms", "copy_sdpa_ms", 13), ("pallas/cudnn", "pallas_over_sdpa", 12),
-                    ("pallas TF/s", "pallas_tflops", 11), ("cudnn TF/s", "sdpa_tflops", 10),
-                    ("max|diff|", "max_abs_diff", 9)]
+        print(
+            f"\nGPU part: {jax.devices()[0].device_kind}, bf16, full Wan 1.3B shapes "
+            f"({WAN_TOKENS_PER_FRAME} tokens/frame), {reps} reps (median)"
+        )
+        gpu_cols = [
+            ("window", "window_frames", 6),
+            ("sink", "sink_frames", 4),
+            ("queries", "queries", 7),
+            ("keys", "keys", 6),
+            ("pallas ms", "pallas_ms", 9),
+            ("cudnn ms", "sdpa_ms", 8),
+            ("copy+cudnn ms", "copy_sdpa_ms", 13),
+            ("pallas/cudnn", "pallas_over_sdpa", 12),
+            ("pallas TF/s", "pallas_tflops", 11),
+            ("cudnn TF/s", "sdpa_tflops", 10),
+            ("max|diff|", "max_abs_diff", 9),
+        ]
         for check in gpu_checks():
             rows.append(check)
-            print(f"check head_dim {check['head_dim']} {check['dtype']} mask {check['mask']} rope {check['rope']}: "
-                  f"max|diff| {check['max_abs_diff']:.1e} {'ok' if check['ok'] else 'FAIL ' + check.get('error', '')}",
-                  flush=True)
+            print(
+                f"check head_dim {check['head_dim']} {check['dtype']} mask {check['mask']} rope {check['rope']}: "
+                f"max|diff| {check['max_abs_diff']:.1e} {'ok' if check['ok'] else 'FAIL ' + check.get('error', '')}",
+                flush=True,
+            )
         print(_header(gpu_cols))
         for window_frames, sink_frames in GPU_ROWS:
             rows.append(measure_gpu(window_frames, sink_frames, WAN_TOKENS_PER_FRAME, reps))

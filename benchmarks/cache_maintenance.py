@@ -34,8 +34,10 @@ def _step(cache, k, v):
 
 
 def _floor(k_buf, v_buf, k, v, offset):
-    return (lax.dynamic_update_slice(k_buf, k, (0, offset, 0, 0)),
-            lax.dynamic_update_slice(v_buf, v, (0, offset, 0, 0)))
+    return (
+        lax.dynamic_update_slice(k_buf, k, (0, offset, 0, 0)),
+        lax.dynamic_update_slice(v_buf, v, (0, offset, 0, 0)),
+    )
 
 
 def measure(window_frames: int, sink_frames: int, reps: int, dtype=jnp.bfloat16) -> dict:
@@ -103,19 +105,26 @@ def main(argv=None) -> int:
     if reps < 1:
         parser.error("--reps must be >= 1")
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; bf16, {HEADS} heads x {HEAD_DIM}, "
-          f"{TOKENS_PER_FRAME} tokens/frame, {CHUNK_FRAMES}-frame chunks, 1 layer, 1 session, {reps} reps (median)")
-    header = f"{'window':>6} {'sink':>4} {'cache MiB':>9} {'ring ms':>8} {'roll ms':>8} {'floor ms':>8} " \
-             f"{'ring/floor':>10} {'roll/ring':>9} {'same content':>12}"
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; bf16, {HEADS} heads x {HEAD_DIM}, "
+        f"{TOKENS_PER_FRAME} tokens/frame, {CHUNK_FRAMES}-frame chunks, 1 layer, 1 session, {reps} reps (median)"
+    )
+    header = (
+        f"{'window':>6} {'sink':>4} {'cache MiB':>9} {'ring ms':>8} {'roll ms':>8} {'floor ms':>8} "
+        f"{'ring/floor':>10} {'roll/ring':>9} {'same content':>12}"
+    )
     print(header)
     print("-" * len(header))
     rows = []
     for window_frames, sink_frames in ROWS:
         row = measure(window_frames, sink_frames, reps)
         rows.append(row)
-        print(f"{window_frames:>6} {sink_frames:>4} {row['cache_mib']:>9} {row['ring_ms']:>8.2f} {row['roll_ms']:>8.2f} "
-              f"{row['floor_ms']:>8.2f} {row['ring_over_floor']:>10.2f} {row['roll_over_ring']:>9.1f} "
-              f"{'yes' if row['ring_equals_roll'] else 'NO':>12}", flush=True)
+        print(
+            f"{window_frames:>6} {sink_frames:>4} {row['cache_mib']:>9} {row['ring_ms']:>8.2f} {row['roll_ms']:>8.2f} "
+            f"{row['floor_ms']:>8.2f} {row['ring_over_floor']:>10.2f} {row['roll_over_ring']:>9.1f} "
+            f"{'yes' if row['ring_equals_roll'] else 'NO':>12}",
+            flush=True,
+        )
     flat = rows[3]["ring_ms"] / rows[0]["ring_ms"]
     print(f"ring 42 vs 6 frames: {flat:.2f}x")
     if not all(row["ring_equals_roll"] for row in rows):

@@ -46,20 +46,31 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from converters.safetensors_io import StreamWriter  # noqa: E402
+from jaxkv.convert.safetensors_io import StreamWriter  # noqa: E402
 
 
-def synthetic_shapes(dim: int, ffn_dim: int, layers: int, text_dim: int = 4096, freq_dim: int = 256,
-                     in_dim: int = 16) -> dict[str, tuple[int, ...]]:
+def synthetic_shapes(
+    dim: int, ffn_dim: int, layers: int, text_dim: int = 4096, freq_dim: int = 256, in_dim: int = 16
+) -> dict[str, tuple[int, ...]]:
     """Original Wan 2.1 key -> PyTorch shape (patch 1x2x2)."""
     d = dim
-    shapes = {"patch_embedding.weight": (d, in_dim, 1, 2, 2), "patch_embedding.bias": (d,),
-              "text_embedding.0.weight": (d, text_dim), "text_embedding.0.bias": (d,),
-              "text_embedding.2.weight": (d, d), "text_embedding.2.bias": (d,),
-              "time_embedding.0.weight": (d, freq_dim), "time_embedding.0.bias": (d,),
-              "time_embedding.2.weight": (d, d), "time_embedding.2.bias": (d,),
-              "time_projection.1.weight": (6 * d, d), "time_projection.1.bias": (6 * d,),
-              "head.head.weight": (4 * in_dim, d), "head.head.bias": (4 * in_dim,), "head.modulation": (1, 2, d)}
+    shapes = {
+        "patch_embedding.weight": (d, in_dim, 1, 2, 2),
+        "patch_embedding.bias": (d,),
+        "text_embedding.0.weight": (d, text_dim),
+        "text_embedding.0.bias": (d,),
+        "text_embedding.2.weight": (d, d),
+        "text_embedding.2.bias": (d,),
+        "time_embedding.0.weight": (d, freq_dim),
+        "time_embedding.0.bias": (d,),
+        "time_embedding.2.weight": (d, d),
+        "time_embedding.2.bias": (d,),
+        "time_projection.1.weight": (6 * d, d),
+        "time_projection.1.bias": (6 * d,),
+        "head.head.weight": (4 * in_dim, d),
+        "head.head.bias": (4 * in_dim,),
+        "head.modulation": (1, 2, d),
+    }
     for i in range(layers):
         for a in ("self_attn", "cross_attn"):
             for p in "qkvo":
@@ -130,19 +141,45 @@ def measure(cmd: list[str]) -> dict:
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {stderr.decode()[-2000:]}")
     wait4_peak = usage.ru_maxrss * 1024
-    return {"wall_s": time.perf_counter() - start, "peak_rss": peaks["VmHWM"] or wait4_peak,
-            "peak_rss_wait4": wait4_peak, "peak_anon": peaks["RssAnon"], "peak_file": peaks["RssFile"]}
+    return {
+        "wall_s": time.perf_counter() - start,
+        "peak_rss": peaks["VmHWM"] or wait4_peak,
+        "peak_rss_wait4": wait4_peak,
+        "peak_anon": peaks["RssAnon"],
+        "peak_file": peaks["RssFile"],
+    }
 
 
 def _generate(path: str, dim: int, ffn_dim: int, layers: int) -> None:
     # In a subprocess: Linux carries the RSS a process had when it forked into its child's ru_maxrss, so this
     # process must stay small (torch.save needs the whole state dict in memory).
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--generate", path, "--dim", str(dim),
-                    "--ffn-dim", str(ffn_dim), "--layers", str(layers)], check=True, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--generate",
+            path,
+            "--dim",
+            str(dim),
+            "--ffn-dim",
+            str(ffn_dim),
+            "--layers",
+            str(layers),
+        ],
+        check=True,
+        cwd=ROOT,
+    )
 
 
-def run(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8, pt: bool = False,
-        workdir: str | None = None, safetensors: bool = True) -> dict:
+def run(
+    size_mb: float,
+    dim: int = 1024,
+    ffn_dim: int = 4096,
+    heads: int = 8,
+    pt: bool = False,
+    workdir: str | None = None,
+    safetensors: bool = True,
+) -> dict:
     """Builds the synthetic checkpoint(s) and measures every row; ``safetensors=False`` keeps only the control
     and the .pt rows."""
     shapes, layers = _sized(size_mb, dim, ffn_dim)
@@ -150,14 +187,15 @@ def run(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8, pt
     try:
         src = os.path.join(tmp, "diffusion_pytorch_model.safetensors")
         _generate(src, dim, ffn_dim, layers)
-        cli = [sys.executable, "-m", "converters.cli"]
+        cli = [sys.executable, "-m", "jaxkv.convert.cli"]
         common = ["--num-heads", str(heads), "--no-progress"]
         rows = {}
         if safetensors:
             rows["dry-run"] = measure(cli + [src, "--dry-run"] + common)
             rows["convert"] = measure(cli + [src, os.path.join(tmp, "out"), "--dtype", "bf16"] + common)
-        rows["load-all"] = measure([sys.executable, "-c",
-                                    f"from safetensors.numpy import load_file; load_file({src!r})"])
+        rows["load-all"] = measure(
+            [sys.executable, "-c", f"from safetensors.numpy import load_file; load_file({src!r})"]
+        )
         if pt:
             src_pt = os.path.join(tmp, "self_forcing.pt")
             _generate(src_pt, dim, ffn_dim, layers)
@@ -165,8 +203,14 @@ def run(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8, pt
             rows["dry-run-pt"] = measure(cli + [src_pt, "--dry-run"] + common)
             rows["convert-pt"] = measure(cli + [src_pt, os.path.join(tmp, "out_pt"), "--dtype", "bf16"] + common)
         largest = max(int(np.prod(s)) * 4 for s in shapes.values())
-        return {"checkpoint_bytes": sum(int(np.prod(s)) * 4 for s in shapes.values()),
-                "largest_tensor_bytes": largest, "layers": layers, "dim": dim, "ffn_dim": ffn_dim, "rows": rows}
+        return {
+            "checkpoint_bytes": sum(int(np.prod(s)) * 4 for s in shapes.values()),
+            "largest_tensor_bytes": largest,
+            "layers": layers,
+            "dim": dim,
+            "ffn_dim": ffn_dim,
+            "rows": rows,
+        }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -183,8 +227,7 @@ else:
 """
 
 
-def run_load(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8,
-             workdir: str | None = None) -> dict:
+def run_load(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 8, workdir: str | None = None) -> dict:
     """Peak RSS of `wan.load` on float32 / bfloat16 checkpoints of about ``size_mb`` (float32) MiB."""
     shapes, layers = _sized(size_mb, dim, ffn_dim)
     tmp = tempfile.mkdtemp(prefix="load_memory_", dir=workdir)
@@ -194,18 +237,41 @@ def run_load(size_mb: float, dim: int = 1024, ffn_dim: int = 4096, heads: int = 
         cks = {}
         for dtype in ("f32", "bf16"):
             cks[dtype] = os.path.join(tmp, f"ck_{dtype}")
-            subprocess.run([sys.executable, "-m", "converters.cli", src, cks[dtype], "--dtype", dtype, "--num-heads",
-                            str(heads), "--no-progress"], check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxkv.convert.cli",
+                    src,
+                    cks[dtype],
+                    "--dtype",
+                    dtype,
+                    "--num-heads",
+                    str(heads),
+                    "--no-progress",
+                ],
+                check=True,
+                cwd=ROOT,
+                stderr=subprocess.DEVNULL,
+            )
         os.remove(src)
         load = [sys.executable, "-c", _LOAD]
-        rows = {"load-baseline": measure(load + ["-", "stored"]),
-                "load-f32-as-bf16": measure(load + [cks["f32"], "bfloat16"]),
-                "load-f32": measure(load + [cks["f32"], "stored"]),
-                "load-bf16": measure(load + [cks["bf16"], "stored"])}
+        rows = {
+            "load-baseline": measure(load + ["-", "stored"]),
+            "load-f32-as-bf16": measure(load + [cks["f32"], "bfloat16"]),
+            "load-f32": measure(load + [cks["f32"], "stored"]),
+            "load-bf16": measure(load + [cks["bf16"], "stored"]),
+        }
         f32 = sum(int(np.prod(s)) * 4 for s in shapes.values())
-        return {"weights_f32_bytes": f32, "weights_bf16_bytes": f32 // 2,
-                "largest_tensor_f32_bytes": _largest_stacked(shapes, layers), "layers": layers, "dim": dim,
-                "ffn_dim": ffn_dim, "rows": rows}
+        return {
+            "weights_f32_bytes": f32,
+            "weights_bf16_bytes": f32 // 2,
+            "largest_tensor_f32_bytes": _largest_stacked(shapes, layers),
+            "layers": layers,
+            "dim": dim,
+            "ffn_dim": ffn_dim,
+            "rows": rows,
+        }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -228,9 +294,11 @@ def _largest_stacked(shapes, layers: int) -> int:
 
 def _print_load(result) -> None:
     mib = lambda b: f"{b / 2**20:8.1f}"  # noqa: E731
-    print(f"weights: {mib(result['weights_f32_bytes'])} MiB float32 = {mib(result['weights_bf16_bytes'])} MiB "
-          f"bfloat16 ({result['layers']} layers, dim {result['dim']}, ffn {result['ffn_dim']}); largest stacked "
-          f"parameter {mib(result['largest_tensor_f32_bytes'])} MiB float32")
+    print(
+        f"weights: {mib(result['weights_f32_bytes'])} MiB float32 = {mib(result['weights_bf16_bytes'])} MiB "
+        f"bfloat16 ({result['layers']} layers, dim {result['dim']}, ffn {result['ffn_dim']}); largest stacked "
+        f"parameter {mib(result['largest_tensor_f32_bytes'])} MiB float32"
+    )
     rows = result["rows"]
     base = rows["load-baseline"]["peak_rss"]
     print(f"{'run':<18}{'wall s':>8}{'peak RSS MiB':>14}{'- baseline MiB':>16}{'/ result size':>15}")
@@ -265,18 +333,24 @@ def main(argv=None) -> int:
         return 0
     result = run(args.size_mb, args.dim, args.ffn_dim, pt=args.pt)
     mib = lambda b: f"{b / 2**20:8.1f}"  # noqa: E731
-    print(f"checkpoint: {mib(result['checkpoint_bytes'])} MiB float32 ({result['layers']} layers, dim "
-          f"{result['dim']}, ffn {result['ffn_dim']}); largest tensor {mib(result['largest_tensor_bytes'])} MiB")
+    print(
+        f"checkpoint: {mib(result['checkpoint_bytes'])} MiB float32 ({result['layers']} layers, dim "
+        f"{result['dim']}, ffn {result['ffn_dim']}); largest tensor {mib(result['largest_tensor_bytes'])} MiB"
+    )
     print(f"{'run':<12}{'wall s':>8}{'peak RSS MiB':>14}{'peak anon MiB':>15}{'peak file MiB':>15}")
     for name, r in result["rows"].items():
         print(f"{name:<12}{r['wall_s']:8.1f}{mib(r['peak_rss']):>14}{mib(r['peak_anon']):>15}{mib(r['peak_file']):>15}")
     extra = result["rows"]["convert"]["peak_rss"] - result["rows"]["dry-run"]["peak_rss"]
-    print(f"convert - dry-run peak RSS: {extra / 2**20:.1f} MiB = {extra / result['checkpoint_bytes']:.3f} x "
-          f"checkpoint, {extra / result['largest_tensor_bytes']:.2f} x largest tensor")
+    print(
+        f"convert - dry-run peak RSS: {extra / 2**20:.1f} MiB = {extra / result['checkpoint_bytes']:.3f} x "
+        f"checkpoint, {extra / result['largest_tensor_bytes']:.2f} x largest tensor"
+    )
     if "convert-pt" in result["rows"]:
         extra = result["rows"]["convert-pt"]["peak_rss"] - result["rows"]["dry-run-pt"]["peak_rss"]
-        print(f"convert-pt - dry-run-pt peak RSS: {extra / 2**20:.1f} MiB = {extra / result['checkpoint_bytes']:.3f} x "
-              f"checkpoint, {extra / result['largest_tensor_bytes']:.2f} x largest tensor")
+        print(
+            f"convert-pt - dry-run-pt peak RSS: {extra / 2**20:.1f} MiB = {extra / result['checkpoint_bytes']:.3f} x "
+            f"checkpoint, {extra / result['largest_tensor_bytes']:.2f} x largest tensor"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

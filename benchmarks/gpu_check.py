@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import sys
@@ -41,14 +40,24 @@ from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.precision import Precision
 
-FULL = dict(heads=12, head_dim=128, chunk=4680, keys=(9360, 23400, 37440), correctness_keys=9360,
-            wan="wan2.1-t2v-1.3b", latent=(60, 104), window=18, sink=3)
-DRY = dict(heads=2, head_dim=64, chunk=64, keys=(128, 320), correctness_keys=192,
-           wan="tiny", latent=(8, 8), window=6, sink=3)
+FULL = dict(
+    heads=12,
+    head_dim=128,
+    chunk=4680,
+    keys=(9360, 23400, 37440),
+    correctness_keys=9360,
+    wan="wan2.1-t2v-1.3b",
+    latent=(60, 104),
+    window=18,
+    sink=3,
+)
+DRY = dict(
+    heads=2, head_dim=64, chunk=64, keys=(128, 320), correctness_keys=192, wan="tiny", latent=(8, 8), window=6, sink=3
+)
 
 
 def _time(fn, *args, reps: int):
-    jax.block_until_ready(fn(*args))                    # compile + warm
+    jax.block_until_ready(fn(*args))  # compile + warm
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -65,7 +74,7 @@ def _ring(key, batch, keys, chunk, heads, head_dim, filled, sink_chunks=0):
     pos = np.full((keys,), -1, np.int32)
     for n in range(filled):
         slot = n if n < sink_chunks else sink_chunks + (n - sink_chunks) % window
-        pos[slot * chunk:(slot + 1) * chunk] = np.arange(n * chunk, (n + 1) * chunk)
+        pos[slot * chunk : (slot + 1) * chunk] = np.arange(n * chunk, (n + 1) * chunk)
     kq, kk, kv = jax.random.split(key, 3)
     q = jax.random.normal(kq, (batch, chunk, heads, head_dim), jnp.bfloat16)
     k = jax.random.normal(kk, (batch, keys, heads, head_dim), jnp.bfloat16)
@@ -77,13 +86,19 @@ def _ring(key, batch, keys, chunk, heads, head_dim, filled, sink_chunks=0):
 def check_correctness(s: dict, interpret: bool, cudnn_ok: bool) -> dict:
     out = {}
     c, keys = s["chunk"], s["correctness_keys"]
-    cases = {"partial": dict(filled=1, sink_chunks=0, mask=dict(chunk=c)),
-             "wrapped_sink": dict(filled=2 * keys // c + 1, sink_chunks=1, mask=dict(chunk=c))}
+    cases = {
+        "partial": dict(filled=1, sink_chunks=0, mask=dict(chunk=c)),
+        "wrapped_sink": dict(filled=2 * keys // c + 1, sink_chunks=1, mask=dict(chunk=c)),
+    }
     for name, case in cases.items():
-        q, k, v, qp, kp = _ring(jax.random.key(0), 1, keys, c, s["heads"], s["head_dim"], case["filled"],
-                                case["sink_chunks"])
-        ref = jax.jit(lambda *a: dense_attention(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
-                                                   for x in a), **case["mask"]))(q, k, v, qp, kp)
+        q, k, v, qp, kp = _ring(
+            jax.random.key(0), 1, keys, c, s["heads"], s["head_dim"], case["filled"], case["sink_chunks"]
+        )
+        ref = jax.jit(
+            lambda *a: dense_attention(
+                *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in a), **case["mask"]
+            )
+        )(q, k, v, qp, kp)
         for backend in ("pallas", "cudnn"):
             if backend == "cudnn" and not cudnn_ok:
                 out[f"{name}/{backend}"] = "skipped: cuDNN not available on this jaxlib"
@@ -100,8 +115,10 @@ def time_attention(s: dict, interpret: bool, cudnn_ok: bool, reps: int) -> list[
     c = s["chunk"]
     for keys in s["keys"]:
         q, k, v, qp, kp = _ring(jax.random.key(1), 1, keys, c, s["heads"], s["head_dim"], 2 * keys // c)
-        fns = {"pallas": jax.jit(lambda *a: attend(*a, backend="pallas", chunk=c, interpret=interpret)),
-               "xla": jax.jit(lambda q, k, v, qp, kp: jax.nn.dot_product_attention(q, k, v, implementation="xla"))}
+        fns = {
+            "pallas": jax.jit(lambda *a: attend(*a, backend="pallas", chunk=c, interpret=interpret)),
+            "xla": jax.jit(lambda q, k, v, qp, kp: jax.nn.dot_product_attention(q, k, v, implementation="xla")),
+        }
         if cudnn_ok:
             fns["cudnn"] = jax.jit(lambda *a: attend(*a, backend="cudnn", chunk=c))
         row = {"queries": c, "keys": keys, "heads": s["heads"], "head_dim": s["head_dim"], "dtype": "bfloat16"}
@@ -111,7 +128,7 @@ def time_attention(s: dict, interpret: bool, cudnn_ok: bool, reps: int) -> list[
             except Exception as e:  # report and go on: one failing path must not hide the others
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if "pallas_ms" in row and "cudnn_ms" in row:
-            row["cudnn/pallas"] = row["cudnn_ms"] / row["pallas_ms"]   # >= 0.9 is the target
+            row["cudnn/pallas"] = row["cudnn_ms"] / row["pallas_ms"]  # >= 0.9 is the target
         rows.append(row)
     return rows
 
@@ -121,12 +138,24 @@ def wan_chunk(s: dict, timed: int) -> dict:
     precision = Precision.bf16()
     params = M.init_params(config, jax.random.key(0), dtype=precision.param_dtype)
     h, w = s["latent"]
-    rc = R.RolloutConfig(latent_height=h, latent_width=w, chunk_frames=3, window_frames=s["window"],
-                         sink_frames=s["sink"], precision=precision, backend="auto")
+    rc = R.RolloutConfig(
+        latent_height=h,
+        latent_width=w,
+        chunk_frames=3,
+        window_frames=s["window"],
+        sink_frames=s["sink"],
+        precision=precision,
+        backend="auto",
+    )
     context = jax.random.normal(jax.random.key(1), (1, config.text_len, config.text_dim), jnp.bfloat16)
     tpf = rc.tokens_per_frame(config)
-    chosen = resolve_backend("auto", head_dim=config.head_dim, dtypes=(jnp.bfloat16,) * 3, rope=None,
-                             logits=config.num_heads * 3 * tpf * (s["window"] + s["sink"]) * tpf)
+    chosen = resolve_backend(
+        "auto",
+        head_dim=config.head_dim,
+        dtypes=(jnp.bfloat16,) * 3,
+        rope=None,
+        logits=config.num_heads * 3 * tpf * (s["window"] + s["sink"]) * tpf,
+    )
     stream = R.Stream(params, config, rc, context, key=jax.random.key(2))
     fill = (s["window"] + s["sink"]) // 3 + 1
     t0 = time.perf_counter()
@@ -141,12 +170,23 @@ def wan_chunk(s: dict, timed: int) -> dict:
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
     stats = jax.devices()[0].memory_stats() or {}
-    return {"model": s["wan"], "latent_hw": [h, w], "tokens_per_chunk": 3 * tpf, "sink_frames": s["sink"],
-            "window_frames": s["window"], "precision": dataclasses.asdict(precision),
-            "auto_backend": chosen, "first_chunk_s (compile)": first, "ms_per_chunk": ms,
-            "latent_fps": 3 / (ms / 1e3), "video_fps": 12 / (ms / 1e3),
-            "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "finite": bool(jnp.all(jnp.isfinite(x))),
-            "compiles": R.stream_step._cache_size(), "targets_ms": {"flashdreams_h100": 344, "self_forcing": 432}}
+    return {
+        "model": s["wan"],
+        "latent_hw": [h, w],
+        "tokens_per_chunk": 3 * tpf,
+        "sink_frames": s["sink"],
+        "window_frames": s["window"],
+        "precision": dataclasses.asdict(precision),
+        "auto_backend": chosen,
+        "first_chunk_s (compile)": first,
+        "ms_per_chunk": ms,
+        "latent_fps": 3 / (ms / 1e3),
+        "video_fps": 12 / (ms / 1e3),
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "finite": bool(jnp.all(jnp.isfinite(x))),
+        "compiles": R.stream_step._cache_size(),
+        "targets_ms": {"flashdreams_h100": 344, "self_forcing": 432},
+    }
 
 
 def cudnn_available() -> bool:
@@ -172,15 +212,24 @@ def main(argv=None) -> int:
         return 2
     s = DRY if args.dry_run else FULL
     interpret = not on_gpu
-    result = {"meta": {"jax": jax.__version__, "backend": jax.default_backend(),
-                       "devices": [str(d) for d in jax.devices()], "machine": platform.platform(),
-                       "dry_run": args.dry_run, "python": sys.version.split()[0]}}
+    result = {
+        "meta": {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "machine": platform.platform(),
+            "dry_run": args.dry_run,
+            "python": sys.version.split()[0],
+        }
+    }
     start = time.perf_counter()
     cudnn_ok = cudnn_available()
     result["meta"]["cudnn"] = cudnn_ok
-    for name, fn in (("correctness", lambda: check_correctness(s, interpret, cudnn_ok)),
-                     ("attention", lambda: time_attention(s, interpret, cudnn_ok, 2 if args.dry_run else args.reps)),
-                     ("wan_chunk", None if args.skip_wan else lambda: wan_chunk(s, 2 if args.dry_run else args.timed))):
+    for name, fn in (
+        ("correctness", lambda: check_correctness(s, interpret, cudnn_ok)),
+        ("attention", lambda: time_attention(s, interpret, cudnn_ok, 2 if args.dry_run else args.reps)),
+        ("wan_chunk", None if args.skip_wan else lambda: wan_chunk(s, 2 if args.dry_run else args.timed)),
+    ):
         if fn is None:
             continue
         t0 = time.perf_counter()
@@ -196,8 +245,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             f.write(text)
     failed = [k for k, v in result.get("correctness", {}).items() if isinstance(v, dict) and not v.get("ok", True)]
-    errors = [k for k in ("correctness", "attention", "wan_chunk") if isinstance(result.get(k), dict)
-              and "error" in result[k]]
+    errors = [
+        k for k in ("correctness", "attention", "wan_chunk") if isinstance(result.get(k), dict) and "error" in result[k]
+    ]
     return 1 if failed or errors else 0
 
 

@@ -55,9 +55,10 @@ from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 
-CONFIG = WanConfig(dim=256, ffn_dim=1024, num_heads=2, num_layers=4, in_dim=16, out_dim=16, text_dim=256,
-                   text_len=512, freq_dim=256)
-LATENT_HW = (20, 26)             # 10 x 13 patches = 130 tokens per frame
+CONFIG = WanConfig(
+    dim=256, ffn_dim=1024, num_heads=2, num_layers=4, in_dim=16, out_dim=16, text_dim=256, text_len=512, freq_dim=256
+)
+LATENT_HW = (20, 26)  # 10 x 13 patches = 130 tokens per frame
 CHUNK_FRAMES = 3
 # name -> (Self-Forcing local_attn_size frames, sink_size frames)
 ROWS = {"window6": (6, 0), "sink3_window21": (21, 3), "window42": (42, 0)}
@@ -82,6 +83,7 @@ def _package(name: str, path: str):
 def _unavailable(what: str):
     def fail(*args, **kwargs):
         raise RuntimeError(f"{what} is stubbed out in this benchmark")
+
     return fail
 
 
@@ -105,25 +107,29 @@ def import_self_forcing(src: str):
     _stub("wan.modules.vae", _video_vae=_unavailable("the Wan VAE"))
     _stub("wan.modules.tokenizers", HuggingfaceTokenizer=_unavailable("the tokenizer"))
     _stub("demo_utils", __path__=[])
-    _stub("demo_utils.memory", gpu=torch.device("cpu"), get_cuda_free_memory_gb=_unavailable("CUDA memory"),
-          DynamicSwapInstaller=None, move_model_to_device_with_memory_preservation=_unavailable("offloading"))
+    _stub(
+        "demo_utils.memory",
+        gpu=torch.device("cpu"),
+        get_cuda_free_memory_gb=_unavailable("CUDA memory"),
+        DynamicSwapInstaller=None,
+        move_model_to_device_with_memory_preservation=_unavailable("offloading"),
+    )
 
+    from pipeline.causal_inference import CausalInferencePipeline
+    from utils import wan_wrapper
     from wan.modules import causal_model
     from wan.modules import model as wan_model
-    from utils import wan_wrapper
-    from pipeline.causal_inference import CausalInferencePipeline
 
     def sdpa(q, k, v, q_lens=None, k_lens=None):
         # [B, L, H, D] in and out, float32 throughout (Self-Forcing's own fallback casts q, k, v to bf16). Its
         # causal inference passes no lengths (every cached key and every text token is attended).
         if q_lens is not None or k_lens is not None:
             raise NotImplementedError("the benchmark's attention stand-in takes no q_lens/k_lens")
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                               v.transpose(1, 2))
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return out.transpose(1, 2).contiguous()
 
-    causal_model.attention = sdpa            # self-attention over the KV cache
-    wan_model.flash_attention = sdpa         # cross-attention (WanT2VCrossAttention)
+    causal_model.attention = sdpa  # self-attention over the KV cache
+    wan_model.flash_attention = sdpa  # cross-attention (WanT2VCrossAttention)
     return causal_model.CausalWanModel, wan_wrapper, CausalInferencePipeline
 
 
@@ -136,10 +142,22 @@ def build_self_forcing(src: str, local_attn_size: int, sink_size: int, seed: int
 
     def from_pretrained(path, local_attn_size=-1, sink_size=0):
         torch.manual_seed(seed)
-        model = CausalWanModel(model_type="t2v", patch_size=c.patch_size, text_len=c.text_len, in_dim=c.in_dim,
-                               dim=c.dim, ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, text_dim=c.text_dim,
-                               out_dim=c.out_dim, num_heads=c.num_heads, num_layers=c.num_layers,
-                               local_attn_size=local_attn_size, sink_size=sink_size, eps=c.eps)
+        model = CausalWanModel(
+            model_type="t2v",
+            patch_size=c.patch_size,
+            text_len=c.text_len,
+            in_dim=c.in_dim,
+            dim=c.dim,
+            ffn_dim=c.ffn_dim,
+            freq_dim=c.freq_dim,
+            text_dim=c.text_dim,
+            out_dim=c.out_dim,
+            num_heads=c.num_heads,
+            num_layers=c.num_layers,
+            local_attn_size=local_attn_size,
+            sink_size=sink_size,
+            eps=c.eps,
+        )
         with torch.no_grad():  # Wan zero-initialises some outputs; re-draw everything so every weight matters
             for name, p in model.named_parameters():
                 if p.ndim >= 2 and "modulation" not in name:
@@ -147,16 +165,22 @@ def build_self_forcing(src: str, local_attn_size: int, sink_size: int, seed: int
                 elif "norm" in name and name.endswith("weight"):
                     p.copy_(1 + 0.1 * torch.randn_like(p))
                 elif "modulation" in name:
-                    p.copy_(torch.randn_like(p) / c.dim ** 0.5)
+                    p.copy_(torch.randn_like(p) / c.dim**0.5)
                 else:
                     p.copy_(0.02 * torch.randn_like(p))
         return model
 
     wan_wrapper.CausalWanModel = types.SimpleNamespace(from_pretrained=from_pretrained)
-    generator = wan_wrapper.WanDiffusionWrapper(timestep_shift=5.0, is_causal=True, local_attn_size=local_attn_size,
-                                                sink_size=sink_size)
-    args = types.SimpleNamespace(denoising_step_list=list(STEPS), warp_denoising_step=True, num_frame_per_block=3,
-                                 independent_first_frame=False, context_noise=0)
+    generator = wan_wrapper.WanDiffusionWrapper(
+        timestep_shift=5.0, is_causal=True, local_attn_size=local_attn_size, sink_size=sink_size
+    )
+    args = types.SimpleNamespace(
+        denoising_step_list=list(STEPS),
+        warp_denoising_step=True,
+        num_frame_per_block=3,
+        independent_first_frame=False,
+        context_noise=0,
+    )
     pipe = CausalInferencePipeline(args, device="cpu", generator=generator, text_encoder=object(), vae=object())
     pipe.num_transformer_blocks = c.num_layers
     pipe.frame_seq_length = LATENT_HW[0] * LATENT_HW[1] // 4
@@ -170,10 +194,18 @@ def reset_self_forcing(pipe, batch: int):
 
     c, size = CONFIG, pipe.local_attn_size * pipe.frame_seq_length
     zeros = lambda n: torch.zeros([batch, n, c.num_heads, c.head_dim])
-    pipe.kv_cache1 = [{"k": zeros(size), "v": zeros(size), "global_end_index": torch.tensor([0]),
-                       "local_end_index": torch.tensor([0])} for _ in range(c.num_layers)]
-    pipe.crossattn_cache = [{"k": zeros(c.text_len), "v": zeros(c.text_len), "is_init": False}
-                            for _ in range(c.num_layers)]
+    pipe.kv_cache1 = [
+        {
+            "k": zeros(size),
+            "v": zeros(size),
+            "global_end_index": torch.tensor([0]),
+            "local_end_index": torch.tensor([0]),
+        }
+        for _ in range(c.num_layers)
+    ]
+    pipe.crossattn_cache = [
+        {"k": zeros(c.text_len), "v": zeros(c.text_len), "is_init": False} for _ in range(c.num_layers)
+    ]
 
 
 def self_forcing_chunk(pipe, cond: dict, noise, start_frame: int):
@@ -191,16 +223,26 @@ def self_forcing_chunk(pipe, cond: dict, noise, start_frame: int):
     with torch.no_grad():
         for i, t in enumerate(steps):
             timestep = torch.ones([b, f], dtype=torch.int64) * t
-            _, x0 = pipe.generator(noisy_image_or_video=x, conditional_dict=cond, timestep=timestep,
-                                   kv_cache=pipe.kv_cache1, crossattn_cache=pipe.crossattn_cache,
-                                   current_start=start)
+            _, x0 = pipe.generator(
+                noisy_image_or_video=x,
+                conditional_dict=cond,
+                timestep=timestep,
+                kv_cache=pipe.kv_cache1,
+                crossattn_cache=pipe.crossattn_cache,
+                current_start=start,
+            )
             if i < len(steps) - 1:
-                x = pipe.scheduler.add_noise(x0.flatten(0, 1), noise[i + 1].flatten(0, 1),
-                                             steps[i + 1] * torch.ones([b * f], dtype=torch.long)
-                                             ).unflatten(0, x0.shape[:2])
-        pipe.generator(noisy_image_or_video=x0, conditional_dict=cond,
-                       timestep=torch.ones_like(timestep) * pipe.args.context_noise, kv_cache=pipe.kv_cache1,
-                       crossattn_cache=pipe.crossattn_cache, current_start=start)
+                x = pipe.scheduler.add_noise(
+                    x0.flatten(0, 1), noise[i + 1].flatten(0, 1), steps[i + 1] * torch.ones([b * f], dtype=torch.long)
+                ).unflatten(0, x0.shape[:2])
+        pipe.generator(
+            noisy_image_or_video=x0,
+            conditional_dict=cond,
+            timestep=torch.ones_like(timestep) * pipe.args.context_noise,
+            kv_cache=pipe.kv_cache1,
+            crossattn_cache=pipe.crossattn_cache,
+            current_start=start,
+        )
     return x0
 
 
@@ -208,12 +250,14 @@ def convert_state_dict(state_dict) -> dict:
     """The PyTorch model's weights through this repo's converter (original Wan layout, safetensors) -> params."""
     from safetensors.torch import save_file
 
-    from converters.convert import convert_checkpoint
+    from jaxkv.convert.convert import convert_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         os.makedirs(os.path.join(tmp, "wan"))
-        save_file({k: v.contiguous() for k, v in state_dict.items()},
-                  os.path.join(tmp, "wan", "diffusion_pytorch_model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in state_dict.items()},
+            os.path.join(tmp, "wan", "diffusion_pytorch_model.safetensors"),
+        )
         convert_checkpoint(os.path.join(tmp, "wan"), os.path.join(tmp, "out"), config=CONFIG, dtype="f32")
         config, params = checkpoint.load(os.path.join(tmp, "out"))
     if config != CONFIG:
@@ -226,14 +270,20 @@ def convert_state_dict(state_dict) -> dict:
 
 def rollout_config(local_attn_size: int, sink_size: int, backend: str) -> R.RolloutConfig:
     # Self-Forcing's local_attn_size counts the sink; jaxkv's window does not (DESIGN.md, cache semantics).
-    return R.RolloutConfig(latent_height=LATENT_HW[0], latent_width=LATENT_HW[1], chunk_frames=CHUNK_FRAMES,
-                           window_frames=local_attn_size - sink_size, sink_frames=sink_size, backend=backend)
+    return R.RolloutConfig(
+        latent_height=LATENT_HW[0],
+        latent_width=LATENT_HW[1],
+        chunk_frames=CHUNK_FRAMES,
+        window_frames=local_attn_size - sink_size,
+        sink_frames=sink_size,
+        backend=backend,
+    )
 
 
 def run_row(name: str, sf_src: str | None, timed: int, backends: tuple[str, ...], seed: int = 0) -> dict:
     local, sink = ROWS[name]
     capacity_chunks = local // CHUNK_FRAMES
-    num_chunks = capacity_chunks + 1 + timed      # fill, wrap once, then time
+    num_chunks = capacity_chunks + 1 + timed  # fill, wrap once, then time
     rng = np.random.default_rng(seed)
     h, w = LATENT_HW
     noise = rng.standard_normal((num_chunks, len(STEPS), 1, CHUNK_FRAMES, h, w, CONFIG.in_dim), np.float32)
@@ -251,8 +301,10 @@ def run_row(name: str, sf_src: str | None, timed: int, backends: tuple[str, ...]
     else:
         params = M.init_params(CONFIG, jax.random.key(seed))
 
-    streams = {b: R.Stream(params, CONFIG, rollout_config(local, sink, b), jnp.asarray(context),
-                           noise=jnp.asarray(noise)) for b in backends}
+    streams = {
+        b: R.Stream(params, CONFIG, rollout_config(local, sink, b), jnp.asarray(context), noise=jnp.asarray(noise))
+        for b in backends
+    }
     times = {k: [] for k in (["torch"] if pipe is not None else []) + list(backends)}
     max_diff, max_between = 0.0, 0.0
     for n in range(num_chunks):
@@ -272,8 +324,14 @@ def run_row(name: str, sf_src: str | None, timed: int, backends: tuple[str, ...]
             want = np.moveaxis(sf_out.numpy(), 2, -1)
             max_diff = max(max_diff, max(float(np.abs(o - want).max()) for o in outs.values()))
     skip = capacity_chunks + 1
-    row = {"row": name, "local_attn_frames": local, "sink_frames": sink, "keys": local * h * w // 4,
-           "chunks": num_chunks, "timed_chunks": timed}
+    row = {
+        "row": name,
+        "local_attn_frames": local,
+        "sink_frames": sink,
+        "keys": local * h * w // 4,
+        "chunks": num_chunks,
+        "timed_chunks": timed,
+    }
     for k, t in times.items():
         row[f"{k}_ms"] = statistics.median(t[skip:]) * 1e3
     for b in backends:
@@ -291,10 +349,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {list(ROWS)}")
     parser.add_argument("--backends", default="auto", help="jaxkv attention backends to run side by side")
     parser.add_argument("--tol", type=float, default=1e-4, help="max |jaxkv - torch| allowed on the latents")
-    parser.add_argument("--torch-threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="torch intra-op threads (default: the CPUs this process may use; on a loaded "
-                             "machine torch's OpenMP threads spin against other processes, so compare pinned, "
-                             "e.g. `taskset -c 1 ... --torch-threads 1`)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch intra-op threads (default: the CPUs this process may use; on a loaded "
+        "machine torch's OpenMP threads spin against other processes, so compare pinned, "
+        "e.g. `taskset -c 1 ... --torch-threads 1`)",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = args.rows.split(",")
@@ -304,8 +366,10 @@ def main(argv=None) -> int:
     backends = tuple(args.backends.split(","))
     sf_src = os.environ.get("SF_SRC")
     if not sf_src:
-        print("SF_SRC is not set: no Self-Forcing checkout to compare against; timing the jaxkv half alone "
-              "(random weights). Point SF_SRC at a checkout of github.com/guandeh17/Self-Forcing for the comparison.")
+        print(
+            "SF_SRC is not set: no Self-Forcing checkout to compare against; timing the jaxkv half alone "
+            "(random weights). Point SF_SRC at a checkout of github.com/guandeh17/Self-Forcing for the comparison."
+        )
     else:
         import torch
 
@@ -313,17 +377,31 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.torch_threads)
     load = os.getloadavg()
     results = [run_row(r, sf_src, args.timed, backends) for r in rows]
-    cols = (["torch_ms"] if sf_src else []) + [f"{b}_ms" for b in backends] + \
-        ([f"torch/{b}" for b in backends] if sf_src else [])
+    cols = (
+        (["torch_ms"] if sf_src else [])
+        + [f"{b}_ms" for b in backends]
+        + ([f"torch/{b}" for b in backends] if sf_src else [])
+    )
     print(f"\n{'row':<16}{'keys':>6}" + "".join(f"{c:>18}" for c in cols) + f"{'max|diff|':>12}")
     for row in results:
         diff = row["max_abs_diff_vs_torch"]
-        print(f"{row['row']:<16}{row['keys']:>6}" + "".join(f"{row[c]:>18.2f}" for c in cols)
-              + (f"{diff:>12.2e}" if diff is not None else f"{'-':>12}"))
-    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-            "jax": jax.__version__,
-            "loadavg_before": load, "loadavg_after": os.getloadavg(), "config": CONFIG.__dict__ | {},
-            "latent_hw": LATENT_HW, "chunk_frames": CHUNK_FRAMES, "self_forcing": sf_src}
+        print(
+            f"{row['row']:<16}{row['keys']:>6}"
+            + "".join(f"{row[c]:>18.2f}" for c in cols)
+            + (f"{diff:>12.2e}" if diff is not None else f"{'-':>12}")
+        )
+    meta = {
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "jax": jax.__version__,
+        "loadavg_before": load,
+        "loadavg_after": os.getloadavg(),
+        "config": CONFIG.__dict__ | {},
+        "latent_hw": LATENT_HW,
+        "chunk_frames": CHUNK_FRAMES,
+        "self_forcing": sf_src,
+    }
     if sf_src:
         import torch
 
@@ -333,7 +411,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": results}, f, indent=1, default=str)
-    bad = [r["row"] for r in results if r["max_abs_diff_vs_torch"] is not None and r["max_abs_diff_vs_torch"] > args.tol]
+    bad = [
+        r["row"] for r in results if r["max_abs_diff_vs_torch"] is not None and r["max_abs_diff_vs_torch"] > args.tol
+    ]
     if bad:
         print(f"outputs disagree beyond --tol {args.tol} on rows {bad}")
         return 1

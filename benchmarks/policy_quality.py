@@ -27,10 +27,15 @@ import jax
 import numpy as np
 
 from jaxkv import rollout as R
-from jaxkv.toyworld import metric, model as toy_model, sample
+from jaxkv.toyworld import metric, sample
+from jaxkv.toyworld import model as toy_model
 
-PROMPTS = ("a red circle and a blue square, slow", "a green triangle, fast", "a yellow square and a red triangle, fast",
-           "a blue circle, slow")
+PROMPTS = (
+    "a red circle and a blue square, slow",
+    "a green triangle, fast",
+    "a yellow square and a red triangle, fast",
+    "a blue circle, slow",
+)
 
 # name -> RolloutConfig overrides of the model's own settings (3-frame chunks, 3-frame sink + 6-frame window,
 # cache-relative RoPE); dilated layers run on absolute RoPE only (RolloutConfig refuses them with cache-relative)
@@ -43,8 +48,12 @@ POLICIES = {
     "ring, no sink, window 9": {"sink_frames": 0, "window_frames": 9},
     "ring, sink 3 + window 3": {"window_frames": 3},
     "ring, sink 3 + window 12": {"window_frames": 12},
-    "mixed: odd layers dilated (every 2nd frame, 4 buckets), absolute RoPE": {"dilated_every": 2, "dilation": 2,
-                                                                             "buckets": 4, "rope": "absolute"},
+    "mixed: odd layers dilated (every 2nd frame, 4 buckets), absolute RoPE": {
+        "dilated_every": 2,
+        "dilation": 2,
+        "buckets": 4,
+        "rope": "absolute",
+    },
 }
 
 
@@ -68,21 +77,26 @@ def run(release: str, chunks: int, window_chunks: int, seed: int, policies: dict
             print(f"  {i + 1}/{chunks} chunks", file=sys.stderr, flush=True)
     rows = []
     for name, stream in streams.items():
-        video = np.concatenate(frames.pop(name), axis=1)                  # [prompts, T, 64, 64, 3]
-        scores = [metric.score(video[p], PROMPTS[p], chunk_frames=stream.rc.chunk_frames,
-                               window_chunks=window_chunks) for p in range(len(PROMPTS))]
+        video = np.concatenate(frames.pop(name), axis=1)  # [prompts, T, 64, 64, 3]
+        scores = [
+            metric.score(video[p], PROMPTS[p], chunk_frames=stream.rc.chunk_frames, window_chunks=window_chunks)
+            for p in range(len(PROMPTS))
+        ]
         cache = stream.state.cache
-        rows.append({
-            "policy": name, "overrides": policies[name],
-            "adherence": float(np.mean([s.adherence for s in scores])),
-            "continuity": float(np.mean([s.continuity for s in scores])),
-            "overall": float(np.mean([s.overall for s in scores])),
-            "window_start": scores[0].window_start.tolist(),
-            "window_overall": np.mean([s.window_overall for s in scores], axis=0).tolist(),
-            "per_prompt_overall": [s.overall for s in scores],
-            "ms_per_chunk": 1e3 * statistics.median(times[name][1:]) if chunks > 1 else None,
-            "cache_bytes": int(sum(x.nbytes for x in jax.tree.leaves(cache))),
-        })
+        rows.append(
+            {
+                "policy": name,
+                "overrides": policies[name],
+                "adherence": float(np.mean([s.adherence for s in scores])),
+                "continuity": float(np.mean([s.continuity for s in scores])),
+                "overall": float(np.mean([s.overall for s in scores])),
+                "window_start": scores[0].window_start.tolist(),
+                "window_overall": np.mean([s.window_overall for s in scores], axis=0).tolist(),
+                "per_prompt_overall": [s.overall for s in scores],
+                "ms_per_chunk": 1e3 * statistics.median(times[name][1:]) if chunks > 1 else None,
+                "cache_bytes": int(sum(x.nbytes for x in jax.tree.leaves(cache))),
+            }
+        )
     return rows
 
 
@@ -91,13 +105,17 @@ def table(rows: list[dict], columns: int = 5) -> str:
     picks = sorted(set(np.linspace(0, len(starts) - 1, min(columns, len(starts))).round().astype(int).tolist()))
     step = starts[1] - starts[0] if len(starts) > 1 else None
     heads = [f"chunks {starts[i]}-{starts[i] + step - 1}" if step else f"from {starts[i]}" for i in picks]
-    lines = ["| policy | adherence | continuity | overall | " + " | ".join(heads) + " | ms/chunk | cache KiB |",
-             "| --- " * (6 + len(picks)) + "|"]
+    lines = [
+        "| policy | adherence | continuity | overall | " + " | ".join(heads) + " | ms/chunk | cache KiB |",
+        "| --- " * (6 + len(picks)) + "|",
+    ]
     for r in rows:
         drift = " | ".join(f"{r['window_overall'][i]:.2f}" for i in picks)
         ms = f"{r['ms_per_chunk']:.1f}" if r["ms_per_chunk"] is not None else "-"
-        lines.append(f"| {r['policy']} | {r['adherence']:.2f} | {r['continuity']:.2f} | {r['overall']:.2f} | {drift} "
-                     f"| {ms} | {r['cache_bytes'] / 1024:.0f} |")
+        lines.append(
+            f"| {r['policy']} | {r['adherence']:.2f} | {r['continuity']:.2f} | {r['overall']:.2f} | {drift} "
+            f"| {ms} | {r['cache_bytes'] / 1024:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -120,9 +138,20 @@ def main(argv=None):
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, prompts=PROMPTS, chunks=args.chunks, window_chunks=args.window_chunks,
-                           seed=args.seed, jax=jax.__version__, backend=jax.default_backend(),
-                           machine=platform.machine()), f, indent=2)
+            json.dump(
+                dict(
+                    rows=rows,
+                    prompts=PROMPTS,
+                    chunks=args.chunks,
+                    window_chunks=args.window_chunks,
+                    seed=args.seed,
+                    jax=jax.__version__,
+                    backend=jax.default_backend(),
+                    machine=platform.machine(),
+                ),
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

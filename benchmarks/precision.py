@@ -41,8 +41,10 @@ from jaxkv.precision import Precision
 
 MODELS = {
     "tiny": (wan.preset("tiny"), (8, 8)),
-    "medium": (WanConfig(dim=256, ffn_dim=1024, num_heads=2, num_layers=4, text_dim=256, text_len=512,
-                         freq_dim=256), (20, 26)),
+    "medium": (
+        WanConfig(dim=256, ffn_dim=1024, num_heads=2, num_layers=4, text_dim=256, text_len=512, freq_dim=256),
+        (20, 26),
+    ),
 }
 CHUNK_FRAMES, WINDOW_FRAMES = 3, 6
 MODES = ("f32", "bf16", "f32_on_bf16_weights")
@@ -53,10 +55,16 @@ def chunk_errors(got, want, chunk_frames: int = CHUNK_FRAMES) -> list[dict]:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     rows = []
     for i in range(want.shape[1] // chunk_frames):
-        g, w = (a[:, i * chunk_frames:(i + 1) * chunk_frames] for a in (got, want))
+        g, w = (a[:, i * chunk_frames : (i + 1) * chunk_frames] for a in (got, want))
         diff = np.abs(g - w)
-        rows.append({"chunk": i, "max_abs": float(diff.max()), "rel": float(diff.max() / np.abs(w).max()),
-                     "rms_rel": float(np.sqrt(np.mean(diff ** 2) / np.mean(w ** 2)))})
+        rows.append(
+            {
+                "chunk": i,
+                "max_abs": float(diff.max()),
+                "rel": float(diff.max() / np.abs(w).max()),
+                "rms_rel": float(np.sqrt(np.mean(diff**2) / np.mean(w**2))),
+            }
+        )
     return rows
 
 
@@ -68,10 +76,12 @@ def rollouts(config: WanConfig, latent_hw, num_chunks: int, seed: int) -> dict[s
     widened = jax.tree.map(lambda a: a.astype(jnp.float32), rounded)
     context = jax.random.normal(k_ctx, (1, config.text_len, config.text_dim))
     out = {}
-    for mode, params, precision in (("f32", weights, Precision.f32()), ("bf16", rounded, Precision.bf16()),
-                                    ("f32_on_bf16_weights", widened, Precision.f32())):
-        rc = R.RolloutConfig(*latent_hw, chunk_frames=CHUNK_FRAMES, window_frames=WINDOW_FRAMES,
-                             precision=precision)
+    for mode, params, precision in (
+        ("f32", weights, Precision.f32()),
+        ("bf16", rounded, Precision.bf16()),
+        ("f32_on_bf16_weights", widened, Precision.f32()),
+    ):
+        rc = R.RolloutConfig(*latent_hw, chunk_frames=CHUNK_FRAMES, window_frames=WINDOW_FRAMES, precision=precision)
         noise = jax.random.normal(k_noise, rc.noise_shape(config, 1, num_chunks))
         out[mode] = np.asarray(R.jit_rollout(params, config, rc, context, num_chunks=num_chunks, noise=noise).latents)
     return out
@@ -89,31 +99,51 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown models {unknown}; expected some of {sorted(MODELS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    print(f"jax {jax.__version__}, {jax.default_backend()}; {CHUNK_FRAMES}-frame chunks, {WINDOW_FRAMES}-frame "
-          f"window, {args.chunks} chunks, seeds {seeds}")
-    results = {"jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
-               "cpus": os.cpu_count(), "chunk_frames": CHUNK_FRAMES, "window_frames": WINDOW_FRAMES,
-               "chunks": args.chunks, "seeds": seeds, "models": {}}
+    print(
+        f"jax {jax.__version__}, {jax.default_backend()}; {CHUNK_FRAMES}-frame chunks, {WINDOW_FRAMES}-frame "
+        f"window, {args.chunks} chunks, seeds {seeds}"
+    )
+    results = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "chunk_frames": CHUNK_FRAMES,
+        "window_frames": WINDOW_FRAMES,
+        "chunks": args.chunks,
+        "seeds": seeds,
+        "models": {},
+    }
     for name in models:
         config, hw = MODELS[name]
         per_seed = []
         for seed in seeds:
             lat = rollouts(config, hw, args.chunks, seed)
-            per_seed.append({"seed": seed,
-                             "bf16_vs_f32": chunk_errors(lat["bf16"], lat["f32"]),
-                             "bf16_vs_f32_on_bf16_weights": chunk_errors(lat["bf16"], lat["f32_on_bf16_weights"]),
-                             "f32_on_bf16_weights_vs_f32": chunk_errors(lat["f32_on_bf16_weights"], lat["f32"])})
+            per_seed.append(
+                {
+                    "seed": seed,
+                    "bf16_vs_f32": chunk_errors(lat["bf16"], lat["f32"]),
+                    "bf16_vs_f32_on_bf16_weights": chunk_errors(lat["bf16"], lat["f32_on_bf16_weights"]),
+                    "f32_on_bf16_weights_vs_f32": chunk_errors(lat["f32_on_bf16_weights"], lat["f32"]),
+                }
+            )
         results["models"][name] = {"config": config.to_dict(), "latent_hw": list(hw), "runs": per_seed}
-        print(f"\n{name}: dim {config.dim}, {config.num_heads} x {config.head_dim} heads, {config.num_layers} "
-              f"layers, {hw[0] * hw[1] // 4} tokens/frame; worst over seeds")
-        print("| chunk | bf16 vs f32: max abs | rel | rms rel | compute share (bf16 vs f32 on bf16 weights): rel "
-              "| weights share (f32 on bf16 weights vs f32): rel |")
+        print(
+            f"\n{name}: dim {config.dim}, {config.num_heads} x {config.head_dim} heads, {config.num_layers} "
+            f"layers, {hw[0] * hw[1] // 4} tokens/frame; worst over seeds"
+        )
+        print(
+            "| chunk | bf16 vs f32: max abs | rel | rms rel | compute share (bf16 vs f32 on bf16 weights): rel "
+            "| weights share (f32 on bf16 weights vs f32): rel |"
+        )
         print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for i in range(args.chunks):
             worst = lambda key, field: max(r[key][i][field] for r in per_seed)
-            print(f"| {i} | {worst('bf16_vs_f32', 'max_abs'):.2e} | {worst('bf16_vs_f32', 'rel'):.2e} "
-                  f"| {worst('bf16_vs_f32', 'rms_rel'):.2e} | {worst('bf16_vs_f32_on_bf16_weights', 'rel'):.2e} "
-                  f"| {worst('f32_on_bf16_weights_vs_f32', 'rel'):.2e} |")
+            print(
+                f"| {i} | {worst('bf16_vs_f32', 'max_abs'):.2e} | {worst('bf16_vs_f32', 'rel'):.2e} "
+                f"| {worst('bf16_vs_f32', 'rms_rel'):.2e} | {worst('bf16_vs_f32_on_bf16_weights', 'rel'):.2e} "
+                f"| {worst('f32_on_bf16_weights_vs_f32', 'rel'):.2e} |"
+            )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -77,12 +77,17 @@ def run(horizons, dilation, repeats, dilated_every=2, local_frames=6):
         caches = {
             "dense": wan.init_cache(CONFIG, jaxkv.RingSpec.from_frames(t_frame, CHUNK_FRAMES, horizon), 1),
             "dilated": wan.init_cache(CONFIG, dilated_spec, 1, policy="dilated"),
-            "mixed": wan.init_cache(CONFIG, MixedSpec(jaxkv.RingSpec.from_frames(t_frame, CHUNK_FRAMES, local_frames),
-                                                      dilated_spec, dilated_every), 1),
+            "mixed": wan.init_cache(
+                CONFIG,
+                MixedSpec(jaxkv.RingSpec.from_frames(t_frame, CHUNK_FRAMES, local_frames), dilated_spec, dilated_every),
+                1,
+            ),
         }
         nbytes = {name: c.nbytes for name, c in caches.items()}
-        temp = {name: _chunk_jit.lower(params, cross, c, latents, t).compile().memory_analysis().temp_size_in_bytes
-                for name, c in caches.items()}
+        temp = {
+            name: _chunk_jit.lower(params, cross, c, latents, t).compile().memory_analysis().temp_size_in_bytes
+            for name, c in caches.items()
+        }
         fill = horizon // CHUNK_FRAMES + 2  # past the first wrap
         for _ in range(fill):
             for name in caches:
@@ -95,9 +100,14 @@ def run(horizons, dilation, repeats, dilated_every=2, local_frames=6):
                 out, caches[name] = _chunk_jit(params, cross, caches[name], latents, t)
                 jax.block_until_ready(out)
                 times[name].append(time.perf_counter() - start)
-        row = dict(horizon_frames=horizon, dilation=dilation, buckets=horizon // dilation,
-                   dilated_every=dilated_every, local_frames=local_frames,
-                   compiles_while_timed=compile_count(_chunk_jit) - before)
+        row = dict(
+            horizon_frames=horizon,
+            dilation=dilation,
+            buckets=horizon // dilation,
+            dilated_every=dilated_every,
+            local_frames=local_frames,
+            compiles_while_timed=compile_count(_chunk_jit) - before,
+        )
         for name in caches:
             row[f"{name}_mib"] = nbytes[name] / 2**20
             row[f"{name}_temp_mib"] = temp[name] / 2**20
@@ -118,22 +128,37 @@ def main(argv=None):
     horizons = (24, 48) if args.quick else (24, 48, 96)
     rows = run(horizons, args.dilation, 3 if args.quick else 7, args.dilated_every, args.local_frames)
     names = ("dense", "dilated", "mixed")
-    print("| horizon frames | policy | cache MiB | temp MiB | ms / chunk | time / dense | frames seen | "
-          "compiles while timed |")
+    print(
+        "| horizon frames | policy | cache MiB | temp MiB | ms / chunk | time / dense | frames seen | "
+        "compiles while timed |"
+    )
     print("| ---: | :--- | ---: | ---: | ---: | ---: | :---: | ---: |")
     for r in rows:
         for name in names:
-            label = {"dense": f"dense window {r['horizon_frames']}",
-                     "dilated": f"dilated {r['dilation']} x {r['buckets']}",
-                     "mixed": f"mixed: 1 layer in {r['dilated_every']} dilated {r['dilation']} x {r['buckets']}, "
-                              f"others window {r['local_frames']}"}[name]
-            print(f"| {r['horizon_frames']} | {label} | {r[name + '_mib']:.1f} | {r[name + '_temp_mib']:.1f} | "
-                  f"{r[name + '_ms']:.1f} | {r[name + '_ms'] / r['dense_ms']:.2f} | {r[name + '_frames_seen']} | "
-                  f"{r['compiles_while_timed']} |")
+            label = {
+                "dense": f"dense window {r['horizon_frames']}",
+                "dilated": f"dilated {r['dilation']} x {r['buckets']}",
+                "mixed": f"mixed: 1 layer in {r['dilated_every']} dilated {r['dilation']} x {r['buckets']}, "
+                f"others window {r['local_frames']}",
+            }[name]
+            print(
+                f"| {r['horizon_frames']} | {label} | {r[name + '_mib']:.1f} | {r[name + '_temp_mib']:.1f} | "
+                f"{r[name + '_ms']:.1f} | {r[name + '_ms'] / r['dense_ms']:.2f} | {r[name + '_frames_seen']} | "
+                f"{r['compiles_while_timed']} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, jax=jax.__version__, backend=jax.default_backend(), machine=platform.machine(),
-                           python=sys.version.split()[0]), f, indent=2)
+            json.dump(
+                dict(
+                    rows=rows,
+                    jax=jax.__version__,
+                    backend=jax.default_backend(),
+                    machine=platform.machine(),
+                    python=sys.version.split()[0],
+                ),
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv import rollout as R
 from jaxkv.cache import WINDOW_POLICIES as POLICIES
@@ -65,7 +64,7 @@ _maintenance_jit = jax.jit(_maintenance, static_argnums=3, donate_argnums=0)
 def measure_maintenance(config: WanConfig, spec, timed: int, passes: int) -> dict:
     k = jax.random.normal(jax.random.key(3), (1, spec.chunk, config.num_heads, config.head_dim))
     caches = {p: wan.init_cache(config, spec, 1, policy=p) for p in POLICIES}
-    for policy in caches:                                       # compile, fill and wrap
+    for policy in caches:  # compile, fill and wrap
         for _ in range(spec.num_slots + 1):
             caches[policy] = _maintenance_jit(caches[policy], k, -k, passes)
         jax.block_until_ready(caches[policy])
@@ -87,7 +86,7 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
         t0 = time.perf_counter()
         jax.block_until_ready(next(stream))
         first[policy] = time.perf_counter() - t0
-        for _ in range(window_frames // CHUNK_FRAMES + 1):      # fill the window and wrap once
+        for _ in range(window_frames // CHUNK_FRAMES + 1):  # fill the window and wrap once
             jax.block_until_ready(next(stream))
         compiles[policy] = compile_count(R.stream_step) - before
         streams[policy] = stream
@@ -102,7 +101,7 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
     row = {
         "window_frames": window_frames,
         "window_tokens": cache.spec.window,
-        "cache_mib": cache.nbytes / 2 ** 20,
+        "cache_mib": cache.nbytes / 2**20,
         "chunks_per_policy": streams["ring"].index,
         "compiles_while_timed": compile_count(R.stream_step) - before,
     }
@@ -110,7 +109,7 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
         row[f"{policy}_ms"] = statistics.median(times[policy]) * 1e3
         row[f"{policy}_first_chunk_s"] = first[policy]
         row[f"{policy}_compiles"] = compiles[policy]
-        streams[policy].state = None                            # free the caches before the next window
+        streams[policy].state = None  # free the caches before the next window
     row["rolling_over_ring"] = row["rolling_ms"] / row["ring_ms"]
     row.update(measure_maintenance(config, cache.spec, timed, len(R.Schedule().steps) + 1))
     row["cache_only_rolling_over_ring"] = row["rolling_cache_only_ms"] / row["ring_cache_only_ms"]
@@ -126,39 +125,57 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "medium")
-    windows = [int(w) for w in args.windows.split(",")] if args.windows else (
-        [3, 12, 48] if args.quick else [3, 12, 24, 48])
+    windows = (
+        [int(w) for w in args.windows.split(",")] if args.windows else ([3, 12, 48] if args.quick else [3, 12, 24, 48])
+    )
     timed = args.timed or (3 if args.quick else 7)
     bad = [w for w in windows if w <= 0 or w % CHUNK_FRAMES]
     if bad:
-        print(f"rollout benchmark: windows must be positive multiples of {CHUNK_FRAMES} frames, got {bad}",
-              file=sys.stderr)
+        print(
+            f"rollout benchmark: windows must be positive multiples of {CHUNK_FRAMES} frames, got {bad}",
+            file=sys.stderr,
+        )
         return 2
     config = MODELS[model]
     params = wan.init_params(config, jax.random.key(1))
     context = jax.random.normal(jax.random.key(2), (1, 8, config.text_dim))
     tpf = config.tokens_per_frame(*LATENT_HW)
-    print(f"model {model} (dim {config.dim}, {config.num_layers} layers, {config.num_heads} heads), "
-          f"{tpf} tokens/frame, chunks of {CHUNK_FRAMES} frames, float32 cache, {jax.default_backend()}; "
-          f"median of {timed} alternating chunks (each = {len(R.Schedule().steps) + 1} forwards)")
-    header = f"{'window':>7} {'tokens':>7} {'cache MiB':>9} {'ring ms':>9} {'rolling ms':>10} {'roll/ring':>9} " \
-             f"{'compiles':>9} | {'cache-only ring ms':>18} {'rolling ms':>10} {'roll/ring':>9}"
+    print(
+        f"model {model} (dim {config.dim}, {config.num_layers} layers, {config.num_heads} heads), "
+        f"{tpf} tokens/frame, chunks of {CHUNK_FRAMES} frames, float32 cache, {jax.default_backend()}; "
+        f"median of {timed} alternating chunks (each = {len(R.Schedule().steps) + 1} forwards)"
+    )
+    header = (
+        f"{'window':>7} {'tokens':>7} {'cache MiB':>9} {'ring ms':>9} {'rolling ms':>10} {'roll/ring':>9} "
+        f"{'compiles':>9} | {'cache-only ring ms':>18} {'rolling ms':>10} {'roll/ring':>9}"
+    )
     print(header)
     rows = []
     for w in windows:
         row = measure(config, params, context, w, timed)
         rows.append(row)
-        print(f"{w:>7} {row['window_tokens']:>7} {row['cache_mib']:>9.2f} {row['ring_ms']:>9.2f} "
-              f"{row['rolling_ms']:>10.2f} {row['rolling_over_ring']:>9.2f} "
-              f"{row['ring_compiles']:>5}/{row['rolling_compiles']}/{row['compiles_while_timed']} | "
-              f"{row['ring_cache_only_ms']:>18.3f} {row['rolling_cache_only_ms']:>10.3f} "
-              f"{row['cache_only_rolling_over_ring']:>9.2f}", flush=True)
+        print(
+            f"{w:>7} {row['window_tokens']:>7} {row['cache_mib']:>9.2f} {row['ring_ms']:>9.2f} "
+            f"{row['rolling_ms']:>10.2f} {row['rolling_over_ring']:>9.2f} "
+            f"{row['ring_compiles']:>5}/{row['rolling_compiles']}/{row['compiles_while_timed']} | "
+            f"{row['ring_cache_only_ms']:>18.3f} {row['rolling_cache_only_ms']:>10.3f} "
+            f"{row['cache_only_rolling_over_ring']:>9.2f}",
+            flush=True,
+        )
     if args.json:
         result = {
-            "benchmark": "rollout", "model": model, "config": config.to_dict(), "latent_hw": list(LATENT_HW),
-            "chunk_frames": CHUNK_FRAMES, "timed_chunks": timed, "rows": rows,
-            "jax": jax.__version__, "backend": jax.default_backend(),
-            "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "benchmark": "rollout",
+            "model": model,
+            "config": config.to_dict(),
+            "latent_hw": list(LATENT_HW),
+            "chunk_frames": CHUNK_FRAMES,
+            "timed_chunks": timed,
+            "rows": rows,
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "device": str(jax.devices()[0]),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
             "command": "python benchmarks/rollout.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
         with open(args.json, "w") as f:

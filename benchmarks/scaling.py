@@ -69,7 +69,7 @@ def plan_row(name: str, config: WanConfig, gpus: int, scheme: str) -> dict:
     weights = (replicated + (total - replicated) / split if scheme == "model" else total) * 2
     kv = layers * 2 * keys * d * 2 / split
     cross = layers * 2 * config.text_len * d * 4 / split
-    if scheme == "model":    # residual and normed input stay whole; q, k, v, attention out and FFN hidden split
+    if scheme == "model":  # residual and normed input stay whole; q, k, v, attention out and FFN hidden split
         acts = (2 * n * d + (4 * n * d + 2 * n * f) / gpus) * 4
     else:
         acts = (6 * n * d + 2 * n * f) * 4 / split
@@ -85,12 +85,23 @@ def plan_row(name: str, config: WanConfig, gpus: int, scheme: str) -> dict:
     else:
         comm = 0.0
     compute_s, comm_s = flops / PEAK_FLOPS, comm / LINK_BYTES_S
-    return {"model": name, "gpus": gpus, "scheme": scheme, "weights_gb": weights / 1e9, "kv_gb": kv / 1e9,
-            "cross_kv_gb": cross / 1e9, "activations_gb": acts / 1e9,
-            "total_gb": (weights + kv + cross + acts) / 1e9, "tflop": flops / 1e12, "comm_gb": comm / 1e9,
-            "compute_ms": compute_s * 1e3, "comm_ms": comm_s * 1e3,
-            "bound_ms": max(compute_s, comm_s) * 1e3, "no_overlap_ms": (compute_s + comm_s) * 1e3,
-            "streams": gpus if scheme == "data" else 1}
+    return {
+        "model": name,
+        "gpus": gpus,
+        "scheme": scheme,
+        "weights_gb": weights / 1e9,
+        "kv_gb": kv / 1e9,
+        "cross_kv_gb": cross / 1e9,
+        "activations_gb": acts / 1e9,
+        "total_gb": (weights + kv + cross + acts) / 1e9,
+        "tflop": flops / 1e12,
+        "comm_gb": comm / 1e9,
+        "compute_ms": compute_s * 1e3,
+        "comm_ms": comm_s * 1e3,
+        "bound_ms": max(compute_s, comm_s) * 1e3,
+        "no_overlap_ms": (compute_s + comm_s) * 1e3,
+        "streams": gpus if scheme == "data" else 1,
+    }
 
 
 def plan() -> list[dict]:
@@ -98,22 +109,26 @@ def plan() -> list[dict]:
     for name in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b"):
         config = wan.preset(name)
         for gpus in (1, 4, 8):
-            for scheme in (("data",) if gpus == 1 else ("data", "model", "ulysses")):
+            for scheme in ("data",) if gpus == 1 else ("data", "model", "ulysses"):
                 if scheme != "data" and config.num_heads % gpus:
-                    continue          # whole heads per GPU: 1.3B's 12 heads do not split 8 ways
+                    continue  # whole heads per GPU: 1.3B's 12 heads do not split 8 ways
                 rows.append(plan_row(name, config, gpus, scheme))
     return rows
 
 
 def print_plan(rows: list[dict]) -> None:
-    print("| model | GPUs | scheme | streams | weights GB | KV GB | cross K/V GB | activations GB | total GB/GPU "
-          "| TFLOP/GPU | comm GB/GPU | compute ms | comm ms | chunk ms (overlap / none) |")
+    print(
+        "| model | GPUs | scheme | streams | weights GB | KV GB | cross K/V GB | activations GB | total GB/GPU "
+        "| TFLOP/GPU | comm GB/GPU | compute ms | comm ms | chunk ms (overlap / none) |"
+    )
     print("|" + "---|" * 14)
     for r in rows:
-        print(f"| {r['model'].replace('wan2.1-t2v-', '')} | {r['gpus']} | {r['scheme']} | {r['streams']} "
-              f"| {r['weights_gb']:.2f} | {r['kv_gb']:.2f} | {r['cross_kv_gb']:.2f} | {r['activations_gb']:.2f} "
-              f"| {r['total_gb']:.1f} | {r['tflop']:.0f} | {r['comm_gb']:.2f} | {r['compute_ms']:.0f} "
-              f"| {r['comm_ms']:.0f} | {r['bound_ms']:.0f} / {r['no_overlap_ms']:.0f} |")
+        print(
+            f"| {r['model'].replace('wan2.1-t2v-', '')} | {r['gpus']} | {r['scheme']} | {r['streams']} "
+            f"| {r['weights_gb']:.2f} | {r['kv_gb']:.2f} | {r['cross_kv_gb']:.2f} | {r['activations_gb']:.2f} "
+            f"| {r['total_gb']:.1f} | {r['tflop']:.0f} | {r['comm_gb']:.2f} | {r['compute_ms']:.0f} "
+            f"| {r['comm_ms']:.0f} | {r['bound_ms']:.0f} / {r['no_overlap_ms']:.0f} |"
+        )
 
 
 def timed_stream(stream, chunks: int) -> tuple[list[float], list[np.ndarray]]:
@@ -147,11 +162,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
     key = jax.random.key(1)
     rows = []
-    print(f"model dim {config.dim}, {config.num_heads} heads, {config.num_layers} layers; {rc.tokens_per_frame(config)}"
-          f" tokens/frame, {rc.chunk_frames}-frame chunks, window {rc.window_frames}; {chunks} timed chunks; "
-          f"{jax.device_count()} CPU devices on {os.cpu_count()} cores")
-    print(f"{'devices':>7} {'mesh':>15} {'batch':>5} {'1 device ms':>12} {'mesh ms':>9} {'ratio':>6} "
-          f"{'compiles':>8} {'max |diff|':>10}")
+    print(
+        f"model dim {config.dim}, {config.num_heads} heads, {config.num_layers} layers; {rc.tokens_per_frame(config)}"
+        f" tokens/frame, {rc.chunk_frames}-frame chunks, window {rc.window_frames}; {chunks} timed chunks; "
+        f"{jax.device_count()} CPU devices on {os.cpu_count()} cores"
+    )
+    print(
+        f"{'devices':>7} {'mesh':>15} {'batch':>5} {'1 device ms':>12} {'mesh ms':>9} {'ratio':>6} "
+        f"{'compiles':>8} {'max |diff|':>10}"
+    )
     for n in counts:
         for layout in ("model", "data"):
             if n == 1 and layout == "data":
@@ -163,20 +182,40 @@ def main() -> None:
             one_t, one_x = timed_stream(R.Stream(params, config, rc, context, num_chunks=chunks + 1, key=key), chunks)
             stream = PL.MeshStream(params, config, rc, context, mesh=mesh, num_chunks=chunks + 1, key=key)
             mesh_t, mesh_x = timed_stream(stream, chunks)
-            row = {"devices": n, "mesh": sizes, "batch": batch, "one_device_ms": statistics.median(one_t) * 1e3,
-                   "mesh_ms": statistics.median(mesh_t) * 1e3, "compiles": compile_count(stream.step),
-                   "max_abs_diff": float(max(np.abs(a - b).max() for a, b in zip(one_x, mesh_x)))}
+            row = {
+                "devices": n,
+                "mesh": sizes,
+                "batch": batch,
+                "one_device_ms": statistics.median(one_t) * 1e3,
+                "mesh_ms": statistics.median(mesh_t) * 1e3,
+                "compiles": compile_count(stream.step),
+                "max_abs_diff": float(max(np.abs(a - b).max() for a, b in zip(one_x, mesh_x))),
+            }
             row["ratio"] = row["mesh_ms"] / row["one_device_ms"]
             rows.append(row)
-            print(f"{n:>7} {PL.mesh.describe(mesh).split(' ')[0]:>15} {batch:>5} {row['one_device_ms']:>12.1f} "
-                  f"{row['mesh_ms']:>9.1f} {row['ratio']:>6.2f} {row['compiles']:>8} {row['max_abs_diff']:>10.1e}",
-                  flush=True)
+            print(
+                f"{n:>7} {PL.mesh.describe(mesh).split(' ')[0]:>15} {batch:>5} {row['one_device_ms']:>12.1f} "
+                f"{row['mesh_ms']:>9.1f} {row['ratio']:>6.2f} {row['compiles']:>8} {row['max_abs_diff']:>10.1e}",
+                flush=True,
+            )
     if args.json:
-        result = {"benchmark": "scaling", "config": config.to_dict(), "rollout": {
-            "latent": [rc.latent_height, rc.latent_width], "chunk_frames": rc.chunk_frames,
-            "window_frames": rc.window_frames, "sink_frames": rc.sink_frames, "steps": list(rc.schedule.steps)},
-            "timed_chunks": chunks, "jax": jax.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
-            "rows": rows, "gpu_plan": plan()}
+        result = {
+            "benchmark": "scaling",
+            "config": config.to_dict(),
+            "rollout": {
+                "latent": [rc.latent_height, rc.latent_width],
+                "chunk_frames": rc.chunk_frames,
+                "window_frames": rc.window_frames,
+                "sink_frames": rc.sink_frames,
+                "steps": list(rc.schedule.steps),
+            },
+            "timed_chunks": chunks,
+            "jax": jax.__version__,
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "rows": rows,
+            "gpu_plan": plan(),
+        }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {args.json}")

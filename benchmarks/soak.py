@@ -72,12 +72,13 @@ def _drive(stream, count: int, on_chunk, before_dispatch=None):
     ``on_chunk(i, host latents, moments, seconds)`` for each. ``before_dispatch(i)`` runs before chunk i is
     dispatched (the state then is the state before chunk i) and returns True when it took time that chunk's timing
     must not include."""
+
     def dispatch():
         x = next(stream)
         return x, _moments(x)
 
     before_dispatch and before_dispatch(stream.index)
-    start = time.perf_counter()       # the first chunk's time includes the step's compilation
+    start = time.perf_counter()  # the first chunk's time includes the step's compilation
     pending = dispatch()
     for i in range(count):
         x, m = pending
@@ -126,24 +127,35 @@ def main(argv=None) -> int:
             digests[i] = hashlib.sha256(x.tobytes()).hexdigest()
         if (i + 1) % per_row == 0 or i + 1 == n:
             mean = acc["s"] / acc["count"]
-            rows.append(dict(chunks=i + 1, rss_mib=round(rss_mib(), 1),
-                             ms_median=round(1e3 * statistics.median(acc["times"]), 2) if acc["times"] else None,
-                             mean=mean, std=max(acc["ss"] / acc["count"] - mean * mean, 0.0) ** 0.5,
-                             nonfinite=acc["nonfinite"]))
+            rows.append(
+                dict(
+                    chunks=i + 1,
+                    rss_mib=round(rss_mib(), 1),
+                    ms_median=round(1e3 * statistics.median(acc["times"]), 2) if acc["times"] else None,
+                    mean=mean,
+                    std=max(acc["ss"] / acc["count"] - mean * mean, 0.0) ** 0.5,
+                    nonfinite=acc["nonfinite"],
+                )
+            )
             acc.update(times=[], s=0.0, ss=0.0, count=0, nonfinite=0)
             r = rows[-1]
-            print(f"{r['chunks']:>8} {r['rss_mib']:>9.1f} {r['ms_median'] or float('nan'):>10.2f} "
-                  f"{r['mean']:>+10.4f} {r['std']:>8.4f} {r['nonfinite']:>9}", flush=True)
+            print(
+                f"{r['chunks']:>8} {r['rss_mib']:>9.1f} {r['ms_median'] or float('nan'):>10.2f} "
+                f"{r['mean']:>+10.4f} {r['std']:>8.4f} {r['nonfinite']:>9}",
+                flush=True,
+            )
 
     def save_at(index):
         if index != resume_at:
             return False
-        S.save(session_dir, stream.session())      # a copy: the stream goes on
+        S.save(session_dir, stream.session())  # a copy: the stream goes on
         return True
 
-    print(f"soak: {n} chunks of the tiny model ({LATENT_HW[0]}x{LATENT_HW[1]} latents, "
-          f"{rc.tokens_per_frame(config) * rc.chunk_frames} tokens/chunk, sink {rc.sink_frames} + window "
-          f"{rc.window_frames} frames, {rc.steps} steps), jax {jax.__version__} on {jax.default_backend()}")
+    print(
+        f"soak: {n} chunks of the tiny model ({LATENT_HW[0]}x{LATENT_HW[1]} latents, "
+        f"{rc.tokens_per_frame(config) * rc.chunk_frames} tokens/chunk, sink {rc.sink_frames} + window "
+        f"{rc.window_frames} frames, {rc.steps} steps), jax {jax.__version__} on {jax.default_backend()}"
+    )
     print(f"{'chunks':>8} {'rss_mib':>9} {'ms_median':>10} {'mean':>10} {'std':>8} {'nonfinite':>9}")
     wall = time.perf_counter()
     stream = R.Stream(params, config, rc, context, num_chunks=n, key=key)
@@ -166,33 +178,59 @@ def main(argv=None) -> int:
     with count_compiles(R.stream_step) as resume_compiles:
         _drive(resumed, n - resume_at, check)
 
-    steady = [r for r in rows[1:] if r["ms_median"] is not None]   # the first row holds the warm-up
+    steady = [r for r in rows[1:] if r["ms_median"] is not None]  # the first row holds the warm-up
     rss = [r["rss_mib"] for r in rows]
     ms = [r["ms_median"] for r in steady]
     verdict = dict(
-        chunks=n, step_compilations=step_compiles, resume_compilations=resume_compiles(),
+        chunks=n,
+        step_compilations=step_compiles,
+        resume_compilations=resume_compiles(),
         nonfinite=sum(r["nonfinite"] for r in rows),
-        rss_first_row_mib=rss[0], rss_last_row_mib=rss[-1], rss_growth_after_first_row_mib=round(rss[-1] - rss[1], 1)
-        if len(rss) > 1 else 0.0, rss_max_mib=max(rss),
-        ms_median_steady_first=ms[0] if ms else None, ms_median_steady_last=ms[-1] if ms else None,
+        rss_first_row_mib=rss[0],
+        rss_last_row_mib=rss[-1],
+        rss_growth_after_first_row_mib=round(rss[-1] - rss[1], 1) if len(rss) > 1 else 0.0,
+        rss_max_mib=max(rss),
+        ms_median_steady_first=ms[0] if ms else None,
+        ms_median_steady_last=ms[-1] if ms else None,
         ms_median_steady_max_over_min=round(max(ms) / min(ms), 3) if ms else None,
         latent_mean_range=[min(r["mean"] for r in rows), max(r["mean"] for r in rows)],
         latent_std_range=[min(r["std"] for r in rows), max(r["std"] for r in rows)],
-        resume_at=resume_at, resume_chunks_checked=checked, resume_mismatches=mismatches[:10],
+        resume_at=resume_at,
+        resume_chunks_checked=checked,
+        resume_mismatches=mismatches[:10],
         resume_equal=checked == n - resume_at and not mismatches,
-        first_chunk_s=first_chunk_s, run_s=round(run_s, 1))
+        first_chunk_s=first_chunk_s,
+        run_s=round(run_s, 1),
+    )
     print()
     for k, v in verdict.items():
         print(f"{k:32} {v}")
-    ok = (step_compiles == 1 and verdict["resume_compilations"] == 0 and verdict["nonfinite"] == 0
-          and verdict["resume_equal"])
-    print(f"{'verdict':32} {'PASS' if ok else 'FAIL'} (compilations, finiteness, resume equality; RSS and time "
-          f"flatness are read from the table)")
+    ok = (
+        step_compiles == 1
+        and verdict["resume_compilations"] == 0
+        and verdict["nonfinite"] == 0
+        and verdict["resume_equal"]
+    )
+    print(
+        f"{'verdict':32} {'PASS' if ok else 'FAIL'} (compilations, finiteness, resume equality; RSS and time "
+        f"flatness are read from the table)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, verdict=verdict, passed=ok, jax=jax.__version__,
-                           backend=jax.default_backend(), machine=platform.machine(), cpus=os.cpu_count(),
-                           argv=sys.argv[1:]), f, indent=2)
+            json.dump(
+                dict(
+                    rows=rows,
+                    verdict=verdict,
+                    passed=ok,
+                    jax=jax.__version__,
+                    backend=jax.default_backend(),
+                    machine=platform.machine(),
+                    cpus=os.cpu_count(),
+                    argv=sys.argv[1:],
+                ),
+                f,
+                indent=2,
+            )
     return 0 if ok else 1
 
 

@@ -46,7 +46,7 @@ def _inputs(config: UMT5Config, batch: int, length: int):
     rng = np.random.default_rng(0)
     ids = rng.integers(3, config.vocab_size, (batch, length)).astype(np.int32)
     mask = np.ones((batch, length), np.int32)
-    mask[1::2, length // 2:] = 0  # odd rows: half padding
+    mask[1::2, length // 2 :] = 0  # odd rows: half padding
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
@@ -65,11 +65,19 @@ def measure(name: str, config: UMT5Config, dtype, batch: int, length: int, repea
         times.append(time.perf_counter() - t0)
     ms = 1e3 * statistics.median(times)
     params_mib = sum(x.nbytes for x in jax.tree.leaves(params)) / MIB
-    return {"model": name, "dtype": jnp.dtype(dtype).name, "batch": batch, "length": length,
-            "ms": ms, "ms_per_prompt": ms / batch, "tokens_per_s": batch * length / (ms / 1e3),
-            "compile_s": compile_s, "params_mib": params_mib,
-            "temp_mib": (mem.temp_size_in_bytes if mem else float("nan")) / MIB,
-            "output_mib": (mem.output_size_in_bytes if mem else float("nan")) / MIB}
+    return {
+        "model": name,
+        "dtype": jnp.dtype(dtype).name,
+        "batch": batch,
+        "length": length,
+        "ms": ms,
+        "ms_per_prompt": ms / batch,
+        "tokens_per_s": batch * length / (ms / 1e3),
+        "compile_s": compile_s,
+        "params_mib": params_mib,
+        "temp_mib": (mem.temp_size_in_bytes if mem else float("nan")) / MIB,
+        "output_mib": (mem.output_size_in_bytes if mem else float("nan")) / MIB,
+    }
 
 
 def end_to_end(repeats: int) -> dict:
@@ -106,23 +114,38 @@ def main(argv=None) -> int:
                 print(f"  {name} {r['dtype']} batch {batch} length {length}: {r['ms']:.1f} ms", file=sys.stderr)
     e2e = end_to_end(repeats)
     real = preset("umt5-xxl")
-    print(f"jax {jax.__version__} on {jax.default_backend()} ({platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cpus); median of {repeats}; umt5-xxl for scale: {real.num_params() / 1e9:.2f} B params, "
-          f"{real.num_params() * 2 / 1e9:.1f} GB in bf16")
+    print(
+        f"jax {jax.__version__} on {jax.default_backend()} ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cpus); median of {repeats}; umt5-xxl for scale: {real.num_params() / 1e9:.2f} B params, "
+        f"{real.num_params() * 2 / 1e9:.1f} GB in bf16"
+    )
     print()
     print("| model | dtype | batch | length | ms | ms / prompt | tokens / s | compile s | params MiB | temp MiB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['length']} | {r['ms']:.2f} | {r['ms_per_prompt']:.2f} "
-              f"| {r['tokens_per_s']:.0f} | {r['compile_s']:.2f} | {r['params_mib']:.1f} | {r['temp_mib']:.1f} |")
+        print(
+            f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['length']} | {r['ms']:.2f} | {r['ms_per_prompt']:.2f} "
+            f"| {r['tokens_per_s']:.0f} | {r['compile_s']:.2f} | {r['params_mib']:.1f} | {r['temp_mib']:.1f} |"
+        )
     print()
-    print(f"TextEncoder.tiny().encode of {e2e['prompts']} prompts (text_len 16): {e2e['fresh_ms']:.1f} ms encoded, "
-          f"{e2e['cached_ms']:.2f} ms from the embeddings cache")
+    print(
+        f"TextEncoder.tiny().encode of {e2e['prompts']} prompts (text_len 16): {e2e['fresh_ms']:.1f} ms encoded, "
+        f"{e2e['cached_ms']:.2f} ms from the embeddings cache"
+    )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, "backend": jax.default_backend(), "repeats": repeats, "rows": rows,
-                       "end_to_end": e2e}, f, indent=2)
+            json.dump(
+                {
+                    "jax": jax.__version__,
+                    "backend": jax.default_backend(),
+                    "repeats": repeats,
+                    "rows": rows,
+                    "end_to_end": e2e,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -18,10 +18,16 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxkv.models.wan_vae import (WanVAEConfig, cache_bytes, decode, decode_chunk, init_decoder_state,
-                                  init_params, preset)
+from jaxkv.models.wan_vae import (
+    WanVAEConfig,
+    cache_bytes,
+    decode,
+    decode_chunk,
+    init_decoder_state,
+    init_params,
+    preset,
+)
 from jaxkv.models.wan_vae.decoder import _param_structs
 
 CONFIGS = {
@@ -43,8 +49,13 @@ def _time(fn, repeats: int) -> float:
 def bench(name: str, config: WanVAEConfig, h: int, w: int, dtype, repeats: int) -> dict:
     params = init_params(0, config, dtype)
     z = jax.random.normal(jax.random.key(0), (1, 7, h, w, config.z_dim)).astype(dtype)
-    row = {"config": name, "latent": f"{h}x{w}", "video": f"{8 * h}x{8 * w}", "dtype": jnp.dtype(dtype).name,
-           "cache_bytes": cache_bytes(config, 1, h, w, dtype)}
+    row = {
+        "config": name,
+        "latent": f"{h}x{w}",
+        "video": f"{8 * h}x{8 * w}",
+        "dtype": jnp.dtype(dtype).name,
+        "cache_bytes": cache_bytes(config, 1, h, w, dtype),
+    }
     state = init_decoder_state(config, 1, h, w, dtype)
     stats = decode_chunk.lower(params, config, state, z[:, :3]).compile().memory_analysis()
     row["alias_bytes"], row["temp_bytes"] = int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)
@@ -82,16 +93,26 @@ def real_size(dtype) -> dict:
     state = jax.eval_shape(lambda: init_decoder_state(config, 1, 60, 104, dtype))
     z = jax.ShapeDtypeStruct((1, 3, 60, 104, 16), dtype)
     flops = decode_chunk.lower(params, config, state, z).cost_analysis()["flops"] / 3
-    return {"config": "wan2.1-vae", "latent": "60x104", "video": "480x832", "dtype": jnp.dtype(dtype).name,
-            "cache_bytes": cache_bytes(config, 1, 60, 104, dtype), "tflop_per_latent_frame": flops / 1e12,
-            "caches": len(state.caches)}
+    return {
+        "config": "wan2.1-vae",
+        "latent": "60x104",
+        "video": "480x832",
+        "dtype": jnp.dtype(dtype).name,
+        "cache_bytes": cache_bytes(config, 1, 60, 104, dtype),
+        "tflop_per_latent_frame": flops / 1e12,
+        "caches": len(state.caches),
+    }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
-                        help="weights, activations and caches (norms and softmax stay f32)")
+    parser.add_argument(
+        "--dtype",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="weights, activations and caches (norms and softmax stay f32)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
@@ -99,15 +120,21 @@ def main(argv=None) -> None:
     rows = [bench(n, *CONFIGS[n], dtype, args.repeats) for n in args.configs]
     real = real_size(jnp.bfloat16)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {args.dtype}; best of {args.repeats}")
-    print(f"{'config':8} {'video':>8} {'cache MiB':>10} {'alias MiB':>10} {'temp MiB':>9} {'1-frame ms':>11} "
-          f"{'3-frame ms':>11} {'ms/latent (3)':>14} {'whole 7 ms':>11} {'1+3+3 ms':>9}")
+    print(
+        f"{'config':8} {'video':>8} {'cache MiB':>10} {'alias MiB':>10} {'temp MiB':>9} {'1-frame ms':>11} "
+        f"{'3-frame ms':>11} {'ms/latent (3)':>14} {'whole 7 ms':>11} {'1+3+3 ms':>9}"
+    )
     for r in rows:
-        print(f"{r['config']:8} {r['video']:>8} {r['cache_bytes'] / 2**20:10.2f} {r['alias_bytes'] / 2**20:10.2f} "
-              f"{r['temp_bytes'] / 2**20:9.2f} {r['chunk1_ms']:11.1f} {r['chunk3_ms']:11.1f} "
-              f"{r['chunk3_ms_per_latent']:14.1f} {r['whole7_ms']:11.1f} {r['stream_1_3_3_ms']:9.1f}")
-    print(f"wan2.1-vae at 480x832 (bf16, from shapes): {real['caches']} caches, "
-          f"{real['cache_bytes'] / 2**30:.2f} GiB per stream, {real['tflop_per_latent_frame']:.2f} TFLOP per latent "
-          f"frame")
+        print(
+            f"{r['config']:8} {r['video']:>8} {r['cache_bytes'] / 2**20:10.2f} {r['alias_bytes'] / 2**20:10.2f} "
+            f"{r['temp_bytes'] / 2**20:9.2f} {r['chunk1_ms']:11.1f} {r['chunk3_ms']:11.1f} "
+            f"{r['chunk3_ms_per_latent']:14.1f} {r['whole7_ms']:11.1f} {r['stream_1_3_3_ms']:9.1f}"
+        )
+    print(
+        f"wan2.1-vae at 480x832 (bf16, from shapes): {real['caches']} caches, "
+        f"{real['cache_bytes'] / 2**30:.2f} GiB per stream, {real['tflop_per_latent_frame']:.2f} TFLOP per latent "
+        f"frame"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "real_size": real, "jax": jax.__version__}, f, indent=2)

@@ -39,8 +39,9 @@ from jaxkv.nn.attention import CachedSelfAttention, rotary
 class _Block(nnx.Module):
     def __init__(self, dim, num_heads, num_kv_heads, mask, *, rngs):
         self.norm1 = nnx.RMSNorm(dim, rngs=rngs)
-        self.attn = CachedSelfAttention(dim, num_heads, num_kv_heads=num_kv_heads, mask=mask, rope=rotary(),
-                                        backend="auto", rngs=rngs)
+        self.attn = CachedSelfAttention(
+            dim, num_heads, num_kv_heads=num_kv_heads, mask=mask, rope=rotary(), backend="auto", rngs=rngs
+        )
         self.norm2 = nnx.RMSNorm(dim, rngs=rngs)
         self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
         self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
@@ -65,22 +66,31 @@ class StreamingEncoder(nnx.Module):
     counted from chunk starts, `spec.sink` pinned tokens), so the cache holds exactly what the mask can see.
     """
 
-    def __init__(self, features: int, dim: int, num_heads: int, num_layers: int, spec: RingSpec, *,
-                 num_kv_heads: int | None = None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        features: int,
+        dim: int,
+        num_heads: int,
+        num_layers: int,
+        spec: RingSpec,
+        *,
+        num_kv_heads: int | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.spec = spec
         self.mask = spec.mask()
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = dim // num_heads
         self.embed = nnx.Linear(features, dim, rngs=rngs)
-        self.blocks = nnx.List([_Block(dim, num_heads, self.num_kv_heads, self.mask, rngs=rngs)
-                                for _ in range(num_layers)])
+        self.blocks = nnx.List(
+            [_Block(dim, num_heads, self.num_kv_heads, self.mask, rngs=rngs) for _ in range(num_layers)]
+        )
         self.norm = nnx.RMSNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, features, rngs=rngs)
 
     def init_cache(self, batch: int, dtype=jnp.float32) -> RingCache:
         """An empty ring stacking every layer: k, v [layers, batch, sink + window, kv_heads, head_dim]."""
-        return RingCache.init(self.spec, batch, self.num_kv_heads, self.head_dim, dtype=dtype,
-                              layers=len(self.blocks))
+        return RingCache.init(self.spec, batch, self.num_kv_heads, self.head_dim, dtype=dtype, layers=len(self.blocks))
 
     def step(self, cache: RingCache, x):
         """One chunk x [batch, chunk, features] -> (cache, y [batch, chunk, features])."""

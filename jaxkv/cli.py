@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 
 
-
 def _generate(argv: list[str]) -> int:
     from jaxkv import generate
 
@@ -18,7 +17,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _convert(argv: list[str]) -> int:
-    from converters import cli
+    from jaxkv.convert import cli
 
     return cli.main(argv)
 

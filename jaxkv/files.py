@@ -105,12 +105,19 @@ def _deferred_signals() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------------ destinations
 
+
 def _inside(child: str, parent: str) -> bool:
     return os.path.commonpath([child, parent]) == parent and child != parent
 
 
-def directory_problem(path: str, *, required: Collection[str], optional: Collection[str] = (),
-                      formats: Collection[str] | None = None, marker_file: str = "config.json") -> str | None:
+def directory_problem(
+    path: str,
+    *,
+    required: Collection[str],
+    optional: Collection[str] = (),
+    formats: Collection[str] | None = None,
+    marker_file: str = "config.json",
+) -> str | None:
     """Why ``path`` is not a directory that a jaxkv writer made, or None if it is one.
 
     One of ours is a real directory (not a symlink) whose entries are all regular files, that holds every name in
@@ -123,8 +130,14 @@ def directory_problem(path: str, *, required: Collection[str], optional: Collect
         return f"{path} is not a directory" if os.path.lexists(path) else f"{path} does not exist"
     entries = sorted(os.listdir(path))
     missing = sorted(set(required) - set(entries))
-    foreign = [e for e in entries if e not in required and e not in optional
-               or not os.path.isfile(os.path.join(path, e)) or os.path.islink(os.path.join(path, e))]
+    foreign = [
+        e
+        for e in entries
+        if e not in required
+        and e not in optional
+        or not os.path.isfile(os.path.join(path, e))
+        or os.path.islink(os.path.join(path, e))
+    ]
     if foreign:
         shown = ", ".join(foreign[:8]) + (f" ... and {len(foreign) - 8} more" if len(foreign) > 8 else "")
         return f"{path} holds entries a jaxkv writer does not make ({shown})"
@@ -138,7 +151,7 @@ def directory_problem(path: str, *, required: Collection[str], optional: Collect
     ok = found in formats if formats is not None else isinstance(found, str) and found.startswith("jaxkv-")
     if not ok:
         want = f"one of {sorted(formats)}" if formats is not None else "'jaxkv-...'"
-        return f"{os.path.join(path, marker_file)} has no jaxkv format marker (\"format\": {want}; found {found!r})"
+        return f'{os.path.join(path, marker_file)} has no jaxkv format marker ("format": {want}; found {found!r})'
     return None
 
 
@@ -152,8 +165,14 @@ def _replace_problem(path: str, replaceable: Callable[[str], str | None] | None)
     return replaceable(path)
 
 
-def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = False,
-                      replaceable: Callable[[str], str | None] | None = None, flag: str = "--force") -> None:
+def check_destination(
+    dst: str,
+    *,
+    sources: Iterable[str] = (),
+    force: bool = False,
+    replaceable: Callable[[str], str | None] | None = None,
+    flag: str = "--force",
+) -> None:
     """Raises DestinationError unless writing the directory ``dst`` destroys nothing but a previous output.
 
     Always refused: ``dst`` equal to, inside, or containing any of ``sources`` (compared both as given and with
@@ -172,23 +191,29 @@ def check_destination(dst: str, *, sources: Iterable[str] = (), force: bool = Fa
                 if _inside(d, s):
                     raise DestinationError(f"the output {dst} lies inside the source {src}; choose a path outside it")
                 if _inside(s, d):
-                    raise DestinationError(f"the output {dst} contains the source {src}; replacing it would delete "
-                                           f"the source; choose another output path")
+                    raise DestinationError(
+                        f"the output {dst} contains the source {src}; replacing it would delete "
+                        f"the source; choose another output path"
+                    )
     if not os.path.lexists(dst):
         return
     if not force:
-        raise DestinationError(f"{dst} already exists; pass {flag} to replace it (only a previous jaxkv output "
-                               f"directory is replaced)")
+        raise DestinationError(
+            f"{dst} already exists; pass {flag} to replace it (only a previous jaxkv output directory is replaced)"
+        )
     cwd = os.path.realpath(os.getcwd())
     if any(d == cwd or _inside(cwd, d) for d in targets):
         raise DestinationError(f"refusing to replace {dst}: it is (or contains) the current directory")
     problem = _replace_problem(dst, replaceable)
     if problem is not None:
-        raise DestinationError(f"refusing to replace {dst} even with {flag}: {problem}; {flag} only replaces a "
-                               f"directory that jaxkv wrote (remove it yourself or choose another output path)")
+        raise DestinationError(
+            f"refusing to replace {dst} even with {flag}: {problem}; {flag} only replaces a "
+            f"directory that jaxkv wrote (remove it yourself or choose another output path)"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ temporaries
+
 
 def _prefix(path: str) -> str:
     return f".{os.path.basename(path)}.tmp-"
@@ -280,8 +305,9 @@ def _fsync_dir(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None = None,
-                     log: Callable[[str], None] | None = None) -> Iterator[str]:
+def atomic_directory(
+    path: str, *, replace: Callable[[str], str | None] | None = None, log: Callable[[str], None] | None = None
+) -> Iterator[str]:
     """Yields an empty directory to fill; on normal exit it becomes ``path``, on any exception it is removed.
 
     ``path`` must not exist, unless ``replace`` is given: then an existing ``path`` is replaced (only after the new
@@ -309,8 +335,16 @@ def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None =
             with _deferred_signals():  # the marker must exist as soon as the directory does
                 tmp = _mkdir_unique(parent, _prefix(path))
                 with open(os.path.join(tmp, MARKER), "w") as f:
-                    json.dump({"pid": os.getpid(), "start": _process_start(os.getpid()),
-                               "host": socket.gethostname(), "created": time.time(), "target": path}, f)
+                    json.dump(
+                        {
+                            "pid": os.getpid(),
+                            "start": _process_start(os.getpid()),
+                            "host": socket.gethostname(),
+                            "created": time.time(),
+                            "target": path,
+                        },
+                        f,
+                    )
                 new = os.path.join(tmp, _NEW)
                 os.mkdir(new, 0o777)
             yield new
@@ -333,14 +367,20 @@ def atomic_directory(path: str, *, replace: Callable[[str], str | None] | None =
             raise
 
 
-def atomic_checkpoint_directory(path: str, *, force: bool, formats: Collection[str],
-                                required: Collection[str] = ("config.json", "params.safetensors"),
-                                optional: Collection[str] = (), log: Callable[[str], None] | None = None):
+def atomic_checkpoint_directory(
+    path: str,
+    *,
+    force: bool,
+    formats: Collection[str],
+    required: Collection[str] = ("config.json", "params.safetensors"),
+    optional: Collection[str] = (),
+    log: Callable[[str], None] | None = None,
+):
     """`atomic_directory` for a jaxkv checkpoint directory: with ``force`` an existing ``path`` is replaced only if
     it is a checkpoint of one of ``formats`` (``config.json`` marker) holding ``required`` and nothing beyond
     ``optional`` (see `directory_problem`); without ``force`` an existing ``path`` is an error."""
+
     def ours(p: str) -> str | None:
         return directory_problem(p, required=required, optional=optional, formats=formats)
 
     return atomic_directory(path, replace=ours if force else None, log=log)
-

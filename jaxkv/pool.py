@@ -58,48 +58,63 @@ def init_pool(params, config: WanConfig, rc: R.RolloutConfig, rows: int) -> Pool
     R._check_model(config)
     rows = check_int("rows", rows, minimum=1)
     if rc.dilated_every:
-        raise ValueError(f"a pool runs sink + window caches; RolloutConfig.dilated_every={rc.dilated_every} "
-                         f"(dilated layers) is not supported by jaxkv.pool yet")
+        raise ValueError(
+            f"a pool runs sink + window caches; RolloutConfig.dilated_every={rc.dilated_every} "
+            f"(dilated layers) is not supported by jaxkv.pool yet"
+        )
     sessions = rows * (2 if rc.guidance_scale is not None else 1)
     cache = R.empty_cache(config, rc, sessions)
-    one = jax.eval_shape(lambda p: M.cross_kv(p, config, jnp.zeros((1, 1, config.text_dim), jnp.float32),
-                                              precision=rc.precision), params)
+    one = jax.eval_shape(
+        lambda p: M.cross_kv(p, config, jnp.zeros((1, 1, config.text_dim), jnp.float32), precision=rc.precision), params
+    )
     shape = (config.num_layers, sessions, *one.k.shape[2:])
     cross = M.CrossKV(jnp.zeros(shape, one.k.dtype), jnp.zeros(shape, one.v.dtype))
     key_words = jax.random.key_data(jax.random.key(0)).shape
-    return PoolState(R.RolloutState(cache, cross), jnp.zeros((rows, *key_words), jnp.uint32),
-                     jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool))
+    return PoolState(
+        R.RolloutState(cache, cross),
+        jnp.zeros((rows, *key_words), jnp.uint32),
+        jnp.zeros((rows,), jnp.int32),
+        jnp.zeros((rows,), bool),
+    )
 
 
-def admit(params, config: WanConfig, rc: R.RolloutConfig, state: PoolState, row, context, key,
-          negative_context=None) -> PoolState:
+def admit(
+    params, config: WanConfig, rc: R.RolloutConfig, state: PoolState, row, context, key, negative_context=None
+) -> PoolState:
     """Starts a stream in ``row`` (an int or traced int32 scalar; the caller picks a free row): its sessions are
     emptied, its cross K/V computed from ``context`` [1, text_tokens, text_dim] (and ``negative_context`` with
     guidance), its noise key set and its chunk count zeroed."""
     rows = state.rows
-    ctx = R._check_context(config, rc, context, negative_context)       # [1 or 2, text_len, text_dim]
+    ctx = R._check_context(config, rc, context, negative_context)  # [1 or 2, text_len, text_dim]
     if ctx.shape[0] != (2 if rc.guidance_scale is not None else 1):
         raise ValueError(f"admit takes one stream: context [1, text_tokens, text_dim], got {list(jnp.shape(context))}")
     row = jnp.asarray(row, jnp.int32)
-    cross = M.cross_kv(params, config, ctx, precision=rc.precision)        # [layers, 1 or 2, text_len, ...]
+    cross = M.cross_kv(params, config, ctx, precision=rc.precision)  # [layers, 1 or 2, text_len, ...]
     k, v = state.rollout.cross
-    for i in range(ctx.shape[0]):                                          # cond row, then its negative
+    for i in range(ctx.shape[0]):  # cond row, then its negative
         at = (0, row + i * rows, 0, 0, 0)
-        k = lax.dynamic_update_slice(k, cross.k[:, i:i + 1], at)
-        v = lax.dynamic_update_slice(v, cross.v[:, i:i + 1], at)
+        k = lax.dynamic_update_slice(k, cross.k[:, i : i + 1], at)
+        v = lax.dynamic_update_slice(v, cross.v[:, i : i + 1], at)
     cache = state.rollout.cache.reset(_sessions_of(rc, rows, row))
     data = jax.random.key_data(key).astype(jnp.uint32)
-    return PoolState(R.RolloutState(cache, M.CrossKV(k, v)),
-                     lax.dynamic_update_slice(state.keys, data[None], (row, 0)),
-                     state.chunks.at[row].set(0), state.occupied.at[row].set(True))
+    return PoolState(
+        R.RolloutState(cache, M.CrossKV(k, v)),
+        lax.dynamic_update_slice(state.keys, data[None], (row, 0)),
+        state.chunks.at[row].set(0),
+        state.occupied.at[row].set(True),
+    )
 
 
 def finish(rc: R.RolloutConfig, state: PoolState, row) -> PoolState:
     """Ends the stream in ``row``: its sessions are emptied (nothing reallocated) and the row is free."""
     row = jnp.asarray(row, jnp.int32)
     cache = state.rollout.cache.reset(_sessions_of(rc, state.rows, row))
-    return PoolState(R.RolloutState(cache, state.rollout.cross), state.keys, state.chunks.at[row].set(0),
-                     state.occupied.at[row].set(False))
+    return PoolState(
+        R.RolloutState(cache, state.rollout.cross),
+        state.keys,
+        state.chunks.at[row].set(0),
+        state.occupied.at[row].set(False),
+    )
 
 
 def step(params, config: WanConfig, rc: R.RolloutConfig, state: PoolState):
@@ -107,7 +122,7 @@ def step(params, config: WanConfig, rc: R.RolloutConfig, state: PoolState):
     in free rows), new state)."""
     keys = jax.random.wrap_key_data(state.keys)
     noise = jax.vmap(lambda k, n: R.chunk_noise(k, config, rc, 1, n)[:, 0])(keys, state.chunks)
-    noise = jnp.moveaxis(noise, 0, 1)                                      # [steps, rows, ...]
+    noise = jnp.moveaxis(noise, 0, 1)  # [steps, rows, ...]
     x, rollout = R.generate_chunk(params, config, rc, state.rollout, noise, active=state.occupied)
     return x, PoolState(rollout, state.keys, state.chunks + state.occupied.astype(jnp.int32), state.occupied)
 
@@ -147,8 +162,16 @@ class StreamPool:
         if not free:
             raise RuntimeError(f"all {self.rows} rows of the pool are occupied; finish one first")
         row = free[0]
-        self.state = jit_admit(self.params, self.config, self.rc, self.state, np.int32(row), jnp.asarray(context),
-                               key, None if negative_context is None else jnp.asarray(negative_context))
+        self.state = jit_admit(
+            self.params,
+            self.config,
+            self.rc,
+            self.state,
+            np.int32(row),
+            jnp.asarray(context),
+            key,
+            None if negative_context is None else jnp.asarray(negative_context),
+        )
         self._occupied[row], self._chunks[row] = True, 0
         return row
 
@@ -156,8 +179,9 @@ class StreamPool:
         """Frees an occupied ``row``; ValueError for a row that is out of range or free (nothing changes)."""
         row = check_int("row", row, minimum=0)
         if row >= self.rows or not self._occupied[row]:
-            raise ValueError(f"row {row} holds no stream (occupied rows: "
-                             f"{[r for r, busy in enumerate(self._occupied) if busy]})")
+            raise ValueError(
+                f"row {row} holds no stream (occupied rows: {[r for r, busy in enumerate(self._occupied) if busy]})"
+            )
         self.state = jit_finish(self.rc, self.state, np.int32(row))
         self._occupied[row] = False
 
@@ -169,8 +193,9 @@ class StreamPool:
             raise ValueError("no stream in the pool; admit one first")
         limit = self.rc.spec(self.config).max_chunks
         if self.rc.bounded and max(self._chunks[r] for r in busy) >= limit:
-            raise OverflowError(f"a row's next chunk would pass the int32 position limit ({limit} chunks to a "
-                                f"stream); finish it")
+            raise OverflowError(
+                f"a row's next chunk would pass the int32 position limit ({limit} chunks to a stream); finish it"
+            )
         x, self.state = jit_step(self.params, self.config, self.rc, self.state)
         for r in busy:
             self._chunks[r] += 1

@@ -86,12 +86,14 @@ class Precision:
         """ValueError naming the first floating leaf of ``params`` not held in ``param_dtype`` (trace time)."""
         want = jnp.dtype(self.param_dtype)
         for path, leaf in jax.tree.flatten_with_path(params)[0]:
-            dtype = getattr(leaf, "dtype", None)     # arrays and ShapeDtypeStructs alike
+            dtype = getattr(leaf, "dtype", None)  # arrays and ShapeDtypeStructs alike
             if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype != want:
-                raise ValueError(f"params{jax.tree_util.keystr(path)} is {dtype.name} but the precision's "
-                                 f"param_dtype is {self.param_dtype}; pass a matching precision (e.g. "
-                                 f"precision=Precision.bf16() for bfloat16 weights, or Precision(param_dtype="
-                                 f"{dtype.name!r}, ...)) or cast the params")
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)} is {dtype.name} but the precision's "
+                    f"param_dtype is {self.param_dtype}; pass a matching precision (e.g. "
+                    f"precision=Precision.bf16() for bfloat16 weights, or Precision(param_dtype="
+                    f"{dtype.name!r}, ...)) or cast the params"
+                )
 
 
 PRESETS = {"float32": Precision.f32, "bfloat16": Precision.bf16}

@@ -71,12 +71,16 @@ class LatentRing:
             raise TypeError(f"spec must be a RingSpec, got {type(spec).__name__}")
         chunk_shape = tuple(int(d) for d in chunk_shape)
         if len(chunk_shape) != 5 or min(chunk_shape) < 1:
-            raise ValueError(f"chunk_shape must be [batch, chunk_frames, height, width, channels], got "
-                             f"{list(chunk_shape)}")
+            raise ValueError(
+                f"chunk_shape must be [batch, chunk_frames, height, width, channels], got {list(chunk_shape)}"
+            )
         batch = chunk_shape[0]
-        return cls(latents=jnp.zeros((batch, spec.num_slots, *chunk_shape[1:]), jnp.float32),
-                   chunks=jnp.full((batch, spec.num_slots), EMPTY, jnp.int32),
-                   sink_chunks=spec.sink_chunks, window_chunks=spec.window_chunks)
+        return cls(
+            latents=jnp.zeros((batch, spec.num_slots, *chunk_shape[1:]), jnp.float32),
+            chunks=jnp.full((batch, spec.num_slots), EMPTY, jnp.int32),
+            sink_chunks=spec.sink_chunks,
+            window_chunks=spec.window_chunks,
+        )
 
     @property
     def batch(self) -> int:
@@ -96,12 +100,15 @@ class LatentRing:
         [batch] (traced); rows with a negative index are left untouched. O(chunk) per row."""
         latents = jnp.asarray(latents)
         if tuple(latents.shape) != (self.batch, *self.latents.shape[2:]):
-            raise ValueError(f"push: latents must be [batch, chunk_frames, h, w, c] = "
-                             f"{[self.batch, *self.latents.shape[2:]]}, got {list(latents.shape)}")
+            raise ValueError(
+                f"push: latents must be [batch, chunk_frames, h, w, c] = "
+                f"{[self.batch, *self.latents.shape[2:]]}, got {list(latents.shape)}"
+            )
         chunk_index = jnp.asarray(chunk_index)
         if chunk_index.shape != (self.batch,) or not jnp.issubdtype(chunk_index.dtype, jnp.integer):
-            raise ValueError(f"push: chunk_index must be int [{self.batch}], got "
-                             f"{chunk_index.dtype}{list(chunk_index.shape)}")
+            raise ValueError(
+                f"push: chunk_index must be int [{self.batch}], got {chunk_index.dtype}{list(chunk_index.shape)}"
+            )
         chunk_index = chunk_index.astype(jnp.int32)
         slots = self.slot_of_chunk(jnp.maximum(chunk_index, 0))
         lat, chunks = self.latents, self.chunks
@@ -110,8 +117,9 @@ class LatentRing:
             row = jnp.where(chunk_index[b] >= 0, latents[b].astype(jnp.float32), old)
             lat = lax.dynamic_update_slice(lat, row[None, None], (b, slots[b], 0, 0, 0, 0))
             old_c = lax.dynamic_index_in_dim(chunks[b], slots[b], 0, keepdims=True)
-            chunks = lax.dynamic_update_slice(chunks, jnp.where(chunk_index[b] >= 0, chunk_index[b:b + 1], old_c)[None],
-                                              (b, slots[b]))
+            chunks = lax.dynamic_update_slice(
+                chunks, jnp.where(chunk_index[b] >= 0, chunk_index[b : b + 1], old_c)[None], (b, slots[b])
+            )
         return self.replace(latents=lat, chunks=chunks)
 
     def for_cache(self, cache: ChunkCache, period: int | None = None):
@@ -127,9 +135,11 @@ class LatentRing:
         """
         spec = cache.spec
         if spec.num_slots != self.num_slots or cache.batch < self.batch:
-            raise ValueError(f"the ring has {self.num_slots} slots for {self.batch} rows; the cache has "
-                             f"{spec.num_slots} slots for {cache.batch} sessions")
-        first = cache.positions[:self.batch, ::spec.chunk]                       # [batch, num_slots]
+            raise ValueError(
+                f"the ring has {self.num_slots} slots for {self.batch} rows; the cache has "
+                f"{spec.num_slots} slots for {cache.batch} sessions"
+            )
+        first = cache.positions[: self.batch, :: spec.chunk]  # [batch, num_slots]
         wanted = jnp.where(first >= 0, first // spec.chunk, EMPTY)
         ring_slot = self.slot_of_chunk(jnp.maximum(wanted, 0))
         held = jnp.take_along_axis(self.chunks, ring_slot, axis=1)
@@ -153,17 +163,28 @@ def check_ring(config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ri
         return
     spec = state.cache.spec
     _, found = ring.for_cache(state.cache, _period(rc, spec))
-    held = np.asarray(state.cache.positions[:ring.batch, ::spec.chunk]) >= 0
+    held = np.asarray(state.cache.positions[: ring.batch, :: spec.chunk]) >= 0
     missing = held & ~np.asarray(found)
     if missing.any():
         row, slot = np.argwhere(missing)[0]
         chunk = int(state.cache.positions[row, slot * spec.chunk]) // spec.chunk
-        raise ValueError(f"the latent ring lacks chunk {chunk} (row {row}) that the cache holds: push every "
-                         f"chunk's clean latents (LatentRing.push) to re-cache after a prompt switch")
+        raise ValueError(
+            f"the latent ring lacks chunk {chunk} (row {row}) that the cache holds: push every "
+            f"chunk's clean latents (LatentRing.push) to re-cache after a prompt switch"
+        )
 
 
-def switch_prompt(params, config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ring: LatentRing, context,
-                  negative_context=None, *, keep_sink: bool = True) -> R.RolloutState:
+def switch_prompt(
+    params,
+    config: WanConfig,
+    rc: R.RolloutConfig,
+    state: R.RolloutState,
+    ring: LatentRing,
+    context,
+    negative_context=None,
+    *,
+    keep_sink: bool = True,
+) -> R.RolloutState:
     """The state under a new prompt: new cross-attention K/V and the retained frames re-cached (module docstring).
 
     Call it between chunks (after chunk n - 1 is committed, before chunk n). Pure; `jit_switch_prompt` compiles it
@@ -179,8 +200,10 @@ def switch_prompt(params, config: WanConfig, rc: R.RolloutConfig, state: R.Rollo
     """
     R._check_model(config)
     if rc.policy not in RECACHE_POLICIES:
-        raise ValueError(f"prompt switching re-runs slots that hold whole chunks: policies "
-                         f"{sorted(RECACHE_POLICIES)}, got {rc.policy!r}")
+        raise ValueError(
+            f"prompt switching re-runs slots that hold whole chunks: policies "
+            f"{sorted(RECACHE_POLICIES)}, got {rc.policy!r}"
+        )
     if not isinstance(keep_sink, bool):
         raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
     sessions = R._check_context(config, rc, context, negative_context)
@@ -189,21 +212,25 @@ def switch_prompt(params, config: WanConfig, rc: R.RolloutConfig, state: R.Rollo
         raise ValueError(f"the new context has {sessions.shape[0]} sessions but the state has {cache.batch}")
     guided = rc.guidance_scale is not None
     if ring.batch * (2 if guided else 1) != cache.batch:
-        raise ValueError(f"the ring has {ring.batch} rows but the state has {cache.batch} sessions"
-                         f"{' (guidance doubles them)' if guided else ''}")
+        raise ValueError(
+            f"the ring has {ring.batch} rows but the state has {cache.batch} sessions"
+            f"{' (guidance doubles them)' if guided else ''}"
+        )
     cross = M.cross_kv(params, config, sessions, precision=rc.precision)
     latents, _ = ring.for_cache(cache, _period(rc, cache.spec))
     if guided:
         latents = jnp.concatenate([latents, latents], axis=0)
     keep = ((cache.positions >= 0) & (cache.positions < cache.spec.sink)) if keep_sink else None
     t = jnp.full((cache.batch,), rc.schedule.context_noise, jnp.float32)
-    cache = M.recompute_cache(params, config, cache, cross, latents, t, keep=keep, rope=rc.rope, backend=rc.backend,
-                              precision=rc.precision)
+    cache = M.recompute_cache(
+        params, config, cache, cross, latents, t, keep=keep, rope=rc.rope, backend=rc.backend, precision=rc.precision
+    )
     return R.RolloutState(cache, cross)
 
 
-jit_switch_prompt = jax.jit(switch_prompt, static_argnums=(1, 2), static_argnames=("keep_sink",),
-                            donate_argnames=("state",))
+jit_switch_prompt = jax.jit(
+    switch_prompt, static_argnums=(1, 2), static_argnames=("keep_sink",), donate_argnames=("state",)
+)
 jit_switch_prompt.__doc__ = "`switch_prompt` under jax.jit (config, rc, keep_sink static; the state donated)."
 
 
@@ -211,7 +238,7 @@ jit_switch_prompt.__doc__ = "`switch_prompt` under jax.jit (config, rc, keep_sin
 def _push(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing:
     """Pushes a finished chunk: the cache's reserved chunk (``chunk_start`` int32 [sessions]) is ``latents``."""
     index = jnp.where(chunk_start < 0, EMPTY, chunk_start // chunk)
-    return ring.push(latents, index[:ring.batch])
+    return ring.push(latents, index[: ring.batch])
 
 
 class SwitchableStream:
@@ -255,6 +282,13 @@ class SwitchableStream:
         retained frames). Checks everything first; the stream's state is only replaced once the switch has run."""
         s = self.stream
         check_ring(s.config, s.rc, s.state, self.ring)
-        s.state = jit_switch_prompt(s.params, s.config, s.rc, s.state, self.ring, jnp.asarray(context),
-                                    None if negative_context is None else jnp.asarray(negative_context),
-                                    keep_sink=keep_sink)
+        s.state = jit_switch_prompt(
+            s.params,
+            s.config,
+            s.rc,
+            s.state,
+            self.ring,
+            jnp.asarray(context),
+            None if negative_context is None else jnp.asarray(negative_context),
+            keep_sink=keep_sink,
+        )

@@ -103,21 +103,26 @@ class RolloutConfig:
     def __post_init__(self, cache_dtype):
         for name in ("latent_height", "latent_width", "chunk_frames", "window_frames", "sink_frames"):
             value = getattr(self, name)
-            object.__setattr__(self, name, check_int(f"RolloutConfig.{name}", value,
-                                                     minimum=0 if name == "sink_frames" else 1))
+            object.__setattr__(
+                self, name, check_int(f"RolloutConfig.{name}", value, minimum=0 if name == "sink_frames" else 1)
+            )
         if self.window_frames % self.chunk_frames or self.sink_frames % self.chunk_frames:
-            raise ValueError(f"window_frames ({self.window_frames}) and sink_frames ({self.sink_frames}) must be "
-                             f"whole multiples of chunk_frames ({self.chunk_frames})")
+            raise ValueError(
+                f"window_frames ({self.window_frames}) and sink_frames ({self.sink_frames}) must be "
+                f"whole multiples of chunk_frames ({self.chunk_frames})"
+            )
         g = self.guidance_scale
         if g is not None and (not is_real(g) or not math.isfinite(g)):
             raise ValueError(f"RolloutConfig.guidance_scale must be None or a finite number, got {g!r}")
         if g is not None:
             object.__setattr__(self, "guidance_scale", float(g))
         if not isinstance(self.policy, str) or self.policy not in WINDOW_POLICIES:
-            hint = (" (dilated layers are set with dilated_every / dilation / buckets; policy is the dense layers')"
-                    if self.policy == "dilated" else "")
-            raise ValueError(f"RolloutConfig.policy must be one of {list(WINDOW_POLICIES)}, got {self.policy!r}"
-                             f"{hint}")
+            hint = (
+                " (dilated layers are set with dilated_every / dilation / buckets; policy is the dense layers')"
+                if self.policy == "dilated"
+                else ""
+            )
+            raise ValueError(f"RolloutConfig.policy must be one of {list(WINDOW_POLICIES)}, got {self.policy!r}{hint}")
         if not isinstance(self.schedule, Schedule):
             raise ValueError(f"RolloutConfig.schedule must be a jaxkv.schedule.Schedule, got {self.schedule!r}")
         precision = as_precision(self.precision, "RolloutConfig.precision")
@@ -130,9 +135,11 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.remat must be a bool, got {self.remat!r}")
         object.__setattr__(self, "remat", bool(self.remat))
         if self.rope == "cache-relative" and (self.policy not in WRAPPING_POLICIES or self.dilated_every):
-            raise ValueError(f"rope='cache-relative' runs the positions on a wrapped clock, which keeps the slot of "
-                             f"every chunk only for the policies {sorted(WRAPPING_POLICIES)} without dilated "
-                             f"layers; got policy {self.policy!r}, dilated_every={self.dilated_every}")
+            raise ValueError(
+                f"rope='cache-relative' runs the positions on a wrapped clock, which keeps the slot of "
+                f"every chunk only for the policies {sorted(WRAPPING_POLICIES)} without dilated "
+                f"layers; got policy {self.policy!r}, dilated_every={self.dilated_every}"
+            )
 
     def _check_dilated(self):
         every = check_int("RolloutConfig.dilated_every", self.dilated_every, minimum=0)
@@ -140,17 +147,21 @@ class RolloutConfig:
         if every == 0:
             for name in ("dilation", "buckets"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"RolloutConfig.{name} is set but dilated_every is 0 (no dilated layer); set "
-                                     f"dilated_every=k to make every k-th layer dilated")
+                    raise ValueError(
+                        f"RolloutConfig.{name} is set but dilated_every is 0 (no dilated layer); set "
+                        f"dilated_every=k to make every k-th layer dilated"
+                    )
             return
         for name in ("dilation", "buckets"):
             if getattr(self, name) is None:
                 raise ValueError(f"RolloutConfig.dilated_every={every} needs {name} (an int >= 1)")
             object.__setattr__(self, name, check_int(f"RolloutConfig.{name}", getattr(self, name), minimum=1))
         if every == 1 and self.sink_frames:
-            raise ValueError(f"RolloutConfig.dilated_every=1 makes every layer dilated, which has no sink, but "
-                             f"sink_frames={self.sink_frames}; use sink_frames=0 or dilated_every >= 2")
-        DilatedSpec(1, self.chunk_frames, self.dilation, self.buckets)   # its own checks (buckets vs dilation)
+            raise ValueError(
+                f"RolloutConfig.dilated_every=1 makes every layer dilated, which has no sink, but "
+                f"sink_frames={self.sink_frames}; use sink_frames=0 or dilated_every >= 2"
+            )
+        DilatedSpec(1, self.chunk_frames, self.dilation, self.buckets)  # its own checks (buckets vs dilation)
 
     @property
     def bounded(self) -> bool:
@@ -166,8 +177,9 @@ class RolloutConfig:
 
     def spec(self, config: WanConfig) -> RingSpec:
         """The cache spec in tokens for this model's patch grid."""
-        return RingSpec.from_frames(self.tokens_per_frame(config), self.chunk_frames, self.window_frames,
-                                    self.sink_frames)
+        return RingSpec.from_frames(
+            self.tokens_per_frame(config), self.chunk_frames, self.window_frames, self.sink_frames
+        )
 
     def dilated_spec(self, config: WanConfig) -> DilatedSpec | None:
         """The dilated layers' spec (None without dilated_every)."""
@@ -197,8 +209,9 @@ class RolloutConfig:
 
 
 # Read-only view of the init-only shorthand (the class attribute the InitVar left behind is its default, None).
-RolloutConfig.cache_dtype = property(lambda self: self.precision.cache_dtype,
-                                     doc="The KV cache dtype name: ``precision.cache_dtype``.")
+RolloutConfig.cache_dtype = property(
+    lambda self: self.precision.cache_dtype, doc="The KV cache dtype name: ``precision.cache_dtype``."
+)
 # Policies whose slot of chunk n depends on n only through n mod window_chunks once past the sink (ring) or not at
 # all once full (rolling): shifting a full stream's clock by whole windows keeps every slot (`wrap_clock`).
 WRAPPING_POLICIES = frozenset({"ring", "rolling"})
@@ -221,8 +234,10 @@ def _check_context(config: WanConfig, rc: RolloutConfig, context, negative_conte
     context = M._check_context(config, context)
     if rc.guidance_scale is None:
         if negative_context is not None:
-            raise ValueError("negative_context was given but guidance_scale is None; set "
-                             "RolloutConfig(guidance_scale=...) to use classifier-free guidance")
+            raise ValueError(
+                "negative_context was given but guidance_scale is None; set "
+                "RolloutConfig(guidance_scale=...) to use classifier-free guidance"
+            )
         return context
     if negative_context is None:
         raise ValueError(f"guidance_scale={rc.guidance_scale} needs a negative_context [batch, tokens, text_dim]")
@@ -232,11 +247,15 @@ def _check_context(config: WanConfig, rc: RolloutConfig, context, negative_conte
 
 def _check_model(config: WanConfig) -> None:
     if config.in_dim != config.out_dim:
-        raise ValueError(f"a rollout denoises latents with the model's own prediction, so it needs in_dim == out_dim; "
-                         f"this model has in_dim={config.in_dim}, out_dim={config.out_dim}")
+        raise ValueError(
+            f"a rollout denoises latents with the model's own prediction, so it needs in_dim == out_dim; "
+            f"this model has in_dim={config.in_dim}, out_dim={config.out_dim}"
+        )
     if config.patch_size[0] != 1:
-        raise ValueError(f"a rollout counts chunk tokens per latent frame, so it needs a temporal patch of 1 (Wan 2.1 "
-                         f"uses patch_size (1, 2, 2)); this model has patch_size {config.patch_size}")
+        raise ValueError(
+            f"a rollout counts chunk tokens per latent frame, so it needs a temporal patch of 1 (Wan 2.1 "
+            f"uses patch_size (1, 2, 2)); this model has patch_size {config.patch_size}"
+        )
 
 
 def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_context=None) -> RolloutState:
@@ -255,8 +274,9 @@ def empty_cache(config: WanConfig, rc: RolloutConfig, sessions: int):
     """The empty stacked cache of ``sessions`` sessions that a rollout under ``rc`` holds: ring / rolling layers, all
     dilated (dilated_every=1) or a `MixedCache`, in the precision's cache dtype."""
     policy = "dilated" if rc.dilated_every == 1 else rc.policy
-    return M.init_cache(config, rc.cache_spec(config), sessions, policy=policy,
-                        dtype=jnp.dtype(rc.precision.cache_dtype))
+    return M.init_cache(
+        config, rc.cache_spec(config), sessions, policy=policy, dtype=jnp.dtype(rc.precision.cache_dtype)
+    )
 
 
 def chunk_noise(key, config: WanConfig, rc: RolloutConfig, batch: int, chunk_index):
@@ -280,9 +300,11 @@ def check_position_room(config: WanConfig, rc: RolloutConfig, num_chunks: int, c
     if cache is not None and is_concrete(cache.chunk_start):
         done = int(jnp.max(cache.next_chunk_index()))
     if done + num_chunks > limit:
-        raise ValueError(f"num_chunks={num_chunks} after {done} chunks would pass the int32 position limit: chunks of "
-                         f"{rc.spec(config).chunk} tokens fit {limit} to a stream; generate at most "
-                         f"{limit - done} more (or start a new stream)")
+        raise ValueError(
+            f"num_chunks={num_chunks} after {done} chunks would pass the int32 position limit: chunks of "
+            f"{rc.spec(config).chunk} tokens fit {limit} to a stream; generate at most "
+            f"{limit - done} more (or start a new stream)"
+        )
 
 
 def wrap_period(spec: RingSpec) -> int:
@@ -291,8 +313,10 @@ def wrap_period(spec: RingSpec) -> int:
     period = spec.window_chunks * ((spec.max_chunks // 2) // spec.window_chunks)
     # after the shift the oldest window chunk, (max_chunks - 1) - (window_chunks - 1) - period, must stay past the sink
     if period < spec.window_chunks or spec.max_chunks - spec.window_chunks - period < spec.sink_chunks:
-        raise ValueError(f"chunks of {spec.chunk} tokens with a {spec.window_chunks}-chunk window leave no room for "
-                         f"a wrapped clock within int32 positions")
+        raise ValueError(
+            f"chunks of {spec.chunk} tokens with a {spec.window_chunks}-chunk window leave no room for "
+            f"a wrapped clock within int32 positions"
+        )
     return period
 
 
@@ -307,13 +331,14 @@ def wrap_clock(cache: ChunkCache) -> ChunkCache:
     work per call, no K/V touched. Call it before ``begin_chunk``.
     """
     spec = cache.spec
-    shift_tokens = wrap_period(spec) * spec.chunk            # <= 2**30: no overflow
+    shift_tokens = wrap_period(spec) * spec.chunk  # <= 2**30: no overflow
     due = cache.chunk_start >= (spec.max_chunks - 1) * spec.chunk
     shift = jnp.where(due, shift_tokens, 0).astype(jnp.int32)
-    moved = cache.positions >= spec.sink                      # window slots (the sink and empty slots stay)
-    return cache.replace(positions=jnp.where(moved, cache.positions - shift[:, None], cache.positions),
-                         chunk_start=jnp.where(cache.chunk_start >= 0, cache.chunk_start - shift,
-                                               cache.chunk_start))
+    moved = cache.positions >= spec.sink  # window slots (the sink and empty slots stay)
+    return cache.replace(
+        positions=jnp.where(moved, cache.positions - shift[:, None], cache.positions),
+        chunk_start=jnp.where(cache.chunk_start >= 0, cache.chunk_start - shift, cache.chunk_start),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ one chunk
@@ -332,13 +357,17 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
     _check_model(config)
     batch = noise.shape[1]
     if tuple(noise.shape) != (rc.steps, *rc.chunk_shape(config, batch)):
-        raise ValueError(f"chunk noise must be [steps, batch, chunk_frames, h, w, in_dim] = "
-                         f"{[rc.steps, *rc.chunk_shape(config, batch)]}, got {list(noise.shape)}")
+        raise ValueError(
+            f"chunk noise must be [steps, batch, chunk_frames, h, w, in_dim] = "
+            f"{[rc.steps, *rc.chunk_shape(config, batch)]}, got {list(noise.shape)}"
+        )
     guided = rc.guidance_scale is not None
     sessions = 2 * batch if guided else batch
     if state.cache.batch != sessions:
-        raise ValueError(f"the state has {state.cache.batch} sessions but {batch} noise rows need {sessions}"
-                         f"{' (guidance doubles them)' if guided else ''}")
+        raise ValueError(
+            f"the state has {state.cache.batch} sessions but {batch} noise rows need {sessions}"
+            f"{' (guidance doubles them)' if guided else ''}"
+        )
     t, sigma, next_sigma = (jnp.asarray(a, jnp.float32) for a in rc.schedule.passes())
     noise = noise.astype(jnp.float32)
     # eps mixed in after pass i is noise[i + 1]; after the last step and the context pass nothing is mixed in
@@ -348,13 +377,23 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
         x, cache = carry
         t_i, sigma_i, next_sigma_i, eps = xs
         x_in = jnp.concatenate([x, x], axis=0) if guided else x
-        flow, cache = M.forward_chunk(params, config, cache, state.cross, x_in, jnp.full((sessions,), t_i),
-                                      rope=rc.rope, backend=rc.backend, precision=rc.precision, remat=rc.remat)
+        flow, cache = M.forward_chunk(
+            params,
+            config,
+            cache,
+            state.cross,
+            x_in,
+            jnp.full((sessions,), t_i),
+            rope=rc.rope,
+            backend=rc.backend,
+            precision=rc.precision,
+            remat=rc.remat,
+        )
         if guided:
             cond, neg = flow[:batch], flow[batch:]
             flow = neg + rc.guidance_scale * (cond - neg)
         x0 = x - sigma_i * flow
-        if rc.schedule.sampler == "euler":       # the noise this prediction implies: an Euler step of the flow
+        if rc.schedule.sampler == "euler":  # the noise this prediction implies: an Euler step of the flow
             eps = x + (1.0 - sigma_i) * flow
         return ((1.0 - next_sigma_i) * x0 + next_sigma_i * eps, cache), None
 
@@ -377,23 +416,38 @@ def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, la
     _check_model(config)
     latents = jnp.asarray(latents, jnp.float32)
     batch, cf = latents.shape[0], rc.chunk_frames
-    if latents.ndim != 5 or latents.shape[1] % cf or latents.shape[1] == 0 \
-            or tuple(latents.shape[2:]) != tuple(rc.chunk_shape(config, batch)[2:]):
+    if (
+        latents.ndim != 5
+        or latents.shape[1] % cf
+        or latents.shape[1] == 0
+        or tuple(latents.shape[2:]) != tuple(rc.chunk_shape(config, batch)[2:])
+    ):
         frame = ", ".join(map(str, rc.chunk_shape(config, 1)[2:]))
         raise ValueError(f"commit needs latents [batch, n * {cf}, {frame}] (whole chunks), got {list(latents.shape)}")
     guided = rc.guidance_scale is not None
     sessions = 2 * batch if guided else batch
     if state.cache.batch != sessions:
-        raise ValueError(f"the state has {state.cache.batch} sessions, the latents {batch} rows"
-                         f"{' (guidance doubles them)' if guided else ''}")
+        raise ValueError(
+            f"the state has {state.cache.batch} sessions, the latents {batch} rows"
+            f"{' (guidance doubles them)' if guided else ''}"
+        )
     if guided:
         latents = jnp.concatenate([latents, latents], axis=0)
     cache = state.cache
     for c in range(latents.shape[1] // cf):
         cache = cache.begin_chunk() if rc.bounded else wrap_clock(cache).begin_chunk()
-        _, cache = M.forward_chunk(params, config, cache, state.cross, latents[:, c * cf:(c + 1) * cf],
-                                   jnp.full((sessions,), rc.schedule.context_noise), rope=rc.rope,
-                                   backend=rc.backend, precision=rc.precision, remat=rc.remat)
+        _, cache = M.forward_chunk(
+            params,
+            config,
+            cache,
+            state.cross,
+            latents[:, c * cf : (c + 1) * cf],
+            jnp.full((sessions,), rc.schedule.context_noise),
+            rope=rc.rope,
+            backend=rc.backend,
+            precision=rc.precision,
+            remat=rc.remat,
+        )
     return RolloutState(cache, state.cross)
 
 
@@ -405,12 +459,23 @@ jit_commit.__doc__ = "`commit` under jax.jit (config and rc static)."
 
 
 class Rollout(NamedTuple):
-    latents: jax.Array        # float32 [batch, num_chunks * chunk_frames, h, w, in_dim]
-    state: RolloutState       # the state after the last chunk (continue with `generate_chunk` or `Stream`)
+    latents: jax.Array  # float32 [batch, num_chunks * chunk_frames, h, w, in_dim]
+    state: RolloutState  # the state after the last chunk (continue with `generate_chunk` or `Stream`)
 
 
-def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks: int, key=None, noise=None,
-            negative_context=None, state: RolloutState | None = None, first_chunk: int = 0) -> Rollout:
+def rollout(
+    params,
+    config: WanConfig,
+    rc: RolloutConfig,
+    context,
+    *,
+    num_chunks: int,
+    key=None,
+    noise=None,
+    negative_context=None,
+    state: RolloutState | None = None,
+    first_chunk: int = 0,
+) -> Rollout:
     """The whole rollout as one ``lax.scan`` over chunks; pure and differentiable in params, context and noise.
 
     Args:
@@ -429,16 +494,20 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
     num_chunks = check_int("num_chunks", num_chunks, minimum=1)
     if context is None and state is None:
         raise ValueError("rollout needs a context (or a state to continue, which holds the cross-attention K/V)")
-    batch = (jnp.shape(context)[0] if context is not None
-             else state.cache.batch // (2 if rc.guidance_scale is not None else 1))
+    batch = (
+        jnp.shape(context)[0]
+        if context is not None
+        else state.cache.batch // (2 if rc.guidance_scale is not None else 1)
+    )
     if (key is None) == (noise is None):
         raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
     if isinstance(first_chunk, (bool, np.bool_)):
         raise ValueError(f"first_chunk must be an int >= 0, got {first_chunk!r}")
     first_chunk = jnp.asarray(first_chunk)
     if first_chunk.shape != () or not jnp.issubdtype(first_chunk.dtype, jnp.integer):
-        raise ValueError(f"first_chunk must be an int >= 0 or an int32 scalar, got "
-                         f"{first_chunk.dtype}{list(first_chunk.shape)}")
+        raise ValueError(
+            f"first_chunk must be an int >= 0 or an int32 scalar, got {first_chunk.dtype}{list(first_chunk.shape)}"
+        )
     if is_concrete(first_chunk) and int(first_chunk) < 0:
         raise ValueError(f"first_chunk must be >= 0, got {int(first_chunk)}")
     check_position_room(config, rc, num_chunks, None if state is None else state.cache)
@@ -446,8 +515,10 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
         noise = jnp.asarray(noise)
         expected = rc.noise_shape(config, batch, num_chunks)
         if tuple(noise.shape) != expected:
-            raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] = "
-                             f"{list(expected)}, got {list(noise.shape)}")
+            raise ValueError(
+                f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] = "
+                f"{list(expected)}, got {list(noise.shape)}"
+            )
     if state is None:
         state = init_state(params, config, rc, context, negative_context)
 
@@ -464,8 +535,10 @@ def rollout(params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks
 
 
 jit_rollout = jax.jit(rollout, static_argnums=(1, 2), static_argnames=("num_chunks",))
-jit_rollout.__doc__ = ("`rollout` under jax.jit (config, rc and num_chunks static; first_chunk traced, so continuing "
-                       "at any offset reuses one program).")
+jit_rollout.__doc__ = (
+    "`rollout` under jax.jit (config, rc and num_chunks static; first_chunk traced, so continuing "
+    "at any offset reuses one program)."
+)
 
 
 # ------------------------------------------------------------------------------------------------ streaming
@@ -494,13 +567,17 @@ def _stream_noise(config: WanConfig, rc: RolloutConfig, batch: int, noise, num_c
         return None, num_chunks
     noise = jnp.asarray(noise)
     if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
-        raise ValueError(f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
-                         f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got {list(noise.shape)}")
+        raise ValueError(
+            f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
+            f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got {list(noise.shape)}"
+        )
     if num_chunks is None:
         num_chunks = noise.shape[0]
     elif num_chunks > noise.shape[0]:
-        raise ValueError(f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
-                         f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}")
+        raise ValueError(
+            f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
+            f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}"
+        )
     return noise, num_chunks
 
 
@@ -520,8 +597,18 @@ class Stream:
     continuation's chunks); ``stream.session()`` takes one.
     """
 
-    def __init__(self, params, config: WanConfig, rc: RolloutConfig, context, *, num_chunks: int | None = None,
-                 key=None, noise=None, negative_context=None):
+    def __init__(
+        self,
+        params,
+        config: WanConfig,
+        rc: RolloutConfig,
+        context,
+        *,
+        num_chunks: int | None = None,
+        key=None,
+        noise=None,
+        negative_context=None,
+    ):
         if (key is None) == (noise is None):
             raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
         noise, num_chunks = _stream_noise(config, rc, jnp.shape(context)[0], noise, num_chunks)
@@ -530,11 +617,12 @@ class Stream:
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
         self.state = self._init_state(context, negative_context)
-        self.index = self.start = 0     # chunk index of the next chunk / of this Stream's first one
+        self.index = self.start = 0  # chunk index of the next chunk / of this Stream's first one
 
     @classmethod
-    def from_session(cls, params, config: WanConfig, rc: RolloutConfig, session, *, num_chunks: int | None = None,
-                     noise=None) -> "Stream":
+    def from_session(
+        cls, params, config: WanConfig, rc: RolloutConfig, session, *, num_chunks: int | None = None, noise=None
+    ) -> "Stream":
         """A stream that continues ``session`` (`jaxkv.session.Session`, e.g. `jaxkv.session.load`ed): its chunks
         are those an uninterrupted stream yields from chunk ``session.next_chunk`` on, bit for bit.
 
@@ -550,8 +638,10 @@ class Stream:
         if session.on_host:
             raise S.SessionError("the session's caches are offloaded; jaxkv.session.reload() it first")
         if (session.key is None) == (noise is None):
-            raise ValueError("a session with a noise key continues from its key (pass no noise=); one without "
-                             "(made from explicit noise) needs noise=")
+            raise ValueError(
+                "a session with a noise key continues from its key (pass no noise=); one without "
+                "(made from explicit noise) needs noise="
+            )
         batch = session.sessions // (2 if rc.guidance_scale is not None else 1)
         noise, num_chunks = _stream_noise(config, rc, batch, noise, num_chunks)
         if num_chunks is not None:
@@ -589,8 +679,10 @@ class Stream:
         if self.num_chunks is not None and self.index - self.start >= self.num_chunks:
             raise StopIteration
         if self.rc.bounded and self.index >= self.rc.spec(self.config).max_chunks:  # an endless stream's int32 limit
-            raise OverflowError(f"chunk {self.index} would pass the int32 position limit "
-                                f"({self.rc.spec(self.config).max_chunks} chunks to a stream); start a new Stream")
+            raise OverflowError(
+                f"chunk {self.index} would pass the int32 position limit "
+                f"({self.rc.spec(self.config).max_chunks} chunks to a stream); start a new Stream"
+            )
         index = jnp.asarray(self.index, jnp.int32)
         if self.noise is not None:
             x, self.state = self._run_step(None, None, self.noise[self.index - self.start])

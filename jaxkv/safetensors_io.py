@@ -23,7 +23,6 @@ from typing import Iterable
 import ml_dtypes
 import numpy as np
 
-
 # safetensors dtype names <-> numpy dtypes (little-endian). Only floating types are model weights here.
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
@@ -33,8 +32,19 @@ DTYPES: dict[str, np.dtype] = {
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Integer and bool dtypes are recognised so a header that holds them is not called corrupt; they are never weights.
-_OTHER_ITEMSIZE = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8,
-                   "F8_E4M3": 1, "F8_E5M2": 1}
+_OTHER_ITEMSIZE = {
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -67,21 +77,25 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """
     size = os.path.getsize(path)
     if size < 8:
-        raise FormatError(f"{path} is not a safetensors file: it holds {size} bytes, fewer than the 8-byte "
-                              f"header length")
+        raise FormatError(
+            f"{path} is not a safetensors file: it holds {size} bytes, fewer than the 8-byte header length"
+        )
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > min(size - 8, _MAX_HEADER):
-            raise FormatError(f"{path} is corrupt or not a safetensors file: its header claims {n} bytes but "
-                                  f"the file holds {size} bytes")
+            raise FormatError(
+                f"{path} is corrupt or not a safetensors file: its header claims {n} bytes but "
+                f"the file holds {size} bytes"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{path} is corrupt or not a safetensors file: its header is not a JSON object "
-                              f"({e})") from None
+        raise FormatError(
+            f"{path} is corrupt or not a safetensors file: its header is not a JSON object ({e})"
+        ) from None
     metadata = header.pop("__metadata__", None) or {}
     data_start, data_len = 8 + n, size - 8 - n
     infos: dict[str, TensorInfo] = {}
@@ -91,27 +105,34 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
             begin, end = int(begin), int(end)
         except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{path} is corrupt: header entry {key!r} is not "
-                                  f"{{dtype, shape, data_offsets: [begin, end]}}: {entry!r}") from None
+            raise FormatError(
+                f"{path} is corrupt: header entry {key!r} is not "
+                f"{{dtype, shape, data_offsets: [begin, end]}}: {entry!r}"
+            ) from None
         itemsize = DTYPES[dtype].itemsize if dtype in DTYPES else _OTHER_ITEMSIZE.get(dtype)
         if itemsize is None:
             raise FormatError(f"{path}: tensor {key!r} has unknown dtype {dtype!r}")
         if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != math.prod(shape) * itemsize:
-            raise FormatError(f"{path} is corrupt: tensor {key!r} ({dtype}, shape {list(shape)}) has byte "
-                                  f"range [{begin}, {end}), which does not hold {math.prod(shape) * itemsize} bytes")
+            raise FormatError(
+                f"{path} is corrupt: tensor {key!r} ({dtype}, shape {list(shape)}) has byte "
+                f"range [{begin}, {end}), which does not hold {math.prod(shape) * itemsize} bytes"
+            )
         needed = max(needed, end)
         infos[key] = TensorInfo(dtype, shape, data_start + begin, data_start + end)
     if needed > data_len:
-        raise FormatError(f"{path} is truncated: its header describes {needed} bytes of tensor data but the file "
-                              f"holds {data_len} (file size {size}); re-download or re-save it")
+        raise FormatError(
+            f"{path} is truncated: its header describes {needed} bytes of tensor data but the file "
+            f"holds {data_len} (file size {size}); re-download or re-save it"
+        )
     return infos, {str(k): str(v) for k, v in metadata.items()}
 
 
 def read_tensor(path: str, info: TensorInfo) -> np.ndarray:
     """Memory-maps one tensor read-only: ``[*info.shape]`` in its stored dtype; the map closes with the array."""
     if info.dtype not in DTYPES:
-        raise FormatError(f"{path}: tensor of dtype {info.dtype} is not a floating-point weight; expected one of "
-                              f"{sorted(DTYPES)}")
+        raise FormatError(
+            f"{path}: tensor of dtype {info.dtype} is not a floating-point weight; expected one of {sorted(DTYPES)}"
+        )
     dtype = DTYPES[info.dtype]
     if info.end == info.start:
         return np.zeros(info.shape, dtype)
@@ -137,8 +158,9 @@ def read_array(path: str, info: TensorInfo, dtype=None, *, block_bytes: int = 16
     """
     stored = DTYPES.get(info.dtype)
     if stored is None:
-        raise FormatError(f"{path}: tensor of dtype {info.dtype} is not a floating-point weight; expected one of "
-                          f"{sorted(DTYPES)}")
+        raise FormatError(
+            f"{path}: tensor of dtype {info.dtype} is not a floating-point weight; expected one of {sorted(DTYPES)}"
+        )
     out = np.empty(info.shape, stored if dtype is None else np.dtype(dtype))
     flat = out.reshape(-1)
     with open(path, "rb", buffering=0) as f:
@@ -151,7 +173,7 @@ def read_array(path: str, info: TensorInfo, dtype=None, *, block_bytes: int = 16
         for begin in range(0, flat.size, step):
             part = scratch[: min(step, flat.size - begin)]
             _read_exactly(f, path, part)
-            flat[begin: begin + part.size] = part  # the cast, one block at a time
+            flat[begin : begin + part.size] = part  # the cast, one block at a time
     return out
 
 
@@ -179,8 +201,9 @@ def read_slice(path: str, info: TensorInfo, index, dtype=None) -> np.ndarray:
     """
     stored = DTYPES.get(info.dtype)
     if stored is None:
-        raise FormatError(f"{path}: tensor of dtype {info.dtype} is not a floating-point weight; expected one of "
-                          f"{sorted(DTYPES)}")
+        raise FormatError(
+            f"{path}: tensor of dtype {info.dtype} is not a floating-point weight; expected one of {sorted(DTYPES)}"
+        )
     shape = info.shape
     bounds = _slice_bounds(index, shape)
     out = np.empty([stop - start for start, stop in bounds], stored)
@@ -189,8 +212,8 @@ def read_slice(path: str, info: TensorInfo, index, dtype=None) -> np.ndarray:
         cut = len(shape)
         while cut > 0 and bounds[cut - 1] == (0, shape[cut - 1]):
             cut -= 1
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-        runs = np.zeros(1, np.int64)              # element offset of each run, in C order of the slice
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        runs = np.zeros(1, np.int64)  # element offset of each run, in C order of the slice
         for d in range(cut - 1):
             runs = (runs[:, None] + np.arange(*bounds[d], dtype=np.int64) * strides[d]).reshape(-1)
         if cut:
@@ -203,7 +226,7 @@ def read_slice(path: str, info: TensorInfo, index, dtype=None) -> np.ndarray:
         fd = os.open(path, os.O_RDONLY)
         try:
             for n, offset in enumerate(runs.tolist()):
-                view = memoryview(flat[n * nbytes:(n + 1) * nbytes])
+                view = memoryview(flat[n * nbytes : (n + 1) * nbytes])
                 done = 0
                 while done < nbytes:
                     got = os.preadv(fd, [view[done:]], info.start + offset * stored.itemsize + done)
@@ -223,8 +246,9 @@ class StreamWriter:
     `close` that every byte was written (a wrong plan is a bug, and must not yield a plausible-looking file).
     """
 
-    def __init__(self, path: str, specs: Iterable[tuple[str, object, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self, path: str, specs: Iterable[tuple[str, object, tuple[int, ...]]], metadata: dict[str, str] | None = None
+    ):
         self._order: list[tuple[str, np.dtype, int]] = []
         header: dict[str, object] = {}
         if metadata:

@@ -17,7 +17,6 @@ import numpy as np
 
 from jaxkv.validate import check_int, is_int, is_real
 
-
 SAMPLERS = ("self-forcing", "euler")
 
 

@@ -71,7 +71,7 @@ FORMAT = "jaxkv-session"
 FORMAT_VERSION = 1
 MANIFEST = "session.json"
 ARRAYS = "arrays.safetensors"
-VAE_DECODER = "vae_decoder"     # the extras entry of the VAE decoder's feature caches (`vae_extra`)
+VAE_DECODER = "vae_decoder"  # the extras entry of the VAE decoder's feature caches (`vae_extra`)
 
 # The cache classes a session may hold, by name (`load` rebuilds the one its settings name, with their spec).
 CACHE_CLASSES: dict[str, type[ChunkCache]] = {c.__name__: c for c in (RingCache, RollingCache, DilatedCache)}
@@ -92,8 +92,9 @@ class OffloadError(RuntimeError):
 
 def _plain(value):
     """JSON-normal form (tuples -> lists, dataclasses -> dicts), so saved and fresh settings compare equal."""
-    return json.loads(json.dumps(value, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o)
-                                 else str(o)))
+    return json.loads(
+        json.dumps(value, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+    )
 
 
 def cache_settings(cache) -> dict[str, Any]:
@@ -101,11 +102,19 @@ def cache_settings(cache) -> dict[str, Any]:
     if not isinstance(cache, ChunkCache) or type(cache).__name__ not in CACHE_CLASSES:
         raise SessionError(f"a session holds one of {sorted(CACHE_CLASSES)}, got {type(cache).__name__}")
     if cache.k.ndim != 5:
-        raise SessionError(f"a session holds a stacked cache k [layers, sessions, capacity, heads, head_dim], got k "
-                           f"{list(cache.k.shape)}")
-    return {"class": type(cache).__name__, "spec_class": type(cache.spec).__name__,
-            "spec": _plain(dataclasses.asdict(cache.spec)), "dtype": jnp.dtype(cache.k.dtype).name,
-            "layers": int(cache.k.shape[0]), "heads": int(cache.k.shape[-2]), "head_dim": int(cache.k.shape[-1])}
+        raise SessionError(
+            f"a session holds a stacked cache k [layers, sessions, capacity, heads, head_dim], got k "
+            f"{list(cache.k.shape)}"
+        )
+    return {
+        "class": type(cache).__name__,
+        "spec_class": type(cache.spec).__name__,
+        "spec": _plain(dataclasses.asdict(cache.spec)),
+        "dtype": jnp.dtype(cache.k.dtype).name,
+        "layers": int(cache.k.shape[0]),
+        "heads": int(cache.k.shape[-2]),
+        "head_dim": int(cache.k.shape[-1]),
+    }
 
 
 def fingerprint(config: WanConfig, rc: RolloutConfig, cache) -> dict[str, Any]:
@@ -164,8 +173,9 @@ class Session:
     fingerprint: str = struct.field(pytree_node=False, default="")
 
     @classmethod
-    def create(cls, config: WanConfig, rc: RolloutConfig, state: RolloutState, *, key, next_chunk,
-               extras: dict | None = None) -> "Session":
+    def create(
+        cls, config: WanConfig, rc: RolloutConfig, state: RolloutState, *, key, next_chunk, extras: dict | None = None
+    ) -> "Session":
         """A session of ``state`` (`jaxkv.rollout.RolloutState`) before chunk ``next_chunk`` (int >= 0 or int32 [])
         of a stream whose noise comes from ``key`` (None: explicit noise). The arrays are used as they are (not
         copied): `fork` for an independent copy."""
@@ -177,7 +187,7 @@ class Session:
         if is_concrete(nxt) and int(nxt) < 0:
             raise SessionError(f"next_chunk must be >= 0, got {int(nxt)}")
         extras = dict(extras or {})
-        _flat_extras(extras)      # checks the names
+        _flat_extras(extras)  # checks the names
         text = json.dumps(fingerprint(config, rc, state.cache), sort_keys=True)
         return cls(state.cache, state.cross, key, nxt.astype(jnp.int32), extras, text)
 
@@ -265,8 +275,9 @@ def _nest_extras(flat: dict[str, Any]) -> dict:
 
 
 def _is_typed_key(key) -> bool:
-    return key is not None and jnp.issubdtype(jnp.asarray(key).dtype if not hasattr(key, "dtype") else key.dtype,
-                                              jax.dtypes.prng_key)
+    return key is not None and jnp.issubdtype(
+        jnp.asarray(key).dtype if not hasattr(key, "dtype") else key.dtype, jax.dtypes.prng_key
+    )
 
 
 def _tensors(session: Session) -> tuple[dict[str, Any], str | None]:
@@ -305,12 +316,18 @@ def save(path: str, session: Session, *, force: bool = False, metadata: dict | N
         raise SessionError("the session's caches are offloaded; reload() them before saving")
     named, impl = _tensors(session)
     meta = _plain(metadata or {})
-    host = {name: np.array(jax.device_get(x), order="C") for name, x in named.items()}   # (0-d stays 0-d)
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": session.settings,
-                "cache_class": type(session.cache).__name__, "next_chunk": int(host["next_chunk"]),
-                "has_key": session.key is not None, "key_impl": impl,
-                "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape)} for n, a in host.items()},
-                "metadata": meta}
+    host = {name: np.array(jax.device_get(x), order="C") for name, x in named.items()}  # (0-d stays 0-d)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "fingerprint": session.settings,
+        "cache_class": type(session.cache).__name__,
+        "next_chunk": int(host["next_chunk"]),
+        "has_key": session.key is not None,
+        "key_impl": impl,
+        "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape)} for n, a in host.items()},
+        "metadata": meta,
+    }
     path = os.path.abspath(path)
     if os.path.lexists(path) and not force:
         raise SessionError(f"{path} already exists; pass force=True to replace a previous session there")
@@ -330,8 +347,10 @@ def read_manifest(path: str) -> dict[str, Any]:
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise SessionError(f"{os.path.join(path, MANIFEST)} has format_version {manifest.get('format_version')!r}; "
-                           f"this jaxkv reads version {FORMAT_VERSION}")
+        raise SessionError(
+            f"{os.path.join(path, MANIFEST)} has format_version {manifest.get('format_version')!r}; "
+            f"this jaxkv reads version {FORMAT_VERSION}"
+        )
     return manifest
 
 
@@ -363,8 +382,16 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
         raise SessionError(f"{path}/{MANIFEST} lists no cache/positions tensor") from None
     cache = cache_like if cache_like is not None else expected_cache(config, rc, sessions)
     _refuse(f"the session at {path}", saved, fingerprint(config, rc, cache))
-    want = jax.eval_shape(lambda: type(cache).init(cache.spec, sessions, config.num_heads, config.head_dim,
-                                                   dtype=jnp.dtype(cache.k.dtype), layers=config.num_layers))
+    want = jax.eval_shape(
+        lambda: type(cache).init(
+            cache.spec,
+            sessions,
+            config.num_heads,
+            config.head_dim,
+            dtype=jnp.dtype(cache.k.dtype),
+            layers=config.num_layers,
+        )
+    )
     expect = {f"cache/{f}": getattr(want, f) for f in _CACHE_FIELDS}
     arrays: dict[str, np.ndarray] = {}
     file = os.path.join(path, ARRAYS)
@@ -372,8 +399,10 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
         with safe_open(file, framework="numpy") as f:
             stored = set(f.keys())
             if stored != set(tensors):
-                raise SessionError(f"{file} holds tensors {sorted(stored ^ set(tensors))} that the manifest does "
-                                   f"not list (or lacks ones it does)")
+                raise SessionError(
+                    f"{file} holds tensors {sorted(stored ^ set(tensors))} that the manifest does "
+                    f"not list (or lacks ones it does)"
+                )
             for name in sorted(stored):
                 arrays[name] = f.get_tensor(name)
     except SessionError:
@@ -383,18 +412,24 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
     for name, a in arrays.items():
         listed = tensors[name]
         if a.dtype.name != listed["dtype"] or list(a.shape) != listed["shape"]:
-            raise SessionError(f"{file}: tensor {name} is {a.dtype.name}{list(a.shape)}, the manifest says "
-                               f"{listed['dtype']}{listed['shape']}")
+            raise SessionError(
+                f"{file}: tensor {name} is {a.dtype.name}{list(a.shape)}, the manifest says "
+                f"{listed['dtype']}{listed['shape']}"
+            )
         if name in expect and (tuple(a.shape) != tuple(expect[name].shape) or a.dtype != expect[name].dtype):
-            raise SessionError(f"{file}: tensor {name} is {a.dtype.name}{list(a.shape)}, the settings need "
-                               f"{jnp.dtype(expect[name].dtype).name}{list(expect[name].shape)}")
+            raise SessionError(
+                f"{file}: tensor {name} is {a.dtype.name}{list(a.shape)}, the settings need "
+                f"{jnp.dtype(expect[name].dtype).name}{list(expect[name].shape)}"
+            )
     cross_shape = (config.num_layers, sessions, None, config.num_heads, config.head_dim)
     for name in ("cross/k", "cross/v"):
         s = arrays[name].shape
         if len(s) != 5 or any(w is not None and w != g for w, g in zip(cross_shape, s)) or s[2] < 1:
-            raise SessionError(f"{file}: tensor {name} is {list(s)}, the settings need [layers={config.num_layers}, "
-                               f"sessions={sessions}, text_tokens, heads={config.num_heads}, "
-                               f"head_dim={config.head_dim}]")
+            raise SessionError(
+                f"{file}: tensor {name} is {list(s)}, the settings need [layers={config.num_layers}, "
+                f"sessions={sessions}, text_tokens, heads={config.num_heads}, "
+                f"head_dim={config.head_dim}]"
+            )
     nxt = arrays["next_chunk"]
     if nxt.shape != () or nxt.dtype != np.int32 or int(nxt) < 0:
         raise SessionError(f"{file}: next_chunk must be a non-negative int32 scalar, got {nxt.dtype}{list(nxt.shape)}")
@@ -403,16 +438,24 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
     reserved = int(jnp.max(cache_obj.next_chunk_index()))
     # (on cache-relative RoPE's wrapped clock the cache's positions no longer count the stream's chunks)
     if rc.bounded and reserved != int(nxt):
-        raise SessionError(f"{file}: next_chunk is {int(nxt)} but the cache has reserved {reserved} chunks; the "
-                           f"snapshot is inconsistent")
+        raise SessionError(
+            f"{file}: next_chunk is {int(nxt)} but the cache has reserved {reserved} chunks; the "
+            f"snapshot is inconsistent"
+        )
     key = None
     if manifest.get("has_key"):
         key = dev["key"]
         if manifest.get("key_impl"):
             key = jax.random.wrap_key_data(key, impl=manifest["key_impl"])
     extras = _nest_extras({n: a for n, a in dev.items() if n.startswith("extras/")})
-    return Session(cache_obj, M.CrossKV(dev["cross/k"], dev["cross/v"]), key, dev["next_chunk"], extras,
-                   json.dumps(saved, sort_keys=True))
+    return Session(
+        cache_obj,
+        M.CrossKV(dev["cross/k"], dev["cross/v"]),
+        key,
+        dev["next_chunk"],
+        extras,
+        json.dumps(saved, sort_keys=True),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ continuing
@@ -428,13 +471,23 @@ def advance(params, config: WanConfig, rc: RolloutConfig, session: Session, num_
     num_chunks = check_int("num_chunks", num_chunks, minimum=1)
     session.check(config, rc)
     if session.key is None:
-        raise SessionError("the session has no noise key (it came from explicit noise); use "
-                           "jaxkv.rollout.rollout(..., noise=..., state=session.state)")
+        raise SessionError(
+            "the session has no noise key (it came from explicit noise); use "
+            "jaxkv.rollout.rollout(..., noise=..., state=session.state)"
+        )
     if session.on_host:
         raise SessionError("the session's caches are offloaded; reload() them first")
     check_position_room(config, rc, num_chunks, session.cache)
-    out = jit_rollout(params, config, rc, None, num_chunks=num_chunks, key=session.key, state=session.state,
-                      first_chunk=session.next_chunk)
+    out = jit_rollout(
+        params,
+        config,
+        rc,
+        None,
+        num_chunks=num_chunks,
+        key=session.key,
+        state=session.state,
+        first_chunk=session.next_chunk,
+    )
     new = session.replace(cache=out.state.cache, cross=out.state.cross, next_chunk=session.next_chunk + num_chunks)
     return out.latents, new
 
@@ -443,7 +496,7 @@ def advance(params, config: WanConfig, rc: RolloutConfig, session: Session, num_
 
 
 def host_memory_kind(device=None) -> str | None:
-    """"pinned_host" when ``device`` (default: the first) has that memory kind, else None (offload to NumPy)."""
+    """ "pinned_host" when ``device`` (default: the first) has that memory kind, else None (offload to NumPy)."""
     device = device or jax.devices()[0]
     try:
         kinds = {m.kind for m in device.addressable_memories()}
@@ -453,10 +506,11 @@ def host_memory_kind(device=None) -> str | None:
 
 
 def _offloaded(leaves) -> bool:
-    return bool(leaves) and all(isinstance(x, np.ndarray) or
-                                getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host",
-                                                                                               "unpinned_host")
-                                for x in leaves)
+    return bool(leaves) and all(
+        isinstance(x, np.ndarray)
+        or getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")
+        for x in leaves
+    )
 
 
 def _to_host(x, kind: str | None):
@@ -481,13 +535,16 @@ def _move(session: Session, move, what: str, delete: bool) -> Session:
         for i, x in enumerate(leaves):
             y = move(x)
             if tuple(y.shape) != tuple(x.shape) or np.dtype(y.dtype) != np.dtype(x.dtype):
-                raise OffloadError(f"leaf {i} came back as {y.dtype}{list(y.shape)} instead of "
-                                   f"{x.dtype}{list(x.shape)}")
+                raise OffloadError(
+                    f"leaf {i} came back as {y.dtype}{list(y.shape)} instead of {x.dtype}{list(x.shape)}"
+                )
             moved.append(y)
     except Exception as e:  # noqa: BLE001 - any failure: keep the source, say so
-        raise OffloadError(f"{what} failed at array {len(moved)} of {len(leaves)} ({type(e).__name__}: {e}); the "
-                           f"session's arrays are where they were, untouched") from e
-    if delete:   # only now, with every copy complete: free the source buffers
+        raise OffloadError(
+            f"{what} failed at array {len(moved)} of {len(leaves)} ({type(e).__name__}: {e}); the "
+            f"session's arrays are where they were, untouched"
+        ) from e
+    if delete:  # only now, with every copy complete: free the source buffers
         for x in leaves:
             if isinstance(x, jax.Array):
                 x.delete()
@@ -508,8 +565,9 @@ def offload(session: Session, *, memory_kind: str | None | object = "auto", dele
         raise SessionError("the session is already offloaded")
     kind = host_memory_kind() if memory_kind == "auto" else memory_kind
     if kind not in (None, "pinned_host", "unpinned_host"):
-        raise SessionError(f"memory_kind must be 'auto', 'pinned_host', 'unpinned_host' or None (NumPy), got "
-                           f"{memory_kind!r}")
+        raise SessionError(
+            f"memory_kind must be 'auto', 'pinned_host', 'unpinned_host' or None (NumPy), got {memory_kind!r}"
+        )
     return _move(session, lambda x: _to_host(x, kind), "offload", delete)
 
 

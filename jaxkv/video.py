@@ -55,9 +55,13 @@ class VideoWriter:
         self.fps = check_int("fps", fps, minimum=1)
         self._crf = check_int("crf", crf, minimum=0, maximum=51)
         self._av = av
-        self._container = av.open(path, "w", format="mp4",
-                                  options={"movflags": "frag_every_frame+empty_moov+default_base_moof"},
-                                  container_options={"flush_packets": "1"})
+        self._container = av.open(
+            path,
+            "w",
+            format="mp4",
+            options={"movflags": "frag_every_frame+empty_moov+default_base_moof"},
+            container_options={"flush_packets": "1"},
+        )
         self._stream = None
         self._size: tuple[int, int] | None = None
         self.frames_appended = 0
@@ -85,8 +89,9 @@ class VideoWriter:
         if self._size is None:
             self._size = (shape[1], shape[2])
         elif self._size != (shape[1], shape[2]):
-            raise ValueError(f"frames of size {shape[1]}x{shape[2]} appended to a {self._size[0]}x{self._size[1]} "
-                             f"video")
+            raise ValueError(
+                f"frames of size {shape[1]}x{shape[2]} appended to a {self._size[0]}x{self._size[1]} video"
+            )
         self.frames_appended += shape[0]
         self._queue.put(frames)
 
@@ -104,9 +109,9 @@ class VideoWriter:
 
     def _encode(self, frames: np.ndarray) -> None:
         if self._stream is None:
-            stream = self._container.add_stream("libx264", rate=self.fps,
-                                                options={"tune": "zerolatency", "preset": "veryfast",
-                                                         "crf": str(self._crf)})
+            stream = self._container.add_stream(
+                "libx264", rate=self.fps, options={"tune": "zerolatency", "preset": "veryfast", "crf": str(self._crf)}
+            )
             stream.height, stream.width = frames.shape[1], frames.shape[2]
             stream.pix_fmt = "yuv420p"
             self._stream = stream
@@ -151,5 +156,4 @@ def read_video_info(path: str) -> dict[str, Any]:
         stream = container.streams.video[0]
         frames = sum(1 for _ in container.decode(stream))
         rate = stream.average_rate or stream.guessed_rate
-        return {"frames": frames, "height": stream.height, "width": stream.width,
-                "fps": float(rate) if rate else None}
+        return {"frames": frames, "height": stream.height, "width": stream.width, "fps": float(rate) if rate else None}

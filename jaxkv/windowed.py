@@ -52,8 +52,10 @@ def chunk_schedule(rc: R.RolloutConfig, schedule: WindowSchedule) -> WindowSched
     fields = ("total_units", "window_units", "overlap_units", "context_units", "prefix_units")
     for name in fields:
         if getattr(schedule, name) % c:
-            raise ValueError(f"windowed generation runs whole chunks: schedule.{name} ({getattr(schedule, name)} "
-                             f"frames) must be a multiple of chunk_frames ({c})")
+            raise ValueError(
+                f"windowed generation runs whole chunks: schedule.{name} ({getattr(schedule, name)} "
+                f"frames) must be a multiple of chunk_frames ({c})"
+            )
     return WindowSchedule(*(getattr(schedule, name) // c for name in fields))
 
 
@@ -68,30 +70,40 @@ def window_frames_needed(rc: R.RolloutConfig, schedule: WindowSchedule) -> int:
 def windowed_config(rc: R.RolloutConfig, schedule: WindowSchedule) -> R.RolloutConfig:
     """``rc`` with the cache a windowed generation under ``schedule`` needs: sink = the schedule's prefix frames,
     window = `window_frames_needed`."""
-    return dataclasses.replace(rc, sink_frames=schedule.prefix_units,
-                               window_frames=window_frames_needed(rc, schedule))
+    return dataclasses.replace(rc, sink_frames=schedule.prefix_units, window_frames=window_frames_needed(rc, schedule))
 
 
 def _check(config: WanConfig, rc: R.RolloutConfig, schedule: WindowSchedule) -> WindowSchedule:
     s = chunk_schedule(rc, schedule)
     if rc.dilated_every:
-        raise ValueError("windowed generation releases frames from a sink + window cache; RolloutConfig.dilated_every "
-                         "must be 0")
+        raise ValueError(
+            "windowed generation releases frames from a sink + window cache; RolloutConfig.dilated_every must be 0"
+        )
     need = window_frames_needed(rc, schedule)
     if rc.sink_frames != schedule.prefix_units or rc.window_frames < need:
-        raise ValueError(f"the schedule needs sink_frames = prefix_units = {schedule.prefix_units} and window_frames "
-                         f">= {need} (context + stride, or the whole stream when context is 0); got sink_frames="
-                         f"{rc.sink_frames}, window_frames={rc.window_frames}; use windowed_config(rc, schedule)")
+        raise ValueError(
+            f"the schedule needs sink_frames = prefix_units = {schedule.prefix_units} and window_frames "
+            f">= {need} (context + stride, or the whole stream when context is 0); got sink_frames="
+            f"{rc.sink_frames}, window_frames={rc.window_frames}; use windowed_config(rc, schedule)"
+        )
     R.check_position_room(config, rc, s.total_units)
     return s
 
 
-_release_step = jax.jit(lambda state, stop: R.RolloutState(release(state.cache, stop), state.cross),
-                        donate_argnums=0)
+_release_step = jax.jit(lambda state, stop: R.RolloutState(release(state.cache, stop), state.cross), donate_argnums=0)
 
 
-def windows(params, config: WanConfig, rc: R.RolloutConfig, schedule: WindowSchedule, context, *, key=None,
-            noise=None, negative_context=None) -> Iterator[tuple[Window, jax.Array, R.RolloutState]]:
+def windows(
+    params,
+    config: WanConfig,
+    rc: R.RolloutConfig,
+    schedule: WindowSchedule,
+    context,
+    *,
+    key=None,
+    noise=None,
+    negative_context=None,
+) -> Iterator[tuple[Window, jax.Array, R.RolloutState]]:
     """Generates window by window; yields (window in frame units, its committed latents float32 [batch,
     commit_stop - commit_start, h, w, in_dim], the state after it) as soon as each window is done (e.g. to decode
     it while the next one denoises). See the module docstring for what each window sees. The yielded state is
@@ -112,10 +124,12 @@ def windows(params, config: WanConfig, rc: R.RolloutConfig, schedule: WindowSche
         noise = jnp.asarray(noise)
         expected = rc.noise_shape(config, batch, s.total_units)
         if tuple(noise.shape) != expected:
-            raise ValueError(f"noise must be [chunks = total_units // chunk_frames, steps, batch, chunk_frames, h, w, "
-                             f"in_dim] = {list(expected)}, got {list(noise.shape)}")
+            raise ValueError(
+                f"noise must be [chunks = total_units // chunk_frames, steps, batch, chunk_frames, h, w, "
+                f"in_dim] = {list(expected)}, got {list(noise.shape)}"
+            )
     state = R._init_state_jit(params, config, rc, context, negative_context)
-    return _generate(params, config, rc, s, state, key, noise)   # checked above, eagerly; generated lazily
+    return _generate(params, config, rc, s, state, key, noise)  # checked above, eagerly; generated lazily
 
 
 def _generate(params, config, rc, s: WindowSchedule, state, key, noise):
@@ -135,12 +149,22 @@ def _generate(params, config, rc, s: WindowSchedule, state, key, noise):
         yield frames, jnp.concatenate(chunks, axis=1), state
 
 
-def windowed_rollout(params, config: WanConfig, rc: R.RolloutConfig, schedule: WindowSchedule, context, *,
-                     key=None, noise=None, negative_context=None) -> R.Rollout:
+def windowed_rollout(
+    params,
+    config: WanConfig,
+    rc: R.RolloutConfig,
+    schedule: WindowSchedule,
+    context,
+    *,
+    key=None,
+    noise=None,
+    negative_context=None,
+) -> R.Rollout:
     """The whole windowed generation: Rollout(latents float32 [batch, total_units, h, w, in_dim], final state).
     Arguments as `windows`."""
     parts, state = [], None
-    for _, latents, state in windows(params, config, rc, schedule, context, key=key, noise=noise,
-                                     negative_context=negative_context):
+    for _, latents, state in windows(
+        params, config, rc, schedule, context, key=key, noise=noise, negative_context=negative_context
+    ):
         parts.append(latents)
     return R.Rollout(jnp.concatenate(parts, axis=1), state)

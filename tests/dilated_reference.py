@@ -32,7 +32,7 @@ class DilatedHistory:
             s["published"].update(s["pending"])
             s["pending"], s["scratch"] = {}, {}
             new = [f for f in range(n * self.c, (n + 1) * self.c) if f % self.d == 0]
-            s["reserved"] = (s["reserved"] + new)[-self.buckets:]
+            s["reserved"] = (s["reserved"] + new)[-self.buckets :]
             keep = set(s["reserved"]) - set(new)
             s["published"] = {f: x for f, x in s["published"].items() if f in keep}
 
@@ -42,7 +42,7 @@ class DilatedHistory:
                 continue
             for i in range(self.c):
                 f = s["current"] * self.c + i
-                frame = (np.array(k[b, i * self.t:(i + 1) * self.t]), np.array(v[b, i * self.t:(i + 1) * self.t]))
+                frame = (np.array(k[b, i * self.t : (i + 1) * self.t]), np.array(v[b, i * self.t : (i + 1) * self.t]))
                 s["scratch"][f] = frame
                 if commit and f % self.d == 0:
                     s["pending"][f] = frame

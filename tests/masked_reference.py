@@ -70,8 +70,9 @@ def reference_rollout(params, config, rc, context, noise, frame_masks):
         x = noise[n, 0]
         for i in range(steps):
             hist = jnp.concatenate(done + [x], axis=1)
-            ts = jnp.concatenate([jnp.full((batch, n * cf), s.context_noise), jnp.full((batch, cf), 1000.0 * sig[i])],
-                                 axis=1)
+            ts = jnp.concatenate(
+                [jnp.full((batch, n * cf), s.context_noise), jnp.full((batch, cf), 1000.0 * sig[i])], axis=1
+            )
             v = fwd(hist, ts)[:, -cf:]
             x0 = x - sig[i] * v
             x = (1 - sig[i + 1]) * x0 + sig[i + 1] * noise[n, i + 1] if i + 1 < steps else x0

@@ -17,30 +17,41 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from jaxkv import parallel as PL  # noqa: E402
 from jaxkv import rollout as R  # noqa: E402
 from jaxkv.compilation import compile_count  # noqa: E402
-from jaxkv.models.wan import config as C, model as M  # noqa: E402
+from jaxkv.models.wan import config as C  # noqa: E402
+from jaxkv.models.wan import model as M
 from jaxkv.schedule import Schedule  # noqa: E402
 
-CONFIG = C.preset("tiny")                   # 4 heads, ffn 128: model axes of 1, 2, 4 divide it
+CONFIG = C.preset("tiny")  # 4 heads, ffn 128: model axes of 1, 2, 4 divide it
 PARAMS = M.init_params(CONFIG, jax.random.key(0))
 CHUNKS = 3
-TOL = dict(rtol=1e-5, atol=2e-5)            # f32: the tensor-parallel sums associate differently
+TOL = dict(rtol=1e-5, atol=2e-5)  # f32: the tensor-parallel sums associate differently
 COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(-start)?\(")
 
 
 def rc_of(window_frames=4, guidance=None):
-    return R.RolloutConfig(4, 4, chunk_frames=1, window_frames=window_frames, sink_frames=1,
-                           schedule=Schedule(steps=(1000, 500)), guidance_scale=guidance)
+    return R.RolloutConfig(
+        4,
+        4,
+        chunk_frames=1,
+        window_frames=window_frames,
+        sink_frames=1,
+        schedule=Schedule(steps=(1000, 500)),
+        guidance_scale=guidance,
+    )
 
 
 def contexts(batch):
     rng = np.random.default_rng(batch)
-    return (rng.standard_normal((batch, 5, CONFIG.text_dim)).astype(np.float32),
-            rng.standard_normal((batch, 3, CONFIG.text_dim)).astype(np.float32))
+    return (
+        rng.standard_normal((batch, 5, CONFIG.text_dim)).astype(np.float32),
+        rng.standard_normal((batch, 3, CONFIG.text_dim)).astype(np.float32),
+    )
 
 
 _REFERENCE = {}
@@ -50,8 +61,15 @@ def reference(rc, batch):
     """Single-device chunks and final state (cache rows in rollout order)."""
     if (rc, batch) not in _REFERENCE:
         ctx, neg = contexts(batch)
-        stream = R.Stream(PARAMS, CONFIG, rc, ctx, num_chunks=CHUNKS, key=jax.random.key(7),
-                          negative_context=neg if rc.guidance_scale is not None else None)
+        stream = R.Stream(
+            PARAMS,
+            CONFIG,
+            rc,
+            ctx,
+            num_chunks=CHUNKS,
+            key=jax.random.key(7),
+            negative_context=neg if rc.guidance_scale is not None else None,
+        )
         _REFERENCE[rc, batch] = ([np.asarray(x) for x in stream], jax.device_get(stream.state))
     return _REFERENCE[rc, batch]
 
@@ -59,8 +77,16 @@ def reference(rc, batch):
 def run_mesh(mesh, rc, batch, params=None):
     """Runs a MeshStream; checks one compilation, latents sharded on data and state shardings kept every step."""
     ctx, neg = contexts(batch)
-    stream = PL.MeshStream(PARAMS if params is None else params, CONFIG, rc, ctx, mesh=mesh, num_chunks=CHUNKS,
-                           key=jax.random.key(7), negative_context=neg if rc.guidance_scale is not None else None)
+    stream = PL.MeshStream(
+        PARAMS if params is None else params,
+        CONFIG,
+        rc,
+        ctx,
+        mesh=mesh,
+        num_chunks=CHUNKS,
+        key=jax.random.key(7),
+        negative_context=neg if rc.guidance_scale is not None else None,
+    )
     want = PL.state_shardings(stream.state, mesh)
     before = compile_count(stream.step)
     xs = []
@@ -78,7 +104,7 @@ def compare(mesh, rc, batch, params=None):
     xs, stream = run_mesh(mesh, rc, batch, params)
     for n, (a, b) in enumerate(zip(xs, ref_xs)):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"chunk {n}")
-    assert not any(np.array_equal(xs[0], x) for x in xs[1:])      # the chunks differ: a real comparison
+    assert not any(np.array_equal(xs[0], x) for x in xs[1:])  # the chunks differ: a real comparison
     # the state, rows mapped back to the rollout's order
     order = PL.session_order(batch, mesh.shape[PL.DATA], rc.guidance_scale is not None)
     cache = stream.state.cache
@@ -93,9 +119,9 @@ def largest_collectives(hlo: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for line in hlo.splitlines():
         found = COLLECTIVE.search(line)
-        if not found or "=" not in line[:found.start()]:
+        if not found or "=" not in line[: found.start()]:
             continue
-        result = line[line.index("=") + 1:found.start()]
+        result = line[line.index("=") + 1 : found.start()]
         sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", result)]
         out[found.group(1)] = max(out.get(found.group(1), 0), max(sizes, default=0))
     return out
@@ -104,12 +130,14 @@ def largest_collectives(hlo: str) -> dict[str, int]:
 def compiled(mesh, config, rc, batch):
     """(abstract state, compiled mesh step) lowered from shapes and shardings alone (nothing is run)."""
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                          PL.param_shardings(shapes, mesh))
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, PL.param_shardings(shapes, mesh)
+    )
     ctx = jax.ShapeDtypeStruct((batch, 5, config.text_dim), np.float32)
     state = jax.eval_shape(lambda p, c: R.init_state(p, config, rc, c), params, ctx)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
-                         PL.state_shardings(state, mesh))
+    state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, PL.state_shardings(state, mesh)
+    )
     replicated = NamedSharding(mesh, P())
     key_data = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
     index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
@@ -148,7 +176,7 @@ def check_noise():
     noise = np.random.default_rng(3).standard_normal(rc.noise_shape(CONFIG, batch, CHUNKS)).astype(np.float32)
     want = [np.asarray(x) for x in R.Stream(PARAMS, CONFIG, rc, ctx, noise=noise)]
     stream = PL.MeshStream(PARAMS, CONFIG, rc, ctx, mesh=mesh, noise=noise)
-    before = compile_count(stream.step)        # the step is shared with any key-driven stream of this mesh
+    before = compile_count(stream.step)  # the step is shared with any key-driven stream of this mesh
     got = [np.asarray(x) for x in stream]
     assert len(got) == CHUNKS and compile_count(stream.step) - before == 1
     for a, b in zip(got, want):
@@ -166,18 +194,19 @@ def check_hlo():
     temps = []
     for window in (16, 64):
         state, exe = compiled(mesh, config, rc_of(window), 2)
-        shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)      # [layers, sessions, slots, heads, d]
+        shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)  # [layers, sessions, slots, heads, d]
         layer_shard = int(np.prod(shard[1:]))
         sizes = largest_collectives(exe.as_text())
-        assert sizes.get("all-reduce", 0) > 0, sizes          # tensor parallel does communicate
+        assert sizes.get("all-reduce", 0) > 0, sizes  # tensor parallel does communicate
         for op, elements in sizes.items():
             assert elements < layer_shard, (op, elements, layer_shard)
         assert "all-gather" not in sizes, sizes
         stats = exe.memory_analysis()
-        state_bytes = sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-                          for leaf in jax.tree.leaves(state))
+        state_bytes = sum(
+            int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+        )
         assert stats.alias_size_in_bytes >= state_bytes, (stats.alias_size_in_bytes, state_bytes)
-        temps.append((stats.temp_size_in_bytes, 2 * int(np.prod(shard)) * 4))     # k + v shard bytes
+        temps.append((stats.temp_size_in_bytes, 2 * int(np.prod(shard)) * 4))  # k + v shard bytes
     (temp_small, kv_small), (temp_big, kv_big) = temps
     assert temp_big - temp_small < (kv_big - kv_small) / 4, temps
 
@@ -208,8 +237,10 @@ def check_errors():
     cases = [
         (lambda: PL.MeshStream(PARAMS, CONFIG, rc_of(), ctx, mesh=mesh, key=jax.random.key(0)), "batch 3"),
         (lambda: PL.make_mesh(1, 8), None),
-        (lambda: PL.MeshStream(PARAMS, CONFIG, rc_of(), ctx[:1], mesh=PL.make_mesh(1, 8), key=jax.random.key(0)),
-         "num_heads (4)"),
+        (
+            lambda: PL.MeshStream(PARAMS, CONFIG, rc_of(), ctx[:1], mesh=PL.make_mesh(1, 8), key=jax.random.key(0)),
+            "num_heads (4)",
+        ),
         (lambda: PL.make_mesh(2, 2), "needs 4 devices"),
     ]
     for make, words in cases:
@@ -236,9 +267,30 @@ def check_generate():
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         checkpoint.save(ckpt, CONFIG, PARAMS)
-        common = ["--checkpoint", ckpt, "--height", "4", "--width", "4", "--chunk-frames", "1", "--window-frames",
-                  "2", "--sink-frames", "1", "--num-chunks", "2", "--steps", "1000,500", "--batch", "2",
-                  "--guidance-scale", "3", "--no-video", "--no-progress"]
+        common = [
+            "--checkpoint",
+            ckpt,
+            "--height",
+            "4",
+            "--width",
+            "4",
+            "--chunk-frames",
+            "1",
+            "--window-frames",
+            "2",
+            "--sink-frames",
+            "1",
+            "--num-chunks",
+            "2",
+            "--steps",
+            "1000,500",
+            "--batch",
+            "2",
+            "--guidance-scale",
+            "3",
+            "--no-video",
+            "--no-progress",
+        ]
         one, mesh = os.path.join(tmp, "one"), os.path.join(tmp, "mesh")
         assert main([*common, "--out", one]) == 0
         assert main([*common, "--out", mesh, "--mesh", "data=2,model=4"]) == 0
@@ -247,7 +299,7 @@ def check_generate():
             summary = json.load(f)
         assert summary["mesh"] == {"data": 2, "model": 4} and summary["compilations"] == 1, summary
         bad = os.path.join(tmp, "bad")
-        assert main([*common, "--out", bad, "--mesh", "data=4,model=2"]) == 2      # batch 2 on data=4
+        assert main([*common, "--out", bad, "--mesh", "data=4,model=2"]) == 2  # batch 2 on data=4
         assert not os.path.exists(bad)
 
 

@@ -18,21 +18,27 @@ import jax
 process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
-                           process_id=process_id, initialization_timeout=120)
+jax.distributed.initialize(
+    coordinator_address=f"localhost:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=120,
+)
 
 import jax.experimental.multihost_utils  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxkv import parallel as PL  # noqa: E402
 from jaxkv import rollout as R  # noqa: E402
-from jaxkv.models.wan import checkpoint, config as C, model as M  # noqa: E402
+from jaxkv.models.wan import checkpoint  # noqa: E402
+from jaxkv.models.wan import config as C
+from jaxkv.models.wan import model as M
 from jaxkv.schedule import Schedule  # noqa: E402
 
 assert jax.process_count() == num_processes and len(jax.local_devices()) == 2 and len(jax.devices()) == 4
 
 config = C.preset("tiny")
-params = M.init_params(config, jax.random.key(0))          # the same on every process (same key)
+params = M.init_params(config, jax.random.key(0))  # the same on every process (same key)
 rc = R.RolloutConfig(4, 4, chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500)))
 context = np.random.default_rng(0).standard_normal((2, 5, config.text_dim)).astype(np.float32)
 
@@ -42,7 +48,7 @@ if process_id == 0:
 jax.experimental.multihost_utils.sync_global_devices("checkpoint written")
 
 mesh = PL.make_mesh(2, 2)
-assert {d.process_index for d in mesh.devices[process_id]} == {process_id}      # a data group is one process
+assert {d.process_index for d in mesh.devices[process_id]} == {process_id}  # a data group is one process
 _, sharded = PL.load_sharded(path, mesh)
 stream = PL.MeshStream(sharded, config, rc, context, mesh=mesh, num_chunks=3, key=jax.random.key(7))
 reference = R.Stream(params, config, rc, context, num_chunks=3, key=jax.random.key(7))
@@ -51,6 +57,7 @@ for n, (x, want) in enumerate(zip(stream, reference)):
     assert rows == slice(process_id, process_id + 1), rows
     np.testing.assert_allclose(local, np.asarray(want)[rows], rtol=1e-5, atol=2e-5, err_msg=f"chunk {n}")
 from jaxkv.compilation import compile_count  # noqa: E402
+
 assert compile_count(stream.step) == 1, compile_count(stream.step)
 jax.experimental.multihost_utils.sync_global_devices("done")
 print(f"OK {process_id}", flush=True)

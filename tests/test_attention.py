@@ -16,9 +16,17 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxkv.attention import (CacheRope, MaskSpec, attend, blockwise_attention, dense_attention, pallas_attention,
-                             rope_ranks, visible)
-from jaxkv.attention import dispatch
+from jaxkv.attention import (
+    CacheRope,
+    MaskSpec,
+    attend,
+    blockwise_attention,
+    dense_attention,
+    dispatch,
+    pallas_attention,
+    rope_ranks,
+    visible,
+)
 from jaxkv.attention.blockwise import merge_partials
 from jaxkv.attention.dispatch import BACKENDS, resolve_backend
 from jaxkv.attention.rope import cache_ranks, query_ranks
@@ -37,12 +45,13 @@ MASKS = [
 
 # ------------------------------------------------------------------ layouts
 
+
 def ring_positions(chunk, sink_chunks, window_chunks, chunks_written):
     """int [capacity]: absolute positions held by each slot after writing chunks 0 .. chunks_written-1."""
     pos = np.full((sink_chunks + window_chunks) * chunk, -1)
     for n in range(chunks_written):
         slot = n if n < sink_chunks else sink_chunks + (n - sink_chunks) % window_chunks
-        pos[slot * chunk:(slot + 1) * chunk] = np.arange(n * chunk, (n + 1) * chunk)
+        pos[slot * chunk : (slot + 1) * chunk] = np.arange(n * chunk, (n + 1) * chunk)
     return pos
 
 
@@ -50,12 +59,23 @@ def unwrapped_positions(ring):
     """The same logical content as `ring`, laid out in chronological slot order (empty slots last)."""
     valid = np.sort(ring[ring >= 0])
     out = np.full_like(ring, -1)
-    out[:len(valid)] = valid
+    out[: len(valid)] = valid
     return out
 
 
-def make_case(seed, *, batch=2, chunk=4, sink_chunks=1, window_chunks=3, written=(6, 2), q_heads=4, kv_heads=2,
-              head_dim=8, dtype=jnp.float32):
+def make_case(
+    seed,
+    *,
+    batch=2,
+    chunk=4,
+    sink_chunks=1,
+    window_chunks=3,
+    written=(6, 2),
+    q_heads=4,
+    kv_heads=2,
+    head_dim=8,
+    dtype=jnp.float32,
+):
     """A ring (one row per session, each `written[b]` chunks in), keys/values drawn per absolute position, and
     queries for the last written chunk of each session (the chunk being denoised, already in the cache)."""
     rng = np.random.default_rng(seed)
@@ -76,8 +96,13 @@ def physical(case, pos):
     k = np.where((pos >= 0)[..., None, None], case["k_table"][b, np.maximum(pos, 0)], rng.normal(size=(1,)))
     v = np.where((pos >= 0)[..., None, None], case["v_table"][b, np.maximum(pos, 0)], rng.normal(size=(1,)))
     dt = case["dtype"]
-    return (jnp.asarray(case["q"], dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(case["qpos"], jnp.int32),
-            jnp.asarray(pos, jnp.int32))
+    return (
+        jnp.asarray(case["q"], dt),
+        jnp.asarray(k, dt),
+        jnp.asarray(v, dt),
+        jnp.asarray(case["qpos"], jnp.int32),
+        jnp.asarray(pos, jnp.int32),
+    )
 
 
 def permuted(pos, seed):
@@ -121,6 +146,7 @@ def numpy_attention(q, k, v, qpos, kpos, **mask):
 
 # ------------------------------------------------------------------ masks and the reference
 
+
 @pytest.mark.parametrize("mask", MASKS)
 def test_visible_matches_definition(mask):
     rng = np.random.default_rng(0)
@@ -148,9 +174,10 @@ def test_ring_attention_equals_chronological_history():
             order = np.argsort(np.where(case["pos"][b] >= 0, case["pos"][b], 1 << 30))
             n = int((case["pos"][b] >= 0).sum())
             hist = order[:n]
-            want = dense_attention(q[b:b + 1], k[b:b + 1, hist], v[b:b + 1, hist], qp[b:b + 1], pos[b:b + 1, hist],
-                                   **mask)
-            np.testing.assert_allclose(ring[b:b + 1], want, atol=1e-5, err_msg=str(mask))
+            want = dense_attention(
+                q[b : b + 1], k[b : b + 1, hist], v[b : b + 1, hist], qp[b : b + 1], pos[b : b + 1, hist], **mask
+            )
+            np.testing.assert_allclose(ring[b : b + 1], want, atol=1e-5, err_msg=str(mask))
 
 
 def test_query_seeing_nothing_gets_zeros():
@@ -177,8 +204,9 @@ def test_blockwise_matches_dense_over_layouts_and_masks(mask):
         run = jax.jit(functools.partial(blockwise_attention, block_k=block_k, segments=segments, **mask))
         for pos in (case["pos"], permuted(case["pos"], 4)):  # ring order and an arbitrary slot order
             args = physical(case, pos)
-            np.testing.assert_allclose(run(*args), dense_attention(*args, **mask), atol=2e-6,
-                                       err_msg=f"block {block_k} segments {segments}")
+            np.testing.assert_allclose(
+                run(*args), dense_attention(*args, **mask), atol=2e-6, err_msg=f"block {block_k} segments {segments}"
+            )
     for block_k, segments in BLOCKINGS[2:]:  # ragged/split blockings on the sink + window masks
         if mask.get("sink"):
             args = physical(case, case["pos"])
@@ -190,15 +218,17 @@ def test_blockwise_mqa_and_no_sink_ring():
     case = make_case(5, sink_chunks=0, window_chunks=4, written=(10, 5), q_heads=3, kv_heads=1)
     args = physical(case, case["pos"])
     for mask in MASKS:
-        np.testing.assert_allclose(blockwise_attention(*args, block_k=4, **mask), dense_attention(*args, **mask),
-                                   atol=2e-6)
+        np.testing.assert_allclose(
+            blockwise_attention(*args, block_k=4, **mask), dense_attention(*args, **mask), atol=2e-6
+        )
 
 
 def test_blockwise_bfloat16_storage_accumulates_in_float32():
     case = make_case(6, dtype=jnp.bfloat16, written=(8, 3))
     args = physical(case, case["pos"])
-    want = numpy_attention(*(np.asarray(a, np.float32) if i < 3 else a for i, a in enumerate(args)),
-                           chunk=4, window=8, sink=4)
+    want = numpy_attention(
+        *(np.asarray(a, np.float32) if i < 3 else a for i, a in enumerate(args)), chunk=4, window=8, sink=4
+    )
     got = blockwise_attention(*args, block_k=4, chunk=4, window=8, sink=4)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2)
@@ -239,15 +269,19 @@ def test_merge_partials_by_lse_equals_attention_over_the_union():
     case = make_case(8, written=(6, 4))
     q, k, v, qp, pos = physical(case, case["pos"])
     want, want_lse = dense_attention(q, k, v, qp, pos, causal=True, return_lse=True)
-    parts = [dense_attention(q, k[:, s], v[:, s], qp, pos[:, s], causal=True, return_lse=True)
-             for s in (slice(0, 5), slice(5, 9), slice(9, 16))]
+    parts = [
+        dense_attention(q, k[:, s], v[:, s], qp, pos[:, s], causal=True, return_lse=True)
+        for s in (slice(0, 5), slice(5, 9), slice(9, 16))
+    ]
     out, lse = merge_partials(parts)
     np.testing.assert_allclose(out, want, atol=2e-6)
-    np.testing.assert_allclose(np.where(np.isfinite(want_lse), lse, 0), np.where(np.isfinite(want_lse), want_lse, 0),
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        np.where(np.isfinite(want_lse), lse, 0), np.where(np.isfinite(want_lse), want_lse, 0), atol=2e-5
+    )
     _, blse = blockwise_attention(q, k, v, qp, pos, causal=True, block_k=4, return_lse=True)
-    np.testing.assert_allclose(np.where(np.isfinite(want_lse), blse, 0),
-                               np.where(np.isfinite(want_lse), want_lse, 0), atol=2e-5)
+    np.testing.assert_allclose(
+        np.where(np.isfinite(want_lse), blse, 0), np.where(np.isfinite(want_lse), want_lse, 0), atol=2e-5
+    )
     np.testing.assert_array_equal(np.isfinite(blse), np.isfinite(want_lse))
 
 
@@ -282,6 +316,7 @@ def test_blockwise_gradients():
 
 
 # ------------------------------------------------------------------ cache-relative RoPE
+
 
 def test_cache_ranks_match_definition():
     rng = np.random.default_rng(10)
@@ -324,13 +359,13 @@ def test_cache_relative_rope_equals_rotating_the_compact_history(style):
     q, k, v, qp, pos = physical(case, slots)
     mask = dict(chunk=4, window=8, sink=4)
     for b in range(2):
-        hist = np.argsort(np.where(slots[b] >= 0, slots[b], 1 << 30))[:int((slots[b] >= 0).sum())]
+        hist = np.argsort(np.where(slots[b] >= 0, slots[b], 1 << 30))[: int((slots[b] >= 0).sum())]
         hist_pos = slots[b][hist]
         kr = numpy_rope(np.asarray(k[b])[hist], np.arange(len(hist)), style=style)
         qr = numpy_rope(np.asarray(q[b]), np.searchsorted(hist_pos, np.asarray(qp[b])), style=style)
-        want = numpy_attention(qr[None], kr[None], np.asarray(v[b])[hist][None], qp[b:b + 1], hist_pos[None], **mask)
+        want = numpy_attention(qr[None], kr[None], np.asarray(v[b])[hist][None], qp[b : b + 1], hist_pos[None], **mask)
         for path in (dense_attention, functools.partial(blockwise_attention, block_k=4)):
-            got = path(q, k, v, qp, pos, rope=rope, **mask)[b:b + 1]
+            got = path(q, k, v, qp, pos, rope=rope, **mask)[b : b + 1]
             np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"{path} {style}")
 
 
@@ -348,6 +383,7 @@ def test_cache_relative_rope_is_invariant_to_absolute_offset():
 
 # ------------------------------------------------------------------ attend: dispatch and bad input
 
+
 def test_attend_backends_agree(monkeypatch):
     """Each name routes to the path `resolve_backend` names, and the two distinct XLA paths agree with NumPy."""
     case = make_case(13, written=(8, 3))
@@ -358,10 +394,15 @@ def test_attend_backends_agree(monkeypatch):
     logits = q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1]
     resolve = lambda name: resolve_backend(name, head_dim=8, dtypes=(q.dtype,) * 3, rope=None, logits=logits)
     # "auto" on a GPU without a kernel shape (head_dim 8) is "xla"; small logits make "xla" dense.
-    assert resolve_backend("auto", head_dim=8, dtypes=(q.dtype,) * 3, rope=None, logits=logits,
-                           platform="gpu") == "xla_dense"
+    assert (
+        resolve_backend("auto", head_dim=8, dtypes=(q.dtype,) * 3, rope=None, logits=logits, platform="gpu")
+        == "xla_dense"
+    )
     assert {name: resolve(name) for name in ("xla", "xla_dense", "xla_blockwise")} == {
-        "xla": "xla_dense", "xla_dense": "xla_dense", "xla_blockwise": "xla_blockwise"}
+        "xla": "xla_dense",
+        "xla_dense": "xla_dense",
+        "xla_blockwise": "xla_blockwise",
+    }
     want = numpy_attention(*args, **mask)
     paths = {name: run(name) for name in ("xla_dense", "xla_blockwise")}
     for name, got in paths.items():
@@ -379,8 +420,9 @@ def test_resolve_backend():
     assert resolve_backend("auto", platform="gpu", **{**kw, "rope": CacheRope()}) == "pallas"
     assert resolve_backend("auto", platform="cpu", **kw) == "xla_cpu"
     assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96}) == "cudnn"  # cuDNN takes 96
-    assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96, "dtypes": (jnp.float32,) * 3}) \
-        == "xla_dense"
+    assert (
+        resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 96, "dtypes": (jnp.float32,) * 3}) == "xla_dense"
+    )
     assert resolve_backend("xla", **{**kw, "logits": 1 << 30}) == "xla_blockwise"
     assert resolve_backend("pallas", **kw) == "pallas"
     assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas", "cudnn"}
@@ -395,22 +437,25 @@ def test_attend_is_one_compilation_across_positions():
     assert compile_count(f) == 1
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(backend="flash"), "unknown attention backend"),
-    (dict(backend="cudnn"), "backend .cudnn. needs float16/bfloat16"),  # float32, head_dim 8
-    (dict(chunk=0), "chunk must be"),
-    (dict(window=-3), "window must be"),
-    (dict(sink=-1), "sink must be"),
-    (dict(causal="yes"), "causal must be"),
-    (dict(scale="big"), "scale must be"),
-    (dict(scale=float("nan")), "scale must be finite and > 0"),
-    (dict(scale=float("inf")), "scale must be finite and > 0"),
-    (dict(scale=0.0), "scale must be finite and > 0"),
-    (dict(scale=-0.5), "scale must be finite and > 0"),
-    (dict(sink=4), "sink needs a window"),
-    (dict(causal=True, sink=4), "sink needs a window"),
-    (dict(rope="rerope"), "rope must be"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(backend="flash"), "unknown attention backend"),
+        (dict(backend="cudnn"), "backend .cudnn. needs float16/bfloat16"),  # float32, head_dim 8
+        (dict(chunk=0), "chunk must be"),
+        (dict(window=-3), "window must be"),
+        (dict(sink=-1), "sink must be"),
+        (dict(causal="yes"), "causal must be"),
+        (dict(scale="big"), "scale must be"),
+        (dict(scale=float("nan")), "scale must be finite and > 0"),
+        (dict(scale=float("inf")), "scale must be finite and > 0"),
+        (dict(scale=0.0), "scale must be finite and > 0"),
+        (dict(scale=-0.5), "scale must be finite and > 0"),
+        (dict(sink=4), "sink needs a window"),
+        (dict(causal=True, sink=4), "sink needs a window"),
+        (dict(rope="rerope"), "rope must be"),
+    ],
+)
 def test_attend_rejects_bad_options(bad, match):
     args = physical(make_case(15), make_case(15)["pos"])
     with pytest.raises(ValueError, match=match):
@@ -437,8 +482,11 @@ def test_attend_rejects_bad_shapes_and_dtypes():
                 jax.eval_shape(functools.partial(attend, backend=backend), *args)
 
 
-PATHS = {"dense": dense_attention, "blockwise": blockwise_attention,
-         "pallas": functools.partial(pallas_attention, interpret=True)}
+PATHS = {
+    "dense": dense_attention,
+    "blockwise": blockwise_attention,
+    "pallas": functools.partial(pallas_attention, interpret=True),
+}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -452,8 +500,14 @@ def test_every_path_rejects_empty_queries_or_keys(path):
         jax.eval_shape(fn, q, k[:, :0], v[:, :0], qp, pos[:, :0])
     jax.eval_shape(fn, q, k, v, qp, pos)  # the same call with tokens is fine
     with pytest.raises(ValueError, match="kv_len 0"):
-        jax.eval_shape(functools.partial(attend, backend=path if path == "pallas" else f"xla_{path}"),
-                       q, k[:, :0], v[:, :0], qp, pos[:, :0])
+        jax.eval_shape(
+            functools.partial(attend, backend=path if path == "pallas" else f"xla_{path}"),
+            q,
+            k[:, :0],
+            v[:, :0],
+            qp,
+            pos[:, :0],
+        )
 
 
 @pytest.mark.parametrize("path", ["dense", "blockwise"])
@@ -466,6 +520,7 @@ def test_cache_relative_rope_rejects_odd_head_dim(path):
 
 
 # ------------------------------------------------------------------ the real RingCache
+
 
 @pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_attention_over_ring_cache_stream_matches_history():
@@ -517,8 +572,17 @@ def test_stale_nan_in_empty_slots_never_reaches_the_output(backend, bad):
     ones = jnp.ones((1, 2, heads, d), jnp.float32)
     cache = cache.write(ones, ones)
     assert not np.isfinite(np.asarray(cache.v[:, 2:])).any()  # the stale chunk is still there, only emptied
-    out = attend(ones, cache.k, cache.v, cache.chunk_positions(), cache.positions, mask=spec.mask(),
-                 backend=backend, interpret=True, block_k=4)
+    out = attend(
+        ones,
+        cache.k,
+        cache.v,
+        cache.chunk_positions(),
+        cache.positions,
+        mask=spec.mask(),
+        backend=backend,
+        interpret=True,
+        block_k=4,
+    )
     np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
 
 
@@ -532,10 +596,13 @@ def test_mask_spec_is_the_one_mask_vocabulary():
 
     assert jaxkv.RingSpec(chunk=4, window=12, sink=4).mask() == spec
     for backend in ("xla_dense", "xla_blockwise"):
-        np.testing.assert_array_equal(attend(*args, mask=spec, backend=backend, block_k=4),
-                                      attend(*args, chunk=4, window=12, sink=4, backend=backend, block_k=4))
-    np.testing.assert_array_equal(visible(args[3], args[4], spec), visible(args[3], args[4], chunk=4, window=12,
-                                                                           sink=4))
+        np.testing.assert_array_equal(
+            attend(*args, mask=spec, backend=backend, block_k=4),
+            attend(*args, chunk=4, window=12, sink=4, backend=backend, block_k=4),
+        )
+    np.testing.assert_array_equal(
+        visible(args[3], args[4], spec), visible(args[3], args[4], chunk=4, window=12, sink=4)
+    )
     with pytest.raises(ValueError, match="not both"):
         attend(*args, mask=spec, causal=True)
     with pytest.raises(ValueError, match="mask must be"):

@@ -31,8 +31,18 @@ def test_cpu_part_rows_agree_with_copy_then_attend(bench):
 
 
 def test_gpu_part_runs_on_cpu_interpreted(bench):
-    row = bench.measure_gpu(6, 0, tokens_per_frame=8, reps=1, dtype=jnp.float32, head_dim=16, heads=2,
-                            implementation="xla", interpret=True, block_sizes=BlockSizes(16, 16))
+    row = bench.measure_gpu(
+        6,
+        0,
+        tokens_per_frame=8,
+        reps=1,
+        dtype=jnp.float32,
+        head_dim=16,
+        heads=2,
+        implementation="xla",
+        interpret=True,
+        block_sizes=BlockSizes(16, 16),
+    )
     assert row["keys"] == 48 and row["max_abs_diff"] < 1e-5
     assert row["pallas_ms"] > 0 and row["pallas_over_sdpa"] > 0
 

@@ -13,14 +13,19 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention
+from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention, xla_cpu
 from jaxkv.attention.dispatch import resolve_backend
-from jaxkv.attention import xla_cpu
 from jaxkv.attention.xla_cpu import HIDDEN, MASKED, OPEN, key_blocks
 from jaxkv.compilation import count_compiles
-from tests.test_attention import MASKS, brute_visible, make_case, numpy_attention, permuted, physical, \
-    unwrapped_positions
-
+from tests.test_attention import (
+    MASKS,
+    brute_visible,
+    make_case,
+    numpy_attention,
+    permuted,
+    physical,
+    unwrapped_positions,
+)
 
 _STATIC = ("causal", "chunk", "window", "sink", "scale", "rope", "block_k", "return_lse")
 # Jitted once per static setting: eager dispatch of the unrolled blocks would dominate the test time.
@@ -32,8 +37,10 @@ block_branch = jax.jit(xla_cpu.block_branch, static_argnums=2)
 def branches(q_positions, kv_positions, spec: MaskSpec, block_k: int):
     """The branch `xla_cpu_attention` takes for each of its key blocks."""
     unit = spec.chunk if spec.chunk is not None and kv_positions.shape[1] % spec.chunk == 0 else 1
-    return [int(block_branch(q_positions, kv_positions[:, a:b], spec))
-            for a, b in key_blocks(kv_positions.shape[1], block_k, unit)]
+    return [
+        int(block_branch(q_positions, kv_positions[:, a:b], spec))
+        for a, b in key_blocks(kv_positions.shape[1], block_k, unit)
+    ]
 
 
 @pytest.mark.parametrize("mask", MASKS)
@@ -42,8 +49,11 @@ def test_matches_dense_and_numpy_over_layouts_and_masks(mask, block_k):
     # Session 0 has wrapped its window (8 chunks in a 1 + 3 chunk ring), session 1 is partially filled (2 chunks).
     case = make_case(0, written=(8, 2))
     seen = set()
-    for name, pos in [("ring", case["pos"]), ("unwrapped", np.stack([unwrapped_positions(p) for p in case["pos"]])),
-                      ("permuted", permuted(case["pos"], 5))]:
+    for name, pos in [
+        ("ring", case["pos"]),
+        ("unwrapped", np.stack([unwrapped_positions(p) for p in case["pos"]])),
+        ("permuted", permuted(case["pos"], 5)),
+    ]:
         args = physical(case, pos)
         got = np.asarray(xla_cpu_attention(*args, block_k=block_k, **mask))
         np.testing.assert_allclose(got, np.asarray(dense_attention(*args, **mask)), atol=2e-6, err_msg=name)
@@ -61,8 +71,7 @@ def test_every_branch_is_exact():
     args = physical(case, case["pos"])
     spec = dict(causal=True, chunk=4)
     assert branches(args[3], args[4], MaskSpec(**spec), 4) == [OPEN, OPEN, OPEN, MASKED, HIDDEN, HIDDEN]
-    np.testing.assert_allclose(xla_cpu_attention(*args, block_k=4, **spec), dense_attention(*args, **spec),
-                               atol=2e-6)
+    np.testing.assert_allclose(xla_cpu_attention(*args, block_k=4, **spec), dense_attention(*args, **spec), atol=2e-6)
     assert branches(args[3], args[4], MaskSpec(chunk=4), 4) == [OPEN] * 4 + [HIDDEN] * 2  # streaming: no mask
 
 
@@ -94,8 +103,7 @@ def test_gqa_mqa_and_sink_window(q_heads, kv_heads):
     case = make_case(3, q_heads=q_heads, kv_heads=kv_heads, written=(9, 3))
     args = physical(case, case["pos"])
     mask = dict(chunk=4, window=12, sink=4)
-    np.testing.assert_allclose(xla_cpu_attention(*args, block_k=8, **mask), numpy_attention(*args, **mask),
-                               atol=2e-5)
+    np.testing.assert_allclose(xla_cpu_attention(*args, block_k=8, **mask), numpy_attention(*args, **mask), atol=2e-5)
 
 
 def test_empty_cache_and_unseeing_queries_give_zeros_and_minus_inf_lse():

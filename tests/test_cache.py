@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxkv
 from jaxkv.attention import dense_attention
@@ -20,6 +21,7 @@ HEADS, HEAD_DIM = 2, 3
 
 
 # ------------------------------------------------------------------ jitted transitions (one compile per layout)
+
 
 @functools.lru_cache(maxsize=None)
 def _ops(cls, spec, batch, dtype):
@@ -74,7 +76,15 @@ def _run_sequence(cls, chunk, window_chunks, sink_chunks, batch, ops, dtype=jnp.
 # ------------------------------------------------------------------ seeded sweep: thousands of checked steps
 
 LAYOUTS = [  # (chunk, window_chunks, sink_chunks)
-    (1, 1, 0), (2, 1, 0), (1, 3, 0), (3, 4, 0), (2, 2, 1), (1, 1, 2), (2, 5, 1), (1, 4, 3), (4, 3, 2),
+    (1, 1, 0),
+    (2, 1, 0),
+    (1, 3, 0),
+    (3, 4, 0),
+    (2, 2, 1),
+    (1, 1, 2),
+    (2, 5, 1),
+    (1, 4, 3),
+    (4, 3, 2),
 ]
 
 
@@ -107,9 +117,13 @@ def test_random_sequences_match_reference(cls, layout):
     layout=st.sampled_from(LAYOUTS),
     cls=st.sampled_from(POLICIES),
     ops=st.lists(
-        st.tuples(st.sampled_from(["begin", "begin", "write", "write", "write", "reset"]),
-                  st.one_of(st.none(), st.lists(st.booleans(), min_size=2, max_size=2))),
-        min_size=1, max_size=40),
+        st.tuples(
+            st.sampled_from(["begin", "begin", "write", "write", "write", "reset"]),
+            st.one_of(st.none(), st.lists(st.booleans(), min_size=2, max_size=2)),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
 )
 @pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_property_any_sequence_matches_reference(layout, cls, ops):
@@ -117,6 +131,7 @@ def test_property_any_sequence_matches_reference(layout, cls, ops):
 
 
 # ------------------------------------------------------------------ the named edge cases
+
 
 def _stream(cls, spec, n_chunks, batch=1, layers=None):
     cache = cls.init(spec, batch, 1, 1, layers=layers)
@@ -139,7 +154,9 @@ def test_first_chunk_fill_eviction_and_wraps(cls):
     assert np.all(np.asarray(cache.positions) < 0)
     np.testing.assert_array_equal(cache.chunk_positions(), [[0, 1]])
     expected = {  # chunks streamed -> retained positions in order (sink chunk 0 + the three most recent)
-        1: [0, 1], 3: [0, 1, 2, 3, 4, 5], 4: [0, 1, 2, 3, 4, 5, 6, 7],
+        1: [0, 1],
+        3: [0, 1, 2, 3, 4, 5],
+        4: [0, 1, 2, 3, 4, 5, 6, 7],
         5: [0, 1, 4, 5, 6, 7, 8, 9],  # first eviction: chunk 1 goes
         50: [0, 1, 94, 95, 96, 97, 98, 99],  # many wraps
     }
@@ -147,7 +164,7 @@ def test_first_chunk_fill_eviction_and_wraps(cls):
         cache = _stream(cls, spec, n)
         k, _, pos = cache.chronological()
         np.testing.assert_array_equal(pos[0, : len(want)], want)
-        assert np.all(np.asarray(pos[0, len(want):]) < 0)
+        assert np.all(np.asarray(pos[0, len(want) :]) < 0)
         np.testing.assert_array_equal(k[0, : len(want), 0, 0], np.asarray(want) // 2)  # data follows positions
 
 
@@ -212,6 +229,7 @@ def test_ring_and_rolling_give_same_logical_content_in_bf16():
 
 # ------------------------------------------------------------------ attention over the ring
 
+
 def _attention_on(cache, query):
     q_pos = cache.chunk_positions()
     return dense_attention(query, cache.k, cache.v, q_pos, cache.positions, causal=True)
@@ -255,6 +273,7 @@ def test_wrapped_ring_and_never_wrapped_ring_are_bit_identical():
 
 # ------------------------------------------------------------------ compilation and in-place writes
 
+
 @pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
 def test_jit_loop_over_many_wraps_compiles_once(cls):
     spec = jaxkv.RingSpec(chunk=2, window=4, sink=2)
@@ -275,7 +294,9 @@ def _write_fn(spec, layers):
     def fn(cache, k, v):
         def body(c, layer):
             return c.write(k, v, layer=layer), None
+
         return jax.lax.scan(body, cache, jnp.arange(layers, dtype=jnp.int32))[0]
+
     return jax.jit(fn, donate_argnums=0)
 
 
@@ -312,8 +333,9 @@ def test_single_layer_bf16_write_is_in_place_in_the_compiled_program():
     k = jnp.ones((1, chunk, heads, dim), jnp.bfloat16)
 
     def compiled(window_chunks, write):
-        cache = jaxkv.RingCache.init(jaxkv.RingSpec(chunk=chunk, window=chunk * window_chunks), 1, heads, dim,
-                                     dtype=jnp.bfloat16).begin_chunk()
+        cache = jaxkv.RingCache.init(
+            jaxkv.RingSpec(chunk=chunk, window=chunk * window_chunks), 1, heads, dim, dtype=jnp.bfloat16
+        ).begin_chunk()
         return jax.jit(write, donate_argnums=0).lower(cache, k, k).compile()
 
     temps = []
@@ -333,14 +355,18 @@ def test_single_layer_bf16_write_is_in_place_in_the_compiled_program():
 
 # ------------------------------------------------------------------ bad input
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(chunk=0, window=4), "positive"),
-    (dict(chunk=2, window=1), "at least one chunk"),
-    (dict(chunk=2, window=5), "whole number of chunks"),
-    (dict(chunk=2, window=4, sink=3), "sink"),
-    (dict(chunk=2, window=4, sink=-2), "sink"),
-    (dict(chunk=2.0, window=4), "int"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(chunk=0, window=4), "positive"),
+        (dict(chunk=2, window=1), "at least one chunk"),
+        (dict(chunk=2, window=5), "whole number of chunks"),
+        (dict(chunk=2, window=4, sink=3), "sink"),
+        (dict(chunk=2, window=4, sink=-2), "sink"),
+        (dict(chunk=2.0, window=4), "int"),
+    ],
+)
 def test_invalid_specs_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         jaxkv.RingSpec(**kwargs)
@@ -370,7 +396,7 @@ def test_write_rejects_bad_shapes_dtypes_and_layers_at_trace_time():
     with pytest.raises(ValueError, match="out of range"):
         stacked.write(good, good, layer=2)
     with pytest.raises(ValueError, match="out of range"):
-        stacked.write(good, good, layer=jnp.int32(-1))   # a concrete array is checked too, never clamped
+        stacked.write(good, good, layer=jnp.int32(-1))  # a concrete array is checked too, never clamped
     with pytest.raises(ValueError, match="out of range"):
         stacked.layer_kv(np.int64(2))
     with pytest.raises(ValueError, match="integer scalar"):
@@ -387,14 +413,15 @@ def test_write_rejects_bad_shapes_dtypes_and_layers_at_trace_time():
 
 # ------------------------------------------------------------------ int32 positions
 
+
 def test_max_chunks_is_where_int32_positions_end():
     # Wan 2.1 at 480p: 4,680-token chunks. The last representable chunk is the last whose final token fits int32.
     wan = jaxkv.RingSpec.from_frames(1560, 3, window_frames=18, sink_frames=3)
-    last_ok = (2 ** 31 - 1 - (wan.chunk - 1)) // wan.chunk
+    last_ok = (2**31 - 1 - (wan.chunk - 1)) // wan.chunk
     assert wan.max_chunks == last_ok + 1 == 458_864
-    video_frames = 1 + 4 * (3 * wan.max_chunks - 1)   # the Wan VAE: 1 + 4 (T - 1) frames from T latent frames
-    assert 95 < video_frames / 16 / 3600 < 96          # hours at 16 fps, as documented
-    assert jaxkv.RingSpec(chunk=1, window=1).max_chunks == 2 ** 31
+    video_frames = 1 + 4 * (3 * wan.max_chunks - 1)  # the Wan VAE: 1 + 4 (T - 1) frames from T latent frames
+    assert 95 < video_frames / 16 / 3600 < 96  # hours at 16 fps, as documented
+    assert jaxkv.RingSpec(chunk=1, window=1).max_chunks == 2**31
 
 
 @pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
@@ -402,10 +429,10 @@ def test_begin_chunk_refuses_to_pass_the_int32_position_limit(cls):
     spec = jaxkv.RingSpec(chunk=4, window=8)
     last = spec.max_chunks - 1
     cache = cls.init(spec, 2, 1, 2)
-    near = cache.replace(chunk_start=jnp.array([(last - 1) * 4, 0], jnp.int32))   # session 0: one chunk left
+    near = cache.replace(chunk_start=jnp.array([(last - 1) * 4, 0], jnp.int32))  # session 0: one chunk left
     near = near.begin_chunk()
     assert int(near.chunk_start[0]) == last * 4
-    assert int(near.chunk_positions()[0, -1]) == 2 ** 31 - 1    # the very last int32 position is usable
+    assert int(near.chunk_positions()[0, -1]) == 2**31 - 1  # the very last int32 position is usable
     with pytest.raises(OverflowError, match=f"chunk {spec.max_chunks} would pass the int32 position limit"):
         near.begin_chunk()
     # A session that does not advance is not in the way of the others.

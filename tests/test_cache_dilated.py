@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxkv
 from jaxkv.attention import dense_attention
@@ -20,8 +21,16 @@ HEADS, HEAD_DIM = 2, 3
 
 # (tokens_per_frame, chunk_frames, dilation, buckets): d = 1, c < d, c = d, c > d, c % d != 0, minimal buckets.
 LAYOUTS = [
-    (1, 1, 1, 1), (1, 1, 1, 3), (2, 1, 3, 2), (1, 3, 3, 2), (1, 3, 2, 2), (2, 3, 2, 4), (1, 2, 4, 3),
-    (1, 4, 1, 6), (3, 2, 2, 1), (1, 5, 2, 3),
+    (1, 1, 1, 1),
+    (1, 1, 1, 3),
+    (2, 1, 3, 2),
+    (1, 3, 3, 2),
+    (1, 3, 2, 2),
+    (2, 3, 2, 4),
+    (1, 2, 4, 3),
+    (1, 4, 1, 6),
+    (3, 2, 2, 1),
+    (1, 5, 2, 3),
 ]
 
 
@@ -98,6 +107,7 @@ def _random_ops(rng, batch, n):
 
 # ------------------------------------------------------------------ the contract: thousands of checked transitions
 
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.slow
 def test_random_sequences_match_chronological_history(layout):
@@ -111,15 +121,20 @@ def test_random_sequences_match_chronological_history(layout):
 @given(
     layout=st.sampled_from(LAYOUTS),
     ops=st.lists(
-        st.tuples(st.sampled_from(["begin", "begin", "write", "write", "scratch", "reset"]),
-                  st.one_of(st.none(), st.lists(st.booleans(), min_size=2, max_size=2))),
-        min_size=1, max_size=40),
+        st.tuples(
+            st.sampled_from(["begin", "begin", "write", "write", "scratch", "reset"]),
+            st.one_of(st.none(), st.lists(st.booleans(), min_size=2, max_size=2)),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
 )
 def test_property_any_sequence_matches_history(layout, ops):
     _run_sequence(layout, 2, ops)
 
 
 # ------------------------------------------------------------------ the seed's upsert, frame by frame
+
 
 def _frames_seen(cache, tokens_per_frame):
     pos = np.asarray(cache.positions[0])
@@ -156,7 +171,7 @@ def test_kept_frames_sit_at_the_seed_slot():
     cache = cache.begin_chunk()  # publishes chunk 8's frames 24, 26
     pos = np.asarray(cache.positions[0])
     for slot in range(spec.buckets):
-        frame_tokens = pos[slot * 2:(slot + 1) * 2]
+        frame_tokens = pos[slot * 2 : (slot + 1) * 2]
         if frame_tokens[0] < 0:
             continue
         frame = frame_tokens[0] // 2
@@ -177,11 +192,12 @@ def test_never_committed_kept_frame_differs_from_the_seed_as_documented():
     for frame, commit in [(0, True), (1, True), (2, True), (3, True), (4, False), (5, True)]:
         cache = cache.begin_chunk().write(jnp.ones((1, 1, 1, 1)), jnp.ones((1, 1, 1, 1)), commit=commit)
         seen.append((_frames_seen(cache, 1), seed.upsert(frame, commit)))
-    assert seen[4] == ([2, 4], [2, 4])        # frame 4 uncommitted: both hide frame 0's slot
-    assert seen[5] == ([2, 5], [0, 2, 5])     # the seed shows frame 0 again, 5 frames behind (horizon 4)
+    assert seen[4] == ([2, 4], [2, 4])  # frame 4 uncommitted: both hide frame 0's slot
+    assert seen[5] == ([2, 5], [0, 2, 5])  # the seed shows frame 0 again, 5 frames behind (horizon 4)
 
 
 # ------------------------------------------------------------------ the named rules
+
 
 def _write(cache, value, commit=True, active=None):
     x = jnp.full((cache.batch, cache.spec.chunk, cache.heads, cache.head_dim), float(value), cache.dtype)
@@ -192,12 +208,12 @@ def test_uncommitted_writes_are_visible_to_their_chunk_only():
     spec = DilatedSpec(tokens_per_frame=1, chunk_frames=2, dilation=2, buckets=2)  # keeps the first frame of a chunk
     cache = DilatedCache.init(spec, 1, 1, 1).begin_chunk()
     cache = _write(cache, 1.0, commit=False)
-    assert _frames_seen(cache, 1) == [0, 1]          # the chunk sees itself (scratch)
+    assert _frames_seen(cache, 1) == [0, 1]  # the chunk sees itself (scratch)
     cache = cache.begin_chunk()
-    assert _frames_seen(cache, 1) == []              # nothing of chunk 0 was committed: gone
+    assert _frames_seen(cache, 1) == []  # nothing of chunk 0 was committed: gone
     cache = _write(cache, 2.0, commit=True)
     cache = cache.begin_chunk()
-    assert _frames_seen(cache, 1) == [2]             # chunk 1's kept frame 2; frame 3 was scratch only
+    assert _frames_seen(cache, 1) == [2]  # chunk 1's kept frame 2; frame 3 was scratch only
     np.testing.assert_array_equal(cache.chronological()[0][0, :1, 0, 0], [2.0])
 
 
@@ -207,10 +223,10 @@ def test_commit_then_uncommitted_write_keeps_the_commit_for_later_chunks():
     cache = _write(cache, 5.0, commit=True)
     cache = _write(cache, 6.0, commit=False)
     k, _, pos = cache.chronological()
-    assert int(pos[0, 0]) == 0 and float(k[0, 0, 0, 0]) == 6.0   # the chunk sees its latest write, once
+    assert int(pos[0, 0]) == 0 and float(k[0, 0, 0, 0]) == 6.0  # the chunk sees its latest write, once
     assert int(np.sum(np.asarray(pos[0]) >= 0)) == 1
     k, _, pos = cache.begin_chunk().chronological()
-    assert int(pos[0, 0]) == 0 and float(k[0, 0, 0, 0]) == 5.0   # later chunks see the committed one
+    assert int(pos[0, 0]) == 0 and float(k[0, 0, 0, 0]) == 5.0  # later chunks see the committed one
 
 
 def test_committing_every_pass_equals_committing_the_last():
@@ -284,6 +300,7 @@ def test_bf16_contract():
 
 # ------------------------------------------------------------------ attention over the cache in physical order
 
+
 @functools.partial(jax.jit, static_argnames=("mask",))
 def _dense(q, k, v, q_pos, kv_pos, mask=()):
     return dense_attention(q, k, v, q_pos, kv_pos, **dict(mask))
@@ -310,8 +327,9 @@ def _check_attention(layout, batch, head_dim, n_ops, seed, attend_kwargs, every=
     q = jnp.asarray(np.random.default_rng(seed).standard_normal((batch, spec.chunk, HEADS, head_dim)), jnp.float32)
     fns = {}
     for mask in ((), (("chunk", spec.chunk),)):
-        fns[mask] = jax.jit(lambda q, k, v, qp, kp, mask=mask: jaxkv.attend(q, k, v, qp, kp, **attend_kwargs,
-                                                                            **dict(mask)))
+        fns[mask] = jax.jit(
+            lambda q, k, v, qp, kp, mask=mask: jaxkv.attend(q, k, v, qp, kp, **attend_kwargs, **dict(mask))
+        )
     steps = []
 
     def on_step(cache, ref):
@@ -337,12 +355,21 @@ def test_attend_in_physical_order_equals_dense_over_history(layout, backend):
 
 @pytest.mark.slow
 def test_pallas_interpret_over_dilated_cache_equals_dense_over_history():
-    _check_attention((8, 3, 2, 4), 2, 16, 24, seed=3, every=8,
-                     attend_kwargs=dict(backend="pallas", interpret=True,
-                                        block_sizes=jaxkv.attention.BlockSizes(block_q=16, block_k=16)))
+    _check_attention(
+        (8, 3, 2, 4),
+        2,
+        16,
+        24,
+        seed=3,
+        every=8,
+        attend_kwargs=dict(
+            backend="pallas", interpret=True, block_sizes=jaxkv.attention.BlockSizes(block_q=16, block_k=16)
+        ),
+    )
 
 
 # ------------------------------------------------------------------ compilation and in-place writes
+
 
 def test_jit_loop_over_many_wraps_compiles_once():
     from jaxkv.compilation import count_compiles
@@ -374,6 +401,7 @@ def test_donated_scanned_multilayer_write_is_in_place():
         def fn(cache, k, v):
             def body(c, layer):
                 return c.write(k, v, layer=layer), None
+
             return jax.lax.scan(body, cache, jnp.arange(layers, dtype=jnp.int32))[0]
 
         temp = jax.jit(fn, donate_argnums=0).lower(cache, k, k).compile().memory_analysis().temp_size_in_bytes
@@ -387,16 +415,20 @@ def test_donated_scanned_multilayer_write_is_in_place():
 
 # ------------------------------------------------------------------ bad input
 
-@pytest.mark.parametrize("args, message", [
-    ((0, 3, 2, 2), "tokens_per_frame must be >= 1"),
-    ((4, 0, 2, 2), "chunk_frames must be >= 1"),
-    ((4, 3, 0, 2), "dilation must be >= 1"),
-    ((4, 3, 2, 0), "buckets must be >= 1"),
-    ((4, 3, 2, 1), r"buckets \(1\) must be >= ceil\(chunk_frames / dilation\) = 2"),
-    ((4, 3, 1, 2), r"= 3"),
-    ((4, 3.0, 2, 2), "chunk_frames must be an int"),
-    ((4, 3, True, 2), "dilation must be an int"),
-])
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0, 3, 2, 2), "tokens_per_frame must be >= 1"),
+        ((4, 0, 2, 2), "chunk_frames must be >= 1"),
+        ((4, 3, 0, 2), "dilation must be >= 1"),
+        ((4, 3, 2, 0), "buckets must be >= 1"),
+        ((4, 3, 2, 1), r"buckets \(1\) must be >= ceil\(chunk_frames / dilation\) = 2"),
+        ((4, 3, 1, 2), r"= 3"),
+        ((4, 3.0, 2, 2), "chunk_frames must be an int"),
+        ((4, 3, True, 2), "dilation must be an int"),
+    ],
+)
 def test_invalid_specs_are_rejected(args, message):
     with pytest.raises(ValueError, match=message):
         DilatedSpec(*args)
@@ -434,6 +466,7 @@ def test_bad_writes_are_rejected_before_any_state_changes():
 
 # ------------------------------------------------------------------ drop-in use by the Wan model's forward_chunk
 
+
 @pytest.mark.slow
 def test_wan_forward_chunk_on_a_dilation_1_cache_equals_the_ring_window():
     """DilatedCache(d=1, buckets=W) holds the same W frames as RingCache(window=W): history W - c frames in the
@@ -446,8 +479,9 @@ def test_wan_forward_chunk_on_a_dilation_1_cache_equals_the_ring_window():
     hw, c, window = (4, 4), 3, 6
     t = config.tokens_per_frame(*hw)
     ring = wan.init_cache(config, jaxkv.RingSpec.from_frames(t, c, window), 1)
-    dilated = DilatedCache.init(DilatedSpec(t, c, 1, window), 1, config.num_heads, config.head_dim,
-                                layers=config.num_layers)
+    dilated = DilatedCache.init(
+        DilatedSpec(t, c, 1, window), 1, config.num_heads, config.head_dim, layers=config.num_layers
+    )
     step = jax.jit(lambda cache, x, ts: wan.forward_chunk(params, config, cache.begin_chunk(), cross, x, ts))
     again = jax.jit(lambda cache, x, ts: wan.forward_chunk(params, config, cache, cross, x, ts))
     rng = np.random.default_rng(0)
@@ -457,9 +491,9 @@ def test_wan_forward_chunk_on_a_dilation_1_cache_equals_the_ring_window():
         out_r, ring = step(ring, x, ts)
         out_d, dilated = step(dilated, x, ts)
         np.testing.assert_allclose(out_d, out_r, rtol=1e-5, atol=1e-5, err_msg=f"chunk {n}, first pass")
-        out_r, ring = again(ring, x * 0.5, jnp.zeros((1,)))   # the context pass: last write wins
+        out_r, ring = again(ring, x * 0.5, jnp.zeros((1,)))  # the context pass: last write wins
         out_d, dilated = again(dilated, x * 0.5, jnp.zeros((1,)))
         np.testing.assert_allclose(out_d, out_r, rtol=1e-5, atol=1e-5, err_msg=f"chunk {n}, context pass")
-    assert step._cache_size() == 2 and again._cache_size() == 2   # one program per cache type
+    assert step._cache_size() == 2 and again._cache_size() == 2  # one program per cache type
     _, _, pos = ring.chronological()
     assert _frames_seen(dilated, t) == sorted(set((np.asarray(pos[0])[np.asarray(pos[0]) >= 0] // t).tolist()))

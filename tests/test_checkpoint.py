@@ -16,14 +16,18 @@ from jaxkv.models.wan.checkpoint import CheckpointError, load, save
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import flatten, param_shapes
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=24, text_len=8,
-                freq_dim=16)
+CFG = WanConfig(
+    dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=24, text_len=8, freq_dim=16
+)
 
 
 def random_params(config: WanConfig, seed: int = 0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: rng.standard_normal(s).astype(dtype), param_shapes(config),
-                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+    return jax.tree.map(
+        lambda s: rng.standard_normal(s).astype(dtype),
+        param_shapes(config),
+        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x),
+    )
 
 
 def assert_same(a, b):
@@ -104,15 +108,18 @@ def _broken(tmp_path, how: str) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("how, expect", [
-    ("no config", "config.json is missing"),
-    ("foreign config", "jaxkv convert"),
-    ("future version", "format_version 99"),
-    ("bad field", "divisible by num_heads"),
-    ("no params", "params.safetensors is missing"),
-    ("truncated params", "truncated or corrupt"),
-    ("wrong layers", "blocks.ffn.fc1.kernel: expected shape (3, 32, 48), found (2, 32, 48)"),
-])
+@pytest.mark.parametrize(
+    "how, expect",
+    [
+        ("no config", "config.json is missing"),
+        ("foreign config", "jaxkv convert"),
+        ("future version", "format_version 99"),
+        ("bad field", "divisible by num_heads"),
+        ("no params", "params.safetensors is missing"),
+        ("truncated params", "truncated or corrupt"),
+        ("wrong layers", "blocks.ffn.fc1.kernel: expected shape (3, 32, 48), found (2, 32, 48)"),
+    ],
+)
 def test_load_errors(tmp_path, how, expect):
     assert expect in _broken(tmp_path, how)
 
@@ -240,9 +247,14 @@ def test_read_array_casts_in_blocks_exactly_like_numpy(tmp_path):
     from safetensors.numpy import save_file
 
     from jaxkv import safetensors_io
+
     rng = np.random.default_rng(0)
-    data = {"a": rng.standard_normal((37, 11)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float64),
-            "c": rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16), "e": np.zeros((0, 3), np.float32)}
+    data = {
+        "a": rng.standard_normal((37, 11)).astype(np.float32),
+        "b": rng.standard_normal(5).astype(np.float64),
+        "c": rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16),
+        "e": np.zeros((0, 3), np.float32),
+    }
     save_file(data, str(tmp_path / "t.safetensors"))
     infos, _ = safetensors_io.read_header(str(tmp_path / "t.safetensors"))
     for key, want in data.items():

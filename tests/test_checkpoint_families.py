@@ -20,8 +20,13 @@ def _vae(path, force=False):
 
 def _t5(path, force=False):
     config = t5_preset("tiny")
-    t5_checkpoint.save(str(path), config, t5_init(config, 0), force=force,
-                       tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()})
+    t5_checkpoint.save(
+        str(path),
+        config,
+        t5_init(config, 0),
+        force=force,
+        tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()},
+    )
 
 
 @pytest.mark.parametrize("write", [_vae, _t5], ids=["vae", "umt5"])
@@ -29,7 +34,7 @@ def test_force_replaces_a_checkpoint_of_the_same_family(tmp_path, write):
     write(tmp_path / "ckpt")
     with pytest.raises(FileExistsError):
         write(tmp_path / "ckpt")
-    write(tmp_path / "ckpt", force=True)           # its own files (tokenizer included) are recognised
+    write(tmp_path / "ckpt", force=True)  # its own files (tokenizer included) are recognised
 
 
 def test_force_never_replaces_another_family(tmp_path):
@@ -39,5 +44,8 @@ def test_force_never_replaces_another_family(tmp_path):
         _vae(tmp_path / "t5", force=True)
     with pytest.raises(DestinationError, match="format"):
         _t5(tmp_path / "vae", force=True)
-    assert sorted(p.name for p in (tmp_path / "t5").iterdir()) == ["config.json", "params.safetensors",
-                                                                    "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "t5").iterdir()) == [
+        "config.json",
+        "params.safetensors",
+        "tokenizer.json",
+    ]

@@ -37,22 +37,22 @@ def test_frames_are_evenly_spaced_first_and_last_included(tmp_path, total, chunk
         n = min(chunk, total - seen)
         sheet.add(_numbered(seen, n))
         seen += n
-        assert len(sheet.kept) <= 31                     # memory: the kept frames, plus the latest one
+        assert len(sheet.kept) <= 31  # memory: the kept frames, plus the latest one
     shown = sheet.shown()
     assert shown == _expected(total, 32)
     assert shown[0] == 0 and shown[-1] == total - 1 and len(shown) <= 32
     if total >= 64:
-        assert len(shown) >= 16                          # never fewer than half the slots
+        assert len(shown) >= 16  # never fewer than half the slots
         gaps = np.diff(shown[:-1])
-        assert len(set(gaps)) == 1                       # evenly spaced (the last frame aside)
+        assert len(set(gaps)) == 1  # evenly spaced (the last frame aside)
     info = sheet.write()
     assert info["contact_sheet_frames"] == shown
     image = read_png(tmp_path / "c.png")
     cols = min(len(shown), 8)
     rows = -(-len(shown) // 8)
     assert image.shape == (rows * 5 - 1, cols * 5 - 1, 3)
-    for k, i in enumerate(shown):                        # each tile is the frame it names
-        tile = image[(k // 8) * 5:(k // 8) * 5 + 4, (k % 8) * 5:(k % 8) * 5 + 4]
+    for k, i in enumerate(shown):  # each tile is the frame it names
+        tile = image[(k // 8) * 5 : (k // 8) * 5 + 4, (k % 8) * 5 : (k % 8) * 5 + 4]
         assert (tile[..., 0] == i % 256).all() and (tile[..., 1] == i // 256).all()
 
 
@@ -65,11 +65,11 @@ def test_batches_device_arrays_and_large_frames(tmp_path):
     assert shown == _expected(40, 8) == [0, 8, 16, 24, 32, 39]
     sheet.write()
     image = read_png(tmp_path / "c.png")
-    th, tw = 200, 100                                    # ceil(600 / 256) = 3
-    assert image.shape == (4 * th + 3, 4 * tw + 3, 3)    # 2 videos x 2 rows of 4 tiles
-    second = image[2 * (th + 1):2 * (th + 1) + th, 0:tw]  # video 1, its first tile
+    th, tw = 200, 100  # ceil(600 / 256) = 3
+    assert image.shape == (4 * th + 3, 4 * tw + 3, 3)  # 2 videos x 2 rows of 4 tiles
+    second = image[2 * (th + 1) : 2 * (th + 1) + th, 0:tw]  # video 1, its first tile
     assert (second[..., 2] == 1).all() and (second[..., 0] == 0).all()
-    last = image[3 * (th + 1):3 * (th + 1) + th, (tw + 1):(tw + 1) + tw]   # video 1, frame 39
+    last = image[3 * (th + 1) : 3 * (th + 1) + th, (tw + 1) : (tw + 1) + tw]  # video 1, frame 39
     assert (last[..., 0] == 39).all()
 
 

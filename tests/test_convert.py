@@ -2,7 +2,7 @@
 and sharded safetensors, every error path, atomic output and the CLI.
 
 The fixtures below spell the original Wan key list and the jaxkv layout out by hand, independently of the
-converter's own tables (converters/layouts.py), so a wrong mapping there cannot pass. The torch/diffusers parity
+converter's own tables (jaxkv/convert/layouts.py), so a wrong mapping there cannot pass. The torch/diffusers parity
 tests (test_convert_parity.py) check these hand-written tables against diffusers itself.
 """
 
@@ -18,32 +18,50 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from converters import cli
-from converters.convert import convert_checkpoint, plan_conversion
-from converters.errors import ConversionError
+from jaxkv.convert import cli
+from jaxkv.convert.convert import convert_checkpoint, plan_conversion
+from jaxkv.convert.errors import ConversionError
 from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan.config import PRESETS, WanConfig
 from jaxkv.models.wan.params import flatten
 
 # Asymmetric patch, in_dim != out_dim, text_dim != dim: a swapped axis cannot go unnoticed.
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=3, in_dim=4, out_dim=6, patch_size=(1, 3, 2),
-                text_dim=24, text_len=8, freq_dim=16)
+CFG = WanConfig(
+    dim=32,
+    ffn_dim=48,
+    num_heads=2,
+    num_layers=3,
+    in_dim=4,
+    out_dim=6,
+    patch_size=(1, 3, 2),
+    text_dim=24,
+    text_len=8,
+    freq_dim=16,
+)
 
 
 # ------------------------------------------------------------------ hand-written layouts (independent references)
+
 
 def original_wan_shapes(c: WanConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of an original Wan 2.1 T2V DiT state dict, with its PyTorch shape."""
     d, f = c.dim, c.ffn_dim
     pt, ph, pw = c.patch_size
     shapes = {
-        "patch_embedding.weight": (d, c.in_dim, pt, ph, pw), "patch_embedding.bias": (d,),
-        "text_embedding.0.weight": (d, c.text_dim), "text_embedding.0.bias": (d,),
-        "text_embedding.2.weight": (d, d), "text_embedding.2.bias": (d,),
-        "time_embedding.0.weight": (d, c.freq_dim), "time_embedding.0.bias": (d,),
-        "time_embedding.2.weight": (d, d), "time_embedding.2.bias": (d,),
-        "time_projection.1.weight": (6 * d, d), "time_projection.1.bias": (6 * d,),
-        "head.head.weight": (pt * ph * pw * c.out_dim, d), "head.head.bias": (pt * ph * pw * c.out_dim,),
+        "patch_embedding.weight": (d, c.in_dim, pt, ph, pw),
+        "patch_embedding.bias": (d,),
+        "text_embedding.0.weight": (d, c.text_dim),
+        "text_embedding.0.bias": (d,),
+        "text_embedding.2.weight": (d, d),
+        "text_embedding.2.bias": (d,),
+        "time_embedding.0.weight": (d, c.freq_dim),
+        "time_embedding.0.bias": (d,),
+        "time_embedding.2.weight": (d, d),
+        "time_embedding.2.bias": (d,),
+        "time_projection.1.weight": (6 * d, d),
+        "time_projection.1.bias": (6 * d,),
+        "head.head.weight": (pt * ph * pw * c.out_dim, d),
+        "head.head.bias": (pt * ph * pw * c.out_dim,),
         "head.modulation": (1, 2, d),
     }
     for i in range(c.num_layers):
@@ -76,8 +94,10 @@ def expected_params(sd: dict[str, np.ndarray], c: WanConfig) -> dict:
         return {"kernel": sd[f"{name}.weight"].T, "bias": sd[f"{name}.bias"]}
 
     def stacked_lin(name):
-        return {"kernel": np.stack([sd[f"blocks.{i}.{name}.weight"].T for i in layers]),
-                "bias": np.stack([sd[f"blocks.{i}.{name}.bias"] for i in layers])}
+        return {
+            "kernel": np.stack([sd[f"blocks.{i}.{name}.weight"].T for i in layers]),
+            "bias": np.stack([sd[f"blocks.{i}.{name}.bias"] for i in layers]),
+        }
 
     def attn(kind):
         out = {p: stacked_lin(f"{kind}.{p}") for p in ("q", "k", "v", "o")}
@@ -86,16 +106,20 @@ def expected_params(sd: dict[str, np.ndarray], c: WanConfig) -> dict:
         return out
 
     return {
-        "patch_embedding": {"kernel": sd["patch_embedding.weight"].transpose(2, 3, 4, 1, 0),
-                            "bias": sd["patch_embedding.bias"]},
+        "patch_embedding": {
+            "kernel": sd["patch_embedding.weight"].transpose(2, 3, 4, 1, 0),
+            "bias": sd["patch_embedding.bias"],
+        },
         "text_embedding": {"fc1": lin("text_embedding.0"), "fc2": lin("text_embedding.2")},
         "time_embedding": {"fc1": lin("time_embedding.0"), "fc2": lin("time_embedding.2")},
         "time_projection": lin("time_projection.1"),
         "blocks": {
             "self_attn": attn("self_attn"),
             "cross_attn": attn("cross_attn"),
-            "norm3": {"scale": np.stack([sd[f"blocks.{i}.norm3.weight"] for i in layers]),
-                      "bias": np.stack([sd[f"blocks.{i}.norm3.bias"] for i in layers])},
+            "norm3": {
+                "scale": np.stack([sd[f"blocks.{i}.norm3.weight"] for i in layers]),
+                "bias": np.stack([sd[f"blocks.{i}.norm3.bias"] for i in layers]),
+            },
             "ffn": {"fc1": stacked_lin("ffn.0"), "fc2": stacked_lin("ffn.2")},
             "modulation": np.stack([sd[f"blocks.{i}.modulation"][0] for i in layers]),
         },
@@ -116,12 +140,21 @@ DIFFUSERS_TOP = {
     "head.modulation": "scale_shift_table",
 }
 DIFFUSERS_BLOCK = {
-    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
-    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
-    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
-    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
+    "self_attn.q": "attn1.to_q",
+    "self_attn.k": "attn1.to_k",
+    "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0",
+    "self_attn.norm_q": "attn1.norm_q",
+    "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q",
+    "cross_attn.k": "attn2.to_k",
+    "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0",
+    "cross_attn.norm_q": "attn2.norm_q",
+    "cross_attn.norm_k": "attn2.norm_k",
     "norm3": "norm2",  # the affine LayerNorm before cross-attention
-    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
+    "ffn.0": "ffn.net.0.proj",
+    "ffn.2": "ffn.net.2",
     "modulation": "scale_shift_table",
 }
 
@@ -161,9 +194,11 @@ def leftovers(parent) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ conversions
 
+
 def test_hand_written_layout_matches_the_documented_param_shapes():
     # The fixture and the params.py contract agree on every shape, so the expected params are well-formed.
     from jaxkv.models.wan.params import flat_param_shapes
+
     want = flatten(expected_params(random_original(CFG), CFG))
     assert {k: v.shape for k, v in want.items()} == flat_param_shapes(CFG)
 
@@ -184,8 +219,9 @@ def test_sharded_original_layout_with_config_hints(tmp_path):
     src = tmp_path / "wan"
     write_sharded(src, sd)
     # The original Wan repos ship a config.json with the head count and text length.
-    (src / "config.json").write_text(json.dumps({"_class_name": "WanModel", "num_heads": 2, "text_len": 8,
-                                                 "dim": 32, "eps": 1e-6}))
+    (src / "config.json").write_text(
+        json.dumps({"_class_name": "WanModel", "num_heads": 2, "text_len": 8, "dim": 32, "eps": 1e-6})
+    )
     plan = convert_checkpoint(str(src), str(tmp_path / "out"), dtype="f32")
     assert "3 shards" in plan.source.description
     config, params = checkpoint.load(str(tmp_path / "out"))
@@ -211,8 +247,9 @@ def test_diffusers_naming_gives_the_same_params(tmp_path):
     src = tmp_path / "pipeline" / "transformer"
     src.mkdir(parents=True)
     save_file({diffusers_name(k): v for k, v in sd.items()}, str(src / "diffusion_pytorch_model.safetensors"))
-    (src / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel", "num_attention_heads": 2,
-                                                 "attention_head_dim": 16}))
+    (src / "config.json").write_text(
+        json.dumps({"_class_name": "WanTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 16})
+    )
     # A diffusers pipeline root is entered at transformer/.
     plan = convert_checkpoint(str(tmp_path / "pipeline"), str(tmp_path / "out"), dtype="f32")
     assert plan.naming == "diffusers" and plan.config.num_heads == 2
@@ -223,8 +260,7 @@ def test_wrapper_prefixes_are_stripped(tmp_path):
     sd = random_original(CFG, seed=3)
     prefixed = {f"model._fsdp_wrapped_module._orig_mod.{k}": v for k, v in sd.items()}
     save_file(prefixed, str(tmp_path / "ckpt.safetensors"))
-    convert_checkpoint(str(tmp_path / "ckpt.safetensors"), str(tmp_path / "out"), preset=None,
-                       num_heads=2, dtype="f32")
+    convert_checkpoint(str(tmp_path / "ckpt.safetensors"), str(tmp_path / "out"), preset=None, num_heads=2, dtype="f32")
     assert_params_equal(checkpoint.load(str(tmp_path / "out"))[1], expected_params(sd, CFG))
 
 
@@ -274,6 +310,7 @@ def test_explicit_config_file(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ errors
 
+
 def _error(tmp_path, src, **kw) -> str:
     dst = tmp_path / "never"
     with pytest.raises(ConversionError) as e:
@@ -307,8 +344,9 @@ def test_shape_mismatches_name_key_expected_and_found(tmp_path):
     sd["blocks.1.ffn.2.weight"] = np.zeros((tiny.dim, tiny.ffn_dim + 1), np.float32)
     save_file(sd, str(tmp_path / "m.safetensors"))
     msg = _error(tmp_path, tmp_path / "m.safetensors", preset="tiny")
-    assert f"blocks.1.ffn.2.weight: expected [{tiny.dim}, {tiny.ffn_dim}], found [{tiny.dim}, {tiny.ffn_dim + 1}]" \
-        in msg
+    assert (
+        f"blocks.1.ffn.2.weight: expected [{tiny.dim}, {tiny.ffn_dim}], found [{tiny.dim}, {tiny.ffn_dim + 1}]" in msg
+    )
     # The 1.3B preset against a tiny checkpoint: every width is wrong, and the message says so per key.
     msg = _error(tmp_path, tmp_path / "m.safetensors", preset="wan2.1-t2v-1.3b")
     assert "patch_embedding.weight: expected [1536, 16, 1, 2, 2], found [64, 16, 1, 2, 2]" in msg
@@ -358,25 +396,41 @@ def test_ema_flags_only_apply_to_training_checkpoints(tmp_path):
 
 def test_evidence_table_matches_the_param_layout():
     # The width table the config inference votes with, filled in with a config's values, is params.py's layout.
-    from converters.convert import EVIDENCE
+    from jaxkv.convert.convert import EVIDENCE
     from jaxkv.models.wan.params import flat_param_shapes
+
     for c in (CFG, PRESETS["tiny"], PRESETS["wan2.1-t2v-14b"]):
-        values = {"dim": c.dim, "ffn_dim": c.ffn_dim, "in_dim": c.in_dim, "text_dim": c.text_dim,
-                  "freq_dim": c.freq_dim, "pt": c.patch_size[0], "ph": c.patch_size[1], "pw": c.patch_size[2],
-                  "head_out": c.patch_volume * c.out_dim}
-        filled = {k: tuple(a if isinstance(a, int) else values[a] if isinstance(a, str) else values[a[0]] * a[1]
-                           for a in template) for k, template in EVIDENCE.items()}
+        values = {
+            "dim": c.dim,
+            "ffn_dim": c.ffn_dim,
+            "in_dim": c.in_dim,
+            "text_dim": c.text_dim,
+            "freq_dim": c.freq_dim,
+            "pt": c.patch_size[0],
+            "ph": c.patch_size[1],
+            "pw": c.patch_size[2],
+            "head_out": c.patch_volume * c.out_dim,
+        }
+        filled = {
+            k: tuple(
+                a if isinstance(a, int) else values[a] if isinstance(a, str) else values[a[0]] * a[1] for a in template
+            )
+            for k, template in EVIDENCE.items()
+        }
         want = {k: v[1:] if k.startswith("blocks.") else v for k, v in flat_param_shapes(c).items()}
         assert filled == want
 
 
-@pytest.mark.parametrize("key, bad", [
-    ("blocks.0.ffn.0.weight", (CFG.dim, CFG.ffn_dim)),           # transposed: used to set ffn_dim = dim
-    ("blocks.2.ffn.2.bias", (CFG.dim + 2,)),
-    ("text_embedding.2.weight", (CFG.dim, CFG.dim - 4)),
-    ("blocks.1.self_attn.q.weight", (CFG.dim * CFG.dim,)),        # wrong rank
-    ("head.modulation", (1, 3, CFG.dim)),
-])
+@pytest.mark.parametrize(
+    "key, bad",
+    [
+        ("blocks.0.ffn.0.weight", (CFG.dim, CFG.ffn_dim)),  # transposed: used to set ffn_dim = dim
+        ("blocks.2.ffn.2.bias", (CFG.dim + 2,)),
+        ("text_embedding.2.weight", (CFG.dim, CFG.dim - 4)),
+        ("blocks.1.self_attn.q.weight", (CFG.dim * CFG.dim,)),  # wrong rank
+        ("head.modulation", (1, 3, CFG.dim)),
+    ],
+)
 def test_a_mis_shaped_tensor_is_the_one_blamed(tmp_path, key, bad):
     sd = random_original(CFG)
     want = list(sd[key].shape)
@@ -393,8 +447,8 @@ def test_widths_with_equal_support_are_not_guessed(tmp_path):
     # A one-layer model has three tensors that show ffn_dim; if each says something else, none is the odd one out.
     c1 = WanConfig(**{**CFG.to_dict(), "num_layers": 1})
     sd = random_original(c1)
-    sd["blocks.0.ffn.0.weight"] = np.zeros((40, c1.dim), np.float32)   # says 40
-    sd["blocks.0.ffn.0.bias"] = np.zeros((44,), np.float32)             # says 44; ffn.2.weight says 48
+    sd["blocks.0.ffn.0.weight"] = np.zeros((40, c1.dim), np.float32)  # says 40
+    sd["blocks.0.ffn.0.bias"] = np.zeros((44,), np.float32)  # says 44; ffn.2.weight says 48
     save_file(sd, str(tmp_path / "m.safetensors"))
     msg = _error(tmp_path, tmp_path / "m.safetensors", num_heads=2)
     assert "disagree on ffn_dim with equal support" in msg and "blocks.0.ffn.0.weight" in msg, msg
@@ -406,11 +460,14 @@ def test_diffusers_config_defaults_text_len_and_says_so(tmp_path, capsys):
     src = tmp_path / "transformer"
     src.mkdir()
     save_file({diffusers_name(k): v for k, v in sd.items()}, str(src / "diffusion_pytorch_model.safetensors"))
-    (src / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel", "eps": 1e-6,
-                                                 "num_attention_heads": tiny.num_heads}))
+    (src / "config.json").write_text(
+        json.dumps({"_class_name": "WanTransformer3DModel", "eps": 1e-6, "num_attention_heads": tiny.num_heads})
+    )
     plan = plan_conversion(str(src))
-    assert plan.config.text_len == tiny.text_len and plan.defaulted == {"text_len": "preset 'tiny'",
-                                                                        "rope_theta": "preset 'tiny'"}
+    assert plan.config.text_len == tiny.text_len and plan.defaulted == {
+        "text_len": "preset 'tiny'",
+        "rope_theta": "preset 'tiny'",
+    }
     assert cli.main([str(src), "--dry-run"]) == 0
     err = capsys.readouterr().err
     assert f"defaulted (not stored in the checkpoint): text_len {tiny.text_len} from the preset 'tiny'" in err
@@ -424,13 +481,20 @@ def test_diffusers_config_defaults_text_len_and_says_so(tmp_path, capsys):
     # Without a preset of these widths the defaults are WanConfig's, also reported.
     save_file(random_original(CFG), str(tmp_path / "m.safetensors"))
     assert plan_conversion(str(tmp_path / "m.safetensors"), num_heads=2).defaulted == {
-        "text_len": "jaxkv default", "eps": "jaxkv default", "rope_theta": "jaxkv default"}
+        "text_len": "jaxkv default",
+        "eps": "jaxkv default",
+        "rope_theta": "jaxkv default",
+    }
 
 
-@pytest.mark.parametrize("where, value, source_dtype", [
-    ("blocks.1.ffn.2.weight", np.nan, np.float32), ("head.head.bias", -np.inf, np.float32),
-    ("blocks.0.modulation", 3.4e38, np.float32),  # finite in float32, +Inf once rounded to bfloat16
-])
+@pytest.mark.parametrize(
+    "where, value, source_dtype",
+    [
+        ("blocks.1.ffn.2.weight", np.nan, np.float32),
+        ("head.head.bias", -np.inf, np.float32),
+        ("blocks.0.modulation", 3.4e38, np.float32),  # finite in float32, +Inf once rounded to bfloat16
+    ],
+)
 def test_nonfinite_tensors_are_refused_by_name_unless_allowed(tmp_path, capsys, where, value, source_dtype):
     sd = random_original(CFG)
     sd[where] = sd[where].astype(source_dtype)
@@ -444,8 +508,10 @@ def test_nonfinite_tensors_are_refused_by_name_unless_allowed(tmp_path, capsys, 
     dst = tmp_path / "out"
     assert cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--no-progress"]) == 1
     assert "non-finite" in capsys.readouterr().err and not dst.exists() and not leftovers(tmp_path)
-    assert cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--no-progress",
-                     "--allow-nonfinite"]) == 0
+    assert (
+        cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--no-progress", "--allow-nonfinite"])
+        == 0
+    )
     err = capsys.readouterr().err
     assert "warning: non-finite values kept in 1 tensor(s): " + where in err
     flat = flatten(checkpoint.load(str(dst), dtype=np.float32)[1])
@@ -454,6 +520,7 @@ def test_nonfinite_tensors_are_refused_by_name_unless_allowed(tmp_path, capsys, 
 
 
 # ------------------------------------------------------------------------------------------------ atomic output
+
 
 def test_existing_destination_needs_force_and_only_a_jaxkv_checkpoint_is_replaced_whole(tmp_path):
     sd = random_original(CFG)
@@ -477,14 +544,24 @@ def snapshot(root) -> dict:
     for folder, dirs, names in os.walk(root):
         for n in dirs + names:
             p = os.path.join(folder, n)
-            out[os.path.relpath(p, root)] = (os.readlink(p) if os.path.islink(p) else None if os.path.isdir(p)
-                                             else open(p, "rb").read())
+            out[os.path.relpath(p, root)] = (
+                os.readlink(p) if os.path.islink(p) else None if os.path.isdir(p) else open(p, "rb").read()
+            )
     return out
 
 
-FORCE_REFUSED = ["current directory", "source directory", "source file's directory", "unrelated files",
-                 "regular file", "checkpoint plus a foreign file", "config without format marker",
-                 "symlink to a checkpoint", "inside the source", "symlinked alias of the source"]
+FORCE_REFUSED = [
+    "current directory",
+    "source directory",
+    "source file's directory",
+    "unrelated files",
+    "regular file",
+    "checkpoint plus a foreign file",
+    "config without format marker",
+    "symlink to a checkpoint",
+    "inside the source",
+    "symlinked alias of the source",
+]
 
 
 @pytest.mark.parametrize("case", FORCE_REFUSED)
@@ -560,7 +637,8 @@ def test_interrupted_conversion_leaves_the_old_destination(tmp_path, monkeypatch
     convert_checkpoint(str(tmp_path / "m.safetensors"), str(dst), num_heads=2, dtype="f32")
     before = (dst / "params.safetensors").read_bytes()
 
-    from converters import sources
+    from jaxkv.convert import sources
+
     real_read, calls = sources.SafetensorsSource.read, []
 
     def read_then_interrupt(self, key):
@@ -578,7 +656,7 @@ def test_interrupted_conversion_leaves_the_old_destination(tmp_path, monkeypatch
 
 _SLOW_CONVERT = """
 import signal, sys, time
-from converters import cli, sources
+from jaxkv.convert import cli, sources
 # a shell's dispositions: a test run started under nohup or in the background hands SIGHUP / SIGINT down ignored,
 # and a conversion rightly leaves ignored signals alone (jaxkv.files)
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -607,8 +685,13 @@ def _start_slow_conversion(tmp_path, src, dst):
         ready.unlink()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, str(script), str(ready), str(src), str(dst), "--num-heads", "2",
-                             "--no-progress"], stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ready), str(src), str(dst), "--num-heads", "2", "--no-progress"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+    )
     deadline = time.monotonic() + 120
     while not ready.exists():
         assert proc.poll() is None, proc.stderr.read()
@@ -630,8 +713,9 @@ def test_signals_during_a_conversion_clean_up(tmp_path, signame, code):
     err = proc.stderr.read().strip()
     assert proc.wait(timeout=60) == code, err
     lines = err.splitlines()
-    assert "Traceback" not in err and all(line.startswith(("source:", "config:", "defaulted"))
-                                          for line in lines[:-1]), err  # the summary, then one line for the stop
+    assert "Traceback" not in err and all(
+        line.startswith(("source:", "config:", "defaulted")) for line in lines[:-1]
+    ), err  # the summary, then one line for the stop
     assert lines[-1].endswith("nothing was written") and (signame in lines[-1] or signame == "SIGINT"), err
     assert not dst.exists() and not leftovers(tmp_path)
 
@@ -650,8 +734,10 @@ def test_after_sigkill_the_next_conversion_removes_its_stale_temporary(tmp_path,
     proc.stderr.close()
     stale = [n for n in leftovers(tmp_path) if n != ".out.tmp-notours"]
     assert len(stale) == 1 and os.path.isfile(tmp_path / stale[0] / ".jaxkv-partial")
-    assert cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--dtype", "f32",
-                     "--no-progress"]) == 0
+    assert (
+        cli.main([str(tmp_path / "m.safetensors"), str(dst), "--num-heads", "2", "--dtype", "f32", "--no-progress"])
+        == 0
+    )
     err = capsys.readouterr().err
     assert f"removed {tmp_path / stale[0]}, left by an interrupted write (pid {proc.pid})" in err
     assert leftovers(tmp_path) == [".out.tmp-notours"]
@@ -660,11 +746,24 @@ def test_after_sigkill_the_next_conversion_removes_its_stale_temporary(tmp_path,
 
 # ------------------------------------------------------------------------------------------------ CLI
 
+
 def test_cli_converts_and_reports(tmp_path, capsys):
     sd = random_original(CFG)
     save_file(sd, str(tmp_path / "m.safetensors"))
-    assert cli.main([str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--num-heads", "2", "--dtype", "f32",
-                     "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                str(tmp_path / "m.safetensors"),
+                str(tmp_path / "out"),
+                "--num-heads",
+                "2",
+                "--dtype",
+                "f32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "wan naming" in err and "wrote" in err
     assert_params_equal(checkpoint.load(str(tmp_path / "out"))[1], expected_params(sd, CFG))
@@ -700,14 +799,19 @@ def test_cli_errors_are_one_paragraph_without_traceback(tmp_path, capsys, proble
 
 def test_jaxkv_console_script_dispatches_convert(tmp_path):
     from jaxkv import cli as jaxkv_cli
+
     save_file(random_original(CFG), str(tmp_path / "m.safetensors"))
-    assert jaxkv_cli.main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--num-heads", "2",
-                           "--no-progress"]) == 0
+    assert (
+        jaxkv_cli.main(
+            ["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "out"), "--num-heads", "2", "--no-progress"]
+        )
+        == 0
+    )
     assert checkpoint.read_config(str(tmp_path / "out")).num_heads == 2
 
 
 def test_write_tensor_directory_hooks_see_the_written_bytes(tmp_path):
-    from converters.stream import Piece, write_tensor_directory
+    from jaxkv.convert.stream import Piece, write_tensor_directory
 
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     b = np.linspace(-1, 1, 5).astype(np.float64)
@@ -718,13 +822,17 @@ def test_write_tensor_directory_hooks_see_the_written_bytes(tmp_path):
         return {"config.json": json.dumps({"format": "jaxkv-test", "n": len(seen)}), "blob.bin": b"\x00\xff\x01"}
 
     result = write_tensor_directory(
-        str(tmp_path / "out"), [("a", (3, 4), [Piece("a0", lambda: a[:2]), Piece("a1", lambda: a[2:])]),
-                                ("b", (5,), [Piece("b", lambda: b)])],
-        dtype=np.float32, extra_files=extra, replaceable=lambda p: None, on_piece=lambda v: seen.append(v.tobytes()))
+        str(tmp_path / "out"),
+        [("a", (3, 4), [Piece("a0", lambda: a[:2]), Piece("a1", lambda: a[2:])]), ("b", (5,), [Piece("b", lambda: b)])],
+        dtype=np.float32,
+        extra_files=extra,
+        replaceable=lambda p: None,
+        on_piece=lambda v: seen.append(v.tobytes()),
+    )
     raw = (tmp_path / "out" / "params.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     # The hook saw every piece as cast, in file order: together they are the file's data region.
-    assert len(seen) == 3 and b"".join(seen) == raw[8 + n:] == a.tobytes() + b.astype(np.float32).tobytes()
+    assert len(seen) == 3 and b"".join(seen) == raw[8 + n :] == a.tobytes() + b.astype(np.float32).tobytes()
     assert len(given) == 1 and os.path.basename(given[0]) == "params.safetensors"
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"format": "jaxkv-test", "n": 3}
     assert (tmp_path / "out" / "blob.bin").read_bytes() == b"\x00\xff\x01"

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from converters import cli, release
-from converters.errors import ConversionError
-from jaxkv.models.umt5 import UMT5Config, checkpoint as t5_checkpoint
+from jaxkv.convert import cli, release
+from jaxkv.convert.errors import ConversionError
+from jaxkv.models.umt5 import UMT5Config
+from jaxkv.models.umt5 import checkpoint as t5_checkpoint
 from jaxkv.models.umt5 import init_params as t5_init
 from jaxkv.models.umt5.params import flatten as t5_flatten
 from jaxkv.models.wan import checkpoint as dit_checkpoint
@@ -32,12 +33,20 @@ from tests.test_wan_vae_convert import _torch_layout
 
 # The sentencepiece fixture has 40 pieces; Wan's layout does not store max_distance (128) or text_len (512).
 T5_CFG = UMT5Config(**{**T5_BASE.to_dict(), "vocab_size": 40, "max_distance": 128, "text_len": 512})
-VAE_DIFFUSERS_CONFIG = {"_class_name": "AutoencoderKLWan", "base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 2, 2],
-                        "num_res_blocks": 1, "temperal_downsample": [False, True, True], "attn_scales": [],
-                        "is_residual": False}
+VAE_DIFFUSERS_CONFIG = {
+    "_class_name": "AutoencoderKLWan",
+    "base_dim": 8,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 2, 2],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True],
+    "attn_scales": [],
+    "is_residual": False,
+}
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
+
 
 @pytest.fixture(scope="module")
 def dit_sd():
@@ -71,30 +80,47 @@ def hf_t5_layout(params, cfg) -> dict[str, np.ndarray]:
             continue
         _, i, rest = key.split(".", 2)
         h = f"encoder.block.{i}.layer."
-        names = {"norm1.weight": "0.layer_norm.weight", "norm2.weight": "1.layer_norm.weight",
-                 "pos_embedding.embedding.weight": "0.SelfAttention.relative_attention_bias.weight",
-                 "ffn.gate.0.weight": "1.DenseReluDense.wi_0.weight", "ffn.fc1.weight": "1.DenseReluDense.wi_1.weight",
-                 "ffn.fc2.weight": "1.DenseReluDense.wo.weight"}
+        names = {
+            "norm1.weight": "0.layer_norm.weight",
+            "norm2.weight": "1.layer_norm.weight",
+            "pos_embedding.embedding.weight": "0.SelfAttention.relative_attention_bias.weight",
+            "ffn.gate.0.weight": "1.DenseReluDense.wi_0.weight",
+            "ffn.fc1.weight": "1.DenseReluDense.wi_1.weight",
+            "ffn.fc2.weight": "1.DenseReluDense.wo.weight",
+        }
         # attn.{q,k,v,o}.weight -> 0.SelfAttention.{q,k,v,o}.weight
         out[h + names.get(rest, f"0.SelfAttention.{rest.split('.')[1]}.weight")] = value
     return out
 
 
 def hf_t5_config(cfg) -> dict:
-    return {"model_type": "umt5", "feed_forward_proj": "gated-gelu", "d_model": cfg.dim, "d_kv": cfg.head_dim,
-            "d_ff": cfg.ffn_dim, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
-            "relative_attention_num_buckets": cfg.num_buckets, "relative_attention_max_distance": cfg.max_distance,
-            "vocab_size": cfg.vocab_size, "pad_token_id": 0, "eos_token_id": 1}
+    return {
+        "model_type": "umt5",
+        "feed_forward_proj": "gated-gelu",
+        "d_model": cfg.dim,
+        "d_kv": cfg.head_dim,
+        "d_ff": cfg.ffn_dim,
+        "num_layers": cfg.num_layers,
+        "num_heads": cfg.num_heads,
+        "relative_attention_num_buckets": cfg.num_buckets,
+        "relative_attention_max_distance": cfg.max_distance,
+        "vocab_size": cfg.vocab_size,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+    }
 
 
 def write_diffusers_release(root, dit_sd, vae_flat, t5_params, spiece):
     """A diffusers pipeline root: transformer/, vae/, text_encoder/ (safetensors + config.json), tokenizer/."""
     for sub in ("transformer", "vae", "text_encoder", "tokenizer"):
         (root / sub).mkdir(parents=True)
-    save_file({diffusers_name(k): v for k, v in dit_sd.items()},
-              str(root / "transformer" / "diffusion_pytorch_model.safetensors"))
-    (root / "transformer" / "config.json").write_text(json.dumps(
-        {"_class_name": "WanTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 16}))
+    save_file(
+        {diffusers_name(k): v for k, v in dit_sd.items()},
+        str(root / "transformer" / "diffusion_pytorch_model.safetensors"),
+    )
+    (root / "transformer" / "config.json").write_text(
+        json.dumps({"_class_name": "WanTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 16})
+    )
     save_file(_torch_layout(vae_flat, "diffusers"), str(root / "vae" / "diffusion_pytorch_model.safetensors"))
     (root / "vae" / "config.json").write_text(json.dumps(VAE_DIFFUSERS_CONFIG))
     save_file(hf_t5_layout(t5_params, T5_CFG), str(root / "text_encoder" / "model.safetensors"))
@@ -134,6 +160,7 @@ def run(argv, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ single parts
+
 
 def test_each_family_is_detected_and_converted(tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece):
     root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
@@ -230,6 +257,7 @@ def test_none_and_ambiguous_sources_list_what_was_looked_for(tmp_path, capsys, d
 
 # ------------------------------------------------------------------------------------------------ releases
 
+
 def test_diffusers_release_converts_as_one_unit(tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece):
     root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
     dst = tmp_path / "wan-jaxkv"
@@ -263,10 +291,11 @@ def test_a_broken_part_leaves_nothing(tmp_path, capsys, dit_sd, vae_flat, t5_par
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
-def test_a_failure_while_writing_the_last_part_removes_the_first_parts(tmp_path, dit_sd, vae_flat, t5_params,
-                                                                      spiece, monkeypatch):
+def test_a_failure_while_writing_the_last_part_removes_the_first_parts(
+    tmp_path, dit_sd, vae_flat, t5_params, spiece, monkeypatch
+):
     root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
-    from converters import umt5
+    from jaxkv.convert import umt5
 
     def fail(*a, **k):
         raise OSError("disk full (simulated)")
@@ -302,10 +331,13 @@ def test_original_release_converts_as_one_unit(tmp_path, capsys, dit_sd, vae_fla
     root = tmp_path / "Wan2.1-T2V-1.3B"
     (root / "google" / "umt5-xxl").mkdir(parents=True)
     save_file(dit_sd, str(root / "diffusion_pytorch_model.safetensors"))
-    torch.save({k: torch.from_numpy(v.copy()) for k, v in _torch_layout(vae_flat, "wan").items()},
-               root / "Wan2.1_VAE.pth")
-    torch.save({k: torch.from_numpy(v.copy()) for k, v in wan_layout(t5_params, T5_CFG).items()},
-               root / "models_t5_umt5-xxl-enc-bf16.pth")
+    torch.save(
+        {k: torch.from_numpy(v.copy()) for k, v in _torch_layout(vae_flat, "wan").items()}, root / "Wan2.1_VAE.pth"
+    )
+    torch.save(
+        {k: torch.from_numpy(v.copy()) for k, v in wan_layout(t5_params, T5_CFG).items()},
+        root / "models_t5_umt5-xxl-enc-bf16.pth",
+    )
     (root / "google" / "umt5-xxl" / "spiece.model").write_bytes(spiece)
     assert release.find_release(str(root))["layout"] == "original"
     assert release.detect_family(str(root / "Wan2.1_VAE.pth")) == "vae"
@@ -324,10 +356,11 @@ def test_original_release_converts_as_one_unit(tmp_path, capsys, dit_sd, vae_fla
     assert not leftovers(tmp_path)
 
 
-def test_ctrl_c_during_a_release_exits_130_and_leaves_nothing(tmp_path, capsys, dit_sd, vae_flat, t5_params,
-                                                               spiece, monkeypatch):
+def test_ctrl_c_during_a_release_exits_130_and_leaves_nothing(
+    tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece, monkeypatch
+):
     root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
-    from converters import umt5
+    from jaxkv.convert import umt5
 
     def interrupt(*a, **k):  # after dit/ and vae/ are written
         raise KeyboardInterrupt
@@ -352,6 +385,7 @@ def test_tokenizer_option(tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece)
 
 # ------------------------------------------------------------------------------------------------ NaN / Inf
 
+
 def _poison_release(root, vae_flat, t5_params):
     """The release's VAE gets one NaN (decoder.conv_in.weight) and its text encoder two +Inf (layer 1's wo)."""
     vae = {k: v.copy() for k, v in _torch_layout(vae_flat, "diffusers").items()}
@@ -365,8 +399,9 @@ def _poison_release(root, vae_flat, t5_params):
 VAE_BAD, T5_BAD = "decoder.conv_in.weight", "encoder.block.1.layer.1.DenseReluDense.wo.weight"
 
 
-def test_nonfinite_vae_and_umt5_tensors_are_refused_by_name_unless_allowed(tmp_path, capsys, dit_sd, vae_flat,
-                                                                           t5_params, spiece):
+def test_nonfinite_vae_and_umt5_tensors_are_refused_by_name_unless_allowed(
+    tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece
+):
     root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
     _poison_release(root, vae_flat, t5_params)
     for sub, bad, counts in (("vae", VAE_BAD, "1 NaN, 0 +Inf"), ("text_encoder", T5_BAD, "0 NaN, 2 +Inf")):
@@ -389,8 +424,9 @@ def test_nonfinite_vae_and_umt5_tensors_are_refused_by_name_unless_allowed(tmp_p
     assert np.isposinf(down[[1, 4], 0]).all() and int((~np.isfinite(down)).sum()) == 2
 
 
-def test_a_release_refuses_nonfinite_parts_and_names_them_when_allowed(tmp_path, capsys, dit_sd, vae_flat, t5_params,
-                                                                       spiece):
+def test_a_release_refuses_nonfinite_parts_and_names_them_when_allowed(
+    tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece
+):
     root = write_diffusers_release(tmp_path / "pipe", dit_sd, vae_flat, t5_params, spiece)
     _poison_release(root, vae_flat, t5_params)
     rc, err = run([root, tmp_path / "out"], capsys)
@@ -398,8 +434,10 @@ def test_a_release_refuses_nonfinite_parts_and_names_them_when_allowed(tmp_path,
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
     rc, err = run([root, tmp_path / "out", "--allow-nonfinite"], capsys)
     assert rc == 0, err
-    assert (f"warning: non-finite values kept in 2 tensor(s): vae/{VAE_BAD}: 1 NaN" in err
-            and f"text_encoder/{T5_BAD}: 0 NaN, 2 +Inf" in err), err
+    assert (
+        f"warning: non-finite values kept in 2 tensor(s): vae/{VAE_BAD}: 1 NaN" in err
+        and f"text_encoder/{T5_BAD}: 0 NaN, 2 +Inf" in err
+    ), err
     assert sorted(os.listdir(tmp_path / "out")) == ["dit", "text_encoder", "vae"]
     # The API says the same: one result per part.
     plan = release.plan_release(str(root))
@@ -408,12 +446,15 @@ def test_a_release_refuses_nonfinite_parts_and_names_them_when_allowed(tmp_path,
     finally:
         plan.close()
     assert {f: [line.split(":")[0] for line in r.nonfinite] for f, r in results.items()} == {
-        "dit": [], "vae": [VAE_BAD], "umt5": [T5_BAD]}
+        "dit": [],
+        "vae": [VAE_BAD],
+        "umt5": [T5_BAD],
+    }
     assert results["vae"].params_bytes == os.path.getsize(tmp_path / "api" / "vae" / "params.safetensors")
 
 
 def test_a_nonfinite_embedding_row_block_is_named_with_its_rows(tmp_path, t5_params, spiece, monkeypatch):
-    from converters import umt5
+    from jaxkv.convert import umt5
 
     monkeypatch.setattr(umt5, "PIECE_BYTES", 200)  # the embedding goes out in row blocks
     rows = 200 // (T5_CFG.dim * 4)

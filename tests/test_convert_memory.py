@@ -12,7 +12,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 _spec = importlib.util.spec_from_file_location(
-    "convert_memory", os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "convert_memory.py"))
+    "convert_memory", os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "convert_memory.py")
+)
 convert_memory = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert_memory)
 
@@ -36,8 +37,7 @@ def test_safetensors_conversion_memory_is_bounded(tmp_path):
 @pytest.mark.torch
 def test_pt_conversion_memory_is_bounded(tmp_path):
     pytest.importorskip("torch")
-    result = convert_memory.run(200, dim=768, ffn_dim=3072, pt=True, workdir=str(tmp_path),
-                                safetensors=False)
+    result = convert_memory.run(200, dim=768, ffn_dim=3072, pt=True, workdir=str(tmp_path), safetensors=False)
     _check(result, "dry-run-pt", "convert-pt")
 
 
@@ -49,9 +49,11 @@ def test_wan_load_holds_only_its_result_and_one_tensor(tmp_path):
     rows, base = result["rows"], result["rows"]["load-baseline"]["peak_rss"]
     largest_f32 = result["largest_tensor_f32_bytes"]
     assert result["weights_f32_bytes"] > 100 * 2**20
-    for name, size, largest in (("load-f32-as-bf16", result["weights_bf16_bytes"], largest_f32 // 2),
-                                ("load-bf16", result["weights_bf16_bytes"], largest_f32 // 2),
-                                ("load-f32", result["weights_f32_bytes"], largest_f32)):
+    for name, size, largest in (
+        ("load-f32-as-bf16", result["weights_bf16_bytes"], largest_f32 // 2),
+        ("load-bf16", result["weights_bf16_bytes"], largest_f32 // 2),
+        ("load-f32", result["weights_f32_bytes"], largest_f32),
+    ):
         extra = rows[name]["peak_rss"] - base
         # The result must show up (the measurement can tell; the import baseline's peak has ~20 MiB of slack and
         # noise), and little beyond it (measured here: at most +0.3 tensors over the result; the old whole-file

@@ -18,26 +18,50 @@ diffusers = pytest.importorskip("diffusers")
 
 from safetensors.torch import save_file  # noqa: E402
 
-from converters.convert import convert_checkpoint  # noqa: E402
+from jaxkv.convert.convert import convert_checkpoint  # noqa: E402
 from jaxkv.models.wan import checkpoint, forward  # noqa: E402
 from jaxkv.models.wan.config import WanConfig  # noqa: E402
-from tests.test_convert import (assert_params_equal, diffusers_name, expected_params,  # noqa: E402
-                                original_wan_shapes)
+from tests.test_convert import (
+    assert_params_equal,
+    diffusers_name,
+    expected_params,  # noqa: E402
+    original_wan_shapes,
+)
 
 pytestmark = pytest.mark.torch
 
 # head_dim 16 splits RoPE 8 + 4 + 4; in != out channels; a non-square latent grid below.
 HEADS, HEAD_DIM = 2, 16
-CFG = WanConfig(dim=HEADS * HEAD_DIM, ffn_dim=48, num_heads=HEADS, num_layers=2, in_dim=4, out_dim=6,
-                patch_size=(1, 2, 2), text_dim=24, text_len=512, freq_dim=32)
+CFG = WanConfig(
+    dim=HEADS * HEAD_DIM,
+    ffn_dim=48,
+    num_heads=HEADS,
+    num_layers=2,
+    in_dim=4,
+    out_dim=6,
+    patch_size=(1, 2, 2),
+    text_dim=24,
+    text_len=512,
+    freq_dim=32,
+)
 
 
 def tiny_diffusers_model(seed: int = 0):
     torch.manual_seed(seed)
     model = diffusers.WanTransformer3DModel(
-        patch_size=CFG.patch_size, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=CFG.in_dim,
-        out_channels=CFG.out_dim, text_dim=CFG.text_dim, freq_dim=CFG.freq_dim, ffn_dim=CFG.ffn_dim,
-        num_layers=CFG.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=CFG.eps)
+        patch_size=CFG.patch_size,
+        num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM,
+        in_channels=CFG.in_dim,
+        out_channels=CFG.out_dim,
+        text_dim=CFG.text_dim,
+        freq_dim=CFG.freq_dim,
+        ffn_dim=CFG.ffn_dim,
+        num_layers=CFG.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=CFG.eps,
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     # Re-randomise every parameter (biases, norm scales and modulation tables included, some of which start at 0
     # or 1) so that each one changes the output; scales keep activations O(1).
@@ -78,8 +102,9 @@ def converted(tmp_path_factory):
 
     (tmp / "wan").mkdir()
     save_file(original, str(tmp / "wan" / "diffusion_pytorch_model.safetensors"))
-    (tmp / "wan" / "config.json").write_text(json.dumps({"_class_name": "WanModel", "num_heads": HEADS,
-                                                         "dim": CFG.dim}))
+    (tmp / "wan" / "config.json").write_text(
+        json.dumps({"_class_name": "WanModel", "num_heads": HEADS, "dim": CFG.dim})
+    )
 
     # Self-Forcing: EMA weights are the model; the raw generator differs (so choosing the wrong one fails).
     ema = {f"model._fsdp_wrapped_module.{k}": v for k, v in original.items()}
@@ -87,10 +112,15 @@ def converted(tmp_path_factory):
     torch.save({"generator": raw, "generator_ema": ema}, tmp / "self_forcing.pt")
 
     out = {}
-    for name, src in [("diffusers", "diffusers"), ("diffusers_sharded", "diffusers_sharded"), ("wan", "wan"),
-                      ("pt", "self_forcing.pt")]:
-        convert_checkpoint(str(tmp / src), str(tmp / f"out_{name}"), num_heads=None if name != "pt" else HEADS,
-                           dtype="f32")
+    for name, src in [
+        ("diffusers", "diffusers"),
+        ("diffusers_sharded", "diffusers_sharded"),
+        ("wan", "wan"),
+        ("pt", "self_forcing.pt"),
+    ]:
+        convert_checkpoint(
+            str(tmp / src), str(tmp / f"out_{name}"), num_heads=None if name != "pt" else HEADS, dtype="f32"
+        )
         out[name] = checkpoint.load(str(tmp / f"out_{name}"))
     return model, out, {k: v.numpy() for k, v in original.items()}, tmp
 
@@ -149,7 +179,8 @@ def test_converted_layers_compute_what_the_torch_modules_compute(converted):
         want = model.patch_embedding(torch.from_numpy(patch)).numpy().reshape(-1)
     flat = patch[0].transpose(1, 2, 3, 0).reshape(-1)
     got = flat @ np.asarray(p["patch_embedding"]["kernel"]).reshape(-1, CFG.dim) + np.asarray(
-        p["patch_embedding"]["bias"])
+        p["patch_embedding"]["bias"]
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -163,8 +194,9 @@ def _inputs(seed=0, batch=2, frames=3, height=4, width=6, tokens=7):
 
 def _diffusers_forward(model, latents, timesteps, context):
     with torch.no_grad():
-        out = model(torch.from_numpy(latents), torch.from_numpy(timesteps), torch.from_numpy(context),
-                    return_dict=False)[0]
+        out = model(
+            torch.from_numpy(latents), torch.from_numpy(timesteps), torch.from_numpy(context), return_dict=False
+        )[0]
     return out.numpy().transpose(0, 2, 3, 4, 1)  # -> [batch, frames, height, width, out_dim]
 
 
@@ -175,8 +207,7 @@ def test_forward_matches_diffusers(converted, source):
     latents, timesteps, context = _inputs()
     want = _diffusers_forward(model, latents, timesteps, context)
     # diffusers does not pad the text context; the tokens given are all the model sees on both sides.
-    got = np.asarray(forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context,
-                                 pad_context=False))
+    got = np.asarray(forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context, pad_context=False))
     assert got.shape == want.shape == (2, 3, 4, 6, CFG.out_dim)
     assert np.abs(want).max() > 0.1  # a non-degenerate output
     # Measured: max |got - want| ~4e-6 for outputs of magnitude ~4 (float32 on both sides).
@@ -191,6 +222,5 @@ def test_forward_with_the_raw_generator_differs(converted, tmp_path):
     config, params = checkpoint.load(str(tmp_path / "raw"))
     latents, timesteps, context = _inputs()
     want = _diffusers_forward(model, latents, timesteps, context)
-    got = np.asarray(forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context,
-                                 pad_context=False))
+    got = np.asarray(forward(params, config, latents.transpose(0, 2, 3, 4, 1), timesteps, context, pad_context=False))
     assert np.abs(got - want).max() > 1e-2

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from converters import cli  # noqa: E402
-from converters.convert import convert_checkpoint, plan_conversion  # noqa: E402
-from converters.errors import ConversionError  # noqa: E402
+from jaxkv.convert import cli  # noqa: E402
+from jaxkv.convert.convert import convert_checkpoint, plan_conversion  # noqa: E402
+from jaxkv.convert.errors import ConversionError  # noqa: E402
 from jaxkv.models.wan import checkpoint  # noqa: E402
 from tests.test_convert import CFG, assert_params_equal, expected_params, leftovers, random_original  # noqa: E402
 
@@ -28,10 +27,15 @@ def training_checkpoint(tmp_path):
     """A Self-Forcing-style file: generator (FSDP-wrapped names), generator_ema, a critic and a step counter."""
     gen, ema = random_original(CFG, seed=10), random_original(CFG, seed=11)
     path = tmp_path / "self_forcing.pt"
-    torch.save({"generator": as_torch(gen, "model._fsdp_wrapped_module."),
-                "generator_ema": as_torch(ema, "model."),
-                "critic": {"model.blocks.0.self_attn.q.weight": torch.zeros(2, 2)},
-                "step": 600}, path)
+    torch.save(
+        {
+            "generator": as_torch(gen, "model._fsdp_wrapped_module."),
+            "generator_ema": as_torch(ema, "model."),
+            "critic": {"model.blocks.0.self_attn.q.weight": torch.zeros(2, 2)},
+            "step": 600,
+        },
+        path,
+    )
     return path, gen, ema
 
 
@@ -40,8 +44,9 @@ def test_entry_selection(tmp_path, training_checkpoint, ema, which):
     path, gen, ema_sd = training_checkpoint
     plan = convert_checkpoint(str(path), str(tmp_path / "out"), num_heads=2, ema=ema, dtype="f32")
     assert plan.source.entry == ("generator_ema" if which == "ema" else "generator")
-    assert_params_equal(checkpoint.load(str(tmp_path / "out"))[1],
-                        expected_params(ema_sd if which == "ema" else gen, CFG))
+    assert_params_equal(
+        checkpoint.load(str(tmp_path / "out"))[1], expected_params(ema_sd if which == "ema" else gen, CFG)
+    )
 
 
 def test_causvid_style_and_bare_state_dicts(tmp_path):
@@ -110,8 +115,7 @@ def test_garbage_and_legacy_files_are_told_apart(tmp_path):
         plan_conversion(str(tmp_path / "garbage.pt"), num_heads=2)
     assert "is not a PyTorch checkpoint" in str(e.value) and "legacy (pre-1.6)" not in str(e.value)
     assert "b'<html>40'" in str(e.value)
-    torch.save({"generator": as_torch(random_original(CFG))}, tmp_path / "old.pt",
-               _use_new_zipfile_serialization=False)
+    torch.save({"generator": as_torch(random_original(CFG))}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     with pytest.raises(ConversionError, match=r"legacy \(pre-1.6\) torch.save format"):
         plan_conversion(str(tmp_path / "old.pt"), num_heads=2)
 
@@ -126,8 +130,11 @@ def test_truncated_pt(tmp_path):
 
 def test_missing_entry_and_non_dict(tmp_path):
     torch.save({"optimizer": {"lr": torch.tensor(1.0)}, "step": 3}, tmp_path / "opt.pt")
-    with pytest.raises(ConversionError, match=r"no 'generator_ema' / 'generator' / 'model' / 'state_dict' entry.*"
-                                              r"'optimizer'"):
+    with pytest.raises(
+        ConversionError,
+        match=r"no 'generator_ema' / 'generator' / 'model' / 'state_dict' entry.*"
+        r"'optimizer'",
+    ):
         plan_conversion(str(tmp_path / "opt.pt"))
     torch.save([torch.zeros(2)], tmp_path / "list.pt")
     with pytest.raises(ConversionError, match="expected a dict"):

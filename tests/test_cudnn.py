@@ -5,16 +5,14 @@ benchmarks/gpu_check.py runs the real kernel on a GPU."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-
 import jaxkv
-from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention, visible
+from jaxkv.attention import CacheRope, MaskSpec, attend, cudnn, dense_attention, visible
 from jaxkv.attention.dispatch import resolve_backend
-from jaxkv.attention import cudnn
 from jaxkv.models.wan.model import init_cache
 from tests.test_attention import make_case, permuted, physical
 
@@ -25,7 +23,7 @@ def by_lengths(q, k, v, lengths, scale):
     """What cuDNN computes with key_value_seq_lengths, written independently: softmax over slots [0, length)."""
     b, lq, hq, d = q.shape
     g = hq // k.shape[2]
-    keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]                  # [b, k]
+    keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [b, k]
     kf = jnp.repeat(k.astype(jnp.float32), g, axis=2)
     vf = jnp.repeat(v.astype(jnp.float32), g, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * scale
@@ -55,7 +53,7 @@ def test_streaming_step_mask_is_a_valid_prefix_on_the_real_caches(policy, sink_f
         qp, kp = cache.chunk_positions(), cache.positions
         lengths, exact = lengths_if_exact(qp, kp, mask)
         assert bool(exact), (n, np.asarray(kp))
-        want = visible(qp, kp, chunk=spec.chunk)                                # [b, q, k] by positions
+        want = visible(qp, kp, chunk=spec.chunk)  # [b, q, k] by positions
         prefix = np.arange(kp.shape[1])[None, :] < np.asarray(lengths)[:, None]
         np.testing.assert_array_equal(want, np.broadcast_to(prefix[:, None], want.shape))
         seen_full |= bool(np.any(np.asarray(lengths) == kp.shape[1]))
@@ -99,11 +97,13 @@ def test_lengths_give_the_position_mask_result_and_the_fallback_covers_the_rest(
     shuffled = jnp.asarray(permuted(np.asarray(pos), 4))
     if written == (2, 1):  # partially filled rings: shuffling breaks the prefix, so the fallback must run
         out = np.asarray(_run(q, k, v, qp, shuffled, mask, sentinel), np.float32)
-        np.testing.assert_allclose(out, np.asarray(dense_attention(q, k, v, qp, shuffled, **mask), np.float32),
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            out, np.asarray(dense_attention(q, k, v, qp, shuffled, **mask), np.float32), atol=1e-6
+        )
     causal = np.asarray(_run(q, k, v, qp, pos, dict(causal=True), sentinel), np.float32)
-    np.testing.assert_allclose(causal, np.asarray(dense_attention(q, k, v, qp, pos, causal=True), np.float32),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        causal, np.asarray(dense_attention(q, k, v, qp, pos, causal=True), np.float32), atol=1e-6
+    )
 
 
 def test_backend_selection():
@@ -113,8 +113,10 @@ def test_backend_selection():
     # What cuDNN cannot take goes to the ring kernel (or XLA where the kernel cannot either).
     assert resolve_backend("auto", platform="gpu", **{**kw, "dtypes": (jnp.float32,) * 3}) == "pallas"
     assert resolve_backend("auto", platform="gpu", **{**kw, "rope": CacheRope()}) == "pallas"
-    assert resolve_backend("auto", platform="gpu", **{**kw, "dtypes": (jnp.bfloat16, jnp.float32, jnp.float32)}) \
+    assert (
+        resolve_backend("auto", platform="gpu", **{**kw, "dtypes": (jnp.bfloat16, jnp.float32, jnp.float32)})
         == "xla_dense"
+    )
     assert resolve_backend("auto", platform="gpu", **{**kw, "head_dim": 100}) == "xla_dense"
     assert resolve_backend("auto", platform="cpu", **kw) == "xla_cpu"
     assert resolve_backend("cudnn", **kw) == "cudnn"
@@ -127,7 +129,7 @@ def test_cudnn_attention_rejects_unsupported_inputs_before_tracing_the_kernel():
     case = make_case(2, head_dim=12)
     q, k, v, qp, pos = physical(case, case["pos"])
     with pytest.raises(ValueError, match="float16/bfloat16"):
-        cudnn.cudnn_attention(q, k, v, qp, pos, fallback=dense_attention)          # float32
+        cudnn.cudnn_attention(q, k, v, qp, pos, fallback=dense_attention)  # float32
     with pytest.raises(ValueError, match="head_dim"):
         cudnn.cudnn_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), qp, pos, fallback=dense_attention)
 

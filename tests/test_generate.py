@@ -15,8 +15,8 @@ import pytest
 from jaxkv import generate as G
 from jaxkv.models import wan
 
-FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
-RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model (the default: test_generate_toy.py)
+FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]  # the mp4 path: test_generate_media.py
+RANDOM = ["--preset", "tiny", "--random-weights"]  # the random-weight model (the default: test_generate_toy.py)
 
 
 def read_png(path):
@@ -25,9 +25,9 @@ def read_png(path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, header = 8, b"", None
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
         assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
         if kind == b"IHDR":
             header = struct.unpack(">IIBBBBB", body)
@@ -46,7 +46,7 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
     from jaxkv import rollout as R
 
     out = tmp_path / "out"
-    R.stream_step.clear_cache()      # so that the count below does not depend on which tests ran before
+    R.stream_step.clear_cache()  # so that the count below does not depend on which tests ran before
     assert G.main(["--out", str(out), *RANDOM, *FAST]) == 0
     printed = capsys.readouterr().out
     assert "per chunk" in printed and "compile" in printed
@@ -63,7 +63,7 @@ def test_default_run_writes_latents_preview_and_summary(tmp_path, capsys):
     # one file per chunk, each the chunk's frames of the whole
     for i in range(3):
         chunk = np.load(out / "latents" / f"chunk_{i:06d}.npy")
-        np.testing.assert_array_equal(chunk, latents[:, 3 * i:3 * i + 3])
+        np.testing.assert_array_equal(chunk, latents[:, 3 * i : 3 * i + 3])
     # the same seed gives the same latents (from the same program: no new compilation); another seed does not
     assert G.main(["--out", str(tmp_path / "again"), *RANDOM, *FAST]) == 0
     np.testing.assert_array_equal(G.load_latents(str(tmp_path / "again")), latents)
@@ -77,28 +77,33 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     from jaxkv.models.wan import checkpoint
 
     config = wan.preset("tiny")
-    params = wan.init_params(config, jax.random.key(0))   # the default --weights-seed
+    params = wan.init_params(config, jax.random.key(0))  # the default --weights-seed
     checkpoint.save(str(tmp_path / "ckpt"), config, params)
     ctx = G.standin_context(0, config.text_dim, config.text_len)
     np.save(tmp_path / "ctx.npy", ctx)
     from safetensors.numpy import save_file
+
     save_file({"prompt_embeds": ctx}, str(tmp_path / "ctx.safetensors"))
     base = tmp_path / "base"
     assert G.main(["--out", str(base), *RANDOM, *FAST]) == 0
-    for extra in (["--checkpoint", str(tmp_path / "ckpt")], ["--context", str(tmp_path / "ctx.npy")],
-                  ["--context", str(tmp_path / "ctx.safetensors"), "--format", "safetensors"],
-                  ["--checkpoint", str(tmp_path / "ckpt"), "--precision", "bfloat16"]):
+    for extra in (
+        ["--checkpoint", str(tmp_path / "ckpt")],
+        ["--context", str(tmp_path / "ctx.npy")],
+        ["--context", str(tmp_path / "ctx.safetensors"), "--format", "safetensors"],
+        ["--checkpoint", str(tmp_path / "ckpt"), "--precision", "bfloat16"],
+    ):
         out = tmp_path / extra[-1].replace("/", "_")
         model = [] if "--checkpoint" in extra else RANDOM
         assert G.main(["--out", str(out), *model, *FAST, *extra]) == 0
         if "safetensors" in extra:
             from safetensors.numpy import load_file
+
             assert sorted(os.listdir(out / "latents"))[0] == "chunk_000000.safetensors"
             first = load_file(str(out / "latents" / "chunk_000000.safetensors"))["latents"]
         got = G.load_latents(str(out))
         if "safetensors" in extra:
             np.testing.assert_array_equal(first, got[:, :3])
-        if "bfloat16" in extra:     # weights rounded to bf16, bf16 matmul inputs and caches: close, not equal
+        if "bfloat16" in extra:  # weights rounded to bf16, bf16 matmul inputs and caches: close, not equal
             want = G.load_latents(str(base))
             assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
             summary = json.loads((out / "summary.json").read_text())
@@ -111,39 +116,44 @@ def test_checkpoint_and_context_files_are_used(tmp_path):
     assert np.abs(G.load_latents(str(tmp_path / "c2")) - G.load_latents(str(base))).max() > 1e-3
 
 
-@pytest.mark.parametrize("argv,expect", [
-    (["--chunk-frames", "2", "--window-frames", "3"], "multiples"),
-    (["--height", "15"], "divisible"),
-    (["--context", "/nonexistent.npy"], "does not exist"),
-    (["--checkpoint", "/nonexistent_dir"], "not a jaxkv Wan checkpoint directory"),
-    (["--preset", "nope"], "unknown Wan preset"),
-    (["--steps", "250,500"], "decreasing"),
-    (["--steps", "abc"], "comma-separated"),
-    (["--num-chunks", "0"], "positive"),
-    (["--negative-context", "x.npy"], "guidance"),
-    (["--guidance-scale", "3", "--context", "c.npy"], "needs --negative-context"),
-    (["--guidance-scale", "inf"], "guidance_scale"),
-    (["--shift", "inf"], "shift"),
-    (["--precision", "float16"], "invalid choice"),
-    (["--param-dtype", "bfloat16"], "--param-dtype was replaced by --precision float32|bfloat16"),
-    (["--cache-dtype", "bfloat16"], "--cache-dtype was replaced by --precision"),
-    (["--seed", "-1"], "--seed: expected an int in [0, 9223372036854775807], got -1"),
-    (["--seed", str(2 ** 63)], "--seed: expected an int in [0, 9223372036854775807]"),
-    (["--weights-seed", str(2 ** 64)], "--weights-seed: expected an int in [0,"),
-    (["--seed", "1.5"], "--seed: expected an int"),
-    (["--preview-frames", "0"], "--preview-frames"),
-    (["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"],
-     "--weights-seed chooses random weights: add --random-weights"),
-    (["--num-chunks", str(2 ** 31 // 192 + 1)], "int32 position limit: chunks of 192 tokens fit 11184810"),
-])
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["--chunk-frames", "2", "--window-frames", "3"], "multiples"),
+        (["--height", "15"], "divisible"),
+        (["--context", "/nonexistent.npy"], "does not exist"),
+        (["--checkpoint", "/nonexistent_dir"], "not a jaxkv Wan checkpoint directory"),
+        (["--preset", "nope"], "unknown Wan preset"),
+        (["--steps", "250,500"], "decreasing"),
+        (["--steps", "abc"], "comma-separated"),
+        (["--num-chunks", "0"], "positive"),
+        (["--negative-context", "x.npy"], "guidance"),
+        (["--guidance-scale", "3", "--context", "c.npy"], "needs --negative-context"),
+        (["--guidance-scale", "inf"], "guidance_scale"),
+        (["--shift", "inf"], "shift"),
+        (["--precision", "float16"], "invalid choice"),
+        (["--param-dtype", "bfloat16"], "--param-dtype was replaced by --precision float32|bfloat16"),
+        (["--cache-dtype", "bfloat16"], "--cache-dtype was replaced by --precision"),
+        (["--seed", "-1"], "--seed: expected an int in [0, 9223372036854775807], got -1"),
+        (["--seed", str(2**63)], "--seed: expected an int in [0, 9223372036854775807]"),
+        (["--weights-seed", str(2**64)], "--weights-seed: expected an int in [0,"),
+        (["--seed", "1.5"], "--seed: expected an int"),
+        (["--preview-frames", "0"], "--preview-frames"),
+        (
+            ["--checkpoint", "/nonexistent_dir", "--weights-seed", "3"],
+            "--weights-seed chooses random weights: add --random-weights",
+        ),
+        (["--num-chunks", str(2**31 // 192 + 1)], "int32 position limit: chunks of 192 tokens fit 11184810"),
+    ],
+)
 def test_bad_arguments_print_one_clear_line(tmp_path, capsys, argv, expect):
     out = tmp_path / "out"
-    model = [] if "--checkpoint" in argv else RANDOM       # the toy model's own errors: test_generate_toy.py
+    model = [] if "--checkpoint" in argv else RANDOM  # the toy model's own errors: test_generate_toy.py
     code = G.main(["--out", str(out), "--no-progress", *model, *argv])
     err = capsys.readouterr().err
     assert code == 2
     assert expect in err and "Traceback" not in err
-    assert not out.exists()                       # refused before anything is written
+    assert not out.exists()  # refused before anything is written
 
 
 def test_bad_context_file_shapes(tmp_path, capsys):
@@ -160,7 +170,7 @@ def test_latent_to_rgb_is_a_fixed_linear_map():
     assert (np.abs(gray - 127.5) <= 0.5).all()
     lhs = G.latent_to_rgb(a + b).astype(float)
     rhs = G.latent_to_rgb(a).astype(float) + G.latent_to_rgb(b).astype(float) - gray
-    assert np.abs(lhs - rhs).max() <= 2.0          # linear up to byte rounding
+    assert np.abs(lhs - rhs).max() <= 2.0  # linear up to byte rounding
     # unit-variance latents give unit-variance colours: the byte spread is ~50
     spread = G.latent_to_rgb(rng.standard_normal((20000, 16))).astype(float).std(0)
     assert np.all(np.abs(spread - 50) < 5)

@@ -45,8 +45,8 @@ def test_default_writes_an_mp4_equal_to_the_whole_decode(tmp_path, capsys):
     config = wan_vae.preset("tiny")
     ref = whole_decode(wan_vae.init_params(inputs.DEFAULT_VAE_SEED, config, jnp.float32), config, latents)
     assert frames.shape == ref.shape == (1, 21, 32, 32, 3)
-    assert np.abs(frames.astype(int) - ref).max() <= 1       # streamed vs whole in f32, then rounded to bytes
-    assert ref.std() > 1                                      # not a constant picture
+    assert np.abs(frames.astype(int) - ref).max() <= 1  # streamed vs whole in f32, then rounded to bytes
+    assert ref.std() > 1  # not a constant picture
     summary = json.loads((out / "summary.json").read_text())
     assert summary["video"] == str(out / "video.mp4") and summary["video_frames"] == 21
     assert summary["fps"] == 16 and summary["video_size"] == [32, 32]
@@ -72,7 +72,7 @@ def test_mp4_sink_streams_chunks_into_a_playable_mp4(tmp_path):
     decoder = wan_vae.StreamDecoder(params, config, latent_height=2, latent_width=2, batch=1)
     sink = Mp4Sink(str(tmp_path), decoder, batch=1, fps=12, frames="npy")
     for i in range(3):
-        sink.write_chunk(i, latents[:, i:i + 1])
+        sink.write_chunk(i, latents[:, i : i + 1])
     summary = sink.close()
     assert summary["video_frames"] == 9 and summary["video_size"] == [16, 16]
     assert read_video_info(str(tmp_path / "video.mp4")) == {"frames": 9, "height": 16, "width": 16, "fps": 12.0}
@@ -85,7 +85,7 @@ def test_mp4_sink_streams_chunks_into_a_playable_mp4(tmp_path):
     sheet = read_png(tmp_path / "contact_sheet.png")
     assert sheet.shape == (2 * 16 + 1, 8 * 16 + 7, 3)
     np.testing.assert_array_equal(sheet[17:, :16], frames[0, 8])
-    np.testing.assert_array_equal(sheet[:16, 17 * 3:17 * 3 + 16], frames[0, 3])
+    np.testing.assert_array_equal(sheet[:16, 17 * 3 : 17 * 3 + 16], frames[0, 3])
 
 
 @pytest.mark.slow
@@ -102,8 +102,7 @@ def test_vae_dir_fps_and_png_frames(tmp_path):
     params = wan_vae.init_params(7, config, jnp.float32)
     wan_vae.save(str(tmp_path / "vae"), config, params)
     out = tmp_path / "o"
-    assert G.main(["--out", str(out), "--vae", str(tmp_path / "vae"), "--fps", "8", "--frames", "png",
-                   *SMALL]) == 0
+    assert G.main(["--out", str(out), "--vae", str(tmp_path / "vae"), "--fps", "8", "--frames", "png", *SMALL]) == 0
     assert read_video_info(str(out / "video.mp4")) == {"frames": 21, "height": 32, "width": 32, "fps": 8.0}
     from tests.test_generate import read_png
 
@@ -113,8 +112,9 @@ def test_vae_dir_fps_and_png_frames(tmp_path):
     pngs = np.stack([read_png(out / "frames" / n) for n in names])
     assert np.abs(pngs.astype(int) - ref[0]).max() <= 1
     # another seed gives other frames: the --vae params were used, not the default's
-    other = whole_decode(wan_vae.init_params(inputs.DEFAULT_VAE_SEED, config, jnp.float32), config,
-                         G.load_latents(str(out)))
+    other = whole_decode(
+        wan_vae.init_params(inputs.DEFAULT_VAE_SEED, config, jnp.float32), config, G.load_latents(str(out))
+    )
     assert np.abs(other.astype(int) - ref).max() > 10
 
 
@@ -136,8 +136,12 @@ def test_interrupted_run_leaves_a_playable_mp4_of_the_chunks_done(tmp_path, caps
     assert manifest["status"] == "interrupted"
     t = 3 * manifest["chunks"]
     assert 1 <= manifest["chunks"] < 6
-    assert read_video_info(str(out / "video.mp4")) == {"frames": 1 + 4 * (t - 1), "height": 32, "width": 32,
-                                                       "fps": 16.0}
+    assert read_video_info(str(out / "video.mp4")) == {
+        "frames": 1 + 4 * (t - 1),
+        "height": 32,
+        "width": 32,
+        "fps": 16.0,
+    }
 
 
 def _save_text_encoder(path, seed=3, **overrides):
@@ -146,15 +150,20 @@ def _save_text_encoder(path, seed=3, **overrides):
         import dataclasses
 
         config = dataclasses.replace(config, **overrides)
-    umt5.save(str(path), config, umt5.init_params(config, seed),
-              tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()})
+    umt5.save(
+        str(path),
+        config,
+        umt5.init_params(config, seed),
+        tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()},
+    )
     return path
 
 
 def _run_latents(tmp_path, name, argv):
     out = tmp_path / name
-    assert G.main(["--out", str(out), "--no-video", *SMALL[:4], *RANDOM, "--num-chunks", "1", "--no-progress",
-                   *argv]) == 0
+    assert (
+        G.main(["--out", str(out), "--no-video", *SMALL[:4], *RANDOM, "--num-chunks", "1", "--no-progress", *argv]) == 0
+    )
     return G.load_latents(str(out)), json.loads((out / "summary.json").read_text())
 
 
@@ -166,7 +175,7 @@ def test_prompt_on_the_default_is_the_tiny_encoders_context(tmp_path):
     by_file, _ = _run_latents(tmp_path, "f", ["--context", str(tmp_path / "ctx.npy")])
     np.testing.assert_array_equal(by_prompt, by_file)
     other, _ = _run_latents(tmp_path, "q", ["--prompt", "a blue whale"])
-    assert np.abs(other - by_prompt).max() > 1e-3                 # the prompt reaches the model
+    assert np.abs(other - by_prompt).max() > 1e-3  # the prompt reaches the model
     assert summary["prompt"] == prompt and summary["text_encoder_released"] is False
 
 
@@ -177,13 +186,34 @@ def test_prompt_with_a_saved_encoder_guidance_cache_and_offload(tmp_path, monkey
     np.save(tmp_path / "pos.npy", encoded[0])
     np.save(tmp_path / "neg.npy", encoded[1])
     cache = tmp_path / "cache"
-    argv = ["--prompt", "a fox", "--negative-prompt", "blurry", "--guidance-scale", "3", "--text-encoder",
-            str(enc_dir), "--embeddings-cache", str(cache), "--offload-text-encoder"]
+    argv = [
+        "--prompt",
+        "a fox",
+        "--negative-prompt",
+        "blurry",
+        "--guidance-scale",
+        "3",
+        "--text-encoder",
+        str(enc_dir),
+        "--embeddings-cache",
+        str(cache),
+        "--offload-text-encoder",
+    ]
     by_prompt, summary = _run_latents(tmp_path, "p", argv)
     assert summary["text_encoder_released"] is True and summary["text_encoder"] == str(enc_dir)
     assert len([n for n in os.listdir(cache) if n.endswith(".npy")]) == 2
-    by_file, _ = _run_latents(tmp_path, "f", ["--context", str(tmp_path / "pos.npy"), "--negative-context",
-                                              str(tmp_path / "neg.npy"), "--guidance-scale", "3"])
+    by_file, _ = _run_latents(
+        tmp_path,
+        "f",
+        [
+            "--context",
+            str(tmp_path / "pos.npy"),
+            "--negative-context",
+            str(tmp_path / "neg.npy"),
+            "--guidance-scale",
+            "3",
+        ],
+    )
     np.testing.assert_array_equal(by_prompt, by_file)
     # a repeated prompt is served from the cache: the encoder is not run again
     monkeypatch.setattr(umt5.encoder, "encode_prompts", lambda *a: pytest.fail("encoded again"))
@@ -214,16 +244,19 @@ BAD = [
     (["--prompt", "x", "--text-encoder", "{tmp}/vae48"], "--text-encoder"),
     (["--prompt", "x", "--text-encoder", "{tmp}/enc64"], "gives [16, 64] contexts; the model takes text_dim 32"),
     (["--prompt", "x", "--text-encoder", "{tmp}/notok"], "--text-encoder"),
-    (["--prompt", "x", "--preset", "wan2.1-t2v-1.3b"],
-     "tiny text encoder gives [16, 32] contexts; the model takes text_dim 4096"),
+    (
+        ["--prompt", "x", "--preset", "wan2.1-t2v-1.3b"],
+        "tiny text encoder gives [16, 32] contexts; the model takes text_dim 4096",
+    ),
 ]
 
 
 @pytest.mark.parametrize("argv,message", BAD, ids=[m for _, m in BAD])
 def test_bad_combinations_are_refused_before_anything_is_written(tmp_path, capsys, argv, message):
     if any("{tmp}" in a for a in argv):
-        _vae_config_dir(tmp_path / "vae48", wan_vae.WanVAEConfig(z_dim=48, latents_mean=(0.0,) * 48,
-                                                                  latents_std=(1.0,) * 48))
+        _vae_config_dir(
+            tmp_path / "vae48", wan_vae.WanVAEConfig(z_dim=48, latents_mean=(0.0,) * 48, latents_std=(1.0,) * 48)
+        )
         _save_text_encoder(tmp_path / "enc")
         _save_text_encoder(tmp_path / "enc64", dim=64)
         _save_text_encoder(tmp_path / "notok")

@@ -16,8 +16,8 @@ from jaxkv.generate import loop
 from jaxkv.models import wan
 from jaxkv.models.wan import checkpoint
 
-FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]     # the mp4 path: test_generate_media.py
-RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model
+FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]  # the mp4 path: test_generate_media.py
+RANDOM = ["--preset", "tiny", "--random-weights"]  # the random-weight model
 
 
 @pytest.mark.parametrize("flag", ["--context", "--negative-context"])
@@ -29,9 +29,18 @@ def test_nonfinite_context_file_is_refused(tmp_path, capsys, flag, bad):
     ctx[5, 7] = bad
     np.save(tmp_path / "bad.npy", ctx)
     files = {"--context": "good.npy", "--negative-context": "good.npy", flag: "bad.npy"}
-    argv = ["--out", str(tmp_path / "o"), *RANDOM, *FAST, "--guidance-scale", "3",
-            "--context", str(tmp_path / files["--context"]),
-            "--negative-context", str(tmp_path / files["--negative-context"])]
+    argv = [
+        "--out",
+        str(tmp_path / "o"),
+        *RANDOM,
+        *FAST,
+        "--guidance-scale",
+        "3",
+        "--context",
+        str(tmp_path / files["--context"]),
+        "--negative-context",
+        str(tmp_path / files["--negative-context"]),
+    ]
     assert G.main(argv) == 2
     err = capsys.readouterr().err
     assert f"{flag} in" in err and "1 NaN/Inf value(s), the first at token 5, channel 7" in err

@@ -14,8 +14,8 @@ from jaxkv.generate import outputs
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 
-RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model
-FAST = ["--num-chunks", "2", "--no-progress", "--no-video", *RANDOM]     # the mp4 path: test_generate_media.py
+RANDOM = ["--preset", "tiny", "--random-weights"]  # the random-weight model
+FAST = ["--num-chunks", "2", "--no-progress", "--no-video", *RANDOM]  # the mp4 path: test_generate_media.py
 
 
 def _chunks(n, shape=(2, 3, 4, 4, 16), seed=0):
@@ -25,8 +25,9 @@ def _chunks(n, shape=(2, 3, 4, 4, 16), seed=0):
 
 def _write(path, chunks, fmt="npy", status="complete"):
     os.makedirs(path, exist_ok=True)
-    files = outputs.OutputDir(str(path), [outputs.LatentsSink(str(path), fmt)], chunk_shape=chunks[0].shape,
-                              latents_format=fmt)
+    files = outputs.OutputDir(
+        str(path), [outputs.LatentsSink(str(path), fmt)], chunk_shape=chunks[0].shape, latents_format=fmt
+    )
     for i, c in enumerate(chunks):
         files.write_chunk(i, c)
     return files.close(status, {})
@@ -48,12 +49,13 @@ def test_manifest_counts_only_complete_chunks_while_running(tmp_path):
     chunks = _chunks(3)
     path = tmp_path / "o"
     os.makedirs(path)
-    files = outputs.OutputDir(str(path), [outputs.LatentsSink(str(path), "npy")], chunk_shape=chunks[0].shape,
-                              latents_format="npy")
+    files = outputs.OutputDir(
+        str(path), [outputs.LatentsSink(str(path), "npy")], chunk_shape=chunks[0].shape, latents_format="npy"
+    )
     assert G.load_latents(str(path)).shape == (2, 0, 4, 4, 16)
     files.write_chunk(0, chunks[0])
     files.write_chunk(1, chunks[1])
-    (path / "latents" / "chunk_000002.npy.tmp").write_bytes(b"half a chunk")   # killed mid-write
+    (path / "latents" / "chunk_000002.npy.tmp").write_bytes(b"half a chunk")  # killed mid-write
     assert json.loads((path / "manifest.json").read_text())["status"] == "running"
     np.testing.assert_array_equal(G.load_latents(str(path)), np.concatenate(chunks[:2], axis=1))
     with pytest.raises(ValueError, match="expected chunk 2, got 3"):
@@ -122,8 +124,9 @@ def test_unwritable_out_is_refused_even_as_root(tmp_path, monkeypatch):
     """The writability check itself (os.access), with access denied as it is for a normal user."""
     (tmp_path / "ro").mkdir()
     real = os.access
-    monkeypatch.setattr(outputs.os, "access", lambda p, mode: False if os.path.samefile(p, tmp_path / "ro")
-                        else real(p, mode))
+    monkeypatch.setattr(
+        outputs.os, "access", lambda p, mode: False if os.path.samefile(p, tmp_path / "ro") else real(p, mode)
+    )
     with pytest.raises(UsageError, match=f"{tmp_path / 'ro'} is not writable"):
         outputs.prepare_output_dir(str(tmp_path / "ro" / "out"), overwrite=False, create=True)
     assert os.listdir(tmp_path / "ro") == []
@@ -141,10 +144,9 @@ def test_generate_refuses_existing_output_then_overwrites_without_mixing(tmp_pat
     assert sorted(os.listdir(out / "latents")) == before
     np.testing.assert_array_equal(G.load_latents(str(out)), first)
     # with --overwrite: a fresh directory, no safetensors chunk left beside the new npy ones
-    assert G.main(["--out", str(out), "--num-chunks", "1", "--no-progress", "--seed", "1", "--overwrite",
-                   *RANDOM]) == 0
+    assert G.main(["--out", str(out), "--num-chunks", "1", "--no-progress", "--seed", "1", "--overwrite", *RANDOM]) == 0
     assert sorted(os.listdir(out / "latents")) == ["chunk_000000.npy"]
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out")]       # nothing left beside it
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out")]  # nothing left beside it
     again = G.load_latents(str(out))
     assert again.shape[1] == 3 and np.abs(again - first[:, :3]).max() > 1e-3
     # an existing file as --out: refused before compiling
@@ -158,7 +160,7 @@ def test_preview_is_bounded_and_shows_first_and_last_frames(tmp_path):
     sink = PreviewSink(str(tmp_path / "p.png"), frames=5, scale=2)
     for i, c in enumerate(chunks):
         sink.write_chunk(i, c)
-    assert len(sink.head) + len(sink.tail) == 10                  # memory: 10 frames of 150
+    assert len(sink.head) + len(sink.tail) == 10  # memory: 10 frames of 150
     info = sink.close()
     assert info["preview_frames"] == [0, 1, 2, 3, 4, 145, 146, 147, 148, 149]
     allframes = np.concatenate(chunks, axis=1)

@@ -34,8 +34,12 @@ def make_release(root, parts=("dit", "vae", "umt5")):
         wan_vae.checkpoint.save(str(root / PARTS["vae"]), config, wan_vae.init_params(5, config))
     if "umt5" in parts:
         config = umt5.preset("tiny")
-        umt5.save(str(root / PARTS["umt5"]), config, umt5.init_params(config, 5),
-                  tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()})
+        umt5.save(
+            str(root / PARTS["umt5"]),
+            config,
+            umt5.init_params(config, 5),
+            tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()},
+        )
     return root
 
 
@@ -63,17 +67,31 @@ def test_pick_up_release_sets_the_parts_a_run_needs(tmp_path):
     assert release_parts(str(rel)) == {f: str(rel / sub) for f, sub in PARTS.items()}
     args = _args(["--checkpoint", str(rel), "--prompt", PROMPT])
     where = inputs.pick_up_release(args)
-    assert (args.checkpoint, args.vae, args.text_encoder) == (str(rel / "dit"), str(rel / "vae"),
-                                                              str(rel / "text_encoder"))
-    assert where == (f"release {rel}: DiT from {rel / 'dit'}, VAE from {rel / 'vae'}, text encoder from "
-                     f"{rel / 'text_encoder'}")
+    assert (args.checkpoint, args.vae, args.text_encoder) == (
+        str(rel / "dit"),
+        str(rel / "vae"),
+        str(rel / "text_encoder"),
+    )
+    assert where == (
+        f"release {rel}: DiT from {rel / 'dit'}, VAE from {rel / 'vae'}, text encoder from {rel / 'text_encoder'}"
+    )
     # Explicit flags win; parts the run does not use are left alone and said so.
     args = _args(["--checkpoint", str(rel), "--no-video"])
     where = inputs.pick_up_release(args)
     assert (args.vae, args.text_encoder) == (None, None)
     assert "VAE not used (--no-video)" in where and "text encoder not used (no --prompt)" in where
-    args = _args(["--checkpoint", str(rel), "--vae", str(tmp_path / "mine"), "--prompt", PROMPT,
-                  "--text-encoder", str(tmp_path / "enc")])
+    args = _args(
+        [
+            "--checkpoint",
+            str(rel),
+            "--vae",
+            str(tmp_path / "mine"),
+            "--prompt",
+            PROMPT,
+            "--text-encoder",
+            str(tmp_path / "enc"),
+        ]
+    )
     where = inputs.pick_up_release(args)
     assert (args.vae, args.text_encoder) == (str(tmp_path / "mine"), str(tmp_path / "enc"))
     assert f"VAE from --vae {tmp_path / 'mine'}" in where and "text encoder from --text-encoder" in where
@@ -89,7 +107,7 @@ def test_a_release_without_a_needed_part_or_a_foreign_directory_is_refused(tmp_p
         inputs.pick_up_release(_args(["--checkpoint", str(partial)]))
     with pytest.raises(UsageError, match=r"without text_encoder/; pass --text-encoder DIR$"):
         inputs.pick_up_release(_args(["--checkpoint", str(partial), "--prompt", PROMPT, "--no-video"]))
-    args = _args(["--checkpoint", str(partial), "--no-video"])       # needs only the DiT
+    args = _args(["--checkpoint", str(partial), "--no-video"])  # needs only the DiT
     assert inputs.pick_up_release(args) is not None and args.checkpoint == str(partial / "dit")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("x")
@@ -101,16 +119,29 @@ def test_a_release_without_a_needed_part_or_a_foreign_directory_is_refused(tmp_p
     assert "neither a jaxkv DiT checkpoint" not in err  # (the partial release's message)
     assert G.main(["--out", str(out), *SMALL, "--checkpoint", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
-    assert (f"--checkpoint {tmp_path / 'other'} is neither a jaxkv DiT checkpoint (config.json + "
-            f"params.safetensors) nor a converted release (dit/, vae/, text_encoder/)") in err
+    assert (
+        f"--checkpoint {tmp_path / 'other'} is neither a jaxkv DiT checkpoint (config.json + "
+        f"params.safetensors) nor a converted release (dit/, vae/, text_encoder/)"
+    ) in err
 
 
 @pytest.mark.slow
 def test_generate_on_a_release_equals_naming_each_part(tmp_path, capsys):
     rel = make_release(tmp_path / "rel")
     by_release, summary = _run(tmp_path, "a", ["--checkpoint", str(rel), "--prompt", PROMPT, "--no-video"])
-    explicit, _ = _run(tmp_path, "b", ["--checkpoint", str(rel / "dit"), "--text-encoder", str(rel / "text_encoder"),
-                                       "--prompt", PROMPT, "--no-video"])
+    explicit, _ = _run(
+        tmp_path,
+        "b",
+        [
+            "--checkpoint",
+            str(rel / "dit"),
+            "--text-encoder",
+            str(rel / "text_encoder"),
+            "--prompt",
+            PROMPT,
+            "--no-video",
+        ],
+    )
     np.testing.assert_array_equal(by_release, explicit)
     default, _ = _run(tmp_path, "c", ["--random-weights", "--prompt", PROMPT, "--no-video"])  # embedded encoder
     assert np.abs(by_release - default).max() > 1e-3
@@ -125,8 +156,7 @@ def test_the_release_vae_decodes_the_video(tmp_path):
     pytest.importorskip("av")
     rel = make_release(tmp_path / "rel")
     _, summary = _run(tmp_path, "a", ["--checkpoint", str(rel), "--frames", "npy"])
-    _, explicit = _run(tmp_path, "b", ["--checkpoint", str(rel / "dit"), "--vae", str(rel / "vae"), "--frames",
-                                       "npy"])
+    _, explicit = _run(tmp_path, "b", ["--checkpoint", str(rel / "dit"), "--vae", str(rel / "vae"), "--frames", "npy"])
     _, tiny = _run(tmp_path, "c", ["--checkpoint", str(rel / "dit"), "--frames", "npy"])  # the embedded tiny VAE
     frames = {n: np.load(tmp_path / n / "frames" / "chunk_000000.npy") for n in "abc"}
     np.testing.assert_array_equal(frames["a"], frames["b"])

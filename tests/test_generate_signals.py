@@ -70,9 +70,25 @@ def test_signal_before_the_first_chunk_writes_nothing(tmp_path):
 def test_signal_to_a_real_process(tmp_path, signum):
     out = tmp_path / "o"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.generate", "--out", str(out), "--num-chunks", "100000",
-                             "--no-progress", "--preset", "tiny", "--random-weights"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxkv.generate",
+            "--out",
+            str(out),
+            "--num-chunks",
+            "100000",
+            "--no-progress",
+            "--preset",
+            "tiny",
+            "--random-weights",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:

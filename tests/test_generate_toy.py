@@ -59,9 +59,12 @@ def test_no_arguments_resolve_to_the_shipped_release_and_its_settings():
     want = _settings_json()
     args = _resolve([])
     assert os.path.samefile(args.checkpoint, RELEASE) and not args.random_weights
-    assert (args.height, args.width) == (16, 16)          # 64x64 frames in 4x4 latent patches
+    assert (args.height, args.width) == (16, 16)  # 64x64 frames in 4x4 latent patches
     assert (args.chunk_frames, args.window_frames, args.sink_frames) == (
-        want["chunk_frames"], want["window_frames"], want["sink_frames"])
+        want["chunk_frames"],
+        want["window_frames"],
+        want["sink_frames"],
+    )
     assert list(args.steps) == want["steps"] and args.shift == want["shift"] and args.rope == want["rope"]
     assert args.prompt == want["prompt"] and world.parse_prompt(args.prompt)
     assert args.num_chunks == options.DEFAULT_NUM_CHUNKS >= 200
@@ -83,7 +86,7 @@ def test_a_release_trained_for_guidance_streams_with_it_unless_told_otherwise(tm
     assert args.guidance_scale == 2.5 and args.negative_prompt == ""
     context = tmp_path / "context.npy"
     np.save(context, np.zeros((16, 32), np.float32))
-    args = _resolve(["--checkpoint", rel, "--context", str(context)])     # no negative to go with precomputed text
+    args = _resolve(["--checkpoint", rel, "--context", str(context)])  # no negative to go with precomputed text
     assert args.guidance_scale is None and args.negative_prompt is None
     with pytest.raises(UsageError, match="--negative-prompt 'a red cat, slow' is not a toy-world prompt"):
         _resolve(["--checkpoint", rel, "--negative-prompt", "a red cat, slow"])
@@ -92,16 +95,33 @@ def test_a_release_trained_for_guidance_streams_with_it_unless_told_otherwise(tm
 
 
 def test_a_toy_checkpoint_fills_only_the_flags_not_passed(tmp_path):
-    rel = _copy_release(tmp_path, window_frames=12, sink_frames=0, steps=[1000, 500], shift=3.0,
-                        prompt="a green triangle, fast", rope="absolute")
+    rel = _copy_release(
+        tmp_path,
+        window_frames=12,
+        sink_frames=0,
+        steps=[1000, 500],
+        shift=3.0,
+        prompt="a green triangle, fast",
+        rope="absolute",
+    )
     args = _resolve(["--checkpoint", rel])
     shipped = json.load(open(os.path.join(RELEASE, "toyworld.json")))["settings"]
     assert (args.chunk_frames, args.window_frames, args.sink_frames) == (shipped["chunk_frames"], 12, 0)
     assert args.steps == (1000, 500) and args.shift == 3.0 and args.prompt == "a green triangle, fast"
     assert args.rope == "absolute"
     # a flag passed keeps its value, even one equal to the generic default
-    args = _resolve(["--checkpoint", rel, "--window-frames", "9", "--steps", "1000,750,500,250", "--prompt",
-                     "a yellow square, slow"])
+    args = _resolve(
+        [
+            "--checkpoint",
+            rel,
+            "--window-frames",
+            "9",
+            "--steps",
+            "1000,750,500,250",
+            "--prompt",
+            "a yellow square, slow",
+        ]
+    )
     assert (args.window_frames, args.sink_frames) == (9, 0) and args.steps == (1000, 750, 500, 250)
     assert args.prompt == "a yellow square, slow"
     # the text given another way: no default prompt
@@ -111,7 +131,11 @@ def test_a_toy_checkpoint_fills_only_the_flags_not_passed(tmp_path):
     assert args.checkpoint is None and args.prompt is None and args.preset == "tiny"
     d = options.DEFAULTS
     assert (args.height, args.chunk_frames, args.window_frames, args.sink_frames) == (
-        d["height"], d["chunk_frames"], d["window_frames"], d["sink_frames"])
+        d["height"],
+        d["chunk_frames"],
+        d["window_frames"],
+        d["sink_frames"],
+    )
 
 
 BAD = [
@@ -132,8 +156,9 @@ BAD = [
 @pytest.mark.parametrize("argv,message", BAD, ids=[m[:40] for _, m in BAD])
 def test_toy_usage_errors_are_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch, argv, message):
     if argv == ["--schedule-bad"]:
-        (tmp_path / "s.json").write_text(json.dumps([{"chunk": 0, "prompt": "a red circle, slow"},
-                                                     {"chunk": 1, "prompt": "a dog, fast"}]))
+        (tmp_path / "s.json").write_text(
+            json.dumps([{"chunk": 0, "prompt": "a red circle, slow"}, {"chunk": 1, "prompt": "a dog, fast"}])
+        )
         argv = ["--prompt-schedule", str(tmp_path / "s.json")]
     elif argv == ["--bad-json"]:
         rel = _copy_release(tmp_path)
@@ -169,16 +194,57 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("toy")
     media = ["--num-chunks", "4", "--no-progress", "--frames", "npy"]
     assert G.main(["--out", str(base / "full"), *media]) == 0
-    assert G.main(["--out", str(base / "a"), "--num-chunks", "2", "--no-progress", "--frames", "npy",
-                   "--save-state", str(base / "S")]) == 0
-    assert G.main(["--resume", str(base / "S"), "--out", str(base / "b"), "--num-chunks", "2", "--no-progress",
-                   "--frames", "npy"]) == 0
+    assert (
+        G.main(
+            [
+                "--out",
+                str(base / "a"),
+                "--num-chunks",
+                "2",
+                "--no-progress",
+                "--frames",
+                "npy",
+                "--save-state",
+                str(base / "S"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        G.main(
+            [
+                "--resume",
+                str(base / "S"),
+                "--out",
+                str(base / "b"),
+                "--num-chunks",
+                "2",
+                "--no-progress",
+                "--frames",
+                "npy",
+            ]
+        )
+        == 0
+    )
     prompt = _settings_json()["prompt"]
     objects, speed = world.parse_prompt(prompt)
     other = world.format_prompt(objects, "fast" if speed == "slow" else "slow")
     (base / "switch.json").write_text(json.dumps([{"chunk": 0, "prompt": prompt}, {"chunk": 2, "prompt": other}]))
-    assert G.main(["--out", str(base / "switch"), "--num-chunks", "4", "--no-progress", "--no-video",
-                   "--prompt-schedule", str(base / "switch.json")]) == 0
+    assert (
+        G.main(
+            [
+                "--out",
+                str(base / "switch"),
+                "--num-chunks",
+                "4",
+                "--no-progress",
+                "--no-video",
+                "--prompt-schedule",
+                str(base / "switch.json"),
+            ]
+        )
+        == 0
+    )
     return base
 
 
@@ -190,7 +256,7 @@ def _frames(out, n):
     return np.concatenate([np.load(out / "frames" / f"chunk_{i:06d}.npy") for i in range(n)], axis=1)
 
 
-@pytest.mark.slow   # the toy step's compile (~20-30 s on 2 busy cores), shared by the tests below
+@pytest.mark.slow  # the toy step's compile (~20-30 s on 2 busy cores), shared by the tests below
 def test_a_toy_run_is_the_toy_models_own_stream_decoded_by_its_latent_map(runs):
     from jaxkv.toyworld import sample
     from jaxkv.video import read_video_info
@@ -215,7 +281,10 @@ def test_a_toy_run_is_the_toy_models_own_stream_decoded_by_its_latent_map(runs):
     assert s["video_frames"] == n and s["video_size"] == [64, 64] and s["prompt"] == settings["prompt"]
     assert s["vae"].startswith("toy-world latent map") and s["model"].startswith("checkpoint ")
     assert (s["chunk_frames"], s["window_frames"], s["sink_frames"]) == (
-        settings["chunk_frames"], settings["window_frames"], settings["sink_frames"])
+        settings["chunk_frames"],
+        settings["window_frames"],
+        settings["sink_frames"],
+    )
     # the contact sheet: every frame of so short a stream, up to 8 to a row
     from tests.test_generate import read_png
 
@@ -224,9 +293,9 @@ def test_a_toy_run_is_the_toy_models_own_stream_decoded_by_its_latent_map(runs):
     cols = min(n, 8)
     rows = -(-n // cols)
     assert sheet.shape == (rows * 65 - 1, cols * 65 - 1, 3)
-    for k in (0, n - 1):                      # first and last tile, row-major
+    for k in (0, n - 1):  # first and last tile, row-major
         r, c = divmod(k, cols)
-        np.testing.assert_array_equal(sheet[65 * r:65 * r + 64, 65 * c:65 * c + 64], frames[0, k])
+        np.testing.assert_array_equal(sheet[65 * r : 65 * r + 64, 65 * c : 65 * c + 64], frames[0, k])
     assert "contact_sheet.png" in json.loads((out / "manifest.json").read_text())["entries"]
 
 
@@ -234,8 +303,10 @@ def test_a_toy_run_is_the_toy_models_own_stream_decoded_by_its_latent_map(runs):
 def test_a_toy_session_resumes_bit_for_bit(runs):
     full, a, b = (G.load_latents(str(runs / n)) for n in ("full", "a", "b"))
     assert np.concatenate([a, b], axis=1).tobytes() == full.tobytes()
-    assert np.concatenate([_frames(runs / "a", 2), _frames(runs / "b", 2)], axis=1).tobytes() == \
-        _frames(runs / "full", 4).tobytes()
+    assert (
+        np.concatenate([_frames(runs / "a", 2), _frames(runs / "b", 2)], axis=1).tobytes()
+        == _frames(runs / "full", 4).tobytes()
+    )
     recorded = S.read_manifest(str(runs / "S"))["metadata"]["generate"]
     assert recorded["checkpoint"] == os.path.abspath(RELEASE) and recorded["random_weights"] is False
     s = _summary(runs / "b")
@@ -246,26 +317,47 @@ def test_a_toy_session_resumes_bit_for_bit(runs):
 def test_toy_prompts_switch_mid_stream(runs):
     full, switched = G.load_latents(str(runs / "full")), G.load_latents(str(runs / "switch"))
     cf = _settings_json()["chunk_frames"]
-    np.testing.assert_array_equal(switched[:, :2 * cf], full[:, :2 * cf])     # the same prompt until chunk 2
-    assert np.abs(switched[:, 2 * cf:] - full[:, 2 * cf:]).max() > 1e-4        # the other speed after it
+    np.testing.assert_array_equal(switched[:, : 2 * cf], full[:, : 2 * cf])  # the same prompt until chunk 2
+    assert np.abs(switched[:, 2 * cf :] - full[:, 2 * cf :]).max() > 1e-4  # the other speed after it
     assert [e["chunk"] for e in _summary(runs / "switch")["prompt_schedule"]] == [0, 2]
 
 
-@pytest.mark.slow   # the tiny preset's step compile
+@pytest.mark.slow  # the tiny preset's step compile
 def test_preset_tiny_random_weights_is_the_old_default_path(tmp_path):
     from jaxkv.models import wan
     from jaxkv.schedule import Schedule
 
     out = tmp_path / "o"
-    assert G.main(["--out", str(out), "--preset", "tiny", "--random-weights", "--num-chunks", "2",
-                   "--no-progress", "--no-video"]) == 0
+    assert (
+        G.main(
+            [
+                "--out",
+                str(out),
+                "--preset",
+                "tiny",
+                "--random-weights",
+                "--num-chunks",
+                "2",
+                "--no-progress",
+                "--no-video",
+            ]
+        )
+        == 0
+    )
     config = wan.preset("tiny")
     d = options.DEFAULTS
-    rc = R.RolloutConfig(d["height"], d["width"], chunk_frames=d["chunk_frames"], window_frames=d["window_frames"],
-                         sink_frames=d["sink_frames"], schedule=Schedule(steps=(1000, 750, 500, 250), shift=5.0))
+    rc = R.RolloutConfig(
+        d["height"],
+        d["width"],
+        chunk_frames=d["chunk_frames"],
+        window_frames=d["window_frames"],
+        sink_frames=d["sink_frames"],
+        schedule=Schedule(steps=(1000, 750, 500, 250), shift=5.0),
+    )
     context = G.standin_context(0, config.text_dim, config.text_len)[None]
-    stream = R.Stream(wan.init_params(config, jax.random.key(0)), config, rc, context, num_chunks=2,
-                      key=jax.random.key(0))
+    stream = R.Stream(
+        wan.init_params(config, jax.random.key(0)), config, rc, context, num_chunks=2, key=jax.random.key(0)
+    )
     want = np.concatenate([np.asarray(c) for c in stream], axis=1)
     np.testing.assert_allclose(G.load_latents(str(out)), want, rtol=1e-5, atol=1e-5)
     assert _summary(out)["model"] == "preset 'tiny' with random weights (seed 0)"

@@ -26,13 +26,13 @@ def _expected(name: str, shape, config) -> tuple[float, float]:
     leaf, parent = parts[-1], parts[-2]
     if leaf == "kernel":
         fan_in = int(np.prod(shape[:-1])) if parent == "patch_embedding" else shape[-2]
-        return 0.0, fan_in ** -0.5
+        return 0.0, fan_in**-0.5
     if leaf == "bias":
         return 0.0, 0.1 if parent.startswith("norm") else 0.02
     if leaf == "scale":
         return 1.0, 0.1
     assert leaf == "modulation", name
-    return 0.0, config.dim ** -0.5
+    return 0.0, config.dim**-0.5
 
 
 @pytest.mark.slow
@@ -48,7 +48,7 @@ def test_values_follow_the_documented_distributions():
         # 6 standard errors of the sample mean and std
         assert abs(x.mean() - mean) < 6 * std / np.sqrt(n), name
         assert abs(x.std() - std) < 6 * std / np.sqrt(2 * n), name
-        if name.startswith("blocks."):            # layers are drawn independently
+        if name.startswith("blocks."):  # layers are drawn independently
             assert not np.allclose(x[0], x[1]), name
     assert not np.allclose(params["blocks.self_attn.q.kernel"], params["blocks.self_attn.k.kernel"])
 
@@ -59,7 +59,7 @@ def test_dtype_determinism_and_bfloat16_is_float32_rounded():
     bf16 = wan.init_params(CONFIG, jax.random.key(3), jnp.bfloat16)
     again = wan.init_params(CONFIG, jax.random.key(3))
     other = wan.init_params(CONFIG, jax.random.key(4))
-    for (a, b, c, d) in zip(*(jax.tree.leaves(t) for t in (f32, bf16, again, other))):
+    for a, b, c, d in zip(*(jax.tree.leaves(t) for t in (f32, bf16, again, other))):
         assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
@@ -73,7 +73,7 @@ def test_compiled_init_needs_less_scratch_than_the_weights():
     init = jax.jit(wan.init_params, static_argnums=(0, 2))
     memory = init.lower(CONFIG, jax.random.key(0), jnp.bfloat16).compile().memory_analysis()
     weights = sum(np.prod(s) * 2 for s in flatten(param_shapes(CONFIG)).values())
-    assert weights <= memory.output_size_in_bytes < weights + 4096    # + the output tuple's index table
+    assert weights <= memory.output_size_in_bytes < weights + 4096  # + the output tuple's index table
     assert memory.temp_size_in_bytes < weights
 
 
@@ -91,11 +91,11 @@ def test_peak_memory_of_a_mid_size_bfloat16_init_is_near_the_weights():
         "config = dataclasses.replace(wan.preset('wan2.1-t2v-1.3b'), num_layers=4)\n"
         "params = jax.block_until_ready(wan.init_params(config, jax.random.key(0), jnp.bfloat16))\n"
         "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-        "print(base, peak, sum(x.nbytes for x in jax.tree.leaves(params)))\n")
+        "print(base, peak, sum(x.nbytes for x in jax.tree.leaves(params)))\n"
+    )
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=900)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr
     base, peak, weights = map(int, out.stdout.split())
-    assert weights > 0.35 * 2 ** 30
+    assert weights > 0.35 * 2**30
     assert peak - base < 2.2 * weights, (base, peak, weights)

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from jaxkv.attention import CacheRope, MaskSpec
-from jaxkv.nn import CachedSelfAttention, cached_attention, rotary
 from examples import streaming_encoder as example
 from examples.streaming_encoder import StreamingEncoder
+from jaxkv.attention import CacheRope, MaskSpec
+from jaxkv.nn import CachedSelfAttention, cached_attention, rotary
 
 
 def _stream(model, x, cache):
@@ -22,7 +22,7 @@ def _stream(model, x, cache):
     c = model.spec.chunk
     ys = []
     for n in range(x.shape[1] // c):
-        cache, y = step(cache, x[:, n * c:(n + 1) * c])
+        cache, y = step(cache, x[:, n * c : (n + 1) * c])
         ys.append(y)
     return jnp.concatenate(ys, axis=1), cache
 
@@ -31,15 +31,23 @@ def _stream(model, x, cache):
 @pytest.mark.slow
 def test_streaming_encoder_equals_full_forward(sink_chunks, num_kv_heads):
     spec = jaxkv.RingSpec(chunk=3, window=6, sink=3 * sink_chunks)
-    model = StreamingEncoder(features=5, dim=16, num_heads=4, num_layers=2, spec=spec, num_kv_heads=num_kv_heads,
-                             rngs=nnx.Rngs(0))
+    model = StreamingEncoder(
+        features=5, dim=16, num_heads=4, num_layers=2, spec=spec, num_kv_heads=num_kv_heads, rngs=nnx.Rngs(0)
+    )
     x = jax.random.normal(jax.random.key(1), (2, 24, 5))  # 8 chunks: the window wraps three times
     streamed, cache = _stream(model, x, model.init_cache(batch=2))
     np.testing.assert_allclose(streamed, model(x), atol=2e-5)
     assert cache.k.shape == (2, 2, spec.capacity, num_kv_heads, 4)  # never grew
     # The window matters: a model with a longer window differs.
-    wide = StreamingEncoder(features=5, dim=16, num_heads=4, num_layers=2, rngs=nnx.Rngs(0), num_kv_heads=num_kv_heads,
-                            spec=jaxkv.RingSpec(chunk=3, window=24, sink=3 * sink_chunks))
+    wide = StreamingEncoder(
+        features=5,
+        dim=16,
+        num_heads=4,
+        num_layers=2,
+        rngs=nnx.Rngs(0),
+        num_kv_heads=num_kv_heads,
+        spec=jaxkv.RingSpec(chunk=3, window=24, sink=3 * sink_chunks),
+    )
     assert np.abs(np.asarray(wide(x) - model(x))).max() > 1e-3
 
 
@@ -68,7 +76,7 @@ def test_layer_streams_over_unstacked_cache(policy, rope):
     step = jax.jit(lambda cache, xc: layer(xc, cache.begin_chunk())[::-1])
     ys = []
     for n in range(4):
-        cache, y = step(cache, x[:, 2 * n:2 * n + 2])
+        cache, y = step(cache, x[:, 2 * n : 2 * n + 2])
         ys.append(y)
     positions = jnp.arange(8, dtype=jnp.int32)[None]
     np.testing.assert_allclose(jnp.concatenate(ys, 1), layer.forward(x, positions), atol=2e-5)
@@ -107,12 +115,13 @@ def test_cached_attention_is_write_read_cast_attend():
     assert out.dtype == jnp.float32
     kc, vc = cache.layer_kv(1)
     np.testing.assert_array_equal(np.asarray(kc[:, 4:6], np.float32), np.asarray(k.astype(jnp.bfloat16), np.float32))
-    assert not np.asarray(cache.layer_kv(0)[0], np.float32).any()   # the other layer is untouched
+    assert not np.asarray(cache.layer_kv(0)[0], np.float32).any()  # the other layer is untouched
     want = jaxkv.attend(q.astype(jnp.bfloat16), kc, vc, cache.chunk_positions(), cache.positions, mask=spec.mask())
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want.astype(jnp.float32)))
     # A float32 query would give a different (more precise) answer: the cast is really there.
-    f32 = jaxkv.attend(q, kc.astype(jnp.float32), vc.astype(jnp.float32), cache.chunk_positions(), cache.positions,
-                       mask=spec.mask())
+    f32 = jaxkv.attend(
+        q, kc.astype(jnp.float32), vc.astype(jnp.float32), cache.chunk_positions(), cache.positions, mask=spec.mask()
+    )
     assert np.abs(np.asarray(f32) - np.asarray(out)).max() > 0
 
     layer = _layer(spec.mask())

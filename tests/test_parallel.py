@@ -19,7 +19,8 @@ import pytest
 from jaxkv import safetensors_io
 from jaxkv.models.wan import config as C
 from jaxkv.models.wan.params import flat_param_shapes, param_shapes
-from jaxkv.parallel import mesh as mesh_lib, rules
+from jaxkv.parallel import mesh as mesh_lib
+from jaxkv.parallel import rules
 from jaxkv.parallel.rollout import session_order
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,8 +31,14 @@ def run_checks(*names: str, timeout: int = 900) -> None:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, os.path.join(HERE, "parallel_checks.py"), *names], capture_output=True,
-                            text=True, env=env, timeout=timeout, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, os.path.join(HERE, "parallel_checks.py"), *names],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     for name in names:
@@ -46,8 +53,9 @@ def test_data_x_model_mesh_matches_one_device():
 
 @pytest.mark.slow
 def test_other_meshes_guidance_loading_hlo_errors():
-    run_checks("model_only", "one_device", "data_only", "guided", "loading", "noise", "errors", "hlo", "generate",
-               timeout=1800)
+    run_checks(
+        "model_only", "one_device", "data_only", "guided", "loading", "noise", "errors", "hlo", "generate", timeout=1800
+    )
 
 
 # ------------------------------------------------------------------------------------------------ in-process
@@ -56,8 +64,14 @@ def test_other_meshes_guidance_loading_hlo_errors():
 def test_parse_mesh():
     assert mesh_lib.parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
     assert mesh_lib.parse_mesh(" model=8 ") == {"data": 1, "model": 8}
-    for bad, words in (("data=2,modl=4", "'modl=4'"), ("data=0", ">= 1"), ("data=x", "positive int"),
-                       ("data=2,data=2", "twice"), ("", "data=N"), ("data", "AXIS=SIZE")):
+    for bad, words in (
+        ("data=2,modl=4", "'modl=4'"),
+        ("data=0", ">= 1"),
+        ("data=x", "positive int"),
+        ("data=2,data=2", "twice"),
+        ("", "data=N"),
+        ("data", "AXIS=SIZE"),
+    ):
         with pytest.raises(ValueError) as e:
             mesh_lib.parse_mesh(bad)
         assert words in str(e.value), (bad, str(e.value))
@@ -77,17 +91,17 @@ def test_rule_table_is_megatron_and_every_rule_is_used():
     config = C.preset("wan2.1-t2v-14b")
     specs = rules.param_specs(param_shapes(config))
     flat = {k: rules.spec_of(k, s) for k, s in flat_param_shapes(config).items()}
-    for pattern, _ in rules.RULES:          # no dead rule: each matches some parameter
+    for pattern, _ in rules.RULES:  # no dead rule: each matches some parameter
         assert any(re.fullmatch(pattern, k) for k in flat), pattern
     for which in ("self_attn", "cross_attn"):
         for name in "qkv":
-            assert flat[f"blocks.{which}.{name}.kernel"] == rules.P(None, None, "model")     # columns: whole heads
-        assert flat[f"blocks.{which}.o.kernel"] == rules.P(None, "model", None)             # rows: one all-reduce
-        assert flat[f"blocks.{which}.o.bias"] == rules.P()                                 # added once, after it
+            assert flat[f"blocks.{which}.{name}.kernel"] == rules.P(None, None, "model")  # columns: whole heads
+        assert flat[f"blocks.{which}.o.kernel"] == rules.P(None, "model", None)  # rows: one all-reduce
+        assert flat[f"blocks.{which}.o.bias"] == rules.P()  # added once, after it
     assert flat["blocks.ffn.fc1.kernel"] == rules.P(None, None, "model")
     assert flat["blocks.ffn.fc2.kernel"] == rules.P(None, "model", None)
     sharded = {k for k, s in flat.items() if any(a is not None for a in s)}
-    assert all(k.startswith("blocks.") for k in sharded)                  # embeddings, head: replicated
+    assert all(k.startswith("blocks.") for k in sharded)  # embeddings, head: replicated
     assert specs["blocks"]["self_attn"]["q"]["kernel"] == flat["blocks.self_attn.q.kernel"]
 
 
@@ -101,7 +115,7 @@ def test_param_bytes_per_device_14b():
     total = sum(int(np.prod(s)) for s in shapes.values()) * 2
     replicated = sum(int(np.prod(s)) for k, s in shapes.items() if rules.spec_of(k, s) == rules.P()) * 2
 
-    class FakeMesh:            # bytes_per_device reads only mesh.shape
+    class FakeMesh:  # bytes_per_device reads only mesh.shape
         shape = {"data": 1, "model": 8}
 
     tree = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in shapes.items()}
@@ -129,14 +143,15 @@ def test_read_slice_reads_only_the_slice(tmp_path, monkeypatch):
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: read.append(real(fd, buffers, offset)) or read[-1])
     cases = 0
-    for index in itertools.product(*[[slice(None), slice(0, 1), slice(1, d), slice(2, 3), slice(3, 3)]
-                                     for d in a.shape]):
+    for index in itertools.product(
+        *[[slice(None), slice(0, 1), slice(1, d), slice(2, 3), slice(3, 3)] for d in a.shape]
+    ):
         for key, stored in (("a", a), ("b", a.astype(ml_dtypes.bfloat16))):
             read.clear()
             got = safetensors_io.read_slice(path, infos[key], index, np.float32)
             assert got.dtype == np.float32
             np.testing.assert_array_equal(got, stored[index].astype(np.float32))
-            assert sum(read) == stored[index].nbytes         # the slice's bytes and no others
+            assert sum(read) == stored[index].nbytes  # the slice's bytes and no others
             cases += 1
     assert cases == 250
     with pytest.raises(ValueError, match="step 2"):

@@ -25,9 +25,16 @@ def test_two_processes_run_the_mesh_stream():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "parallel_multihost.py"), str(i), "2", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "parallel_multihost.py"), str(i), "2", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:

@@ -15,14 +15,14 @@ from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                freq_dim=16)
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4
 
 
-def _rc(**kw):   # the settings of tests/test_recache.py
-    base = dict(chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500),
-                                                                                 context_noise=20.0))
+def _rc(**kw):  # the settings of tests/test_recache.py
+    base = dict(
+        chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500), context_noise=20.0)
+    )
     base.update(kw)
     return R.RolloutConfig(H, W, **base)
 
@@ -33,8 +33,10 @@ def _ctx(seed):
 
 def _solo(params, rc, seed, num_chunks):
     """The stream alone: batch 1, its own Stream."""
-    return [np.asarray(x[0]) for x in R.Stream(params, CFG, rc, _ctx(seed), num_chunks=num_chunks,
-                                               key=jax.random.key(100 + seed))]
+    return [
+        np.asarray(x[0])
+        for x in R.Stream(params, CFG, rc, _ctx(seed), num_chunks=num_chunks, key=jax.random.key(100 + seed))
+    ]
 
 
 @pytest.mark.slow
@@ -42,8 +44,8 @@ def test_pool_of_four_rows_matches_each_stream_run_alone_with_one_compilation():
     rc = _rc()
     params = wan.init_params(CFG, jax.random.key(0))
     pool = P.StreamPool(params, CFG, rc, rows=4)
-    got: dict[int, list] = {}          # stream id -> its chunks
-    where: dict[int, int] = {}         # stream id -> row
+    got: dict[int, list] = {}  # stream id -> its chunks
+    where: dict[int, int] = {}  # stream id -> row
     before = {f: compile_count(getattr(P, f)) for f in ("jit_admit", "jit_step", "jit_finish")}
 
     def admit(stream):
@@ -61,18 +63,18 @@ def test_pool_of_four_rows_matches_each_stream_run_alone_with_one_compilation():
 
     admit(1), admit(2)
     step(), step()
-    admit(3)                                    # joins at chunk 0 while 1 and 2 are at chunk 2
+    admit(3)  # joins at chunk 0 while 1 and 2 are at chunk 2
     step()
-    finish(1)                                   # row 0 frees
-    admit(4)                                    # reuses row 0: must start clean
+    finish(1)  # row 0 frees
+    admit(4)  # reuses row 0: must start clean
     assert where[4] == 0
     admit(5)
-    for _ in range(3):                          # 2 and 3 wrap their windows; 4 and 5 start
+    for _ in range(3):  # 2 and 3 wrap their windows; 4 and 5 start
         step()
     finish(2)
     step()
     with pytest.raises(RuntimeError, match="occupied"):
-        admit(6), admit(7)                      # 6 takes row 1; 7 finds no free row
+        admit(6), admit(7)  # 6 takes row 1; 7 finds no free row
     assert len(pool.free_rows) == 0
     step()
     lengths = {1: 3, 2: 6, 3: 6, 4: 5, 5: 5, 6: 1}
@@ -82,7 +84,7 @@ def test_pool_of_four_rows_matches_each_stream_run_alone_with_one_compilation():
         for i, (g, w) in enumerate(zip(got[stream], want)):
             np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"stream {stream}, chunk {i}")
     for f in ("jit_admit", "jit_step", "jit_finish"):
-        assert compile_count(getattr(P, f)) - before[f] == 1, f       # row numbers and positions are traced
+        assert compile_count(getattr(P, f)) - before[f] == 1, f  # row numbers and positions are traced
 
 
 def test_pool_refuses_bad_rows_and_contexts():

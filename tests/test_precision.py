@@ -14,8 +14,8 @@ from jaxkv import rollout as R
 from jaxkv.models import wan
 from jaxkv.precision import PRESETS, Precision, as_precision
 
-CFG = wan.preset("tiny")      # dim 64, 4 x 16 heads, 2 layers, text 16 x 32, 16 latent channels
-HW = (8, 8)                   # 16 tokens per frame
+CFG = wan.preset("tiny")  # dim 64, 4 x 16 heads, 2 layers, text 16 x 32, 16 latent channels
+HW = (8, 8)  # 16 tokens per frame
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,16 +40,18 @@ def test_presets_names_hashing_and_validation():
     assert Precision() == Precision.f32() == Precision.named("float32") == as_precision("float32")
     bf16 = Precision.bf16()
     assert (bf16.param_dtype, bf16.compute_dtype, bf16.cache_dtype) == ("bfloat16",) * 3
-    assert bf16 == Precision(jnp.bfloat16, "bfloat16", jnp.dtype("bfloat16"))     # dtypes or names
+    assert bf16 == Precision(jnp.bfloat16, "bfloat16", jnp.dtype("bfloat16"))  # dtypes or names
     assert hash(bf16) == hash(Precision.named("bfloat16")) and bf16 != Precision.f32()
     assert Precision.f32().name == "float32" and bf16.name == "bfloat16"
     assert Precision(cache_dtype="bfloat16").name is None
     assert sorted(PRESETS) == ["bfloat16", "float32"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         bf16.cache_dtype = "float32"
-    for bad, match in ((dict(param_dtype="int8"), "param_dtype must be one of"),
-                       (dict(compute_dtype="float64"), "compute_dtype must be one of"),
-                       (dict(cache_dtype="fp8"), "cache_dtype 'fp8' is not a dtype")):
+    for bad, match in (
+        (dict(param_dtype="int8"), "param_dtype must be one of"),
+        (dict(compute_dtype="float64"), "compute_dtype must be one of"),
+        (dict(cache_dtype="fp8"), "cache_dtype 'fp8' is not a dtype"),
+    ):
         with pytest.raises(ValueError, match=match):
             Precision(**bad)
     with pytest.raises(ValueError, match="unknown precision 'bf16'; expected one of"):
@@ -61,20 +63,29 @@ def test_presets_names_hashing_and_validation():
 def test_check_params_names_the_first_mismatched_leaf():
     from jaxkv.models.wan.params import param_shapes
 
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(CFG),
-                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(CFG), is_leaf=lambda x: isinstance(x, tuple)
+    )
     Precision.f32().check_params(params)
     head = params["head"]["head"]["kernel"]
-    mixed = {**params, "head": {**params["head"], "head": {**params["head"]["head"],
-                                                           "kernel": jax.ShapeDtypeStruct(head.shape, jnp.bfloat16)}}}
-    with pytest.raises(ValueError, match=r"params\['head'\]\['head'\]\['kernel'\] is bfloat16 but the "
-                                         r"precision's param_dtype is float32"):
+    mixed = {
+        **params,
+        "head": {
+            **params["head"],
+            "head": {**params["head"]["head"], "kernel": jax.ShapeDtypeStruct(head.shape, jnp.bfloat16)},
+        },
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"params\['head'\]\['head'\]\['kernel'\] is bfloat16 but the "
+        r"precision's param_dtype is float32",
+    ):
         Precision.f32().check_params(mixed)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
     Precision.bf16().check_params(abstract)
     with pytest.raises(ValueError, match="is bfloat16"):
         Precision.f32().check_params(abstract)
-    Precision.f32().check_params({"a": jnp.zeros(2), "steps": jnp.arange(3), "n": 3})   # ints are not weights
+    Precision.f32().check_params({"a": jnp.zeros(2), "steps": jnp.arange(3), "n": 3})  # ints are not weights
 
 
 # ------------------------------------------------------------------------------------------------ the model follows it
@@ -130,8 +141,14 @@ def _dots(jaxpr):
     out = []
     for e in jaxpr.eqns:
         if e.primitive.name == "dot_general":
-            out.append((str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype),
-                        str(e.params["preferred_element_type"]), tuple(e.invars[1].aval.shape)))
+            out.append(
+                (
+                    str(e.invars[0].aval.dtype),
+                    str(e.invars[1].aval.dtype),
+                    str(e.params["preferred_element_type"]),
+                    tuple(e.invars[1].aval.shape),
+                )
+            )
         for sub in jax.extend.core.jaxprs_in_params(e.params):
             out.extend(_dots(sub))
     return out
@@ -155,7 +172,7 @@ def test_the_projections_multiply_in_the_compute_dtype_with_float32_accumulation
     assert all(d[2] == "float32" for d in kernels), kernels
     d, f, out = CFG.dim, CFG.ffn_dim, CFG.patch_volume * CFG.out_dim
     block = [(d, d)] * 6 + [(d, f), (f, d)]
-    fixed = [(CFG.freq_dim, d), (d, d), (d, 6 * d), (d, out)]        # time fc1, fc2, time projection, head
+    fixed = [(CFG.freq_dim, d), (d, d), (d, 6 * d), (d, out)]  # time fc1, fc2, time projection, head
     patch = [(CFG.patch_volume * CFG.in_dim, d)]
     if compute == "float32":
         assert in_f32 == sorted(block + fixed + patch) and len(kernels) == len(in_f32)
@@ -173,9 +190,11 @@ def test_the_bf16_policy_feeds_the_gpu_attention_kernel_bf16_queries_keys_and_va
     state = R.init_state(params, CFG, rc, _context())
     x = jnp.zeros((1, 1, *HW, CFG.in_dim))
     cache = state.cache.begin_chunk()
-    jaxpr = jax.make_jaxpr(lambda p, c, x: wan.forward_chunk(p, CFG, c, state.cross, x, jnp.zeros((1,)),
-                                                             backend="pallas", precision=precision))(
-        params, cache, x).jaxpr
+    jaxpr = jax.make_jaxpr(
+        lambda p, c, x: wan.forward_chunk(
+            p, CFG, c, state.cross, x, jnp.zeros((1,)), backend="pallas", precision=precision
+        )
+    )(params, cache, x).jaxpr
 
     def calls(j):
         for e in j.eqns:
@@ -185,7 +204,7 @@ def test_the_bf16_policy_feeds_the_gpu_attention_kernel_bf16_queries_keys_and_va
                 yield from calls(sub)
 
     found = list(calls(jaxpr))
-    assert len(found) >= 2                              # self- and cross-attention in the layer scan body
+    assert len(found) >= 2  # self- and cross-attention in the layer scan body
     for e in found:
         floats = [str(v.aval.dtype) for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
         assert floats and set(floats) == {"bfloat16"}, floats
@@ -213,9 +232,9 @@ def test_bf16_rollout_stays_within_the_measured_distance_of_float32():
         out[name] = np.asarray(R.jit_rollout(params, CFG, rc, ctx, num_chunks=4, noise=noise).latents, np.float64)
     rel, rms = [], []
     for i in range(4):
-        got, want = out["bf16"][:, 3 * i:3 * i + 3], out["f32"][:, 3 * i:3 * i + 3]
+        got, want = out["bf16"][:, 3 * i : 3 * i + 3], out["f32"][:, 3 * i : 3 * i + 3]
         rel.append(np.abs(got - want).max() / np.abs(want).max())
-        rms.append(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
+        rms.append(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
     assert max(rel) <= 1.5e-2 and max(rms) <= 1.2e-2, (rel, rms)
     assert min(rel) >= 5e-4, rel
     assert max(rel[1:]) <= 2 * max(rel[0], 1e-3), rel

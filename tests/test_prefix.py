@@ -48,7 +48,7 @@ def test_rewrite_replaces_the_prefix_in_place_and_bumps_the_epoch(cls):
         ref.begin()
         ref.write(x, -x)
     epoch = PrefixEpoch.init(3)
-    derived_at = epoch.epoch                      # e.g. a cached partial over the prefix, built now
+    derived_at = epoch.epoch  # e.g. a cached partial over the prefix, built now
     new_k = np.asarray(rng.standard_normal((3, 4, 2, 4)), np.float32)
     chosen = np.array([True, False, True])
     cache, epoch = rewrite_prefix(cache, epoch, jnp.asarray(new_k), jnp.asarray(-new_k), sessions=jnp.asarray(chosen))
@@ -57,14 +57,14 @@ def test_rewrite_replaces_the_prefix_in_place_and_bumps_the_epoch(cls):
     # The reference: the two sink chunks of the chosen sessions replaced, everything else as it was.
     for b in np.flatnonzero(chosen):
         for j in range(spec.sink_chunks):
-            rows = new_k[b, j * 2:(j + 1) * 2]
+            rows = new_k[b, j * 2 : (j + 1) * 2]
             ref.sessions[b]["chunks"][j] = (rows, -rows)
     k, v, pos = cache.chronological()
     for b in range(3):
         rk, rv, rpos = ref.logical(b)
-        np.testing.assert_array_equal(pos[b, :len(rpos)], rpos)
-        np.testing.assert_array_equal(k[b, :len(rpos)], rk)
-        np.testing.assert_array_equal(v[b, :len(rpos)], rv)
+        np.testing.assert_array_equal(pos[b, : len(rpos)], rpos)
+        np.testing.assert_array_equal(k[b, : len(rpos)], rk)
+        np.testing.assert_array_equal(v[b, : len(rpos)], rv)
     # The prefix stays protected afterwards.
     x = _chunk(rng, spec, 3)
     later = cache.begin_chunk().write(x, -x)
@@ -79,7 +79,7 @@ def test_rewrite_of_a_stacked_cache_under_jit():
         cache = cache.write(jnp.ones((2, 2, 1, 2)), jnp.ones((2, 2, 1, 2)), layer=layer)
     new = jnp.arange(3 * 2 * 2 * 2, dtype=jnp.float32).reshape(3, 2, 2, 1, 2)
     out, epoch = jax.jit(rewrite_prefix)(cache, PrefixEpoch.init(2), new, -new)
-    np.testing.assert_array_equal(epoch.epoch, [1, 0])               # session 1 was not ready: untouched
+    np.testing.assert_array_equal(epoch.epoch, [1, 0])  # session 1 was not ready: untouched
     np.testing.assert_array_equal(out.k[:, 0, :2], new[:, 0])
     np.testing.assert_array_equal(out.v[:, 0, :2], -new[:, 0])
     np.testing.assert_array_equal(out.k[:, 1], cache.k[:, 1])

@@ -22,9 +22,8 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 from jaxkv.schedule import Schedule
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                freq_dim=16)
-H, W = 2, 4   # 2 tokens per frame
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
+H, W = 2, 4  # 2 tokens per frame
 
 
 def _params(seed=0):
@@ -36,8 +35,9 @@ def _ctx(seed, batch=1):
 
 
 def _rc(**kw):
-    base = dict(chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500),
-                                                                                 context_noise=20.0))
+    base = dict(
+        chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500), context_noise=20.0)
+    )
     base.update(kw)
     return R.RolloutConfig(H, W, **base)
 
@@ -55,14 +55,16 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
     held = [int(p) // c for p in np.asarray(old_pos[0, ::c]) if p >= 0]
     batch = old_cache.batch
     latents = jnp.concatenate([clean[i] for i in held], axis=1)
-    positions = jnp.broadcast_to(jnp.concatenate([jnp.arange(i * c, (i + 1) * c) for i in held]).astype(jnp.int32),
-                                 (batch, len(held) * c))
+    positions = jnp.broadcast_to(
+        jnp.concatenate([jnp.arange(i * c, (i + 1) * c) for i in held]).astype(jnp.int32), (batch, len(held) * c)
+    )
     n = positions.shape[1]
     sink = (positions < spec.sink)[:, :, None, None]
     cross = M.cross_kv(params, CFG, context)
     relative = rc.rope == "cache-relative"
-    rank_rope = rope_cos_sin(rope_angles(jnp.broadcast_to(jnp.arange(n), (batch, n)), (H // 2, W // 2),
-                                         CFG.head_dim, CFG.rope_theta))
+    rank_rope = rope_cos_sin(
+        rope_angles(jnp.broadcast_to(jnp.arange(n), (batch, n)), (H // 2, W // 2), CFG.head_dim, CFG.rope_theta)
+    )
 
     def self_attention(q, k, v, kv, layer):
         if keep_sink:
@@ -76,14 +78,17 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
 
     zeros = jnp.zeros((CFG.num_layers, batch, n, CFG.num_heads, CFG.head_dim))
     t = jnp.full((batch,), rc.schedule.context_noise)
-    forward = jax.jit(lambda p, x: M._dit(p, CFG, x, t, positions, cross, self_attention, (zeros, zeros), "xla",
-                                          rotate=not relative)[1])
+    forward = jax.jit(
+        lambda p, x: M._dit(p, CFG, x, t, positions, cross, self_attention, (zeros, zeros), "xla", rotate=not relative)[
+            1
+        ]
+    )
     ks, vs = forward(params, latents)
     cache = M.init_cache(CFG, spec, batch, policy=rc.policy)
     for j, i in enumerate(held):
         cache = cache.replace(chunk_start=jnp.full((batch,), (i - 1) * c if i else -1, jnp.int32)).begin_chunk()
         for layer in range(CFG.num_layers):
-            cache = cache.write(ks[layer][:, j * c:(j + 1) * c], vs[layer][:, j * c:(j + 1) * c], layer=layer)
+            cache = cache.write(ks[layer][:, j * c : (j + 1) * c], vs[layer][:, j * c : (j + 1) * c], layer=layer)
     return R.RolloutState(cache, cross)
 
 
@@ -92,7 +97,7 @@ def _stream_then_switch(params, rc, ctx_a, ctx_b, noise, before, keep_sink):
     Returns (clean chunks, the state just before the switch's copy, the state right after the switch)."""
     s = RC.SwitchableStream(R.Stream(params, CFG, rc, ctx_a, noise=noise))
     chunks = [next(s) for _ in range(before)]
-    snapshot = jax.tree.map(jnp.copy, s.state)         # the switch donates the state
+    snapshot = jax.tree.map(jnp.copy, s.state)  # the switch donates the state
     s.switch(ctx_b, keep_sink=keep_sink)
     switched = jax.tree.map(jnp.copy, s.state)
     chunks += list(s)
@@ -100,14 +105,17 @@ def _stream_then_switch(params, rc, ctx_a, ctx_b, noise, before, keep_sink):
 
 
 # Each other setting compiles the stream step and the switch again (~1 min on 2 loaded cores): slow.
-@pytest.mark.parametrize("policy,keep_sink,rope,before", [
-    ("ring", True, "absolute", 5),            # wrapped window, LongLive's global sink
-    ("ring", True, "absolute", 1),            # only the sink chunk is held
-    pytest.param("ring", False, "absolute", 5, marks=pytest.mark.slow),          # sink recomputed too
-    pytest.param("rolling", True, "absolute", 4, marks=pytest.mark.slow),
-    pytest.param("ring", False, "cache-relative", 4, marks=pytest.mark.slow),
-    pytest.param("ring", True, "cache-relative", 5, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "policy,keep_sink,rope,before",
+    [
+        ("ring", True, "absolute", 5),  # wrapped window, LongLive's global sink
+        ("ring", True, "absolute", 1),  # only the sink chunk is held
+        pytest.param("ring", False, "absolute", 5, marks=pytest.mark.slow),  # sink recomputed too
+        pytest.param("rolling", True, "absolute", 4, marks=pytest.mark.slow),
+        pytest.param("ring", False, "cache-relative", 4, marks=pytest.mark.slow),
+        pytest.param("ring", True, "cache-relative", 5, marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.slow
 def test_switch_equals_cache_free_reference_then_continues_alike(policy, keep_sink, rope, before):
     rc = _rc(policy=policy, rope=rope)
@@ -136,7 +144,7 @@ def test_switch_equals_cache_free_reference_then_continues_alike(policy, keep_si
     # continuing from the reference cache with the same noise gives the switched stream's chunks
     state = ref
     for n in range(before, before + after):
-        x, state = R.stream_step(CFG, rc, params, state, None, None, noise[n])     # the stream's own program
+        x, state = R.stream_step(CFG, rc, params, state, None, None, noise[n])  # the stream's own program
         err = float(jnp.abs(x - chunks[n]).max() / jnp.abs(x).max())
         assert err <= 1e-4, (n, err)
 
@@ -144,7 +152,7 @@ def test_switch_equals_cache_free_reference_then_continues_alike(policy, keep_si
 def test_switching_to_the_same_prompt_before_the_window_wraps_changes_nothing():
     """Before any eviction every retained chunk saw exactly what it sees in the re-cache forward, so re-caching
     under the same prompt (sink recomputed) reproduces the K/V and the continuation of an unswitched stream."""
-    rc = _rc()                                  # 3 slots: chunks 0..2 are held before the first eviction
+    rc = _rc()  # 3 slots: chunks 0..2 are held before the first eviction
     params, ctx = _params(), _ctx(1, 2)
     noise = jax.random.normal(jax.random.key(4), rc.noise_shape(CFG, 2, 5))
     plain = list(R.Stream(params, CFG, rc, ctx, noise=noise))
@@ -160,7 +168,7 @@ def test_switches_compile_once_and_never_recompile_the_step():
     noise = jax.random.normal(jax.random.key(5), rc.noise_shape(CFG, 2, 8))
     s = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(1, 2), noise=noise))
     next(s), next(s)
-    s.switch(_ctx(12, 2))                  # the first switch and step compile (or were compiled by another test)
+    s.switch(_ctx(12, 2))  # the first switch and step compile (or were compiled by another test)
     steps, switches = compile_count(R.stream_step), compile_count(RC.jit_switch_prompt)
     assert steps >= 1 and switches >= 1
     for n in range(2, 8):
@@ -182,7 +190,7 @@ def test_guided_switch_recaches_both_sessions():
     before = jax.tree.map(jnp.copy, s.state)
     s.switch(_ctx(2), neg, keep_sink=False)
     k_new, k_old = s.state.cache.k, before.cache.k
-    assert float(jnp.abs(k_new[:, 0] - k_old[:, 0]).max()) > 1e-3          # the conditional row changed
+    assert float(jnp.abs(k_new[:, 0] - k_old[:, 0]).max()) > 1e-3  # the conditional row changed
     np.testing.assert_array_equal(s.state.cache.positions, before.cache.positions)
     assert bool(jnp.isfinite(next(s)).all())
 
@@ -198,7 +206,7 @@ def _stream(rc, chunks=2):
 def test_a_ring_that_lacks_a_held_chunk_is_refused_before_the_state_changes():
     rc = _rc()
     s = _stream(rc)
-    s.ring = RC.LatentRing.init(rc.spec(CFG), rc.chunk_shape(CFG, 2))       # as if never pushed
+    s.ring = RC.LatentRing.init(rc.spec(CFG), rc.chunk_shape(CFG, 2))  # as if never pushed
     before = s.state
     with pytest.raises(ValueError, match="lacks chunk 0"):
         s.switch(_ctx(2, 2))
@@ -220,7 +228,7 @@ def test_switch_argument_errors():
 
 
 def test_latent_ring_follows_the_ring_rule_and_skips_negative_rows():
-    spec = RingSpec(chunk=2, window=4, sink=2)          # 1 sink slot, 2 window slots
+    spec = RingSpec(chunk=2, window=4, sink=2)  # 1 sink slot, 2 window slots
     ring = RC.LatentRing.init(spec, (2, 1, 1, 1, 1))
     for n in range(5):
         idx = jnp.array([n, n if n < 3 else -1], jnp.int32)
@@ -239,22 +247,35 @@ def _schedule(tmp_path, entries, name="schedule.json"):
     return str(path)
 
 
-@pytest.mark.parametrize("entries,extra,expect", [
-    ([{"chunk": 1, "prompt": "a"}], [], "must start at chunk 0"),
-    ([{"chunk": 0, "prompt": "a"}, {"chunk": 0, "prompt": "b"}], [], "strictly increase"),
-    ([{"chunk": 0, "prompt": "a"}, {"chunk": 3, "prompt": "b"}], [], "chunk 3 is not generated"),
-    ([{"chunk": 0, "prompt": "a", "context": "x.npy"}], [], "exactly one of"),
-    ([{"chunk": 0, "text": "a"}], [], "unknown keys ['text']"),
-    ([{"chunk": -1, "prompt": "a"}], [], "chunk must be an int >= 0"),
-    ({"chunk": 0}, [], "non-empty JSON list"),
-    ([{"chunk": 0, "context": "missing.npy"}], [], "does not exist"),
-    ([{"chunk": 0, "prompt": "a"}], ["--context", "c.npy"], "not with --context"),
-    ([{"chunk": 0, "prompt": "a"}], ["--guidance-scale", "2"], "needs --negative-prompt"),
-    (None, ["--switch-sink", "keep"], "--switch-sink needs --prompt-schedule"),
-])
+@pytest.mark.parametrize(
+    "entries,extra,expect",
+    [
+        ([{"chunk": 1, "prompt": "a"}], [], "must start at chunk 0"),
+        ([{"chunk": 0, "prompt": "a"}, {"chunk": 0, "prompt": "b"}], [], "strictly increase"),
+        ([{"chunk": 0, "prompt": "a"}, {"chunk": 3, "prompt": "b"}], [], "chunk 3 is not generated"),
+        ([{"chunk": 0, "prompt": "a", "context": "x.npy"}], [], "exactly one of"),
+        ([{"chunk": 0, "text": "a"}], [], "unknown keys ['text']"),
+        ([{"chunk": -1, "prompt": "a"}], [], "chunk must be an int >= 0"),
+        ({"chunk": 0}, [], "non-empty JSON list"),
+        ([{"chunk": 0, "context": "missing.npy"}], [], "does not exist"),
+        ([{"chunk": 0, "prompt": "a"}], ["--context", "c.npy"], "not with --context"),
+        ([{"chunk": 0, "prompt": "a"}], ["--guidance-scale", "2"], "needs --negative-prompt"),
+        (None, ["--switch-sink", "keep"], "--switch-sink needs --prompt-schedule"),
+    ],
+)
 def test_cli_bad_prompt_schedules_are_one_line_errors(tmp_path, capsys, entries, extra, expect):
-    argv = ["--out", str(tmp_path / "out"), "--num-chunks", "3", "--no-progress", "--no-video", "--preset", "tiny",
-            "--random-weights", *extra]     # toy-world schedules: test_generate_toy.py
+    argv = [
+        "--out",
+        str(tmp_path / "out"),
+        "--num-chunks",
+        "3",
+        "--no-progress",
+        "--no-video",
+        "--preset",
+        "tiny",
+        "--random-weights",
+        *extra,
+    ]  # toy-world schedules: test_generate_toy.py
     if entries is not None:
         argv += ["--prompt-schedule", _schedule(tmp_path, entries)]
     assert G.main(argv) == 2
@@ -269,8 +290,17 @@ def test_cli_prompt_schedule_switches_at_its_chunk_and_only_there(tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "a.npy", rng.standard_normal((4, text_dim)).astype(np.float32))
     np.save(tmp_path / "b.npy", rng.standard_normal((6, text_dim)).astype(np.float32))
-    common = ["--num-chunks", "4", "--no-progress", "--no-video", "--rope", "cache-relative", "--preset", "tiny",
-              "--random-weights"]
+    common = [
+        "--num-chunks",
+        "4",
+        "--no-progress",
+        "--no-video",
+        "--rope",
+        "cache-relative",
+        "--preset",
+        "tiny",
+        "--random-weights",
+    ]
 
     def run(name, *extra):
         assert G.main(["--out", str(tmp_path / name), *common, *extra]) == 0
@@ -278,14 +308,18 @@ def test_cli_prompt_schedule_switches_at_its_chunk_and_only_there(tmp_path):
 
     plain, _ = run("plain", "--context", str(tmp_path / "a.npy"))
     one, _ = run("one", "--prompt-schedule", _schedule(tmp_path, [{"chunk": 0, "context": "a.npy"}], "one.json"))
-    two, summary = run("two", "--switch-sink", "recompute", "--prompt-schedule",
-                       _schedule(tmp_path, [{"chunk": 0, "context": "a.npy"}, {"chunk": 2, "context": "b.npy"}],
-                                 "two.json"))
+    two, summary = run(
+        "two",
+        "--switch-sink",
+        "recompute",
+        "--prompt-schedule",
+        _schedule(tmp_path, [{"chunk": 0, "context": "a.npy"}, {"chunk": 2, "context": "b.npy"}], "two.json"),
+    )
     cf = G.DEFAULTS["chunk_frames"]
-    np.testing.assert_array_equal(one, plain)                   # a one-entry schedule is --context
-    np.testing.assert_array_equal(two[:, :2 * cf], plain[:, :2 * cf])
-    assert np.abs(two[:, 2 * cf:] - plain[:, 2 * cf:]).max() > 1e-3
+    np.testing.assert_array_equal(one, plain)  # a one-entry schedule is --context
+    np.testing.assert_array_equal(two[:, : 2 * cf], plain[:, : 2 * cf])
+    assert np.abs(two[:, 2 * cf :] - plain[:, 2 * cf :]).max() > 1e-3
     assert summary["switch_compilations"] == 1
-    assert summary["compilations"] == 0          # the step the first runs compiled: switching recompiles nothing
+    assert summary["compilations"] == 0  # the step the first runs compiled: switching recompiles nothing
     assert summary["rope"] == "cache-relative" and summary["switch_sink"] == "recompute"
     assert [e["chunk"] for e in summary["prompt_schedule"]] == [0, 2]

@@ -24,16 +24,16 @@ def _filled(policy, chunks, batch=2):
 
 def _held(cache, b):
     pos = np.asarray(cache.positions[b])
-    return sorted(set((pos[pos >= 0] // 2).tolist()))   # chunks held
+    return sorted(set((pos[pos >= 0] // 2).tolist()))  # chunks held
 
 
 @pytest.mark.parametrize("policy", ["ring", "rolling"])
 def test_release_evicts_the_span_and_never_the_prefix(policy):
-    cache = _filled(policy, 6)                       # sink chunk 0 + window of chunks 2..5
+    cache = _filled(policy, 6)  # sink chunk 0 + window of chunks 2..5
     assert _held(cache, 0) == [0, 2, 3, 4, 5]
-    out = C.release(cache, 8)                        # positions [2, 8): chunks 1..3 (chunk 1 already evicted)
+    out = C.release(cache, 8)  # positions [2, 8): chunks 1..3 (chunk 1 already evicted)
     assert _held(out, 0) == _held(out, 1) == [0, 4, 5]
-    np.testing.assert_array_equal(out.k, cache.k)    # nothing moves
+    np.testing.assert_array_equal(out.k, cache.k)  # nothing moves
     assert _held(C.release(cache, 0), 0) == [0, 2, 3, 4, 5]
     only = C.release(cache, 100, sessions=jnp.array([False, True]))
     assert _held(only, 0) == [0, 2, 3, 4, 5] and _held(only, 1) == [0]

@@ -12,14 +12,13 @@ import optax
 import pytest
 
 from jaxkv import rollout as R
-from jaxkv.models import wan
 from jaxkv.compilation import compile_count
+from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                freq_dim=16)
-H, W = 2, 4   # 2 tokens per frame
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
+H, W = 2, 4  # 2 tokens per frame
 
 
 def _params(seed=0):
@@ -36,12 +35,15 @@ def reference_rollout(params, rc, context, noise, negative_context=None):
     timestep) and keeps the current chunk's output. The schedule is recomputed here from its definition (steps,
     shift and context_noise read from the Schedule's fields, not from its methods)."""
     s = rc.schedule
-    lin = np.asarray(s.steps) / 1000.0        # table index 1000 - d holds the unshifted sigma d/1000
+    lin = np.asarray(s.steps) / 1000.0  # table index 1000 - d holds the unshifted sigma d/1000
     sig = s.shift * lin / (1 + (s.shift - 1) * lin)
     num_chunks, steps, batch, cf = noise.shape[:4]
-    done = []   # clean chunks [batch, cf, H, W, C]
-    fwd = jax.jit(lambda x, t, c: wan.forward_block_causal(params, CFG, x, t, c, chunk_frames=cf,
-                                                           window_frames=rc.window_frames, sink_frames=rc.sink_frames))
+    done = []  # clean chunks [batch, cf, H, W, C]
+    fwd = jax.jit(
+        lambda x, t, c: wan.forward_block_causal(
+            params, CFG, x, t, c, chunk_frames=cf, window_frames=rc.window_frames, sink_frames=rc.sink_frames
+        )
+    )
 
     def flow_of(x, t, ctx):
         hist = jnp.concatenate(done + [x], axis=1)
@@ -55,7 +57,7 @@ def reference_rollout(params, rc, context, noise, negative_context=None):
             if negative_context is not None:
                 vn = flow_of(x, 1000.0 * sig[i], negative_context)
                 v = vn + rc.guidance_scale * (v - vn)
-            if s.sampler == "euler":          # the flow ODE, one Euler step from sigma i to sigma i + 1 (or 0)
+            if s.sampler == "euler":  # the flow ODE, one Euler step from sigma i to sigma i + 1 (or 0)
                 x = x + ((sig[i + 1] if i + 1 < steps else 0.0) - sig[i]) * v
                 continue
             x0 = x - sig[i] * v
@@ -68,8 +70,15 @@ def reference_rollout(params, rc, context, noise, negative_context=None):
 @pytest.mark.slow
 def test_rollout_equals_cache_free_reference_with_sink_and_wrapping_window(policy, context_noise):
     num_chunks = 5
-    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
-                         schedule=Schedule(steps=(1000, 600, 250), context_noise=context_noise))
+    rc = R.RolloutConfig(
+        H,
+        W,
+        chunk_frames=1,
+        window_frames=2,
+        sink_frames=1,
+        policy=policy,
+        schedule=Schedule(steps=(1000, 600, 250), context_noise=context_noise),
+    )
     params, ctx = _params(), _ctx(batch=2)
     noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, num_chunks))
     got = R.jit_rollout(params, CFG, rc, ctx, num_chunks=num_chunks, noise=noise).latents
@@ -81,8 +90,14 @@ def test_rollout_equals_cache_free_reference_with_sink_and_wrapping_window(polic
 
 @pytest.mark.slow
 def test_euler_sampler_equals_the_flow_ode_reference():
-    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1,
-                         schedule=Schedule(steps=(1000, 750, 500, 250), shift=1.0, sampler="euler"))
+    rc = R.RolloutConfig(
+        H,
+        W,
+        chunk_frames=1,
+        window_frames=2,
+        sink_frames=1,
+        schedule=Schedule(steps=(1000, 750, 500, 250), shift=1.0, sampler="euler"),
+    )
     params, ctx = _params(), _ctx(batch=2)
     noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, 4))
     got = R.jit_rollout(params, CFG, rc, ctx, num_chunks=4, noise=noise).latents
@@ -99,17 +114,23 @@ def test_euler_sampler_equals_the_flow_ode_reference():
 
 @pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_guidance_runs_the_negative_context_as_a_second_session():
-    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, guidance_scale=3.0,
-                         schedule=Schedule(steps=(1000, 500)))
+    rc = R.RolloutConfig(
+        H, W, chunk_frames=1, window_frames=2, guidance_scale=3.0, schedule=Schedule(steps=(1000, 500))
+    )
     params, ctx, neg = _params(3), _ctx(4), _ctx(5)
     noise = jax.random.normal(jax.random.key(6), rc.noise_shape(CFG, 1, 3))
     got = R.jit_rollout(params, CFG, rc, ctx, num_chunks=3, noise=noise, negative_context=neg)
     assert got.state.cache.batch == 2
     want = reference_rollout(params, rc, ctx, noise, negative_context=neg)
     assert float(jnp.abs(got.latents - want).max() / jnp.abs(want).max()) <= 1e-4
-    unguided = R.jit_rollout(params, CFG, R.RolloutConfig(H, W, chunk_frames=1, window_frames=2,
-                                                          schedule=Schedule(steps=(1000, 500))),
-                             ctx, num_chunks=3, noise=noise).latents
+    unguided = R.jit_rollout(
+        params,
+        CFG,
+        R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500))),
+        ctx,
+        num_chunks=3,
+        noise=noise,
+    ).latents
     assert float(jnp.abs(unguided - want).max()) > 1e-3
 
 
@@ -120,18 +141,18 @@ def test_stream_equals_scan_rollout_for_20_chunks_with_one_compilation():
     key = jax.random.key(9)
     results = {}
     for policy in ("ring", "rolling"):
-        rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
-                             schedule=Schedule(steps=(1000, 500)))
+        rc = R.RolloutConfig(
+            H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy, schedule=Schedule(steps=(1000, 500))
+        )
         before = compile_count(R.stream_step)
         stream = R.Stream(params, CFG, rc, ctx, num_chunks=20, key=key)
         chunks = list(stream)
         assert len(chunks) == 20 and stream.index == 20
-        assert compile_count(R.stream_step) - before == 1     # one program for all 20 chunks
+        assert compile_count(R.stream_step) - before == 1  # one program for all 20 chunks
         streamed = jnp.concatenate(chunks, axis=1)
         whole = R.jit_rollout(params, CFG, rc, ctx, num_chunks=20, key=key)
         np.testing.assert_allclose(np.asarray(streamed), np.asarray(whole.latents), atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(stream.state.cache.positions),
-                                      np.asarray(whole.state.cache.positions))
+        np.testing.assert_array_equal(np.asarray(stream.state.cache.positions), np.asarray(whole.state.cache.positions))
         results[policy] = streamed
         assert np.isfinite(np.asarray(streamed)).all()
     np.testing.assert_allclose(np.asarray(results["ring"]), np.asarray(results["rolling"]), atol=1e-5)
@@ -162,15 +183,24 @@ def test_rollout_can_continue_from_its_state():
 def test_committing_a_streams_own_chunks_gives_its_state(policy):
     # the cache after committing a stream's 4 chunks (past the first eviction: sink 1 + window 2) holds what the
     # stream's own commit passes wrote, so the next chunk comes out the same
-    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy,
-                         schedule=Schedule(steps=(1000, 500), context_noise=20.0))
+    rc = R.RolloutConfig(
+        H,
+        W,
+        chunk_frames=1,
+        window_frames=2,
+        sink_frames=1,
+        policy=policy,
+        schedule=Schedule(steps=(1000, 500), context_noise=20.0),
+    )
     params, ctx, key = _params(20), _ctx(21, batch=2), jax.random.key(22)
     first = R.rollout(params, CFG, rc, ctx, num_chunks=4, key=key)
     state = R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx), first.latents)
     for a, b in zip(jax.tree.leaves(state.cache), jax.tree.leaves(first.state.cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    nxt = [R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
-           for s in (first.state, state)]
+    nxt = [
+        R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
+        for s in (first.state, state)
+    ]
     np.testing.assert_allclose(np.asarray(nxt[1]), np.asarray(nxt[0]), atol=1e-5)
     for bad in (first.latents[:, :0], first.latents[..., :2], first.latents[:1]):
         with pytest.raises(ValueError, match="commit" if bad.shape[0] == 2 else "sessions"):
@@ -180,16 +210,25 @@ def test_committing_a_streams_own_chunks_gives_its_state(policy):
 def test_committing_a_guided_streams_own_chunks_gives_its_state():
     # a guided stream commits each chunk to both sessions of its row (the conditional and the negative one); commit
     # under guidance must write the same caches, so the stream continues the same from either state
-    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, guidance_scale=2.5,
-                         schedule=Schedule(steps=(1000, 500), context_noise=20.0))
+    rc = R.RolloutConfig(
+        H,
+        W,
+        chunk_frames=1,
+        window_frames=2,
+        sink_frames=1,
+        guidance_scale=2.5,
+        schedule=Schedule(steps=(1000, 500), context_noise=20.0),
+    )
     params, ctx, neg, key = _params(23), _ctx(24, batch=2), _ctx(25, batch=2), jax.random.key(26)
     first = R.rollout(params, CFG, rc, ctx, num_chunks=4, key=key, negative_context=neg)
     state = R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx, neg), first.latents)
     assert state.cache.batch == 4
     for a, b in zip(jax.tree.leaves(state.cache), jax.tree.leaves(first.state.cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    nxt = [R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
-           for s in (first.state, state)]
+    nxt = [
+        R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
+        for s in (first.state, state)
+    ]
     np.testing.assert_allclose(np.asarray(nxt[1]), np.asarray(nxt[0]), atol=1e-5)
     unguided = dataclasses.replace(rc, guidance_scale=None)
     with pytest.raises(ValueError, match="4 sessions, the latents 2 rows"):
@@ -215,19 +254,22 @@ def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
     # the gradient reaches the keys/values through the cache writes: compare directional derivatives with central
     # finite differences along random directions, one over all parameters and one over the self-attention key/value
     # projections only (float32, so a loose tolerance; gradients lost in the cache writes would make the second ~0)
-    f = lambda p: value_and_grad(p)[0]       # reuses the one compiled program
+    f = lambda p: value_and_grad(p)[0]  # reuses the one compiled program
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(17), len(leaves))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for only_kv in (False, True):
-        direction = [jax.random.normal(k, x.shape) * (not only_kv or ("self_attn" in path and ("'k'" in path or
-                                                                                               "'v'" in path)))
-                     for k, x, path in zip(keys, leaves, paths)]
-        norm = jnp.sqrt(sum(jnp.sum(d ** 2) for d in direction))
+        direction = [
+            jax.random.normal(k, x.shape) * (not only_kv or ("self_attn" in path and ("'k'" in path or "'v'" in path)))
+            for k, x, path in zip(keys, leaves, paths)
+        ]
+        norm = jnp.sqrt(sum(jnp.sum(d**2) for d in direction))
         direction = jax.tree.unflatten(treedef, [d / norm for d in direction])
         eps = 3e-2
-        fd = (f(jax.tree.map(lambda p, d: p + eps * d, params, direction))
-              - f(jax.tree.map(lambda p, d: p - eps * d, params, direction))) / (2 * eps)
+        fd = (
+            f(jax.tree.map(lambda p, d: p + eps * d, params, direction))
+            - f(jax.tree.map(lambda p, d: p - eps * d, params, direction))
+        ) / (2 * eps)
         ad = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
         assert abs(float(fd)) > 1e-4
         assert abs(float(fd) - float(ad)) <= 0.05 * abs(float(fd)), (only_kv, fd, ad)
@@ -237,9 +279,14 @@ def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
     assert float(f(optax.apply_updates(params, updates))) < float(value)
 
 
-@pytest.mark.parametrize("extra", [{}, {"rope": "cache-relative"},
-                                   pytest.param({"dilated_every": 2, "dilation": 2, "buckets": 2, "sink_frames": 0},
-                                                marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"rope": "cache-relative"},
+        pytest.param({"dilated_every": 2, "dilation": 2, "buckets": 2, "sink_frames": 0}, marks=pytest.mark.slow),
+    ],
+)
 def test_remat_gives_the_gradient_of_the_rollout_without_it(extra):
     """`RolloutConfig(remat=True)` recomputes each block in the backward pass (a ``remat2`` equation in the gradient's
     program, none without it) and gives the same loss and gradient (float rounding), on the plain, the
@@ -252,13 +299,14 @@ def test_remat_gives_the_gradient_of_the_rollout_without_it(extra):
     params, ctx = _params(21), _ctx(22)
     noise = jax.random.normal(jax.random.key(23), rc.noise_shape(CFG, 1, 3))
     target = jax.random.normal(jax.random.key(24), (1, 3, H, W, CFG.in_dim))
+
     def make_loss(remat):
         cfg = dataclasses.replace(rc, remat=remat)
         return lambda p: jnp.mean((R.rollout(p, CFG, cfg, ctx, num_chunks=3, noise=noise).latents - target) ** 2)
 
     remat_gradients_agree(make_loss, params)
     cache = R.init_state(params, CFG, rc, ctx).cache
-    if not rc.dilated_every:        # (a session holds no mixed dense/dilated cache)
+    if not rc.dilated_every:  # (a session holds no mixed dense/dilated cache)
         remat_rc = dataclasses.replace(rc, remat=True)
         assert session.fingerprint(CFG, rc, cache) == session.fingerprint(CFG, remat_rc, cache)
     with pytest.raises(ValueError, match="RolloutConfig.remat must be a bool"):
@@ -272,10 +320,22 @@ def test_self_forcing_schedule_values():
     np.testing.assert_allclose(Schedule(warp=False).timesteps(), [1000, 750, 500, 250])
     t, sigma, nxt = s.passes()
     assert t[-1] == 0.0 and sigma[-1] == 0.0 and nxt[-2] == 0.0
-    for bad in ({"steps": ()}, {"steps": (500, 750)}, {"steps": (1001,)}, {"shift": 0.0},
-                {"shift": float("inf")}, {"shift": float("nan")}, {"shift": True}, {"shift": "5"},
-                {"context_noise": -1}, {"context_noise": float("nan")}, {"context_noise": float("inf")},
-                {"num_train_timesteps": 1000.0}, {"num_train_timesteps": 0}, {"warp": 1}):
+    for bad in (
+        {"steps": ()},
+        {"steps": (500, 750)},
+        {"steps": (1001,)},
+        {"shift": 0.0},
+        {"shift": float("inf")},
+        {"shift": float("nan")},
+        {"shift": True},
+        {"shift": "5"},
+        {"context_noise": -1},
+        {"context_noise": float("nan")},
+        {"context_noise": float("inf")},
+        {"num_train_timesteps": 1000.0},
+        {"num_train_timesteps": 0},
+        {"warp": 1},
+    ):
         with pytest.raises(ValueError):
             Schedule(**bad)
 
@@ -292,11 +352,23 @@ def test_bad_rollout_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="noise must be"):
         R.rollout(params, CFG, rc, ctx, num_chunks=2, noise=jnp.zeros((2, 4, 1, 1, H, W, 3)))
     with pytest.raises(ValueError, match="negative_context"):
-        R.rollout(params, CFG, R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, guidance_scale=2.0), ctx,
-                  num_chunks=1, key=jax.random.key(0))
+        R.rollout(
+            params,
+            CFG,
+            R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, guidance_scale=2.0),
+            ctx,
+            num_chunks=1,
+            key=jax.random.key(0),
+        )
     with pytest.raises(ValueError, match="divisible"):
-        R.rollout(params, CFG, R.RolloutConfig(3, W, chunk_frames=1, window_frames=2), ctx, num_chunks=1,
-                  key=jax.random.key(0))
+        R.rollout(
+            params,
+            CFG,
+            R.RolloutConfig(3, W, chunk_frames=1, window_frames=2),
+            ctx,
+            num_chunks=1,
+            key=jax.random.key(0),
+        )
 
 
 def test_stream_rejects_more_chunks_than_the_noise_holds():
@@ -311,8 +383,18 @@ def test_stream_rejects_more_chunks_than_the_noise_holds():
 
 @pytest.mark.slow
 def test_rollout_rejects_a_temporal_patch_and_bad_guidance_or_context():
-    cfg = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=1, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                    freq_dim=16, patch_size=(2, 2, 2))
+    cfg = WanConfig(
+        dim=32,
+        ffn_dim=48,
+        num_heads=2,
+        num_layers=1,
+        in_dim=4,
+        out_dim=4,
+        text_dim=8,
+        text_len=5,
+        freq_dim=16,
+        patch_size=(2, 2, 2),
+    )
     rc = R.RolloutConfig(H, W, chunk_frames=2, window_frames=4)
     with pytest.raises(ValueError, match="temporal patch of 1"):
         R.init_state(wan.init_params(cfg, jax.random.key(0)), cfg, rc, _ctx())
@@ -334,7 +416,7 @@ def test_rollout_and_stream_refuse_to_pass_the_int32_position_limit():
     params, ctx = _params(), _ctx()
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2)
     limit = rc.spec(CFG).max_chunks
-    assert limit == 2 ** 31 // 2   # 2 tokens per frame, 1-frame chunks
+    assert limit == 2**31 // 2  # 2 tokens per frame, 1-frame chunks
     with pytest.raises(ValueError, match="int32 position limit"):
         R.rollout(params, CFG, rc, ctx, num_chunks=limit + 1, key=jax.random.key(0))
     with pytest.raises(ValueError, match="int32 position limit"):

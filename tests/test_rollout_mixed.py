@@ -20,9 +20,8 @@ from jaxkv.schedule import Schedule
 from tests.dilated_reference import DilatedHistory
 from tests.masked_reference import chunk_rows, dense_window_rows, reference_rollout
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=4, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                freq_dim=16)
-H, W = 2, 4   # 2 tokens per frame
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=4, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
+H, W = 2, 4  # 2 tokens per frame
 SCHEDULE = Schedule(steps=(1000, 500), context_noise=21.0)
 
 
@@ -55,13 +54,25 @@ def layer_masks(rc, num_chunks):
 
 
 @pytest.mark.slow  # each case compiles a rollout and ~20 reference forwards: minutes on 2 loaded cores
-@pytest.mark.parametrize("every,chunk_frames,window,sink,dilation,buckets,num_chunks", [
-    (2, 2, 4, 2, 3, 2, 6),    # 12 frames: kept 0, 3, 6, 9 in 2 buckets (wraps twice); kept frames fall mid-chunk
-    (1, 1, 1, 0, 2, 2, 9),    # every layer dilated, 9 one-frame chunks
-])
+@pytest.mark.parametrize(
+    "every,chunk_frames,window,sink,dilation,buckets,num_chunks",
+    [
+        (2, 2, 4, 2, 3, 2, 6),  # 12 frames: kept 0, 3, 6, 9 in 2 buckets (wraps twice); kept frames fall mid-chunk
+        (1, 1, 1, 0, 2, 2, 9),  # every layer dilated, 9 one-frame chunks
+    ],
+)
 def test_mixed_rollout_equals_cache_free_reference(every, chunk_frames, window, sink, dilation, buckets, num_chunks):
-    rc = R.RolloutConfig(H, W, chunk_frames=chunk_frames, window_frames=window, sink_frames=sink, schedule=SCHEDULE,
-                         dilated_every=every, dilation=dilation, buckets=buckets)
+    rc = R.RolloutConfig(
+        H,
+        W,
+        chunk_frames=chunk_frames,
+        window_frames=window,
+        sink_frames=sink,
+        schedule=SCHEDULE,
+        dilated_every=every,
+        dilation=dilation,
+        buckets=buckets,
+    )
     masks = layer_masks(rc, num_chunks)
     # The dilated rows really differ from the dense ones and drop frames (the test would not see a dense rollout
     # pass for a dilated one): some kept frame stays visible past the dense window, some frame is never seen later.
@@ -81,8 +92,9 @@ def test_all_dense_configuration_is_todays_rollout_and_dilation_one_is_a_dense_w
     base = dict(latent_height=H, latent_width=W, chunk_frames=1, window_frames=3, schedule=SCHEDULE)
     dense = R.RolloutConfig(**base)
     # dilated_every=0 is the plain rollout: the same static config (same jit cache entry, same program), a RingCache
-    assert R.RolloutConfig(**base, dilated_every=0) == dense and hash(R.RolloutConfig(**base, dilated_every=0)) == \
-        hash(dense)
+    assert R.RolloutConfig(**base, dilated_every=0) == dense and hash(R.RolloutConfig(**base, dilated_every=0)) == hash(
+        dense
+    )
     params, ctx = _params(), _ctx()
     state = R.init_state(params, CFG, dense, ctx)
     assert type(state.cache) is C.RingCache and state.cache.layers == CFG.num_layers
@@ -107,8 +119,16 @@ def test_mixed_stream_compiles_once_and_its_memory_does_not_grow_with_the_dilate
     def growth(every):
         temps, sizes = [], []
         for buckets in (2, 128):
-            rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=SCHEDULE, dilated_every=every,
-                                 dilation=2, buckets=buckets)
+            rc = R.RolloutConfig(
+                H,
+                W,
+                chunk_frames=1,
+                window_frames=2,
+                schedule=SCHEDULE,
+                dilated_every=every,
+                dilation=2,
+                buckets=buckets,
+            )
             state = R.init_state(params12, cfg12, rc, ctx)
             noise = jnp.zeros((rc.steps, *rc.chunk_shape(cfg12, 1)))
             compiled = R.stream_step.lower(cfg12, rc, params12, state, None, None, noise).compile()
@@ -122,8 +142,9 @@ def test_mixed_stream_compiles_once_and_its_memory_does_not_grow_with_the_dilate
         assert temp <= 1.05 * single and temp < 0.5 * cache, (every, temp, single, cache)
 
     params = _params()
-    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=SCHEDULE, dilated_every=2, dilation=2,
-                         buckets=2)
+    rc = R.RolloutConfig(
+        H, W, chunk_frames=1, window_frames=2, schedule=SCHEDULE, dilated_every=2, dilation=2, buckets=2
+    )
     before = compile_count(R.stream_step)
     chunks = list(R.Stream(params, CFG, rc, ctx, num_chunks=7, key=jax.random.key(4)))
     assert len(chunks) == 7 and compile_count(R.stream_step) - before == 1
@@ -147,7 +168,7 @@ def test_dilated_rollout_configuration_errors_are_clear():
         R.RolloutConfig(**base, sink_frames=2, dilated_every=1, dilation=2, buckets=2)
     with pytest.raises(ValueError, match="policy is the dense layers"):
         R.RolloutConfig(**base, policy="dilated")
-    rc = R.RolloutConfig(**base, dilated_every=3, dilation=2, buckets=2)   # 4 layers: not a multiple of 3
+    rc = R.RolloutConfig(**base, dilated_every=3, dilation=2, buckets=2)  # 4 layers: not a multiple of 3
     with pytest.raises(ValueError, match="4 layers is not a multiple of 3"):
         R.init_state(_params(), CFG, rc, _ctx())
 

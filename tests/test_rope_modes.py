@@ -19,15 +19,15 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 from jaxkv.schedule import Schedule
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                freq_dim=16)
-H, W = 2, 4   # 2 tokens per frame
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
+H, W = 2, 4  # 2 tokens per frame
 GRID = (H // 2, W // 2)
 
 
-def _rc(**kw):   # the settings of tests/test_recache.py (shared compilations when run together)
-    base = dict(chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500),
-                                                                                 context_noise=20.0))
+def _rc(**kw):  # the settings of tests/test_recache.py (shared compilations when run together)
+    base = dict(
+        chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500), context_noise=20.0)
+    )
     base.update(kw)
     return R.RolloutConfig(H, W, **base)
 
@@ -58,7 +58,7 @@ def reference_relative_stream(params, rc, context, noise):
         """hk, hv [layers, batch, hist_len, heads, head_dim]: m valid tokens first, then padding."""
         idx = jnp.arange(hist_len + c)
         kv_pos = jnp.broadcast_to(jnp.where((idx < m) | (idx >= hist_len), idx, -1), (batch, hist_len + c))
-        kv_rank = jnp.where(idx >= hist_len, m + idx - hist_len, idx)          # index in the list
+        kv_rank = jnp.where(idx >= hist_len, m + idx - hist_len, idx)  # index in the list
         q_rank = jnp.broadcast_to(m + jnp.arange(c), (batch, c))
         k_rot, q_rot = rot(jnp.broadcast_to(kv_rank, (batch, hist_len + c))), rot(q_rank)
 
@@ -69,8 +69,7 @@ def reference_relative_stream(params, rc, context, noise):
             return out, (rec[0].at[layer].set(k), rec[1].at[layer].set(v))
 
         zeros = jnp.zeros((CFG.num_layers, batch, c, CFG.num_heads, CFG.head_dim))
-        return M._dit(params, CFG, x, jnp.full((batch,), tt), q_rank, cross, attn, (zeros, zeros), "xla",
-                      rotate=False)
+        return M._dit(params, CFG, x, jnp.full((batch,), tt), q_rank, cross, attn, (zeros, zeros), "xla", rotate=False)
 
     history, out = [], []
     for n in range(noise.shape[0]):
@@ -85,7 +84,7 @@ def reference_relative_stream(params, rc, context, noise):
             x0 = x - sigma[i] * f
             eps = noise[n, i + 1] if i + 1 < noise.shape[1] else 0.0
             x = (1 - next_sigma[i]) * x0 + next_sigma[i] * eps
-        history.append(rec)          # the context pass's K/V
+        history.append(rec)  # the context pass's K/V
         out.append(x)
     return out
 
@@ -94,7 +93,7 @@ def reference_relative_stream(params, rc, context, noise):
 def test_cache_relative_stream_equals_rerotating_a_chronological_copy():
     rc = _rc(rope="cache-relative")
     params, ctx = _params(), _ctx(1)
-    noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, 6))     # the window wraps twice
+    noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, 6))  # the window wraps twice
     got = list(R.Stream(params, CFG, rc, ctx, noise=noise))
     want = reference_relative_stream(params, rc, ctx, noise)
     for n, (g, w) in enumerate(zip(got, want)):
@@ -102,7 +101,7 @@ def test_cache_relative_stream_equals_rerotating_a_chronological_copy():
         assert err <= 1e-4, (n, err)
     # the mode matters: absolute RoPE gives another stream once the frames the model sees differ (chunk 2 on)
     absolute = list(R.Stream(params, CFG, _rc(), ctx, noise=noise))
-    assert float(jnp.abs(absolute[0] - got[0]).max()) <= 1e-5        # chunk 0: frame 0 in both modes
+    assert float(jnp.abs(absolute[0] - got[0]).max()) <= 1e-5  # chunk 0: frame 0 in both modes
     assert float(jnp.abs(absolute[-1] - got[-1]).max()) > 1e-3
 
 
@@ -120,7 +119,7 @@ def test_cache_relative_keys_are_cached_unrotated():
     k_rel = rel.state.cache.k[:, :, :c]
     rotated = jax.vmap(lambda k: apply_rope(k, *rope_cos_sin(rope_angles(pos, GRID, CFG.head_dim))))(k_rel)
     np.testing.assert_allclose(rotated, ab.state.cache.k[:, :, :c], atol=1e-5)
-    assert float(jnp.abs(k_rel - ab.state.cache.k[:, :, :c]).max()) > 1e-3   # and they were not rotated
+    assert float(jnp.abs(k_rel - ab.state.cache.k[:, :, :c]).max()) > 1e-3  # and they were not rotated
 
 
 # ------------------------------------------------------------------------------------------------ positions
@@ -135,8 +134,7 @@ def _positions_only_stream(spec: RingSpec, cache, num_chunks: int):
         zeros = jnp.zeros((cache.batch, spec.chunk, 1, 2), cache.dtype)
         cache = cache.write(zeros, zeros)
         q_rank, k_rank = rope_ranks(cache.chunk_positions(), cache.positions)
-        return cache, (q_rank.max(), k_rank.max(), cache.chunk_start[0], cache.positions.min(),
-                       cache.positions.max())
+        return cache, (q_rank.max(), k_rank.max(), cache.chunk_start[0], cache.positions.min(), cache.positions.max())
 
     return jax.jit(lambda c: lax_scan(body, c, num_chunks))(cache)
 
@@ -152,12 +150,13 @@ def _advanced(cache: RingCache, chunks: int) -> RingCache:
     assert chunks % spec.window_chunks == 0
     d = chunks * spec.chunk
     moved = cache.positions >= spec.sink
-    return cache.replace(positions=jnp.where(moved, cache.positions + d, cache.positions),
-                         chunk_start=cache.chunk_start + d)
+    return cache.replace(
+        positions=jnp.where(moved, cache.positions + d, cache.positions), chunk_start=cache.chunk_start + d
+    )
 
 
 def test_ranks_stay_bounded_over_10000_chunks_across_the_int32_limit():
-    spec = RingSpec.from_frames(2, 3, window_frames=6, sink_frames=3)          # chunk 6 tokens, 3 slots
+    spec = RingSpec.from_frames(2, 3, window_frames=6, sink_frames=3)  # chunk 6 tokens, 3 slots
     fresh = RingCache.init(spec, 1, 1, 2)
     _, (q0, k0, start0, lo0, hi0) = _positions_only_stream(spec, fresh, 10)
     # the ramp: chunk n's queries sit at rank n * chunk while the cache fills, then stay at the newest slot
@@ -169,7 +168,7 @@ def test_ranks_stay_bounded_over_10000_chunks_across_the_int32_limit():
     start = _advanced(full, (near - 3) // spec.window_chunks * spec.window_chunks)
     _, (q, k, chunk_start, lo, hi) = _positions_only_stream(spec, start, 10_000)
     q, k, chunk_start = map(np.asarray, (q, k, chunk_start))
-    assert (q == spec.capacity - 1).all() and (k == spec.capacity - 1).all()      # the same every chunk
+    assert (q == spec.capacity - 1).all() and (k == spec.capacity - 1).all()  # the same every chunk
     # the clock went past the limit once (about 5,000 chunks in) and came back by the wrap period
     assert int(np.asarray(hi).max()) < POSITION_LIMIT and int(np.asarray(lo).min()) >= 0
     jumps = np.flatnonzero(np.diff(chunk_start) != spec.chunk)
@@ -181,10 +180,14 @@ def test_ranks_stay_bounded_over_10000_chunks_across_the_int32_limit():
 def test_wrap_clock_moves_only_the_due_sessions_window():
     spec = RingSpec(chunk=4, window=8, sink=4)
     last = (spec.max_chunks - 1) * spec.chunk
-    positions = jnp.array([[0, 1, 2, 3, last - 4, last - 3, last - 2, last - 1, last, last + 1, last + 2, last + 3],
-                           [0, 1, 2, 3, 4, 5, 6, 7, -1, -1, -1, -1]], jnp.int32)
-    cache = RingCache.init(spec, 2, 1, 2).replace(positions=positions,
-                                                  chunk_start=jnp.array([last, 4], jnp.int32))
+    positions = jnp.array(
+        [
+            [0, 1, 2, 3, last - 4, last - 3, last - 2, last - 1, last, last + 1, last + 2, last + 3],
+            [0, 1, 2, 3, 4, 5, 6, 7, -1, -1, -1, -1],
+        ],
+        jnp.int32,
+    )
+    cache = RingCache.init(spec, 2, 1, 2).replace(positions=positions, chunk_start=jnp.array([last, 4], jnp.int32))
     out = R.wrap_clock(cache)
     shift = R.wrap_period(spec) * spec.chunk
     want = np.asarray(positions).copy()
@@ -193,8 +196,9 @@ def test_wrap_clock_moves_only_the_due_sessions_window():
     np.testing.assert_array_equal(out.chunk_start, [last - shift, 4])
     assert R.wrap_period(spec) % spec.window_chunks == 0
     # the wrapped chunk keeps its ring slot
-    np.testing.assert_array_equal(out.slot_of_chunk(out.next_chunk_index()), cache.slot_of_chunk(
-        jnp.array([spec.max_chunks, 2])))
+    np.testing.assert_array_equal(
+        out.slot_of_chunk(out.next_chunk_index()), cache.slot_of_chunk(jnp.array([spec.max_chunks, 2]))
+    )
 
 
 def test_cache_relative_stream_runs_past_the_int32_limit_unchanged():
@@ -208,12 +212,12 @@ def test_cache_relative_stream_runs_past_the_int32_limit_unchanged():
         next(base)
     spec = rc.spec(CFG)
     d = (spec.max_chunks - 2 - 3) // spec.window_chunks * spec.window_chunks
-    copy = jax.tree.map(jnp.copy, base.state)           # every step donates its state: no shared buffers
+    copy = jax.tree.map(jnp.copy, base.state)  # every step donates its state: no shared buffers
     shifted = R.RolloutState(_advanced(copy.cache, d), copy.cross)
     assert int(shifted.cache.chunk_start[0]) // spec.chunk >= spec.max_chunks - 3
     with pytest.raises(ValueError, match="int32 position limit"):
-        R.check_position_room(CFG, _rc(), 4, shifted.cache)          # absolute mode refuses it
-    R.check_position_room(CFG, rc, 10 ** 12, shifted.cache)            # the wrapped clock does not
+        R.check_position_room(CFG, _rc(), 4, shifted.cache)  # absolute mode refuses it
+    R.check_position_room(CFG, rc, 10**12, shifted.cache)  # the wrapped clock does not
     starts = []
     for n in range(4, 8):
         want = next(base)
@@ -221,7 +225,7 @@ def test_cache_relative_stream_runs_past_the_int32_limit_unchanged():
         np.testing.assert_array_equal(got, want)
         assert int(shifted.cache.positions.max()) < POSITION_LIMIT and int(shifted.cache.positions.min()) >= -1
         starts.append(int(shifted.cache.chunk_start[0]))
-    assert min(np.diff(starts)) < 0                                    # the clock wrapped in there
+    assert min(np.diff(starts)) < 0  # the clock wrapped in there
 
 
 def test_rope_mode_is_checked():

@@ -21,9 +21,8 @@ from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                freq_dim=16)
-H, W = 2, 4   # 2 tokens per frame
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
+H, W = 2, 4  # 2 tokens per frame
 RC = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500)))
 PARAMS = wan.init_params(CFG, jax.random.key(0))
 CTX = jax.random.normal(jax.random.key(1), (1, 3, CFG.text_dim))
@@ -36,6 +35,7 @@ def _chunks(stream):
 
 def _bits(tree):
     """Every leaf's raw bytes (so -0.0 / NaN payloads count), for bit-identity checks."""
+
     def raw(x):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
@@ -45,8 +45,7 @@ def _bits(tree):
 
 
 def _dilated_state(rc, batch=1):
-    spec = DilatedSpec(tokens_per_frame=rc.tokens_per_frame(CFG), chunk_frames=rc.chunk_frames, dilation=2,
-                       buckets=2)
+    spec = DilatedSpec(tokens_per_frame=rc.tokens_per_frame(CFG), chunk_frames=rc.chunk_frames, dilation=2, buckets=2)
     cache = DilatedCache.init(spec, batch, CFG.num_heads, CFG.head_dim, layers=CFG.num_layers)
     return R.RolloutState(cache, wan.cross_kv(PARAMS, CFG, CTX))
 
@@ -60,11 +59,25 @@ def _dilated_stream(rc, num_chunks, key=KEY):
 
 CASES = {
     "ring": (RC, None),
-    "rolling": (R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy="rolling",
-                                schedule=Schedule(steps=(1000, 500))), None),
-    "ring-bf16-guided": (R.RolloutConfig(H, W, chunk_frames=1, window_frames=3, sink_frames=0,
-                                         cache_dtype="bfloat16", guidance_scale=3.0,
-                                         schedule=Schedule(steps=(1000, 500))), "guided"),
+    "rolling": (
+        R.RolloutConfig(
+            H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy="rolling", schedule=Schedule(steps=(1000, 500))
+        ),
+        None,
+    ),
+    "ring-bf16-guided": (
+        R.RolloutConfig(
+            H,
+            W,
+            chunk_frames=1,
+            window_frames=3,
+            sink_frames=0,
+            cache_dtype="bfloat16",
+            guidance_scale=3.0,
+            schedule=Schedule(steps=(1000, 500)),
+        ),
+        "guided",
+    ),
     "dilated": (RC, "dilated"),
 }
 
@@ -100,7 +113,7 @@ def test_save_and_resume_equals_the_uninterrupted_stream(tmp_path, name):
     assert whole[3].tobytes() != whole[2].tobytes()
 
 
-@pytest.mark.slow   # compiles another program (~20 s on 2 busy cores)
+@pytest.mark.slow  # compiles another program (~20 s on 2 busy cores)
 def test_resume_from_a_stream_with_explicit_noise():
     noise = jax.random.normal(jax.random.key(3), RC.noise_shape(CFG, 1, 5))
     whole = _chunks(R.Stream(PARAMS, CFG, RC, CTX, noise=noise))
@@ -114,7 +127,7 @@ def test_resume_from_a_stream_with_explicit_noise():
     assert [c.tobytes() for c in whole] == [c.tobytes() for c in head + tail]
 
 
-@pytest.mark.slow   # compiles another program (~20 s on 2 busy cores)
+@pytest.mark.slow  # compiles another program (~20 s on 2 busy cores)
 def test_scan_rollout_continues_a_session():
     """`advance` (the scan rollout from the session's state and next chunk) equals the stream's chunks 3..5, and
     continues itself (advance twice == advance once over both)."""
@@ -138,23 +151,58 @@ def _saved(tmp_path):
     return st, path
 
 
-@pytest.mark.parametrize("change, named", [
-    (dict(config=WanConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8,
-                           text_len=5, freq_dim=16)), "model.ffn_dim: saved 48, now 64"),
-    (dict(rc=dict(window_frames=3)), "sampler.window_frames: saved 2, now 3"),
-    (dict(rc=dict(policy="rolling")), "cache.class: saved 'RingCache', now 'RollingCache'"),
-    (dict(rc=dict(cache_dtype="bfloat16")), "cache.dtype: saved 'float32', now 'bfloat16'"),
-    (dict(rc=dict(schedule=Schedule(steps=(1000, 250)))), "sampler.schedule.steps: saved [1000, 500], now [1000, 250]"),
-    (dict(rc=dict(schedule=Schedule(steps=(1000, 500), shift=3.0))), "sampler.schedule.shift: saved 5.0, now 3.0"),
-    (dict(rc=dict(guidance_scale=2.0)), "sampler.guidance_scale: saved None, now 2.0"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (
+            dict(
+                config=WanConfig(
+                    dim=32,
+                    ffn_dim=64,
+                    num_heads=2,
+                    num_layers=2,
+                    in_dim=4,
+                    out_dim=4,
+                    text_dim=8,
+                    text_len=5,
+                    freq_dim=16,
+                )
+            ),
+            "model.ffn_dim: saved 48, now 64",
+        ),
+        (dict(rc=dict(window_frames=3)), "sampler.window_frames: saved 2, now 3"),
+        (dict(rc=dict(policy="rolling")), "cache.class: saved 'RingCache', now 'RollingCache'"),
+        (dict(rc=dict(cache_dtype="bfloat16")), "cache.dtype: saved 'float32', now 'bfloat16'"),
+        (
+            dict(rc=dict(schedule=Schedule(steps=(1000, 250)))),
+            "sampler.schedule.steps: saved [1000, 500], now [1000, 250]",
+        ),
+        (dict(rc=dict(schedule=Schedule(steps=(1000, 500), shift=3.0))), "sampler.schedule.shift: saved 5.0, now 3.0"),
+        (dict(rc=dict(guidance_scale=2.0)), "sampler.guidance_scale: saved None, now 2.0"),
+    ],
+)
 def test_load_refuses_other_settings_naming_the_difference(tmp_path, change, named):
     _, path = _saved(tmp_path)
     config = change.get("config", CFG)
-    rc = R.RolloutConfig(**{**{f: getattr(RC, f) for f in ("latent_height", "latent_width", "chunk_frames",
-                                                            "window_frames", "sink_frames", "schedule",
-                                                            "guidance_scale", "policy", "cache_dtype")},
-                            **change.get("rc", {})})
+    rc = R.RolloutConfig(
+        **{
+            **{
+                f: getattr(RC, f)
+                for f in (
+                    "latent_height",
+                    "latent_width",
+                    "chunk_frames",
+                    "window_frames",
+                    "sink_frames",
+                    "schedule",
+                    "guidance_scale",
+                    "policy",
+                    "cache_dtype",
+                )
+            },
+            **change.get("rc", {}),
+        }
+    )
     with pytest.raises(S.SessionError) as e:
         S.load(path, config, rc)
     assert named in str(e.value)
@@ -194,8 +242,13 @@ def test_manifest_and_files(tmp_path):
 def test_extras_round_trip(tmp_path):
     st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
     _chunks(st)
-    extras = {"vae_decoder": {"caches": {"mid.res0.conv1": jnp.arange(6, dtype=jnp.bfloat16).reshape(1, 2, 3)},
-                              "first": jnp.asarray(False)}, "ring": jnp.ones((2, 3), jnp.float32)}
+    extras = {
+        "vae_decoder": {
+            "caches": {"mid.res0.conv1": jnp.arange(6, dtype=jnp.bfloat16).reshape(1, 2, 3)},
+            "first": jnp.asarray(False),
+        },
+        "ring": jnp.ones((2, 3), jnp.float32),
+    }
     S.save(str(tmp_path / "s"), st.session(extras=extras))
     loaded = S.load(str(tmp_path / "s"), CFG, RC)
     assert jax.tree.structure(loaded.extras) == jax.tree.structure(extras)
@@ -236,7 +289,7 @@ def test_save_is_atomic_and_never_overwrites_silently(tmp_path, monkeypatch):
         S.save(str(tmp_path / "other"), session, force=True)
     assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
     _chunks(R.Stream.from_session(PARAMS, CFG, RC, session.fork(), num_chunks=1))
-    S.save(path, session, force=True)            # a session directory may be replaced
+    S.save(path, session, force=True)  # a session directory may be replaced
     assert int(S.load(path, CFG, RC).next_chunk) == 1
 
 
@@ -274,7 +327,7 @@ def test_forks_diverge_and_survive_each_others_donated_steps():
     a, b, c = base.fork(), base.fork(), base.fork().replace(key=jax.random.key(99))
     sa = R.Stream.from_session(PARAMS, CFG, RC, a, num_chunks=2)
     xa = _chunks(sa)
-    assert a.cache.k.is_deleted()             # the step donated fork a's buffers ...
+    assert a.cache.k.is_deleted()  # the step donated fork a's buffers ...
     assert not b.cache.k.is_deleted() and not base.cache.k.is_deleted()
     xb = _chunks(R.Stream.from_session(PARAMS, CFG, RC, b, num_chunks=2))
     xc = _chunks(R.Stream.from_session(PARAMS, CFG, RC, c, num_chunks=2))

@@ -18,8 +18,8 @@ from jaxkv import session as S
 from jaxkv.generate import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RANDOM = ["--preset", "tiny", "--random-weights"]     # the random-weight model (a toy session: test_generate_toy.py)
-FAST = ["--no-progress", "--no-video", *RANDOM]    # default settings otherwise: the programs test_generate.py compiles
+RANDOM = ["--preset", "tiny", "--random-weights"]  # the random-weight model (a toy session: test_generate_toy.py)
+FAST = ["--no-progress", "--no-video", *RANDOM]  # default settings otherwise: the programs test_generate.py compiles
 
 
 def _summary(out):
@@ -33,8 +33,10 @@ def test_six_saved_then_six_resumed_equal_twelve(tmp_path, capsys):
     assert _summary(tmp_path / "a")["session"] == str(tmp_path / "S")
     assert S.read_manifest(str(tmp_path / "S"))["next_chunk"] == 6
     # --resume takes the session's settings: only --out, --num-chunks and output flags are passed
-    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks", "6",
-                   "--no-progress"]) == 0
+    assert (
+        G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks", "6", "--no-progress"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"resumed      {tmp_path / 'S'} at stream chunk 6" in printed
     full, a, b = (G.load_latents(str(tmp_path / n)) for n in ("full", "a", "b"))
@@ -43,23 +45,42 @@ def test_six_saved_then_six_resumed_equal_twelve(tmp_path, capsys):
     assert not np.array_equal(a, b)
     s = _summary(tmp_path / "b")
     assert s["first_chunk"] == 6 and s["resumed_from"] == str(tmp_path / "S") and s["status"] == "complete"
-    assert s["compilations"] == 0          # the same program as the first run's (compiled in this process)
+    assert s["compilations"] == 0  # the same program as the first run's (compiled in this process)
     # a resumed run can be saved and resumed again
-    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b2"), "--num-chunks", "3",
-                   "--save-state", str(tmp_path / "S2"), "--no-progress"]) == 0
-    assert G.main(["--resume", str(tmp_path / "S2"), "--out", str(tmp_path / "c"), "--num-chunks", "3",
-                   "--no-progress"]) == 0
+    assert (
+        G.main(
+            [
+                "--resume",
+                str(tmp_path / "S"),
+                "--out",
+                str(tmp_path / "b2"),
+                "--num-chunks",
+                "3",
+                "--save-state",
+                str(tmp_path / "S2"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        G.main(["--resume", str(tmp_path / "S2"), "--out", str(tmp_path / "c"), "--num-chunks", "3", "--no-progress"])
+        == 0
+    )
     parts = [G.load_latents(str(tmp_path / n)) for n in ("a", "b2", "c")]
     assert np.concatenate(parts, axis=1).tobytes() == full.tobytes()
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--seed", "3"], "--seed 3 (the session's: 0)"),
-    (["--window-frames", "12"], "--window-frames 12 (the session's: 9)"),
-    (["--preset", "1.3B"], "--preset '1.3B' (the session's: 'tiny')"),
-    (["--steps", "1000,750"], "--steps [1000, 750] (the session's: [1000, 750, 500, 250])"),
-    (["--seed", "3", "--policy", "rolling"], "--policy 'rolling' (the session's: 'ring')"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--seed", "3"], "--seed 3 (the session's: 0)"),
+        (["--window-frames", "12"], "--window-frames 12 (the session's: 9)"),
+        (["--preset", "1.3B"], "--preset '1.3B' (the session's: 'tiny')"),
+        (["--steps", "1000,750"], "--steps [1000, 750] (the session's: [1000, 750, 500, 250])"),
+        (["--seed", "3", "--policy", "rolling"], "--policy 'rolling' (the session's: 'ring')"),
+    ],
+)
 def test_resume_refuses_conflicting_flags(tmp_path, capsys, flags, named):
     session = tmp_path / "S"
     _tiny_session(session)
@@ -70,8 +91,24 @@ def test_resume_refuses_conflicting_flags(tmp_path, capsys, flags, named):
     assert named in err and "drop these flags" in err
     assert not out.exists()
     # the session's own values may be repeated
-    assert G.main(["--resume", str(session), "--out", str(out), "--num-chunks", "1", *FAST, "--seed", "0",
-                   "--window-frames", "9"]) == 0
+    assert (
+        G.main(
+            [
+                "--resume",
+                str(session),
+                "--out",
+                str(out),
+                "--num-chunks",
+                "1",
+                *FAST,
+                "--seed",
+                "0",
+                "--window-frames",
+                "9",
+            ]
+        )
+        == 0
+    )
 
 
 _MADE = {}
@@ -107,8 +144,21 @@ def test_bad_resume_and_save_state_destinations(tmp_path, capsys):
         assert not (tmp_path / "o").exists()
     assert (tmp_path / "junk" / "x.txt").read_text() == "mine"
     # --overwrite replaces a previous session
-    assert G.main(["--out", str(tmp_path / "o"), "--num-chunks", "1", *FAST, "--save-state", str(tmp_path / "S"),
-                   "--overwrite"]) == 0
+    assert (
+        G.main(
+            [
+                "--out",
+                str(tmp_path / "o"),
+                "--num-chunks",
+                "1",
+                *FAST,
+                "--save-state",
+                str(tmp_path / "S"),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     assert S.read_manifest(str(tmp_path / "S"))["next_chunk"] == 1
 
 
@@ -132,24 +182,49 @@ def test_signal_saves_the_session_at_the_last_written_chunk(tmp_path, capsys, mo
     assert s["status"] == "interrupted" and 1 <= written < 8
     assert S.read_manifest(str(tmp_path / "S"))["next_chunk"] == written
     capsys.readouterr()
-    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks",
-                   str(8 - written), "--no-progress"]) == 0
+    assert (
+        G.main(
+            [
+                "--resume",
+                str(tmp_path / "S"),
+                "--out",
+                str(tmp_path / "b"),
+                "--num-chunks",
+                str(8 - written),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "8", *FAST]) == 0
     joined = np.concatenate([G.load_latents(str(tmp_path / "a")), G.load_latents(str(tmp_path / "b"))], axis=1)
     assert joined.tobytes() == G.load_latents(str(tmp_path / "full")).tobytes()
 
 
-@pytest.mark.slow   # the VAE's compile and decode: ~30 s on 2 cores
+@pytest.mark.slow  # the VAE's compile and decode: ~30 s on 2 cores
 def test_resumed_video_continues_the_decoder(tmp_path):
     """With video, the VAE decoder's caches travel in the session: the resumed run's frames are exactly the
     uninterrupted run's frames after the first run's (no second first frame, no seam)."""
     media = ["--no-progress", "--frames", "npy", *RANDOM]
     assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "4", *media]) == 0
-    assert G.main(["--out", str(tmp_path / "a"), "--num-chunks", "2", "--save-state", str(tmp_path / "S"),
-                   *media]) == 0
+    assert G.main(["--out", str(tmp_path / "a"), "--num-chunks", "2", "--save-state", str(tmp_path / "S"), *media]) == 0
     assert S.VAE_DECODER in str(S.read_manifest(str(tmp_path / "S"))["tensors"])
-    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks", "2",
-                   "--no-progress", "--frames", "npy"]) == 0
+    assert (
+        G.main(
+            [
+                "--resume",
+                str(tmp_path / "S"),
+                "--out",
+                str(tmp_path / "b"),
+                "--num-chunks",
+                "2",
+                "--no-progress",
+                "--frames",
+                "npy",
+            ]
+        )
+        == 0
+    )
 
     def frames(out, n):
         return np.concatenate([np.load(out / "frames" / f"chunk_{i:06d}.npy") for i in range(n)], axis=1)
@@ -160,17 +235,36 @@ def test_resumed_video_continues_the_decoder(tmp_path):
     assert joined.tobytes() == full.tobytes()
     assert _summary(tmp_path / "b")["video_frames"] == 4 * 2 * 3
     # --no-video on resume would drop the decoder state: refused
-    assert G.main(["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "c"), "--num-chunks", "1",
-                   "--no-progress", "--no-video"]) == 2
+    assert (
+        G.main(
+            [
+                "--resume",
+                str(tmp_path / "S"),
+                "--out",
+                str(tmp_path / "c"),
+                "--num-chunks",
+                "1",
+                "--no-progress",
+                "--no-video",
+            ]
+        )
+        == 2
+    )
 
 
-@pytest.mark.slow   # three fresh processes, each compiling the step (~15-40 s each on 2 busy cores)
+@pytest.mark.slow  # three fresh processes, each compiling the step (~15-40 s each on 2 busy cores)
 def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
     def cli(*argv):
-        done = subprocess.run([sys.executable, "-m", "jaxkv.cli", "generate", *argv], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-m", "jaxkv.cli", "generate", *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr
         return done
 

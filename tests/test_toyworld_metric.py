@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv.toyworld import metric, world
 
-P = world.SIZE // 16        # 4x4 patches, 48 numbers each
+P = world.SIZE // 16  # 4x4 patches, 48 numbers each
 
 
 def _patches(frames):
@@ -39,7 +39,7 @@ def decoder():
 def blurred(frames, rng):
     """A harsher decoder: 3x3 box blur, a per-clip colour offset of up to 10 per channel, pixel noise sigma 3."""
     f = np.pad(frames.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)), mode="edge")
-    out = sum(f[:, i:i + world.SIZE, j:j + world.SIZE] for i in range(3) for j in range(3)) / 9
+    out = sum(f[:, i : i + world.SIZE, j : j + world.SIZE] for i in range(3) for j in range(3)) / 9
     out += rng.uniform(-10, 10, size=3) + rng.normal(0, 3, size=out.shape)
     return np.clip(np.round(out), 0, 255).astype(np.uint8)
 
@@ -101,9 +101,9 @@ def test_detect_reports_a_second_blob_of_a_colour_as_stray():
     found = metric.detect(frames)
     c = metric.COLOUR_NAMES.index("red")
     assert found.present[0, c] and found.shape[0, c] == world.SHAPES.index("circle")
-    assert found.stray[0, c] == found.area[0, c]                        # the other circle, whole
+    assert found.stray[0, c] == found.area[0, c]  # the other circle, whole
     scores = metric.score(np.repeat(frames, 3, 0), "a red circle, slow", chunk_frames=1)
-    assert scores.adherence == 0.5                                       # 1 matched / max(1 named, 2 detected)
+    assert scores.adherence == 0.5  # 1 matched / max(1 named, 2 detected)
 
 
 # -- real clips
@@ -125,8 +125,10 @@ def test_real_clips_score_perfect_clean_decoded_and_blurred(decoder):
 def crossing(first: str, second: str, speed: str = "slow"):
     """A scene whose two objects meet head on at the centre: the first goes wholly under the second."""
     v = world.SPEEDS[speed]
-    return world.Scene((world.Thing("yellow", first, (20.0, 32.3), (v, 0.0)),
-                        world.Thing("red", second, (44.0, 32.3), (-v, 0.0))), speed)
+    return world.Scene(
+        (world.Thing("yellow", first, (20.0, 32.3), (v, 0.0)), world.Thing("red", second, (44.0, 32.3), (-v, 0.0))),
+        speed,
+    )
 
 
 @pytest.mark.parametrize("first, second", [("triangle", "circle"), ("square", "square"), ("circle", "square")])
@@ -135,9 +137,9 @@ def test_an_object_passing_under_another_is_not_a_failure(first, second, decoder
     frames = world.render(scene, 60, bounce=False)
     found = metric.detect(frames)
     occ = metric.occlusion(found, scene.prompt)
-    assert occ.covered[:, 0].any() and not occ.covered[:, 1].any()     # the later-named one is on top
+    assert occ.covered[:, 0].any() and not occ.covered[:, 1].any()  # the later-named one is on top
     if first == "triangle" or first == second:
-        assert occ.hidden[:, 0].any()                                    # wholly under for some frames
+        assert occ.hidden[:, 0].any()  # wholly under for some frames
     for name, g in variants(frames, decoder, np.random.default_rng(3)).items():
         s = metric.score(g, scene.prompt, window_chunks=10)
         assert (s.adherence, s.continuity) == (1.0, 1.0), (name, s)
@@ -147,8 +149,13 @@ def test_an_object_under_one_moving_along_with_it_stays_hidden_to_the_end(decode
     # nearly parallel paths (10 degrees apart) that meet at frame ~36: the triangle stays under the circle through
     # a bounce off the right wall, to the stream's end; what its path before going under predicts agrees throughout
     th = np.radians(10.0)
-    scene = world.Scene((world.Thing("yellow", "triangle", (15.0, 42.0), (np.cos(th), -np.sin(th))),
-                         world.Thing("red", "circle", (15.0, 22.0), (np.cos(th), np.sin(th)))), "slow")
+    scene = world.Scene(
+        (
+            world.Thing("yellow", "triangle", (15.0, 42.0), (np.cos(th), -np.sin(th))),
+            world.Thing("red", "circle", (15.0, 22.0), (np.cos(th), np.sin(th))),
+        ),
+        "slow",
+    )
     frames = world.render(scene, 60, bounce=False)
     found = metric.detect(frames)
     absent = ~found.present[:, metric.COLOUR_NAMES.index("yellow")]
@@ -167,11 +174,11 @@ def test_an_object_lost_where_it_went_under_is_hidden_only_while_its_path_stays_
     frames = world.render(scene, 60, bounce=False)
     absent = ~metric.detect(frames).present[:, metric.COLOUR_NAMES.index("yellow")]
     under = np.nonzero(absent)[0][0]
-    passage = np.argmin(absent[under:])                     # frames the real triangle spends out of sight: 7
+    passage = np.argmin(absent[under:])  # frames the real triangle spends out of sight: 7
     frames[under:] = world.render(world.Scene(scene.things[1:], scene.speed), 60 - under, start=under, bounce=False)
     hidden = metric.occlusion(metric.detect(frames), scene.prompt).hidden[:, 0]
-    assert passage == 7 and hidden[under:under + passage].all() and hidden.sum() <= passage + 4
-    assert not hidden[under + passage + 4:].any()
+    assert passage == 7 and hidden[under : under + passage].all() and hidden.sum() <= passage + 4
+    assert not hidden[under + passage + 4 :].any()
     s = metric.score(frames, scene.prompt, chunk_frames=1, window_chunks=60)
     assert s.adherence == pytest.approx(1 - 0.5 * (60 - under - hidden.sum()) / 60)
 
@@ -180,7 +187,7 @@ def test_an_object_that_goes_under_and_never_comes_out_fails_after_hide_frames()
     scene = crossing("triangle", "circle")
     frames = world.render(scene, 150, bounce=False)
     found = metric.detect(frames)
-    under = np.nonzero(~found.present[:, metric.COLOUR_NAMES.index("yellow")])[0][0]   # first frame hidden
+    under = np.nonzero(~found.present[:, metric.COLOUR_NAMES.index("yellow")])[0][0]  # first frame hidden
     # from there the triangle is gone for good: repaint everything but the circle
     later = world.render(world.Scene(scene.things[1:], scene.speed), 150 - under, start=under, bounce=False)
     frames[under:] = later
@@ -214,7 +221,7 @@ def test_noise_and_background_score_zero(clip):
 def test_other_colours_score_zero(clip):
     _, frames = clip
     s = metric.score(frames, "a green circle and a yellow square, fast")
-    assert (s.adherence, s.continuity) == (0.0, 0.0)    # the named colours are absent; the seen ones unnamed
+    assert (s.adherence, s.continuity) == (0.0, 0.0)  # the named colours are absent; the seen ones unnamed
 
 
 def test_other_shapes_keep_only_the_covered_frames(clip):
@@ -223,19 +230,24 @@ def test_other_shapes_keep_only_the_covered_frames(clip):
     s = metric.score(frames, prompt)
     # neither shape matches, so a frame can only score through the exemption of a covered object (1 of 2)
     cover, hidden = metric.occlusion(metric.detect(frames), prompt)
-    exempt = cover[:, 0] | hidden[:, 0]          # the only exemptions two objects allow (hidden: both count)
+    exempt = cover[:, 0] | hidden[:, 0]  # the only exemptions two objects allow (hidden: both count)
     assert s.adherence == pytest.approx((exempt.astype(int) + hidden[:, 0]).mean() / 2)
-    assert s.adherence < 0.5 and s.continuity == 1.0                # the motion is right, the shapes are not
+    assert s.adherence < 0.5 and s.continuity == 1.0  # the motion is right, the shapes are not
 
 
 def test_an_unnamed_object_costs_like_a_missing_one():
     # two objects that never meet (parallel tracks far apart); the prompt names only one of them
-    scene = world.Scene((world.Thing("red", "circle", (15.0, 20.0), (1.0, 0.0)),
-                         world.Thing("blue", "square", (15.0, 48.0), (1.0, 0.0))), "slow")
+    scene = world.Scene(
+        (
+            world.Thing("red", "circle", (15.0, 20.0), (1.0, 0.0)),
+            world.Thing("blue", "square", (15.0, 48.0), (1.0, 0.0)),
+        ),
+        "slow",
+    )
     frames = world.render(scene, 60)
     assert metric.score(frames, scene.prompt).adherence == 1.0
     s = metric.score(frames, "a red circle, slow")
-    assert s.adherence == 0.5 and s.continuity == 1.0                # matched 1 / max(1 named, 2 detected)
+    assert s.adherence == 0.5 and s.continuity == 1.0  # matched 1 / max(1 named, 2 detected)
 
 
 def far_from_walls(centres: np.ndarray, speed: float) -> np.ndarray:
@@ -243,7 +255,7 @@ def far_from_walls(centres: np.ndarray, speed: float) -> np.ndarray:
     walls: no bounce can have happened in between (computed from the true centres)."""
     reach = metric.LAG * speed + metric.CENTROID_ERROR
     wall = np.minimum(centres - world.MARGIN, world.SIZE - world.MARGIN - centres) > reach
-    return (wall[metric.LAG:] | wall[:-metric.LAG]).all(-1)
+    return (wall[metric.LAG :] | wall[: -metric.LAG]).all(-1)
 
 
 def test_a_slow_scene_under_a_fast_prompt_loses_continuity():
@@ -268,24 +280,27 @@ def test_a_frozen_object_fails_once_the_speed_check_can_see_it():
     assert s.adherence == 1.0
 
 
-@pytest.mark.parametrize("prompt, held", [
-    ("a green triangle, fast", 18),                   # x 49.5: against the right wall, where a stop looks like a bounce
-    ("a red circle and a blue square, slow", 14),        # overlapping: the circle covered by the square (which the
-])                                                       # speed check stops: it is held away from the walls)
+@pytest.mark.parametrize(
+    "prompt, held",
+    [
+        ("a green triangle, fast", 18),  # x 49.5: against the right wall, where a stop looks like a bounce
+        ("a red circle and a blue square, slow", 14),  # overlapping: the circle covered by the square (which the
+    ],
+)  # speed check stops: it is held away from the walls)
 def test_a_stop_the_speed_check_forgives_fails_the_travel_check(prompt, held, monkeypatch):
     """A canonical stream whose frame ``held`` is repeated 71 more times: once a whole `STOP_FRAMES` window lies in
     the held part, every transition of every object fails. Without the travel check (its span set to 0) those
     transitions of the first-named object pass the other checks: its stop is within reach of a wall, or it is
     covered."""
     truth = world.render(world.canonical_scene(prompt), held + 1, bounce=False)
-    frames = np.concatenate([truth, np.repeat(truth[-1:], 71, 0)])[:72 + held - (72 + held) % 3]
-    first_stopped = held + metric.STOP_FRAMES - 1          # the first frame whose window holds only the held frame
+    frames = np.concatenate([truth, np.repeat(truth[-1:], 71, 0)])[: 72 + held - (72 + held) % 3]
+    first_stopped = held + metric.STOP_FRAMES - 1  # the first frame whose window holds only the held frame
     steps = metric.transitions(metric.detect(frames), prompt)
-    assert not steps[first_stopped - 1:].any()
-    assert steps[:held].all()                              # the world's own frames before it pass
+    assert not steps[first_stopped - 1 :].any()
+    assert steps[:held].all()  # the world's own frames before it pass
     monkeypatch.setattr(metric, "STOP_SPAN", 0.0)
     forgiven = metric.transitions(metric.detect(frames), prompt)
-    assert forgiven[first_stopped - 1:, 0].all()
+    assert forgiven[first_stopped - 1 :, 0].all()
 
 
 def test_shuffled_frames_lose_continuity(clip):
@@ -320,7 +335,7 @@ def test_a_spliced_jump_fails_the_transitions_around_it(clip):
     assert 22 * np.sqrt(2) > world.SPEEDS[scene.speed] + metric.COVERED_SLACK
     ok = metric.transitions(metric.detect(spliced), scene.prompt)
     bad = np.argwhere(~ok)[:, 0]
-    assert (~ok[cut - 1]).all()                                          # the jump itself, for both objects
+    assert (~ok[cut - 1]).all()  # the jump itself, for both objects
     # nothing fails away from the splice: the 2 LAG transitions after it still span it
     assert bad.min() >= cut - 1 and bad.max() < cut - 1 + 2 * metric.LAG
     s = metric.score(spliced, scene.prompt)
@@ -328,10 +343,15 @@ def test_a_spliced_jump_fails_the_transitions_around_it(clip):
 
 
 def test_an_object_vanishing_halfway_shows_in_the_later_windows():
-    scene = world.Scene((world.Thing("red", "circle", (15.0, 20.0), (1.0, 0.3)),
-                         world.Thing("blue", "square", (40.0, 45.0), (-1.0, 0.4))), "slow")
-    frames = world.render(scene, 450, bounce=False)                                    # 150 chunks: 3 windows of 50
-    frames[225:] = world.render(world.Scene(scene.things[:1], "slow"), 225, start=225, bounce=False)   # no square
+    scene = world.Scene(
+        (
+            world.Thing("red", "circle", (15.0, 20.0), (1.0, 0.3)),
+            world.Thing("blue", "square", (40.0, 45.0), (-1.0, 0.4)),
+        ),
+        "slow",
+    )
+    frames = world.render(scene, 450, bounce=False)  # 150 chunks: 3 windows of 50
+    frames[225:] = world.render(world.Scene(scene.things[:1], "slow"), 225, start=225, bounce=False)  # no square
     s = metric.score(frames, scene.prompt)
     np.testing.assert_array_equal(s.window_start, [0, 50, 100])
     # window 0: whole; window 1: half its frames lose the square (matched 1 of 2 named); window 2: all do
@@ -348,18 +368,21 @@ def test_an_object_vanishing_halfway_shows_in_the_later_windows():
 def test_windows_cover_the_stream_and_the_last_may_be_short():
     scene = world.sample_scene(np.random.default_rng(9), "a yellow square, fast")
     s = metric.score(world.render(scene, 66), scene.prompt, chunk_frames=3, window_chunks=10)
-    np.testing.assert_array_equal(s.window_start, [0, 10, 20])          # 22 chunks: 10 + 10 + 2
+    np.testing.assert_array_equal(s.window_start, [0, 10, 20])  # 22 chunks: 10 + 10 + 2
     assert s.window_overall.shape == s.window_adherence.shape == s.window_continuity.shape == (3,)
     assert (s.window_overall == 1.0).all() and s.drift == 1.0
 
 
-@pytest.mark.parametrize("frames, message", [
-    (np.zeros((6, 64, 64, 3), np.float32), "uint8"),
-    (np.zeros((6, 32, 32, 3), np.uint8), r"\[T, 64, 64, 3\]"),
-    (np.zeros((64, 64, 3), np.uint8), r"\[T, 64, 64, 3\]"),
-    (np.zeros((6, 64, 64, 4), np.uint8), r"\[T, 64, 64, 3\]"),
-    (np.zeros((0, 64, 64, 3), np.uint8), "at least one frame"),
-])
+@pytest.mark.parametrize(
+    "frames, message",
+    [
+        (np.zeros((6, 64, 64, 3), np.float32), "uint8"),
+        (np.zeros((6, 32, 32, 3), np.uint8), r"\[T, 64, 64, 3\]"),
+        (np.zeros((64, 64, 3), np.uint8), r"\[T, 64, 64, 3\]"),
+        (np.zeros((6, 64, 64, 4), np.uint8), r"\[T, 64, 64, 3\]"),
+        (np.zeros((0, 64, 64, 3), np.uint8), "at least one frame"),
+    ],
+)
 def test_bad_frames_are_a_clear_error(frames, message):
     with pytest.raises(ValueError, match=message):
         metric.detect(frames)
@@ -367,25 +390,31 @@ def test_bad_frames_are_a_clear_error(frames, message):
         metric.score(frames, "a red circle, slow")
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ("a purple circle, slow", "is not 'a <colour> <shape>'"),
-    ("a red circle", "must end with a speed"),
-    ("a red circle and a red square, fast", "its own colour"),
-    (None, "is a str"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("a purple circle, slow", "is not 'a <colour> <shape>'"),
+        ("a red circle", "must end with a speed"),
+        ("a red circle and a red square, fast", "its own colour"),
+        (None, "is a str"),
+    ],
+)
 def test_a_prompt_the_world_refuses_is_a_clear_error(prompt, message):
     with pytest.raises(ValueError, match=message):
         metric.score(np.zeros((6, 64, 64, 3), np.uint8), prompt)
 
 
-@pytest.mark.parametrize("count, kwargs, message", [
-    (7, {}, "whole number of 3-frame chunks"),
-    (1, {"chunk_frames": 1}, "at least 2 frames"),
-    (6, {"chunk_frames": 0}, "chunk_frames must be >= 1"),
-    (6, {"chunk_frames": 1.5}, "chunk_frames must be an int"),
-    (6, {"window_chunks": True}, "window_chunks must be an int"),
-    (6, {"chunk_frames": 1, "window_chunks": 1}, "at least 2 frames"),
-])
+@pytest.mark.parametrize(
+    "count, kwargs, message",
+    [
+        (7, {}, "whole number of 3-frame chunks"),
+        (1, {"chunk_frames": 1}, "at least 2 frames"),
+        (6, {"chunk_frames": 0}, "chunk_frames must be >= 1"),
+        (6, {"chunk_frames": 1.5}, "chunk_frames must be an int"),
+        (6, {"window_chunks": True}, "window_chunks must be an int"),
+        (6, {"chunk_frames": 1, "window_chunks": 1}, "at least 2 frames"),
+    ],
+)
 def test_bad_stream_arguments_are_a_clear_error(count, kwargs, message):
     with pytest.raises(ValueError, match=message):
         metric.score(np.zeros((count, 64, 64, 3), np.uint8), "a red circle, slow", **kwargs)
@@ -406,8 +435,15 @@ def test_real_clips_score_perfect_over_many_scenes(decoder):
 
 # -- shapes that bounce off each other
 
-@pytest.mark.parametrize("prompt", ["a red circle and a blue square, slow", "a yellow square and a red triangle, fast",
-                                    "a green triangle and a blue triangle, fast"])
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "a red circle and a blue square, slow",
+        "a yellow square and a red triangle, fast",
+        "a green triangle and a blue triangle, fast",
+    ],
+)
 def test_bounces_between_shapes_are_forgiven_and_only_near_contact(prompt, monkeypatch):
     """The world's canonical two-shape streams bounce their shapes off each other several times in 300 frames and
     score 1.0; with the contact exemption taken away (no two shapes ever within bouncing distance) the turns
@@ -428,4 +464,4 @@ def test_bounces_between_shapes_are_forgiven_and_only_near_contact(prompt, monke
     k = int(12 / v)
     clip = np.concatenate([world.render(lone, k), world.render(turned, 30 - k)])
     steps = metric.transitions(metric.detect(clip), lone.prompt)[:, 0]
-    assert not steps[k:k + 2 * metric.LAG].all()
+    assert not steps[k : k + 2 * metric.LAG].all()

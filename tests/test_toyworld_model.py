@@ -32,7 +32,7 @@ def test_latent_map_round_trip_on_unseen_world_frames(fitted):
     # 16 of 48 principal components: edges blurred within their 4x4 patch, all-background patches nearly exact
     assert _psnr(back, video) > 30
     background = np.all(video == world.BACKGROUND, axis=-1)
-    patch = background.reshape(8, 6, 16, 4, 16, 4).all(axis=(3, 5))                 # [8, 6, 16, 16]
+    patch = background.reshape(8, 6, 16, 4, 16, 4).all(axis=(3, 5))  # [8, 6, 16, 16]
     flat = np.repeat(np.repeat(patch, 4, axis=2), 4, axis=3)
     assert flat.mean() > 0.5
     assert np.abs(back[flat].astype(int) - np.array(world.BACKGROUND)).max() <= 3
@@ -51,8 +51,8 @@ def test_latent_map_is_a_projection_with_one_unit_scale(fitted):
     dz = np.random.default_rng(0).standard_normal((1, 1, 16, 16, 16)).astype(np.float32) * 0.01
     base = np.asarray(fitted.decode(np.zeros_like(dz)))
     moved = np.asarray(fitted.decode(dz))
-    assert np.abs(base).max() < 0.95          # no clamping at +-1 between base and moved
-    np.testing.assert_allclose(np.sum((moved - base) ** 2), np.sum(dz ** 2) * fitted.std[0] ** 2, rtol=1e-3)
+    assert np.abs(base).max() < 0.95  # no clamping at +-1 between base and moved
+    np.testing.assert_allclose(np.sum((moved - base) ** 2), np.sum(dz**2) * fitted.std[0] ** 2, rtol=1e-3)
     # projecting twice changes nothing (up to clamping and uint8 rounding)
     once = np.asarray(fitted.decode_uint8(z.reshape(32, 4, 16, 16, 16)))
     twice = np.asarray(fitted.decode_uint8(fitted.encode(once)))
@@ -87,11 +87,11 @@ def test_tokenizer_gives_every_prompt_a_distinct_sequence_within_text_len():
     prompts = sorted({world.random_prompt(np.random.default_rng(i)) for i in range(400)})
     ids, mask, dropped = tok(prompts, text.CONFIG.text_len)
     assert not any(dropped)
-    assert (ids < text.CONFIG.vocab_size).all() and (ids != 2).all()       # no <unk> in the vocabulary
+    assert (ids < text.CONFIG.vocab_size).all() and (ids != 2).all()  # no <unk> in the vocabulary
     assert len({tuple(r) for r in ids}) == len(prompts)
     assert (ids[np.arange(len(prompts)), mask.sum(1) - 1] == text.CONFIG.eos_id).all()
     unknown, _, _ = tok(["a purple circle, slow"], text.CONFIG.text_len)
-    assert unknown[0, 1] == 2                                                # "purple" -> <unk>
+    assert unknown[0, 1] == 2  # "purple" -> <unk>
 
 
 def test_release_round_trip(fitted, tmp_path):
@@ -106,7 +106,7 @@ def test_release_round_trip(fitted, tmp_path):
     assert loaded.config == TM.WAN_CONFIG and loaded.settings == TM.Settings()
     assert loaded.info == {"training": {"seed": 0}}
     leaf = np.asarray(jax.tree.leaves(loaded.params)[1])
-    assert leaf.dtype == np.float32                        # stored in bfloat16, loaded as float32
+    assert leaf.dtype == np.float32  # stored in bfloat16, loaded as float32
     original = np.asarray(jax.tree.leaves(params)[1])
     np.testing.assert_allclose(leaf, original, rtol=1e-2, atol=1e-6)
     context = loaded.context(["a red circle, slow"])
@@ -124,7 +124,7 @@ def test_shipped_release_is_small_and_complete():
     from jaxkv.toyworld import model as TM
 
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(TM.RELEASE_DIR) for f in fs)
-    assert 0 < total < 5 * 2 ** 20
+    assert 0 < total < 5 * 2**20
     with open(os.path.join(TM.RELEASE_DIR, TM.SETTINGS_FILE)) as f:
         meta = json.load(f)
     training = meta["training"]
@@ -151,13 +151,14 @@ def test_a_pure_noise_share_of_training_levels_is_one_and_the_rest_keep_the_warp
     from jaxkv.toyworld import train as T
 
     key = jax.random.key(1)
-    np.testing.assert_array_equal(np.asarray(T.noise_levels(key, (1000,), 3.0, 0.0)),
-                                  np.asarray(T.noise_levels(key, (1000,), 3.0)))
+    np.testing.assert_array_equal(
+        np.asarray(T.noise_levels(key, (1000,), 3.0, 0.0)), np.asarray(T.noise_levels(key, (1000,), 3.0))
+    )
     for share in (0.25, 0.5):
         levels = np.asarray(T.noise_levels(key, (200_000,), 3.0, share))
         pure = levels == 1.0
         assert abs(pure.mean() - share) < 0.005
-        rest = levels[~pure]                      # still the warped uniform draw, independent of the choice
+        rest = levels[~pure]  # still the warped uniform draw, independent of the choice
         for d in (750, 500, 250):
             assert abs(np.mean(rest <= Schedule(steps=(d,), shift=3.0).sigmas()[0]) - d / 1000) < 0.006, (share, d)
     for name in ("start_share", "text_dropout", "pure_noise_share", "refine_pure_noise_share"):
@@ -172,17 +173,21 @@ def test_text_dropout_captions_clips_with_the_empty_prompt_and_changes_nothing_e
 
     tokenizer = text.tokenizer()
     empty_ids, empty_mask, _ = tokenizer([""], text.CONFIG.text_len)
-    draw = lambda dropout: T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5, dropout)   # noqa: E731
-    kept, default, gone, half = draw(0.0), T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5), draw(1.0), \
-        draw(0.5)
+    draw = lambda dropout: T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5, dropout)  # noqa: E731
+    kept, default, gone, half = (
+        draw(0.0),
+        T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5),
+        draw(1.0),
+        draw(0.5),
+    )
     for a, b in zip(kept, default):
         np.testing.assert_array_equal(a, b)
-    for other in (gone, half):                    # the clips and their layout are the same draws
+    for other in (gone, half):  # the clips and their layout are the same draws
         np.testing.assert_array_equal(other[0], kept[0])
         np.testing.assert_array_equal(other[3], kept[3])
     assert (gone[1] == empty_ids).all() and (gone[2] == empty_mask).all()
     dropped = (half[1] == empty_ids).all(1)
-    assert 0 < dropped.sum() < 16                 # some clips, not all; the others keep their own prompt
+    assert 0 < dropped.sum() < 16  # some clips, not all; the others keep their own prompt
     np.testing.assert_array_equal(half[1][~dropped], kept[1][~dropped])
     assert not (kept[1] == empty_ids).all(1).any()
 
@@ -208,8 +213,7 @@ def test_a_guided_toy_stream_at_scale_one_is_the_unguided_stream(fitted, tmp_pat
     from jaxkv.toyworld import sample
 
     out = str(tmp_path / "release")
-    TM.save(out, wan.init_params(TM.WAN_CONFIG, jax.random.key(3)), text.init_text_params(3), fitted, TM.Settings(),
-            {})
+    TM.save(out, wan.init_params(TM.WAN_CONFIG, jax.random.key(3)), text.init_text_params(3), fitted, TM.Settings(), {})
     toy = TM.load(out)
     prompts = ["a red circle, slow", "a green square and a blue triangle, fast"]
     plain = sample.video(toy, prompts, num_chunks=2)
@@ -255,10 +259,11 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
     # the largest error depends on the fit: over 5 fits and clip sets 0.34-0.75 points (shapes passing over each
     # other), 0.41-0.61 (bouncing, as now); half a point held for this one fit only before the world changed
     np.testing.assert_allclose(shares, counted, atol=0.8)
-    assert counted[..., 2:].max() > 2.0                 # the shapes are there to be counted
+    assert counted[..., 2:].max() > 2.0  # the shapes are there to be counted
 
-    shape_pixels = ~((video == np.asarray(world.BACKGROUND, np.uint8)).all(-1)
-                     | (video == np.asarray(world.WALL, np.uint8)).all(-1))
+    shape_pixels = ~(
+        (video == np.asarray(world.BACKGROUND, np.uint8)).all(-1) | (video == np.asarray(world.WALL, np.uint8)).all(-1)
+    )
     faded = video.astype(np.float32)
     faded[shape_pixels] = 0.25 * faded[shape_pixels] + 0.75 * np.asarray(world.BACKGROUND, np.float32)
     faded_shares = np.asarray(T.colour_shares(fitted, fitted.encode(np.round(faded).astype(np.uint8))))
@@ -266,8 +271,9 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
     assert (faded_shares[..., 2:][present] < 0.1 * shares[..., 2:][present]).all()
     assert float(T.colour_share_error(fitted, x, x)) == 0.0
     expected = np.mean((faded_shares[..., 2:] - shares[..., 2:]) ** 2)
-    np.testing.assert_allclose(float(T.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)),
-                                                          x)), expected, rtol=1e-5)
+    np.testing.assert_allclose(
+        float(T.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)), x)), expected, rtol=1e-5
+    )
     for bad in (-1.0, float("inf"), float("nan"), "1"):
         for name in ("sf_colour_weight", "sf_outline_weight"):
             with pytest.raises(ValueError, match=f"TrainConfig.{name} is a loss weight"):
@@ -288,8 +294,8 @@ def test_batch_names_each_clips_objects_as_its_frames_show_them(fitted):
     for objects, present, shape in zip(clips.objects, found.present, found.shape):
         named = objects[objects[:, 0] >= 0]
         counts.add(len(named))
-        assert (objects[len(named):] == -1).all()
-        assert sorted(named[:, 0]) == list(np.flatnonzero(present))       # world.COLOURS order = metric's
+        assert (objects[len(named) :] == -1).all()
+        assert sorted(named[:, 0]) == list(np.flatnonzero(present))  # world.COLOURS order = metric's
         assert [shape[c] for c in named[:, 0]] == list(named[:, 1])
     assert counts == {1, 2}
 
@@ -315,25 +321,30 @@ def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted
     from jaxkv.toyworld import train as T
 
     rng = np.random.default_rng(4)
-    scenes = [world.sample_scene(rng, "a red square and a green triangle, slow"),
-              world.sample_scene(rng, "a blue circle, fast"), world.sample_scene(rng, "a yellow triangle, fast")]
+    scenes = [
+        world.sample_scene(rng, "a red square and a green triangle, slow"),
+        world.sample_scene(rng, "a blue circle, fast"),
+        world.sample_scene(rng, "a yellow triangle, fast"),
+    ]
     objects = np.full((3, 2, 2), -1, np.int32)
     for row, scene in zip(objects, scenes):
         for r, thing in zip(row, scene.things):
             r[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
-    render = lambda scenes, start=0: np.stack([world.render(sc, 6, start) for sc in scenes])   # noqa: E731
+    render = lambda scenes, start=0: np.stack([world.render(sc, 6, start) for sc in scenes])  # noqa: E731
     error = lambda video, objects=objects: float(T.outline_error(fitted, fitted.encode(video), objects))  # noqa: E731
     truth = error(render(scenes))
     assert truth < 0.12
     assert abs(error(render(scenes, 40)) - truth) < 0.03
     video = render(scenes).astype(np.float32)
     blurred = sum(np.roll(video, (dy, dx), axis=(2, 3)) for dy in range(-3, 4) for dx in range(-3, 4)) / 49
-    assert error(np.round(blurred).astype(np.uint8)) > truth + 0.05       # 7x7 box: corners rounded off
+    assert error(np.round(blurred).astype(np.uint8)) > truth + 0.05  # 7x7 box: corners rounded off
     faded = 0.5 * video + 0.5 * np.asarray(world.BACKGROUND, np.float32)
     assert error(np.round(faded).astype(np.uint8)) > truth + 0.15
     other = {"circle": "triangle", "square": "triangle", "triangle": "circle"}
-    wrong = [dataclasses.replace(sc, things=tuple(dataclasses.replace(t, shape=other[t.shape]) for t in sc.things))
-             for sc in scenes]
+    wrong = [
+        dataclasses.replace(sc, things=tuple(dataclasses.replace(t, shape=other[t.shape]) for t in sc.things))
+        for sc in scenes
+    ]
     assert error(render(wrong)) > truth + 0.25
     assert float(T.outline_error(fitted, fitted.encode(render(wrong)), np.full_like(objects, -1))) == 0.0
     grad = jax.grad(lambda x: T.outline_error(fitted, x, objects))(jnp.asarray(fitted.encode(render(scenes))))
@@ -355,33 +366,41 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
     x0, ids, mask, at_start, objects = T.batch(fitted, text.tokenizer(), settings, 0, 3, 1, 2, 0.5, after_sink=15)
     params = {"dit": wan.init_params(WAN_CONFIG, jax.random.key(1)), "text": text.init_text_params(1)}
     key = jax.random.key(7)
-    loss, grads = jax.jit(jax.value_and_grad(
-        lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings)))(params)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings)))(
+        params
+    )
 
     @jax.jit
     def stream(p):
         state = R.init_state(p["dit"], WAN_CONFIG, rc, T._context(p["text"], ids, mask))
         state = R.commit(p["dit"], WAN_CONFIG, rc, state, x0[:, :6])
         chunks = []
-        for c in range(2, 6):           # chunk indices of the stream: 0 the sink, 1 the committed window chunk
+        for c in range(2, 6):  # chunk indices of the stream: 0 the sink, 1 the committed window chunk
             x, state = R.generate_chunk(p["dit"], WAN_CONFIG, rc, state, R.chunk_noise(key, WAN_CONFIG, rc, 2, c))
             chunks.append(x)
         return jnp.concatenate(chunks, axis=1), state
 
     frames, state = stream(params)
-    assert int(state.cache.chunk_start.max()) >= 5 * rc.chunk_frames * 64      # the stream ran past its cache
+    assert int(state.cache.chunk_start.max()) >= 5 * rc.chunk_frames * 64  # the stream ran past its cache
     np.testing.assert_allclose(float(loss), float(jnp.mean((frames - x0[:, 6:]) ** 2)), rtol=1e-5)
     # with the colour-share term: the same stream's frames, their shares against the clip's
     coloured = jax.jit(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.5))
-    np.testing.assert_allclose(float(coloured(params)), float(jnp.mean((frames - x0[:, 6:]) ** 2))
-                               + 0.5 * float(T.colour_share_error(fitted, frames, x0[:, 6:])), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(coloured(params)),
+        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 0.5 * float(T.colour_share_error(fitted, frames, x0[:, 6:])),
+        rtol=1e-5,
+    )
     with pytest.raises(ValueError, match="a colour_weight or outline_weight needs the latent_map"):
         T.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, None, 0.5)
     # with the outline term: the same stream's frames against the clips' named objects
-    outlined = jax.jit(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.0, False,
-                                                     objects, 2.0))
-    np.testing.assert_allclose(float(outlined(params)), float(jnp.mean((frames - x0[:, 6:]) ** 2))
-                               + 2.0 * float(T.outline_error(fitted, frames, objects)), rtol=1e-5)
+    outlined = jax.jit(
+        lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, objects, 2.0)
+    )
+    np.testing.assert_allclose(
+        float(outlined(params)),
+        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 2.0 * float(T.outline_error(fitted, frames, objects)),
+        rtol=1e-5,
+    )
     with pytest.raises(ValueError, match="an outline_weight needs the clips' named objects"):
         T.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, None, 2.0)
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
@@ -398,8 +417,9 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
 
     # the two teacher-forcing stages (a stage of 0 steps compiles nothing); the run is stopped in the first and
     # resumed through the second
-    tc = T.TrainConfig(steps=4, refine_steps=2, refine_warmup=1, sf_steps=0, batch=2, fit_frames=64,
-                       snapshot_every=2, warmup=1)
+    tc = T.TrainConfig(
+        steps=4, refine_steps=2, refine_warmup=1, sf_steps=0, batch=2, fit_frames=64, snapshot_every=2, warmup=1
+    )
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     T.train(a, tc, progress=False)
     calls = {"n": 0}
@@ -410,9 +430,10 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
 
         def step(*args):
             calls["n"] += 1
-            if calls["n"] == 3:               # the third step, after the snapshot of step 2
+            if calls["n"] == 3:  # the third step, after the snapshot of step 2
                 raise KeyboardInterrupt
             return inner(*args)
+
         return step
 
     monkeypatch.setattr(T, "_step_fn", interrupting)
@@ -432,7 +453,10 @@ def test_training_is_reproducible_and_resumes_exactly(tmp_path, monkeypatch):
     assert not os.path.exists(b + ".partial")
     assert record["seconds"] > 1000.0 and record["stages"][0]["seconds"] > 900.0
     assert [(s["name"], s["steps"]) for s in record["stages"]] == [
-        ("teacher forcing", 4), ("teacher forcing, level-1 share", 2), ("self-forcing", 0)]
+        ("teacher forcing", 4),
+        ("teacher forcing, level-1 share", 2),
+        ("self-forcing", 0),
+    ]
     for part in ("dit", "text_encoder"):
         wa, wb = (load_file(os.path.join(d, part, "params.safetensors")) for d in (a, b))
         assert wa.keys() == wb.keys()
@@ -451,8 +475,15 @@ def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp
     out = tmp_path / "release"
     snapshot = tmp_path / "release.partial"
     snapshot.mkdir()
-    position = {"stage": 2, "step": 3, "losses": [0.5] * 3, "finished_stages": [], "seconds": 1.0,
-                "stage_seconds": 0.5, "train_config": dataclasses.asdict(T.TrainConfig(sf_steps=50))}
+    position = {
+        "stage": 2,
+        "step": 3,
+        "losses": [0.5] * 3,
+        "finished_stages": [],
+        "seconds": 1.0,
+        "stage_seconds": 0.5,
+        "train_config": dataclasses.asdict(T.TrainConfig(sf_steps=50)),
+    }
     (snapshot / "position.json").write_text(json.dumps(position))
     before = sorted(os.listdir(snapshot))
     with pytest.raises(ValueError, match="sf_steps 50 there, 0 here, sf_chunks 4 there, 2 here"):
@@ -475,36 +506,54 @@ def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
         return {"stage": stage, "step": step, "train_config": {**dataclasses.asdict(T.TrainConfig()), **config}}
 
     here = T.TrainConfig(steps=5, refine_steps=7, sf_steps=9, remat=True)
-    names = lambda stage, step: [c[0] for c in T.resume_conflicts(position(stage, step), here)]   # noqa: E731
-    assert names(0, 0) == []                                  # nothing begun
+    names = lambda stage, step: [c[0] for c in T.resume_conflicts(position(stage, step), here)]  # noqa: E731
+    assert names(0, 0) == []  # nothing begun
     assert names(0, 1) == ["steps"]
-    assert names(1, 0) == ["steps"]                           # stage 2 done; stage 3's settings free
+    assert names(1, 0) == ["steps"]  # stage 2 done; stage 3's settings free
     assert names(1, 4) == ["steps", "refine_steps"]
     assert names(2, 0) == ["steps", "refine_steps"]
     assert names(2, 1) == ["steps", "refine_steps", "sf_steps"]
     # every stage's data: never free once a stage has begun; batch is stages 2 and 3's clip count
-    assert [c[0] for c in T.resume_conflicts(position(0, 1), T.TrainConfig(seed=3, batch=2, sf_batch=2))] == \
-        ["seed", "batch"]
-    assert [c[0] for c in T.resume_conflicts(position(1, 0), T.TrainConfig(batch=2, fit_frames=64))] == \
-        ["batch", "fit_frames"]
+    assert [c[0] for c in T.resume_conflicts(position(0, 1), T.TrainConfig(seed=3, batch=2, sf_batch=2))] == [
+        "seed",
+        "batch",
+    ]
+    assert [c[0] for c in T.resume_conflicts(position(1, 0), T.TrainConfig(batch=2, fit_frames=64))] == [
+        "batch",
+        "fit_frames",
+    ]
     old = position(2, 4)
     del old["train_config"]["sf_outline_weight"], old["train_config"]["remat"]
     assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=0.0, remat=True)) == []
     assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=2.0)) == [("sf_outline_weight", 0.0, 2.0)]
-    assert T.resume_conflicts({"stage": 2, "step": 4}, T.TrainConfig(steps=1)) == []     # no config recorded
+    assert T.resume_conflicts({"stage": 2, "step": 4}, T.TrainConfig(steps=1)) == []  # no config recorded
     # the DiT's shape is every stage's: snapshots from before it was a setting read the shipped shape
     del old["train_config"]["dit_dim"], old["train_config"]["dit_heads"]
     assert T.resume_conflicts(old, T.TrainConfig()) == []
-    assert T.resume_conflicts(old, T.TrainConfig(dit_dim=192, dit_heads=6)) == [("dit_dim", 96, 192),
-                                                                                ("dit_heads", 3, 6)]
-    assert names(1, 0)[:1] == ["steps"] and [c[0] for c in T.resume_conflicts(
-        position(1, 0), T.TrainConfig(dit_layers=2))] == ["dit_layers"]
+    assert T.resume_conflicts(old, T.TrainConfig(dit_dim=192, dit_heads=6)) == [
+        ("dit_dim", 96, 192),
+        ("dit_heads", 3, 6),
+    ]
+    assert names(1, 0)[:1] == ["steps"] and [
+        c[0] for c in T.resume_conflicts(position(1, 0), T.TrainConfig(dit_layers=2))
+    ] == ["dit_layers"]
 
 
-@pytest.mark.parametrize("flag, value, least", [("--seed", -1, 0), ("--steps", -1, 0), ("--refine-steps", -1, 0),
-                                               ("--sf-steps", -1, 0), ("--sf-chunks", 0, 1), ("--sf-batch", 0, 1),
-                                               ("--dit-dim", 0, 1),
-                                               ("--dit-ffn-dim", 0, 1), ("--dit-heads", -2, 1), ("--dit-layers", 0, 1)])
+@pytest.mark.parametrize(
+    "flag, value, least",
+    [
+        ("--seed", -1, 0),
+        ("--steps", -1, 0),
+        ("--refine-steps", -1, 0),
+        ("--sf-steps", -1, 0),
+        ("--sf-chunks", 0, 1),
+        ("--sf-batch", 0, 1),
+        ("--dit-dim", 0, 1),
+        ("--dit-ffn-dim", 0, 1),
+        ("--dit-heads", -2, 1),
+        ("--dit-layers", 0, 1),
+    ],
+)
 def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path, capsys, flag, value, least):
     from jaxkv.toyworld import cli
 
@@ -552,7 +601,7 @@ def test_the_dits_shape_is_a_setting_checked_before_anything_is_written(tmp_path
     with pytest.raises(ValueError, match=r"dit_dim \(100\) must split into dit_heads \(3\) heads of an even width"):
         T.TrainConfig(dit_dim=100)
     with pytest.raises(ValueError, match="even width"):
-        T.TrainConfig(dit_dim=96, dit_heads=32)               # heads of 3 channels
+        T.TrainConfig(dit_dim=96, dit_heads=32)  # heads of 3 channels
     out = tmp_path / "release"
     assert cli.main(["train", "--out", str(out), "--dit-dim", "100"]) == 2
     assert "dit_dim (100) must split into dit_heads (3)" in capsys.readouterr().err
@@ -566,17 +615,32 @@ def test_a_run_with_another_dit_shape_trains_every_stage_and_writes_it(tmp_path)
     from jaxkv.toyworld import model as TM
     from jaxkv.toyworld import train as T
 
-    tc = T.TrainConfig(steps=1, refine_steps=0, sf_steps=1, sf_chunks=1, batch=1, sf_batch=1, fit_frames=64,
-                       warmup=1, dit_dim=48, dit_ffn_dim=64, dit_heads=2, dit_layers=1)
+    tc = T.TrainConfig(
+        steps=1,
+        refine_steps=0,
+        sf_steps=1,
+        sf_chunks=1,
+        batch=1,
+        sf_batch=1,
+        fit_frames=64,
+        warmup=1,
+        dit_dim=48,
+        dit_ffn_dim=64,
+        dit_heads=2,
+        dit_layers=1,
+    )
     out = str(tmp_path / "small")
     record = T.train(out, tc, progress=False)
     assert [(s["name"], s["steps"]) for s in record["stages"]] == [
-        ("teacher forcing", 1), ("teacher forcing, level-1 share", 0), ("self-forcing", 1)]
+        ("teacher forcing", 1),
+        ("teacher forcing, level-1 share", 0),
+        ("self-forcing", 1),
+    ]
     assert all(np.isfinite(s["loss_last_50"]) for s in record["stages"] if s["steps"])
     toy = TM.load(out)
     assert toy.config == tc.wan_config() != TM.WAN_CONFIG
     from jaxkv.models import wan
 
-    shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)     # noqa: E731
+    shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)  # noqa: E731
     assert shapes(toy.params) == shapes(wan.init_params(tc.wan_config(), jax.random.key(0)))
     assert record["train_config"]["dit_dim"] == 48

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxkv.models import wan
-from jaxkv.toyworld import model as toy_model
 from jaxkv.toyworld import metric, quality, world
+from jaxkv.toyworld import model as toy_model
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +25,15 @@ def test_the_worlds_own_clips_score_at_the_top(shipped):
 
 def test_tracking_scores_the_canonical_scene_and_not_other_motion(shipped):
     truth = quality.world_videos(shipped, canonical=True)
-    elsewhere = quality.world_videos(shipped)                    # the same prompts, random layouts and headings
-    frozen = np.repeat(truth[:, :1], truth.shape[1], axis=1)     # the right first frame, never moving
+    elsewhere = quality.world_videos(shipped)  # the same prompts, random layouts and headings
+    frozen = np.repeat(truth[:, :1], truth.shape[1], axis=1)  # the right first frame, never moving
     for video, other, still, prompt in zip(truth, elsewhere, frozen, quality.PROMPTS):
         assert quality.tracking(video, prompt) >= 0.9, prompt
         assert quality.tracking(other, prompt) <= 0.1, prompt
         # the first frame held still can only track a shape while the world brings it back near where it started
         # (two shapes that meet head on bounce back along their paths): at most those frames, from the world's path
         path = world.paths(world.canonical_scene(prompt), len(still))
-        home = np.linalg.norm(path - path[:1], axis=-1) <= quality.TRACK_RADIUS + 1.0       # [T, N]
+        home = np.linalg.norm(path - path[:1], axis=-1) <= quality.TRACK_RADIUS + 1.0  # [T, N]
         assert quality.tracking(still, prompt) <= home.mean() + 0.05, prompt
 
 
@@ -53,7 +53,7 @@ def test_a_shape_lost_where_two_meet_fails_the_metric_as_it_fails_tracking():
     assert not metric.occlusion(metric.detect(video), prompt).hidden.any()
     scores = metric.score(video, prompt, window_chunks=frames // 3)
     assert scores.adherence == pytest.approx(1 - 0.5 * (frames - met) / frames)
-    assert quality.tracking(video, prompt) <= 0.5 + 0.5 * met / frames     # the first shape missed from `met` on
+    assert quality.tracking(video, prompt) <= 0.5 + 0.5 * met / frames  # the first shape missed from `met` on
     assert metric.score(world.render(scene, frames), prompt, window_chunks=frames // 3).overall == 1.0
     assert quality.tracking(world.render(scene, frames), prompt) > 0.9
 
@@ -93,8 +93,12 @@ def test_chunk_errors_measure_against_the_world():
     truth = np.stack([world.render(sc, 3, int(t)) for sc, t in zip(scenes, starts)])
     before = np.stack([world.render(sc, 1, int(t) - 1) for sc, t in zip(scenes, starts)])
     assert quality.chunk_errors(truth, prompts, starts).max() <= np.sqrt(2) * metric.CENTROID_ERROR
-    steps = np.concatenate([np.linalg.norm(world.paths(sc, 4, int(t) - 1)[1:] - world.paths(sc, 1, int(t) - 1),
-                                           axis=-1).T for sc, t in zip(scenes, starts)])
+    steps = np.concatenate(
+        [
+            np.linalg.norm(world.paths(sc, 4, int(t) - 1)[1:] - world.paths(sc, 1, int(t) - 1), axis=-1).T
+            for sc, t in zip(scenes, starts)
+        ]
+    )
     assert steps.min() > 0.5
     held = quality.chunk_errors(before.repeat(3, axis=1), prompts, starts)
     assert (np.abs(held - steps) <= quality.chunk_errors(before, prompts, starts - 1) + 1e-9).all()
@@ -131,9 +135,9 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
     assert "next chunk from the world's own frames" in out and "held still" in out
     assert "survey (16 prompts x 2 seeds, 48 frames): overall" in out
     assert "denoising that chunk once at each noise level" in out
-    for sigma in shipped.settings.schedule().sigmas():             # every level of the shipped sampler
+    for sigma in shipped.settings.schedule().sigmas():  # every level of the shipped sampler
         assert f"level {sigma:g}: " in out
-    long = out[out.index("long streams (4 prompts x 300 frames), per 30 frames: "):].splitlines()[0]
+    long = out[out.index("long streams (4 prompts x 300 frames), per 30 frames: ") :].splitlines()[0]
     parts = long.split(": ", 1)[1].split("; ")
     assert len(parts) == 4
     for part, name in zip(parts, ("overall", "continuity", "named shapes seen", "named shapes moving")):
@@ -186,12 +190,12 @@ def test_long_streams_refuse_windows_that_do_not_divide_the_stream_before_stream
 
 def test_survey_prompts_are_the_checks_then_distinct_valid_ones():
     prompts = quality.survey_prompts(40)
-    assert prompts[:len(quality.PROMPTS)] == quality.PROMPTS
+    assert prompts[: len(quality.PROMPTS)] == quality.PROMPTS
     assert len(set(prompts)) == 40 and prompts == quality.survey_prompts(40)
     for p in prompts:
         world.parse_prompt(p)
     assert quality.survey_prompts(16) == quality.survey_prompts()
-    everything = quality.survey_prompts(240)         # every prompt the vocabulary makes: 2 x (4 x 3 + 4 x 3 x 3 x 3)
+    everything = quality.survey_prompts(240)  # every prompt the vocabulary makes: 2 x (4 x 3 + 4 x 3 x 3 x 3)
     assert len(set(everything)) == 240
     for bad in (3, 241):
         with pytest.raises(ValueError, match="count"):
@@ -216,9 +220,10 @@ def test_denoising_errors_scale_as_sigma_squared_for_a_dit_that_predicts_no_flow
     errors = quality.denoising_errors(dataclasses.replace(shipped, params=params), clips=6)
     # the shipped steps 1000 / 750 / 500 / 250 warped with shift 3: 3 d / (1 + 2 d) for d = 1, 0.75, 0.5, 0.25
     assert errors.sigmas.tolist() == pytest.approx([1.0, 0.9, 0.75, 0.5])
-    np.testing.assert_allclose(errors.model / errors.model[:1], np.broadcast_to(errors.sigmas[:, None] ** 2,
-                                                                               errors.model.shape), rtol=1e-4)
-    assert (errors.model[0] > 1.0).all()                       # eps - x0: unit noise plus the latents
+    np.testing.assert_allclose(
+        errors.model / errors.model[:1], np.broadcast_to(errors.sigmas[:, None] ** 2, errors.model.shape), rtol=1e-4
+    )
+    assert (errors.model[0] > 1.0).all()  # eps - x0: unit noise plus the latents
     _, _, context, truth = quality._world_chunks(shipped, 6, quality.SEED)
     x = shipped.latent_map.encode(np.concatenate([context[:, -1:], truth], axis=1))
     np.testing.assert_allclose(errors.still, np.mean((x[:, 1:] - x[:, :1]) ** 2, axis=(0, 2, 3, 4)), rtol=1e-5)
@@ -237,9 +242,17 @@ def test_denoising_errors_first_level_is_the_streams_first_step(shipped):
     eps = np.random.default_rng([quality.SEED, clips, 1]).standard_normal(x0.shape).astype(np.float32)
     rc = st.rollout_config(schedule=Schedule(steps=(1000,), shift=st.shift))
     state = R.init_state(shipped.params, shipped.config, rc, shipped.context(prompts))
-    state = R.commit(shipped.params, shipped.config, rc, state, x0[:, :context.shape[1]])
-    out = R.rollout(shipped.params, shipped.config, rc, None, num_chunks=1, noise=eps[None, None, :, -3:],
-                    state=state, first_chunk=context.shape[1] // 3)
+    state = R.commit(shipped.params, shipped.config, rc, state, x0[:, : context.shape[1]])
+    out = R.rollout(
+        shipped.params,
+        shipped.config,
+        rc,
+        None,
+        num_chunks=1,
+        noise=eps[None, None, :, -3:],
+        state=state,
+        first_chunk=context.shape[1] // 3,
+    )
     streamed = np.mean((np.asarray(out.latents) - x0[:, -3:]) ** 2, axis=(0, 2, 3, 4))
     np.testing.assert_allclose(errors.model[0], streamed, rtol=2e-3)
     # each lower level holds more of the answer: the shipped model's error falls step by step, to well under the

@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkv.toyworld import world
 
@@ -58,7 +59,7 @@ def test_trajectory_at_the_world_speeds_bounces_and_keeps_its_speed(speed):
         inside = ((path[:-1] > LO + v) & (path[:-1] < HI - v)).all(1)
         np.testing.assert_allclose(steps[inside], v, atol=1e-9)
         assert (steps <= v + 1e-9).all()
-        assert (np.diff(np.sign(np.diff(path, axis=0)), axis=0) != 0).any()   # it did bounce
+        assert (np.diff(np.sign(np.diff(path, axis=0)), axis=0) != 0).any()  # it did bounce
 
 
 @settings(max_examples=20, deadline=None)
@@ -69,10 +70,16 @@ def test_trajectory_from_any_start_is_the_same_stream(start, frames, x, vx):
     np.testing.assert_allclose(world.trajectory(thing, frames, start), whole[start:], rtol=0, atol=1e-9)
 
 
-AREA = {"circle": math.pi * world.RADIUS ** 2, "square": (2 * world.HALF_SIDE) ** 2,
-        "triangle": 3 * math.sqrt(3) / 4 * world.TRIANGLE_R ** 2}   # equilateral, circumradius R
-PERIMETER = {"circle": 2 * math.pi * world.RADIUS, "square": 8 * world.HALF_SIDE,
-             "triangle": 3 * math.sqrt(3) * world.TRIANGLE_R}
+AREA = {
+    "circle": math.pi * world.RADIUS**2,
+    "square": (2 * world.HALF_SIDE) ** 2,
+    "triangle": 3 * math.sqrt(3) / 4 * world.TRIANGLE_R**2,
+}  # equilateral, circumradius R
+PERIMETER = {
+    "circle": 2 * math.pi * world.RADIUS,
+    "square": 8 * world.HALF_SIDE,
+    "triangle": 3 * math.sqrt(3) * world.TRIANGLE_R,
+}
 
 
 @pytest.mark.parametrize("shape", world.SHAPES)
@@ -88,8 +95,17 @@ def test_shape_pixel_counts_match_the_analytic_area(shape):
 @pytest.mark.parametrize("shape", world.SHAPES)
 def test_shapes_fit_inside_the_frame_anywhere_in_the_centre_box(shape):
     # the same sub-pixel phase at the centre and at the box's four corners: equal counts (nothing clipped)
-    centres = np.array([[32.3, 32.7], [LO + 0.3, LO + 0.7], [HI + 0.3 - 1, LO + 0.7], [LO + 0.3, HI + 0.7 - 1],
-                        [HI + 0.3 - 1, HI + 0.7 - 1], [LO, LO], [HI, HI]])
+    centres = np.array(
+        [
+            [32.3, 32.7],
+            [LO + 0.3, LO + 0.7],
+            [HI + 0.3 - 1, LO + 0.7],
+            [LO + 0.3, HI + 0.7 - 1],
+            [HI + 0.3 - 1, HI + 0.7 - 1],
+            [LO, LO],
+            [HI, HI],
+        ]
+    )
     counts = world.shape_mask(shape, centres).sum((1, 2))
     assert (counts[:5] == counts[0]).all()
     assert counts[5] == counts[6] == world.shape_mask(shape, np.array([[32.0, 32.0]])).sum()
@@ -108,7 +124,7 @@ def test_render_colours_are_exact_and_later_objects_are_drawn_on_top():
     assert video.dtype == np.uint8 and video.shape == (12, world.SIZE, world.SIZE, 3)
     m_below = world.shape_mask("square", world.trajectory(below, 12))
     m_above = world.shape_mask("circle", world.trajectory(above, 12))
-    assert (m_below & m_above).any(1).any(1).all()                     # they overlap in every frame
+    assert (m_below & m_above).any(1).any(1).all()  # they overlap in every frame
     expected = np.empty_like(video)
     expected[:] = world.BACKGROUND
     w = world.WALL_WIDTH
@@ -122,11 +138,10 @@ def test_render_colours_are_exact_and_later_objects_are_drawn_on_top():
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), start=st.integers(0, 400), frames=st.integers(1, 8))
+@given(seed=st.integers(0, 2**32 - 1), start=st.integers(0, 400), frames=st.integers(1, 8))
 def test_render_from_any_start_equals_rendering_from_zero_and_slicing(seed, start, frames):
     scene = world.sample_scene(np.random.default_rng(seed))
-    np.testing.assert_array_equal(world.render(scene, frames, start),
-                                  world.render(scene, start + frames)[start:])
+    np.testing.assert_array_equal(world.render(scene, frames, start), world.render(scene, start + frames)[start:])
 
 
 @pytest.mark.parametrize("frames, start", [(0, 0), (-1, 0), (3, -1)])
@@ -167,29 +182,35 @@ def test_parse_prompt_tolerates_case_spacing_and_no_comma():
         assert world.parse_prompt(text) == expected
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ("a purple circle, fast", "'a purple circle' is not 'a <colour> <shape>'"),
-    ("a red hexagon, slow", "'a red hexagon' is not 'a <colour> <shape>'"),
-    ("the red circle, slow", "is not 'a <colour> <shape>'"),
-    ("a red circle and a red square, fast", "its own colour"),
-    ("a red circle and a blue square and a green triangle, slow", "holds 1..2 shapes, got 3"),
-    ("a red circle", "must end with a speed"),
-    ("a red circle, quick", "must end with a speed"),
-    ("fast", "must end with a speed"),
-    ("", "must end with a speed"),
-    (3, "is a str"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("a purple circle, fast", "'a purple circle' is not 'a <colour> <shape>'"),
+        ("a red hexagon, slow", "'a red hexagon' is not 'a <colour> <shape>'"),
+        ("the red circle, slow", "is not 'a <colour> <shape>'"),
+        ("a red circle and a red square, fast", "its own colour"),
+        ("a red circle and a blue square and a green triangle, slow", "holds 1..2 shapes, got 3"),
+        ("a red circle", "must end with a speed"),
+        ("a red circle, quick", "must end with a speed"),
+        ("fast", "must end with a speed"),
+        ("", "must end with a speed"),
+        (3, "is a str"),
+    ],
+)
 def test_parse_prompt_names_the_problem(prompt, message):
     with pytest.raises(ValueError, match=message):
         world.parse_prompt(prompt)
 
 
-@pytest.mark.parametrize("objects, speed, message", [
-    ([], "slow", "holds 1..2 shapes, got 0"),
-    ([("red", "circle"), ("red", "square")], "slow", "its own colour"),
-    ([("red", "blob")], "slow", "unknown toy-world object"),
-    ([("red", "circle")], "medium", "unknown toy-world speed"),
-])
+@pytest.mark.parametrize(
+    "objects, speed, message",
+    [
+        ([], "slow", "holds 1..2 shapes, got 0"),
+        ([("red", "circle"), ("red", "square")], "slow", "its own colour"),
+        ([("red", "blob")], "slow", "unknown toy-world object"),
+        ([("red", "circle")], "medium", "unknown toy-world speed"),
+    ],
+)
 def test_format_prompt_rejects_what_parse_would(objects, speed, message):
     with pytest.raises(ValueError, match=message):
         world.format_prompt(objects, speed)
@@ -213,10 +234,10 @@ def test_clips_are_deterministic_for_a_seeded_generator():
     assert prompts == prompts_again
     assert (prompts, video.tobytes()) != (prompts_other, other.tobytes())
     for clip, prompt in zip(video, prompts):
-        world.parse_prompt(prompt)                                     # every prompt is well formed
+        world.parse_prompt(prompt)  # every prompt is well formed
         colours = {tuple(p) for p in clip.reshape(-1, 3)} - {world.BACKGROUND, world.WALL}
         named = {world.COLOURS[c] for c, _ in world.parse_prompt(prompt)[0]}
-        assert colours <= named and colours                            # only the named colours appear
+        assert colours <= named and colours  # only the named colours appear
 
 
 def test_canonical_scene_is_a_function_of_the_prompt():
@@ -233,6 +254,7 @@ def test_canonical_scene_is_a_function_of_the_prompt():
 
 # -- two shapes bounce off each other (`world.paths`)
 
+
 def _contact(scene) -> float:
     a, b = scene.things
     return world.contact(a.shape, b.shape)
@@ -247,14 +269,16 @@ def test_reach_is_the_farthest_pixel_of_each_shape():
             assert reach - 1.0 <= far <= reach, shape
 
 
-two_shape_prompts = st.builds(lambda c, s, speed: world.format_prompt(list(zip(c, s)), speed),
-                              st.permutations(list(world.COLOURS)).map(lambda c: c[:2]),
-                              st.lists(st.sampled_from(world.SHAPES), min_size=2, max_size=2),
-                              st.sampled_from(sorted(world.SPEEDS)))
+two_shape_prompts = st.builds(
+    lambda c, s, speed: world.format_prompt(list(zip(c, s)), speed),
+    st.permutations(list(world.COLOURS)).map(lambda c: c[:2]),
+    st.lists(st.sampled_from(world.SHAPES), min_size=2, max_size=2),
+    st.sampled_from(sorted(world.SPEEDS)),
+)
 
 
 @settings(max_examples=30, deadline=None)
-@given(prompt=two_shape_prompts, seed=st.integers(0, 2 ** 32 - 1))
+@given(prompt=two_shape_prompts, seed=st.integers(0, 2**32 - 1))
 def test_two_shapes_never_overlap_and_keep_their_speed(prompt, seed):
     scene = world.sample_scene(np.random.default_rng(seed), prompt)
     contact = _contact(scene)
@@ -267,15 +291,15 @@ def test_two_shapes_never_overlap_and_keep_their_speed(prompt, seed):
         mask = world.shape_mask(thing.shape, path[:300, k])
         assert (video[mask] == world.COLOURS[thing.colour]).all()
     v = world.SPEEDS[scene.speed]
-    steps = np.linalg.norm(np.diff(path, axis=0), axis=-1)            # [T - 1, 2]
+    steps = np.linalg.norm(np.diff(path, axis=0), axis=-1)  # [T - 1, 2]
     assert (steps <= v + 1e-9).all()
-    inside = ((path[:-1] > LO + v) & (path[:-1] < HI - v)).all(-1)   # no wall within a step: the speed exactly
+    inside = ((path[:-1] > LO + v) & (path[:-1] < HI - v)).all(-1)  # no wall within a step: the speed exactly
     np.testing.assert_allclose(steps[inside], v, atol=1e-9)
     assert path.min() >= LO - 1e-9 and path.max() <= HI + 1e-9
 
 
 def test_shapes_meeting_head_on_bounce_back_and_alone_they_pass():
-    scene = world.canonical_scene("a red circle and a blue square, slow")    # the canonical layout: head on
+    scene = world.canonical_scene("a red circle and a blue square, slow")  # the canonical layout: head on
     path = world.paths(scene, 60)
     apart = world.paths(scene, 60, bounce=False)
     np.testing.assert_array_equal(apart[:, 0], world.trajectory(scene.things[0], 60))
@@ -283,15 +307,16 @@ def test_shapes_meeting_head_on_bounce_back_and_alone_they_pass():
     gap = np.linalg.norm(path[:, 0] - path[:, 1], axis=-1)
     turn = int(np.argmin(gap))
     assert 3 < turn < 30 and _contact(scene) <= gap[turn] < _contact(scene) + 2 * world.SPEEDS["slow"]
-    np.testing.assert_allclose(path[:turn + 1], apart[:turn + 1], rtol=0, atol=1e-9)   # the same until they meet
+    np.testing.assert_allclose(path[: turn + 1], apart[: turn + 1], rtol=0, atol=1e-9)  # the same until they meet
     # then each one's velocity is mirrored in the plane between them (nearly head on: nearly back the way it came)
     n = (path[turn, 1] - path[turn, 0]) / gap[turn]
-    v = apart[1] - apart[0]                                                    # [2 shapes, 2]
+    v = apart[1] - apart[0]  # [2 shapes, 2]
     mirrored = v - 2 * (v @ n)[:, None] * n
-    np.testing.assert_allclose(path[turn + 1:turn + 5] - path[turn:turn + 4], np.repeat(mirrored[None], 4, 0),
-                               rtol=0, atol=1e-9)
+    np.testing.assert_allclose(
+        path[turn + 1 : turn + 5] - path[turn : turn + 4], np.repeat(mirrored[None], 4, 0), rtol=0, atol=1e-9
+    )
     assert (mirrored @ v.T).diagonal().max() < -0.9 * world.SPEEDS["slow"] ** 2
-    assert (np.linalg.norm(apart[:, 0] - apart[:, 1], axis=-1) < _contact(scene) - 5).any()   # without: they cross
+    assert (np.linalg.norm(apart[:, 0] - apart[:, 1], axis=-1) < _contact(scene) - 5).any()  # without: they cross
 
 
 def test_a_lone_shape_follows_its_trajectory():
@@ -315,8 +340,13 @@ def test_paths_from_any_start_are_the_same_stream(start, frames, prompt):
 def test_overlapping_starts_separate():
     # a scene made with its shapes already overlapping (sample_scene draws none): they move apart, and from the
     # second frame apart on (the first may follow a frame too close to turn back to) they never close in again
-    scene = world.Scene((world.Thing("red", "circle", (30.0, 30.0), (1.0, 0.0)),
-                         world.Thing("blue", "square", (36.0, 31.0), (-1.0, 0.0))), "slow")
+    scene = world.Scene(
+        (
+            world.Thing("red", "circle", (30.0, 30.0), (1.0, 0.0)),
+            world.Thing("blue", "square", (36.0, 31.0), (-1.0, 0.0)),
+        ),
+        "slow",
+    )
     gap = np.linalg.norm(np.subtract(*np.moveaxis(world.paths(scene, 400), 1, 0)), axis=-1)
     first = int(np.argmax(gap >= _contact(scene)))
-    assert 0 < first < 20 and gap[first + 1:].min() >= _contact(scene) - 1e-9
+    assert 0 < first < 20 and gap[first + 1 :].min() >= _contact(scene) - 1e-9

@@ -19,7 +19,7 @@ def _bench():
     return module
 
 
-@pytest.mark.slow   # ~2 min on 2 cores: four compilations of the recipe's training steps
+@pytest.mark.slow  # ~2 min on 2 cores: four compilations of the recipe's training steps
 def test_train_step_benchmark_writes_both_losses_and_their_variants_agree(tmp_path, capsys):
     out = tmp_path / "train_step.json"
     assert _bench().main(["--repeats", "1", "--json", str(out)]) == 0
@@ -29,7 +29,7 @@ def test_train_step_benchmark_writes_both_losses_and_their_variants_agree(tmp_pa
         assert r["seconds"] > 0 and r["seconds_remat"] > 0
         assert abs(r["loss_value_remat"] - r["loss_value"]) <= 1e-5 * abs(r["loss_value"])
         assert r["max_grad_difference_relative"] < 1e-4
-    assert capsys.readouterr().out.count("\n| ") == 3   # the table's rule and one row per loss
+    assert capsys.readouterr().out.count("\n| ") == 3  # the table's rule and one row per loss
 
 
 def test_train_step_benchmark_refuses_no_repeats(capsys):

@@ -16,17 +16,39 @@ import numpy as np
 import pytest
 
 from jaxkv.compilation import count_compiles
-from jaxkv.models.umt5 import (PromptTruncated, TextEncoder, Tokenizer, TokenizerNotFound, UMT5Config, checkpoint,
-                               clean_text, encode, encode_jit, encode_prompts, init_params, preset,
-                               relative_buckets, tiny_tokenizer)
+from jaxkv.models.umt5 import (
+    PromptTruncated,
+    TextEncoder,
+    Tokenizer,
+    TokenizerNotFound,
+    UMT5Config,
+    checkpoint,
+    clean_text,
+    encode,
+    encode_jit,
+    encode_prompts,
+    init_params,
+    preset,
+    relative_buckets,
+    tiny_tokenizer,
+)
 from jaxkv.models.umt5.encoder import CacheError
 from jaxkv.models.umt5.model import check_ids
 from jaxkv.models.umt5.params import flatten
 from jaxkv.models.umt5.tokenizer import fix_text_subset
 from jaxkv.models.wan.checkpoint import CheckpointError
 
-CFG = UMT5Config(vocab_size=64, dim=16, ffn_dim=24, num_heads=2, head_dim=6, num_layers=2, num_buckets=8,
-                 max_distance=10, text_len=12)
+CFG = UMT5Config(
+    vocab_size=64,
+    dim=16,
+    ffn_dim=24,
+    num_heads=2,
+    head_dim=6,
+    num_layers=2,
+    num_buckets=8,
+    max_distance=10,
+    text_len=12,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +63,9 @@ def test_config_checks():
     with pytest.raises(ValueError, match="pad_id and eos_id must differ"):
         UMT5Config(vocab_size=8, dim=8, ffn_dim=8, num_heads=1, head_dim=8, num_layers=1, eos_id=0)
     with pytest.raises(ValueError, match="max_distance"):
-        UMT5Config(vocab_size=8, dim=8, ffn_dim=8, num_heads=1, head_dim=8, num_layers=1, num_buckets=32,
-                   max_distance=8)
+        UMT5Config(
+            vocab_size=8, dim=8, ffn_dim=8, num_heads=1, head_dim=8, num_layers=1, num_buckets=32, max_distance=8
+        )
     with pytest.raises(ValueError, match="unknown umT5 preset"):
         preset("t5-xxl")
 
@@ -60,7 +83,7 @@ def test_bucket_structure():
     f = d[1:] - half
     assert list(f[: half // 2 - 1]) == list(range(1, half // 2))  # exact offsets 1 .. max_exact-1
     assert np.all(np.diff(f) >= 0) and f.max() == half - 1
-    assert np.all(f[CFG.max_distance - 1:] == half - 1)  # distance >= max_distance: the last bucket
+    assert np.all(f[CFG.max_distance - 1 :] == half - 1)  # distance >= max_distance: the last bucket
 
 
 def test_padding_and_masked_ids_do_not_change_valid_outputs(params):
@@ -131,7 +154,7 @@ CLEAN_CASES = {
     "already caf\u00e9, stays": "already caf\u00e9, stays",
     "bell\x07 and \x1b[31mred\x1b[0m": "bell and red",
     "e\u0301 composed": "\u00e9 composed",
-    "\u65e5\u672c\u8a9e\u3067 \U0001F600": "\u65e5\u672c\u8a9e\u3067 \U0001F600",
+    "\u65e5\u672c\u8a9e\u3067 \U0001f600": "\u65e5\u672c\u8a9e\u3067 \U0001f600",
 }
 
 
@@ -175,20 +198,38 @@ def test_truncation_keeps_eos_and_pads():
 def test_missing_tokenizer_names_every_path(tmp_path):
     with pytest.raises(TokenizerNotFound) as e:
         Tokenizer.from_dir(str(tmp_path))
-    for expected in ("tokenizer.json", "spiece.model", os.path.join("google", "umt5-xxl", "spiece.model"),
-                     os.path.join("tokenizer", "tokenizer.json")):
+    for expected in (
+        "tokenizer.json",
+        "spiece.model",
+        os.path.join("google", "umt5-xxl", "spiece.model"),
+        os.path.join("tokenizer", "tokenizer.json"),
+    ):
         assert os.path.join(str(tmp_path), expected) in str(e.value)
 
 
 def sentencepiece_model() -> bytes:
     """A tiny unigram sentencepiece model trained here, with umT5's special ids (pad 0, eos 1, unk 2)."""
     spm = pytest.importorskip("sentencepiece")
-    corpus = ["a red fox jumps over the lazy dog", "the cat sits on the mat", "a video of a beach at dusk",
-              "waves roll onto the sand", "caf\u00e9 in paris at night"] * 20
+    corpus = [
+        "a red fox jumps over the lazy dog",
+        "the cat sits on the mat",
+        "a video of a beach at dusk",
+        "waves roll onto the sand",
+        "caf\u00e9 in paris at night",
+    ] * 20
     out = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=out, vocab_size=40,
-                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
-                                   character_coverage=1.0, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_writer=out,
+        vocab_size=40,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     return out.getvalue()
 
 
@@ -202,12 +243,13 @@ def test_sentencepiece_tokenizer_file_and_bytes(tmp_path):
     prompt = "  a red   fox\non the beach  "
     ids, mask, _ = tok([prompt], 48)
     want = sp.encode("a red fox on the beach") + [1]
-    assert list(ids[0, :len(want)]) == want and mask[0].sum() == len(want) and not ids[0, len(want):].any()
+    assert list(ids[0, : len(want)]) == want and mask[0].sum() == len(want) and not ids[0, len(want) :].any()
     with pytest.raises(ValueError, match="not a valid sentencepiece model"):
         Tokenizer.from_sentencepiece(b"not a model", source="junk")
 
 
 # ------------------------------------------------------------------ context and TextEncoder
+
 
 def test_encode_prompts_zeroes_past_each_length(params):
     tok = tiny_tokenizer()
@@ -265,12 +307,15 @@ def test_checkpoint_round_trip_and_errors(tmp_path, params):
 
     cfg = preset("tiny")
     p = init_params(cfg, 3)
-    fp = checkpoint.save(str(tmp_path / "enc"), cfg, p, tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()})
+    fp = checkpoint.save(
+        str(tmp_path / "enc"), cfg, p, tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()}
+    )
     assert fp == checkpoint.params_fingerprint(str(tmp_path / "enc" / "params.safetensors"))
     enc = TextEncoder.load(str(tmp_path / "enc"))
     assert enc.fingerprint == fp and enc.config == cfg
-    ref = TextEncoder(cfg, p, Tokenizer.from_tokenizers(HFTokenizer.from_str(tiny_tokenizer_json()), source="x"),
-                      fingerprint="x").encode(["a cat"])
+    ref = TextEncoder(
+        cfg, p, Tokenizer.from_tokenizers(HFTokenizer.from_str(tiny_tokenizer_json()), source="x"), fingerprint="x"
+    ).encode(["a cat"])
     np.testing.assert_array_equal(enc.encode(["a cat"]), ref)
     with pytest.raises(FileExistsError):
         checkpoint.save(str(tmp_path / "enc"), cfg, p)
@@ -298,6 +343,7 @@ def test_tokenizer_must_fit_the_encoder(params):
 
 # ------------------------------------------------------------------ conversion without torch
 
+
 def wan_layout(params, cfg) -> dict[str, np.ndarray]:
     """Wan's original T5Encoder names for jaxkv params, spelled out by hand (PyTorch Linear weights are [out, in])."""
     a = lambda x: np.asarray(x, np.float32)  # noqa: E731
@@ -318,9 +364,9 @@ def wan_layout(params, cfg) -> dict[str, np.ndarray]:
 def test_convert_single_file_with_embedded_sentencepiece(tmp_path, monkeypatch):
     from safetensors.numpy import save_file
 
-    from converters import umt5 as conv
-    from converters.errors import ConversionError
-    from converters.umt5 import convert_umt5, is_umt5_source
+    from jaxkv.convert import umt5 as conv
+    from jaxkv.convert.errors import ConversionError
+    from jaxkv.convert.umt5 import convert_umt5, is_umt5_source
 
     monkeypatch.setattr(conv, "PIECE_BYTES", 200)  # the embedding then goes out in many row blocks
 
@@ -338,8 +384,9 @@ def test_convert_single_file_with_embedded_sentencepiece(tmp_path, monkeypatch):
     assert meta["fingerprint"] == checkpoint.params_fingerprint(str(tmp_path / "out" / "params.safetensors"))
     enc = TextEncoder.load(str(tmp_path / "out"))
     ids, mask, _ = enc.tokenizer(["a red fox"], 512)
-    np.testing.assert_array_equal(np.asarray(encode_jit(enc._params, cfg, ids, mask)),
-                                  np.asarray(encode_jit(p, cfg, ids, mask)))
+    np.testing.assert_array_equal(
+        np.asarray(encode_jit(enc._params, cfg, ids, mask)), np.asarray(encode_jit(p, cfg, ids, mask))
+    )
     # A missing tensor is named, and nothing is written.
     tensors.pop("blocks.1.ffn.fc1.weight")
     save_file(tensors, str(tmp_path / "broken.safetensors"))

@@ -3,7 +3,7 @@ encoder, the bucket function and both converter layouts; Wan's wrapper logic (tr
 back with zeros) for the context; `transformers`' fast tokenizer after Wan's cleaning for the ids.
 
 The original-layout fixture spells Wan's key names out by hand (`wan_state_dict`), independently of
-converters/umt5.py's table.
+jaxkv/convert/umt5.py's table.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from converters.errors import ConversionError  # noqa: E402
-from converters.umt5 import convert_umt5, is_umt5_source, plan_umt5_conversion  # noqa: E402
+from jaxkv.convert.errors import ConversionError  # noqa: E402
+from jaxkv.convert.umt5 import convert_umt5, is_umt5_source, plan_umt5_conversion  # noqa: E402
 from jaxkv.models.umt5 import TextEncoder, UMT5Config, encode, encode_prompts, relative_buckets  # noqa: E402
 from jaxkv.models.umt5.params import unflatten  # noqa: E402
 from jaxkv.models.umt5.tokenizer import Tokenizer  # noqa: E402
@@ -29,11 +29,31 @@ pytestmark = pytest.mark.torch
 
 # head_dim * heads (15) != dim (24), ffn != dim, 3 layers, few buckets and a short max_distance so the 30-token
 # prompts reach the logarithmic buckets and the clamp.
-HF_KW = dict(vocab_size=300, d_model=24, d_kv=5, d_ff=40, num_layers=3, num_heads=3,
-             relative_attention_num_buckets=10, relative_attention_max_distance=20, dropout_rate=0.0,
-             feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1)
-CFG = UMT5Config(vocab_size=300, dim=24, ffn_dim=40, num_heads=3, head_dim=5, num_layers=3, num_buckets=10,
-                 max_distance=20, text_len=30)
+HF_KW = dict(
+    vocab_size=300,
+    d_model=24,
+    d_kv=5,
+    d_ff=40,
+    num_layers=3,
+    num_heads=3,
+    relative_attention_num_buckets=10,
+    relative_attention_max_distance=20,
+    dropout_rate=0.0,
+    feed_forward_proj="gated-gelu",
+    pad_token_id=0,
+    eos_token_id=1,
+)
+CFG = UMT5Config(
+    vocab_size=300,
+    dim=24,
+    ffn_dim=40,
+    num_heads=3,
+    head_dim=5,
+    num_layers=3,
+    num_buckets=10,
+    max_distance=20,
+    text_len=30,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +73,13 @@ def hf_to_jaxkv(sd: dict) -> dict:
     a = lambda k: sd[k].detach().numpy()  # noqa: E731
     stack = lambda f: np.stack([f(i) for i in range(L)])  # noqa: E731
     blk = "encoder.block.{}.layer."
-    flat = {"embedding": a("shared.weight"), "final_norm.scale": a("encoder.final_layer_norm.weight"),
-            "blocks.norm1.scale": stack(lambda i: a(blk.format(i) + "0.layer_norm.weight")),
-            "blocks.norm2.scale": stack(lambda i: a(blk.format(i) + "1.layer_norm.weight")),
-            "blocks.attn.rel_bias": stack(
-                lambda i: a(blk.format(i) + "0.SelfAttention.relative_attention_bias.weight"))}
+    flat = {
+        "embedding": a("shared.weight"),
+        "final_norm.scale": a("encoder.final_layer_norm.weight"),
+        "blocks.norm1.scale": stack(lambda i: a(blk.format(i) + "0.layer_norm.weight")),
+        "blocks.norm2.scale": stack(lambda i: a(blk.format(i) + "1.layer_norm.weight")),
+        "blocks.attn.rel_bias": stack(lambda i: a(blk.format(i) + "0.SelfAttention.relative_attention_bias.weight")),
+    }
     for p in "qkvo":
         flat[f"blocks.attn.{p}.kernel"] = stack(lambda i: a(blk.format(i) + f"0.SelfAttention.{p}.weight").T)
     for ours, theirs in (("gate", "wi_0"), ("up", "wi_1"), ("down", "wo")):
@@ -141,12 +163,30 @@ def test_context_equals_wan_trim_and_zero_pad(hf_model):
 
 # ------------------------------------------------------------------ tokenizer vs transformers + Wan's cleaning
 
+
 def small_tokenizer():
     """A word-level-ish unigram tokenizer built here with `tokenizers`: specials at Wan's ids."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-    words = ["\u2581a", "\u2581cat", "\u2581dog", "\u2581runs", "\u2581on", "\u2581the", "\u2581beach", "\u2581at",
-             "\u2581dusk", "\u2581caf\u00e9", "\u2581\u65e5\u672c", "\u2581&", '\u2581"', "\u2581'", "\u2581", "\u00e9"]
+    words = [
+        "\u2581a",
+        "\u2581cat",
+        "\u2581dog",
+        "\u2581runs",
+        "\u2581on",
+        "\u2581the",
+        "\u2581beach",
+        "\u2581at",
+        "\u2581dusk",
+        "\u2581caf\u00e9",
+        "\u2581\u65e5\u672c",
+        "\u2581&",
+        '\u2581"',
+        "\u2581'",
+        "\u2581",
+        "\u00e9",
+    ]
     chars = [chr(c) for c in range(0x21, 0x7F)]
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(w, -1.0) for w in words]
     vocab += [(c, -5.0) for c in chars] + [("\u2581" + c, -4.0) for c in chars]
@@ -172,10 +212,17 @@ def reference_ids(tok, prompts, text_len):
 
     # What the google/umt5-xxl tokenizer.json post-processor does: append </s>.
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
-                                                unk_token="<unk>")
-    enc = fast([wan_clean(p) for p in prompts], padding="max_length", truncation=True, max_length=text_len,
-               add_special_tokens=True, return_tensors="np")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    enc = fast(
+        [wan_clean(p) for p in prompts],
+        padding="max_length",
+        truncation=True,
+        max_length=text_len,
+        add_special_tokens=True,
+        return_tensors="np",
+    )
     tok.post_processor = None
     return enc["input_ids"], enc["attention_mask"]
 
@@ -184,11 +231,11 @@ def test_tokenizer_ids_equal_the_reference_wrapper():
     tok = small_tokenizer()
     prompts = [
         "a cat",
-        "  a\tcat \n\n on\u00a0the   beach\u3000at dusk  ",          # repeated / unicode whitespace
-        "caf\u00c3\u00a9 &amp;amp; \u201cthe\u201d dog\u2019s \uff21", # mojibake, HTML, curly quotes, full width
-        "\u65e5\u672c \u00e9 \u2603 \U0001F600 a",                     # CJK, unknown symbols, emoji
-        " ".join(["a cat"] * 40),                                      # over-long: truncated, eos kept
-        "",                                                            # empty: just </s>
+        "  a\tcat \n\n on\u00a0the   beach\u3000at dusk  ",  # repeated / unicode whitespace
+        "caf\u00c3\u00a9 &amp;amp; \u201cthe\u201d dog\u2019s \uff21",  # mojibake, HTML, curly quotes, full width
+        "\u65e5\u672c \u00e9 \u2603 \U0001f600 a",  # CJK, unknown symbols, emoji
+        " ".join(["a cat"] * 40),  # over-long: truncated, eos kept
+        "",  # empty: just </s>
     ]
     ref_ids, ref_mask = reference_ids(tok, prompts, CFG.text_len)
     ours = Tokenizer.from_tokenizers(tok, source="test")
@@ -200,6 +247,7 @@ def test_tokenizer_ids_equal_the_reference_wrapper():
 
 
 # ------------------------------------------------------------------ converters: both layouts, both errors
+
 
 def write_tokenizer_json(folder):
     os.makedirs(folder, exist_ok=True)
@@ -236,8 +284,11 @@ def test_convert_hf_sharded_matches_transformers(hf_model, tmp_path, embeddings)
     assert len(set(index["weight_map"].values())) > 1
     if embeddings != "both":
         # Rewrite so exactly one of the tied names is stored (as different exporters do).
-        keep, drop = (("shared.weight", "encoder.embed_tokens.weight") if embeddings == "shared"
-                      else ("encoder.embed_tokens.weight", "shared.weight"))
+        keep, drop = (
+            ("shared.weight", "encoder.embed_tokens.weight")
+            if embeddings == "shared"
+            else ("encoder.embed_tokens.weight", "shared.weight")
+        )
         sd = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != drop}
         sd[keep] = hf_model.state_dict()["shared.weight"].clone()
         for f in folder.glob("*.safetensors*"):
@@ -249,8 +300,9 @@ def test_convert_hf_sharded_matches_transformers(hf_model, tmp_path, embeddings)
     assert plan.layout == "hf" and plan.config == CFG
     enc = TextEncoder.load(str(tmp_path / "t5"))
     ids, mask = batch([30, 4], 30, seed=1)
-    np.testing.assert_allclose(np.asarray(encode(enc._params, enc.config, ids, mask)), hf_hidden(hf_model, ids, mask),
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(encode(enc._params, enc.config, ids, mask)), hf_hidden(hf_model, ids, mask), atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.slow
@@ -271,8 +323,12 @@ def test_convert_bf16_and_fingerprint(hf_model, tmp_path):
     import copy
 
     with torch.no_grad():
-        ref_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)(
-            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.float().numpy()
+        ref_bf16 = (
+            copy.deepcopy(hf_model)
+            .to(torch.bfloat16)(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+            .last_hidden_state.float()
+            .numpy()
+        )
     valid = mask.astype(bool)
     rel = lambda a: np.linalg.norm(a[valid] - ref[valid]) / np.linalg.norm(ref[valid])  # noqa: E731
     assert 0 < rel(out) <= 1.25 * rel(ref_bf16), (rel(out), rel(ref_bf16))
@@ -281,8 +337,11 @@ def test_convert_bf16_and_fingerprint(hf_model, tmp_path):
 def test_plain_t5_and_dit_are_refused_and_nothing_written(tmp_path):
     from safetensors.numpy import save_file
 
-    t5 = transformers.T5EncoderModel(transformers.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2,
-                                                           num_heads=4, feed_forward_proj="gated-gelu"))
+    t5 = transformers.T5EncoderModel(
+        transformers.T5Config(
+            vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu"
+        )
+    )
     t5.save_pretrained(tmp_path / "t5")
     write_tokenizer_json(tmp_path / "t5")
     assert is_umt5_source(str(tmp_path / "t5"))  # routed here, then refused with the reason
@@ -294,8 +353,13 @@ def test_plain_t5_and_dit_are_refused_and_nothing_written(tmp_path):
     with pytest.raises(ConversionError, match="only layer 0"):
         convert_umt5(str(tmp_path / "t5"), str(tmp_path / "out"))
     dit = tmp_path / "dit.safetensors"
-    save_file({"patch_embedding.weight": np.zeros((8, 4, 1, 2, 2), np.float32),
-               "blocks.0.self_attn.q.weight": np.zeros((8, 8), np.float32)}, str(dit))
+    save_file(
+        {
+            "patch_embedding.weight": np.zeros((8, 4, 1, 2, 2), np.float32),
+            "blocks.0.self_attn.q.weight": np.zeros((8, 8), np.float32),
+        },
+        str(dit),
+    )
     assert not is_umt5_source(str(dit))
     with pytest.raises(ConversionError, match="Wan DiT checkpoint, not a text encoder"):
         convert_umt5(str(dit), str(tmp_path / "out"))

@@ -15,8 +15,9 @@ from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 
 # head_dim 16 (RoPE split (frame, height, width) = (8, 4, 4), see rope_split) and a non-square grid exercise every
 # axis.
-CFG = WanConfig(dim=64, ffn_dim=96, num_heads=4, num_layers=2, in_dim=4, out_dim=6, text_dim=24, text_len=7,
-                freq_dim=16)
+CFG = WanConfig(
+    dim=64, ffn_dim=96, num_heads=4, num_layers=2, in_dim=4, out_dim=6, text_dim=24, text_len=7, freq_dim=16
+)
 
 
 def _np(params):
@@ -37,11 +38,11 @@ def _ref_layer_norm(x, eps, w=None, b=None):
 
 
 def _ref_rms(x, w, eps):
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
 
 
 def _gelu_tanh(x):
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def _silu(x):
@@ -55,7 +56,7 @@ def _ref_rope_table(head_dim, coords, theta=10000.0):
     rots = []
     for axis, n in enumerate(parts):
         inv = theta ** -(np.arange(0, n, 2) / n)
-        rots.append(np.exp(1j * coords[:, axis:axis + 1] * inv[None]))
+        rots.append(np.exp(1j * coords[:, axis : axis + 1] * inv[None]))
     return np.concatenate(rots, axis=1)
 
 
@@ -91,7 +92,7 @@ def reference_forward(params, cfg, latents, timesteps, context, mask=None):
                     x += lat[bi, a::pt, c::ph, d_::pw] @ k[a, c, d_]
         x = (x + p["patch_embedding"]["bias"]).reshape(-1, cfg.dim)
         ctx = np.zeros((cfg.text_len, cfg.text_dim))
-        ctx[:context.shape[1]] = np.asarray(context[bi], np.float64)
+        ctx[: context.shape[1]] = np.asarray(context[bi], np.float64)
         ctx = _ref_linear(p["text_embedding"]["fc2"], _gelu_tanh(_ref_linear(p["text_embedding"]["fc1"], ctx)))
         # per-token timestep (each token carries its frame's t)
         t_tok = np.repeat(np.asarray(timesteps[bi], np.float64), gh * gw)
@@ -271,10 +272,19 @@ def _diffusers_model(params, cfg):
     pytest.importorskip("torch")
     diffusers = pytest.importorskip("diffusers")
     model = diffusers.WanTransformer3DModel(
-        patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
-        in_channels=cfg.in_dim, out_channels=cfg.out_dim, text_dim=cfg.text_dim, freq_dim=cfg.freq_dim,
-        ffn_dim=cfg.ffn_dim, num_layers=cfg.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=cfg.eps)
+        patch_size=cfg.patch_size,
+        num_attention_heads=cfg.num_heads,
+        attention_head_dim=cfg.head_dim,
+        in_channels=cfg.in_dim,
+        out_channels=cfg.out_dim,
+        text_dim=cfg.text_dim,
+        freq_dim=cfg.freq_dim,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=cfg.eps,
+    )
     missing, unexpected = model.load_state_dict(to_diffusers_state_dict(params, cfg), strict=True)
     assert not missing and not unexpected
     return model.eval().float()
@@ -295,8 +305,12 @@ def test_forward_matches_diffusers(per_frame):
     # diffusers takes per-token timesteps [B, seq] (the Wan 2.2 path), so per-frame t becomes per-token t
     t_torch = torch.tensor(np.repeat(np.asarray(t), tpf, axis=1)) if per_frame else torch.tensor(np.asarray(t))
     with torch.no_grad():
-        want = model(torch.tensor(np.asarray(latents)).permute(0, 4, 1, 2, 3), t_torch,
-                     torch.tensor(np.asarray(ctx_full)), return_dict=False)[0]
+        want = model(
+            torch.tensor(np.asarray(latents)).permute(0, 4, 1, 2, 3),
+            t_torch,
+            torch.tensor(np.asarray(ctx_full)),
+            return_dict=False,
+        )[0]
     want = want.permute(0, 2, 3, 4, 1).numpy()
     assert _rel_err(got, want) < 1e-4
 
@@ -308,7 +322,7 @@ def _primitives(jaxpr, inside_scan=False):
         out.append((eqn.primitive.name, inside_scan))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)          # ClosedJaxpr -> Jaxpr
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
                 if hasattr(sub, "eqns"):
                     out += _primitives(sub, inside_scan or eqn.primitive.name == "scan")
     return out
@@ -327,10 +341,22 @@ def test_config_rejects_non_int_patch_and_bad_eps_or_theta():
     base = dict(dim=64, ffn_dim=96, num_heads=4, num_layers=2)
     assert WanConfig(**base, patch_size=[1, np.int64(2), 2]).patch_size == (1, 2, 2)
     assert WanConfig(**base, rope_theta=10000).rope_theta == 10000.0
-    for bad in ({"patch_size": (1, 2.5, 2)}, {"patch_size": (1.0, 2, 2)}, {"patch_size": (True, 2, 2)},
-                {"patch_size": (1, 2)}, {"patch_size": (0, 2, 2)}, {"eps": float("inf")}, {"eps": float("nan")},
-                {"eps": 0.0}, {"eps": -1e-6}, {"eps": True}, {"eps": "1e-6"}, {"rope_theta": float("inf")},
-                {"rope_theta": 0.0}, {"num_layers": True}):
+    for bad in (
+        {"patch_size": (1, 2.5, 2)},
+        {"patch_size": (1.0, 2, 2)},
+        {"patch_size": (True, 2, 2)},
+        {"patch_size": (1, 2)},
+        {"patch_size": (0, 2, 2)},
+        {"eps": float("inf")},
+        {"eps": float("nan")},
+        {"eps": 0.0},
+        {"eps": -1e-6},
+        {"eps": True},
+        {"eps": "1e-6"},
+        {"rope_theta": float("inf")},
+        {"rope_theta": 0.0},
+        {"num_layers": True},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             WanConfig(**{**base, **bad})
 

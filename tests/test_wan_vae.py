@@ -16,9 +16,22 @@ import numpy as np
 import pytest
 
 from jaxkv.compilation import count_compiles
-from jaxkv.models.wan_vae import (DecoderState, StreamDecoder, WanVAEConfig, cache_bytes, decode, decode_chunk,
-                                  denormalize, encode, init_decoder_state, init_params, load, normalize, preset,
-                                  save)
+from jaxkv.models.wan_vae import (
+    DecoderState,
+    StreamDecoder,
+    WanVAEConfig,
+    cache_bytes,
+    decode,
+    decode_chunk,
+    denormalize,
+    encode,
+    init_decoder_state,
+    init_params,
+    load,
+    normalize,
+    preset,
+    save,
+)
 from jaxkv.models.wan_vae.checkpoint import CheckpointError
 
 CONFIG = preset("tiny")
@@ -45,7 +58,7 @@ def _stream(params, latents, schedule, clamp=False):
     state = init_decoder_state(CONFIG, 1, H, W)
     pieces, start = [], 0
     for n in schedule:
-        frames, state = decode_chunk(params, CONFIG, state, latents[:, start:start + n], clamp=clamp)
+        frames, state = decode_chunk(params, CONFIG, state, latents[:, start : start + n], clamp=clamp)
         assert frames.shape == (1, 4 * n, 8 * H, 8 * W, 3)
         pieces.append(np.asarray(frames))
         start += n
@@ -55,7 +68,12 @@ def _stream(params, latents, schedule, clamp=False):
 def test_config_counts():
     real = preset("wan2.1-vae")
     assert (real.base_dim, real.z_dim, real.dim_mult, real.num_res_blocks, real.temporal_downsample) == (
-        96, 16, (1, 2, 4, 4), 2, (False, True, True))
+        96,
+        16,
+        (1, 2, 4, 4),
+        2,
+        (False, True, True),
+    )
     assert real.temporal_upsample == (True, True, False)
     assert (real.temporal_factor, real.spatial_factor, real.first_chunk_padding) == (4, 8, 3)
     assert [real.video_frames(t) for t in (1, 2, 3, 21)] == [1, 5, 9, 81]
@@ -97,8 +115,8 @@ def test_whole_decode_shape_and_range(whole):
 @pytest.mark.parametrize("schedule", [(1, 3, 3), (3, 3, 1), (1, 2, 3, 1), (1,) * 7])
 def test_streaming_equals_whole_decode(params, latents, whole, schedule):
     pieces = _stream(params, latents, schedule)
-    np.testing.assert_array_equal(pieces[0][:, :CONFIG.first_chunk_padding], 0.0)  # first-chunk padding
-    streamed = np.concatenate([pieces[0][:, CONFIG.first_chunk_padding:], *pieces[1:]], axis=1)
+    np.testing.assert_array_equal(pieces[0][:, : CONFIG.first_chunk_padding], 0.0)  # first-chunk padding
+    streamed = np.concatenate([pieces[0][:, CONFIG.first_chunk_padding :], *pieces[1:]], axis=1)
     assert streamed.shape == whole.shape
     np.testing.assert_allclose(streamed, whole, atol=TOL, rtol=0)
 
@@ -119,7 +137,7 @@ def test_one_program_for_first_and_later_chunks(params, latents):
     frames, state = decode_chunk(params, CONFIG, state, latents[:, :3])  # may compile (once per chunk length)
     with count_compiles(decode_chunk) as new:
         for start in (3, 0, 2, 4):
-            frames, state = decode_chunk(params, CONFIG, state, latents[:, start:start + 3])
+            frames, state = decode_chunk(params, CONFIG, state, latents[:, start : start + 3])
         fresh = init_decoder_state(CONFIG, 1, H, W)  # a new stream reuses it too: `first` is traced
         frames, fresh = decode_chunk(params, CONFIG, fresh, latents[:, :3])
         jax.block_until_ready(frames)
@@ -151,8 +169,10 @@ def test_errors_name_the_problem(params, latents):
     state = init_decoder_state(CONFIG, 1, H, W)
     with pytest.raises(ValueError, match=r"latents must be \[batch, frames, height, width, 16\].*\(1, 7, 2, 3, 4\)"):
         decode_chunk(params, CONFIG, state, latents[..., :4])
-    with pytest.raises(ValueError, match="latents of batch 1 and size 4x3 do not match the decoder state, made for "
-                                         "batch 1 and latent size 2x3"):
+    with pytest.raises(
+        ValueError,
+        match="latents of batch 1 and size 4x3 do not match the decoder state, made for batch 1 and latent size 2x3",
+    ):
         decode_chunk(params, CONFIG, state, jnp.zeros((1, 3, 4, 3, 16)))
     assert not state.caches["conv_in"].is_deleted()  # a refused call touches nothing
     with pytest.raises(ValueError, match="batch must be >= 1"):
@@ -177,8 +197,9 @@ def test_normalize_round_trip():
     z = jax.random.normal(jax.random.key(3), (2, 3, 16))
     np.testing.assert_allclose(np.asarray(normalize(CONFIG, denormalize(CONFIG, z))), np.asarray(z), atol=1e-5)
     np.testing.assert_allclose(np.asarray(denormalize(CONFIG, jnp.zeros(16))), CONFIG.latents_mean, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(denormalize(CONFIG, jnp.ones(16))),
-                               np.add(CONFIG.latents_mean, CONFIG.latents_std), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(denormalize(CONFIG, jnp.ones(16))), np.add(CONFIG.latents_mean, CONFIG.latents_std), atol=1e-5
+    )
 
 
 @pytest.mark.slow

@@ -9,9 +9,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from converters.errors import ConversionError
-from converters.wan_vae import (_source_shape, convert_vae, detect_vae_naming, is_vae_source, load, mapping,
-                                plan_vae_conversion)
+from jaxkv.convert.errors import ConversionError
+from jaxkv.convert.wan_vae import (
+    _source_shape,
+    convert_vae,
+    detect_vae_naming,
+    is_vae_source,
+    load,
+    mapping,
+    plan_vae_conversion,
+)
 from jaxkv.models.wan_vae import init_params, preset
 from jaxkv.models.wan_vae.params import flatten
 
@@ -52,10 +59,20 @@ def _write(tmp_path, tensors, config=None, name="src"):
 
 
 def test_round_trip_through_the_diffusers_layout(tmp_path, flat):
-    src = _write(tmp_path, _torch_layout(flat, "diffusers"),
-                 {"_class_name": "AutoencoderKLWan", "base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 2, 2],
-                  "num_res_blocks": 1, "temperal_downsample": [False, True, True], "attn_scales": [],
-                  "is_residual": False})
+    src = _write(
+        tmp_path,
+        _torch_layout(flat, "diffusers"),
+        {
+            "_class_name": "AutoencoderKLWan",
+            "base_dim": 8,
+            "z_dim": 16,
+            "dim_mult": [1, 2, 2, 2],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True, True],
+            "attn_scales": [],
+            "is_residual": False,
+        },
+    )
     pipeline = tmp_path / "pipeline"
     pipeline.mkdir()
     src.rename(pipeline / "vae")  # a diffusers pipeline root is entered at vae/
@@ -84,8 +101,14 @@ def test_bf16_output(tmp_path, flat):
 
 def test_refusals_write_nothing(tmp_path, flat):
     tensors = _torch_layout(flat, "diffusers")
-    dit = _write(tmp_path, {"patch_embedding.weight": np.zeros((8, 16, 1, 2, 2), np.float32),
-                            "blocks.0.ffn.0.weight": np.zeros((4, 4), np.float32)}, name="dit")
+    dit = _write(
+        tmp_path,
+        {
+            "patch_embedding.weight": np.zeros((8, 16, 1, 2, 2), np.float32),
+            "blocks.0.ffn.0.weight": np.zeros((4, 4), np.float32),
+        },
+        name="dit",
+    )
     with pytest.raises(ConversionError, match="holds a Wan DiT"):
         convert_vae(str(dit), str(tmp_path / "out"))
     assert not is_vae_source(str(dit))

@@ -16,8 +16,8 @@ diffusers = pytest.importorskip("diffusers")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from converters.errors import ConversionError  # noqa: E402
-from converters.wan_vae import convert_vae, is_vae_source, load, plan_vae_conversion  # noqa: E402
+from jaxkv.convert.errors import ConversionError  # noqa: E402
+from jaxkv.convert.wan_vae import convert_vae, is_vae_source, load, plan_vae_conversion  # noqa: E402
 from jaxkv.models.wan_vae import decode, decode_chunk, encode, init_decoder_state, preset  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -36,13 +36,14 @@ def _randomise(module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
                 fan_in = int(np.prod(p.shape[1:]))
-                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
 
 
 @pytest.fixture(scope="module")
 def vae():
-    model = diffusers.AutoencoderKLWan(base_dim=BASE, z_dim=16, dim_mult=MULT, num_res_blocks=NRB,
-                                       temperal_downsample=[False, True, True]).eval()
+    model = diffusers.AutoencoderKLWan(
+        base_dim=BASE, z_dim=16, dim_mult=MULT, num_res_blocks=NRB, temperal_downsample=[False, True, True]
+    ).eval()
     _randomise(model, 0)
     return model
 
@@ -53,8 +54,12 @@ def _original_name(key: str) -> str:
     residual = [RMS_norm, SiLU, CausalConv3d, RMS_norm, SiLU, Dropout, CausalConv3d] + shortcut; `middle` is
     [ResidualBlock, AttentionBlock, ResidualBlock]; `head` is [RMS_norm, SiLU, CausalConv3d]; the quant convs
     are WanVAE_.conv1 / conv2)."""
-    top = {"quant_conv.weight": "conv1.weight", "quant_conv.bias": "conv1.bias",
-           "post_quant_conv.weight": "conv2.weight", "post_quant_conv.bias": "conv2.bias"}
+    top = {
+        "quant_conv.weight": "conv1.weight",
+        "quant_conv.bias": "conv1.bias",
+        "post_quant_conv.weight": "conv2.weight",
+        "post_quant_conv.bias": "conv2.bias",
+    }
     if key in top:
         return top[key]
     side, rest = key.split(".", 1)
@@ -70,8 +75,13 @@ def _original_name(key: str) -> str:
     m = re.match(r"^up_blocks\.(\d+)\.upsamplers\.0\.(.*)$", rest)
     if m:
         rest = f"upsamples.{int(m.group(1)) * (NRB + 2) + NRB + 1}.{m.group(2)}"
-    for new, old in (("norm1.gamma", "residual.0.gamma"), ("conv1.", "residual.2."), ("norm2.gamma",
-                     "residual.3.gamma"), ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut.")):
+    for new, old in (
+        ("norm1.gamma", "residual.0.gamma"),
+        ("conv1.", "residual.2."),
+        ("norm2.gamma", "residual.3.gamma"),
+        ("conv2.", "residual.6."),
+        ("conv_shortcut.", "shortcut."),
+    ):
         rest = re.sub(r"((?:downsamples|upsamples|middle)\.\d+\.)" + re.escape(new), r"\g<1>" + old, rest)
     return f"{side}.{rest}"
 
@@ -104,8 +114,9 @@ def _reference_decode_unclamped(vae, z):
     outs = []
     for i in range(z.shape[2]):
         vae._conv_idx = [0]
-        outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                                first_chunk=i == 0))
+        outs.append(
+            vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=i == 0)
+        )
     vae.clear_cache()
     return torch.cat(outs, 2)
 
@@ -149,8 +160,8 @@ def test_streamed_decode_matches_diffusers(vae, converted, schedule):
     state = init_decoder_state(config, 1, 2, 3)
     pieces, start = [], 0
     for n in schedule:
-        frames, state = decode_chunk(params, config, state, _to_jax(z[:, :, start:start + n]), clamp=False)
-        pieces.append(frames[:, config.first_chunk_padding:] if start == 0 else frames)
+        frames, state = decode_chunk(params, config, state, _to_jax(z[:, :, start : start + n]), clamp=False)
+        pieces.append(frames[:, config.first_chunk_padding :] if start == 0 else frames)
         start += n
     ours = np.concatenate([np.asarray(p) for p in pieces], axis=1)
     assert ours.shape[1] == 1 + 4 * (sum(schedule) - 1) == ref.shape[2]
@@ -171,9 +182,17 @@ def test_encode_matches_diffusers(vae, converted):
 
 
 def test_wan22_vae_is_refused_and_nothing_is_written(tmp_path):
-    model = diffusers.AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                                       temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
-                                       out_channels=12, patch_size=2)
+    model = diffusers.AutoencoderKLWan(
+        base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+    )
     model.save_pretrained(tmp_path / "wan22")
     assert is_vae_source(str(tmp_path / "wan22"))
     with pytest.raises(ConversionError, match="Wan 2.2"):
@@ -189,7 +208,7 @@ def test_wan22_vae_is_refused_and_nothing_is_written(tmp_path):
 def test_real_size_layout_matches_diffusers_shapes():
     """The converter's tables and the params layout at the real Wan 2.1 size, against diffusers' own module
     (built on the meta device: shapes only, nothing allocated)."""
-    from converters.wan_vae import _source_shape, mapping
+    from jaxkv.convert.wan_vae import _source_shape, mapping
     from jaxkv.models.wan_vae import num_params
     from jaxkv.models.wan_vae.params import flat_param_shapes
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkv.cache.window_schedule import Window, WindowSchedule
 
@@ -22,7 +23,7 @@ def simulate(total, window, overlap, context, prefix):
         span = list(range(start, start + window))
         new = [u for u in span if u < total and u not in committed]
         committed += new
-        freed = set() if context == 0 else set(committed[:max(0, len(committed) - context)]) - set(range(prefix))
+        freed = set() if context == 0 else set(committed[: max(0, len(committed) - context)]) - set(range(prefix))
         out.append((span, new, freed))
         if start + window >= total:
             return out
@@ -98,29 +99,36 @@ def test_the_review_case_is_refused():
 
 def test_worked_examples():
     s = WindowSchedule(total_units=10, window_units=4, overlap_units=2, context_units=2)
-    assert s.windows() == [Window(0, 0, 4, 0, 4, 2), Window(1, 2, 6, 4, 6, 4), Window(2, 4, 8, 6, 8, 6),
-                           Window(3, 6, 10, 8, 10, 8)]
+    assert s.windows() == [
+        Window(0, 0, 4, 0, 4, 2),
+        Window(1, 2, 6, 4, 6, 4),
+        Window(2, 4, 8, 6, 8, 6),
+        Window(3, 6, 10, 8, 10, 8),
+    ]
     padded = WindowSchedule(total_units=9, window_units=4, overlap_units=1, context_units=3, prefix_units=2)
     assert (padded.num_windows, padded.padded_total, padded.padding) == (3, 10, 1)
     assert [padded.commit_span(i) for i in range(3)] == [(0, 4), (4, 7), (7, 9)]
-    assert padded.span(2) == (6, 10)                       # the last window runs one unit past the end
-    assert [padded.released_span(i) for i in range(3)] == [(2, 2), (2, 4), (2, 6)]   # the prefix is never freed
+    assert padded.span(2) == (6, 10)  # the last window runs one unit past the end
+    assert [padded.released_span(i) for i in range(3)] == [(2, 2), (2, 4), (2, 6)]  # the prefix is never freed
     keep_all = WindowSchedule(total_units=7, window_units=3, overlap_units=2)
     assert keep_all.num_windows == 5 and all(keep_all.released_end(i) == 0 for i in range(5))
     short = WindowSchedule(total_units=2, window_units=5)
     assert short.windows() == [Window(0, 0, 5, 0, 2, 0)] and short.padding == 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(total_units=0, window_units=4), "total_units must be >= 1"),
-    (dict(total_units=4, window_units=0), "window_units must be >= 1"),
-    (dict(total_units=4, window_units=3, overlap_units=3), "overlap_units must be <= 2"),
-    (dict(total_units=4, window_units=3, overlap_units=-1), "overlap_units must be >= 0"),
-    (dict(total_units=4, window_units=3, context_units=-1), "context_units must be >= 0"),
-    (dict(total_units=4, window_units=3, prefix_units=4), "prefix_units must be <= 3"),
-    (dict(total_units=4.0, window_units=3), "total_units must be an int"),
-    (dict(total_units=4, window_units=True), "window_units must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(total_units=0, window_units=4), "total_units must be >= 1"),
+        (dict(total_units=4, window_units=0), "window_units must be >= 1"),
+        (dict(total_units=4, window_units=3, overlap_units=3), "overlap_units must be <= 2"),
+        (dict(total_units=4, window_units=3, overlap_units=-1), "overlap_units must be >= 0"),
+        (dict(total_units=4, window_units=3, context_units=-1), "context_units must be >= 0"),
+        (dict(total_units=4, window_units=3, prefix_units=4), "prefix_units must be <= 3"),
+        (dict(total_units=4.0, window_units=3), "total_units must be an int"),
+        (dict(total_units=4, window_units=True), "window_units must be an int"),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         WindowSchedule(**kwargs)

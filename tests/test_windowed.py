@@ -18,9 +18,8 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
 from tests.masked_reference import chunk_rows, reference_rollout
 
-CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5,
-                freq_dim=16)
-H, W = 2, 4   # 2 tokens per frame
+CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
+H, W = 2, 4  # 2 tokens per frame
 SCHEDULE = Schedule(steps=(1000, 500), context_noise=13.0)
 
 
@@ -40,7 +39,7 @@ def windowed_rows(total, window, overlap, context, prefix, chunk_frames):
     while not ends or ends[-1] < total:
         ends.append(min(window + j * stride, total))
         j += 1
-    seen_from = {}    # first chunk of each window's commit span -> first visible non-prefix frame
+    seen_from = {}  # first chunk of each window's commit span -> first visible non-prefix frame
     start = 0
     for j, end in enumerate(ends):
         floor = 0 if j == 0 or context == 0 else max(0, ends[j - 1] - context)
@@ -55,9 +54,9 @@ def windowed_rows(total, window, overlap, context, prefix, chunk_frames):
 
 
 CASES = [  # total, window, overlap, context, prefix (frames), chunk_frames
-    (5, 3, 1, 1, 0, 1),    # windows [0,3) [2,5): window 1 sees frames 2.. only
-    (6, 3, 1, 2, 1, 1),    # windows [0,3) [2,5) [4,7): the last one padded past 6; frame 0 protected
-    (8, 4, 2, 2, 2, 2),    # two-frame chunks: windows [0,4) [2,6) [4,8); the first chunk is the prefix
+    (5, 3, 1, 1, 0, 1),  # windows [0,3) [2,5): window 1 sees frames 2.. only
+    (6, 3, 1, 2, 1, 1),  # windows [0,3) [2,5) [4,7): the last one padded past 6; frame 0 protected
+    (8, 4, 2, 2, 2, 2),  # two-frame chunks: windows [0,4) [2,6) [4,8); the first chunk is the prefix
 ]
 
 
@@ -108,16 +107,29 @@ def test_windowed_configuration_errors_are_clear():
         WD.windowed_rollout(params, CFG, rc, WindowSchedule(8, 3, 1), ctx, key=jax.random.key(0))
     sched = WindowSchedule(8, 4, 2, 2, 2)
     with pytest.raises(ValueError, match="sink_frames = prefix_units = 2 and window_frames >= 4"):
-        WD.windowed_rollout(params, CFG, R.RolloutConfig(H, W, chunk_frames=2, window_frames=2, sink_frames=2),
-                            sched, ctx, key=jax.random.key(0))
+        WD.windowed_rollout(
+            params,
+            CFG,
+            R.RolloutConfig(H, W, chunk_frames=2, window_frames=2, sink_frames=2),
+            sched,
+            ctx,
+            key=jax.random.key(0),
+        )
     good = WD.windowed_config(rc, sched)
     with pytest.raises(ValueError, match="exactly one of key"):
         WD.windowed_rollout(params, CFG, good, sched, ctx)
     with pytest.raises(ValueError, match=r"noise must be \[chunks"):
         WD.windowed_rollout(params, CFG, good, sched, ctx, noise=jnp.zeros((3, 2, 1, 2, H, W, 4)))
     with pytest.raises(ValueError, match="dilated_every must be 0"):
-        WD.windowed_rollout(params, CFG, R.RolloutConfig(H, W, chunk_frames=2, window_frames=4, sink_frames=2,
-                                                         dilated_every=2, dilation=2, buckets=2),
-                            sched, ctx, key=jax.random.key(0))
+        WD.windowed_rollout(
+            params,
+            CFG,
+            R.RolloutConfig(
+                H, W, chunk_frames=2, window_frames=4, sink_frames=2, dilated_every=2, dilation=2, buckets=2
+            ),
+            sched,
+            ctx,
+            key=jax.random.key(0),
+        )
     with pytest.raises(ValueError, match="WindowSchedule"):
         WD.windowed_rollout(params, CFG, good, (8, 4, 2), ctx, key=jax.random.key(0))

@@ -31,8 +31,8 @@ from jax import lax
 
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask, block_may_be_visible, pair_visible
-from jaxkv.validate import check_int
 from jaxkv.attention.rope import rope_ranks
+from jaxkv.validate import check_int
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
 
@@ -66,8 +66,9 @@ def merge_partials(parts):
       (out float32, lse): attention over the union of the key sets; zeros where no part saw a key.
     """
     # A normalised part is the flash state (o = out, m = lse, l = 1) — or l = 0 where it saw no key.
-    states = [(o.astype(jnp.float32), lse, jnp.where(jnp.isfinite(lse), 1.0, 0.0).astype(jnp.float32))
-              for o, lse in parts]
+    states = [
+        (o.astype(jnp.float32), lse, jnp.where(jnp.isfinite(lse), 1.0, 0.0).astype(jnp.float32)) for o, lse in parts
+    ]
     return _finish(functools.reduce(_merge_states, states))
 
 
@@ -127,8 +128,11 @@ def _segment_state(qs, q_positions, k, v, kv_positions, k_ranks, spec, rope, sta
         state = lax.cond(needed, visit, lambda s, _: s, state, offsets)
         return state, None
 
-    state = (jnp.zeros((b, hk, g, lq, d), jnp.float32), jnp.full((b, hk, g, lq), -jnp.inf, jnp.float32),
-             jnp.zeros((b, hk, g, lq), jnp.float32))
+    state = (
+        jnp.zeros((b, hk, g, lq, d), jnp.float32),
+        jnp.full((b, hk, g, lq), -jnp.inf, jnp.float32),
+        jnp.zeros((b, hk, g, lq), jnp.float32),
+    )
     state, _ = lax.scan(step, state, jnp.arange(nb))
     return state
 
@@ -151,9 +155,24 @@ def _finish(state):
     return o / l_safe[..., None], jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
 
 
-def blockwise_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False,
-                        chunk=None, window=None, sink=0, scale=None, rope=None, block_k=512, segments=None,
-                        return_lse=False):
+def blockwise_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    *,
+    mask: MaskSpec | None = None,
+    causal=False,
+    chunk=None,
+    window=None,
+    sink=0,
+    scale=None,
+    rope=None,
+    block_k=512,
+    segments=None,
+    return_lse=False,
+):
     """Online-softmax attention over key blocks visited in chronological order; equals `dense_attention`.
 
     Args:
@@ -195,8 +214,11 @@ def blockwise_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | 
         size = choose_block(math.gcd(n, spec.chunk), block_k) if spec.chunk else 0
         if size < 8:
             size = choose_block(n, block_k)
-        pieces = [(start, stop, size)] if size else [(start, start + n - n % block_k, block_k),
-                                                     (start + n - n % block_k, stop, n % block_k)]
+        pieces = (
+            [(start, stop, size)]
+            if size
+            else [(start, start + n - n % block_k, block_k), (start + n - n % block_k, stop, n % block_k)]
+        )
         for lo, hi, bk in pieces:
             if hi > lo:
                 part = _segment_state(qs, q_positions, k, v, kv_positions, k_ranks, spec, rope, lo, hi, bk)

@@ -29,8 +29,10 @@ def check_inputs(q, k, v, q_positions, kv_positions):
     if d == 0:
         raise ValueError(f"head_dim must be >= 1, got q {q.shape}")
     if lq == 0 or lk == 0:
-        raise ValueError(f"attention needs at least one query and one key slot, got q {q.shape} (q_len {lq}) and "
-                         f"k/v {k.shape} (kv_len {lk}); represent an empty cache by negative kv_positions")
+        raise ValueError(
+            f"attention needs at least one query and one key slot, got q {q.shape} (q_len {lq}) and "
+            f"k/v {k.shape} (kv_len {lk}); represent an empty cache by negative kv_positions"
+        )
     if hk == 0 or hq % hk:
         raise ValueError(f"q_heads ({hq}) must be a positive multiple of kv_heads ({hk}) for GQA/MQA")
     for name, pos, want in (("q_positions", q_positions, (b, lq)), ("kv_positions", kv_positions, (b, lk))):
@@ -44,7 +46,7 @@ def check_inputs(q, k, v, q_positions, kv_positions):
 def check_scale(scale, head_dim):
     """The softmax scale: head_dim ** -0.5 by default, else a finite positive Python number (static)."""
     if scale is None:
-        return head_dim ** -0.5
+        return head_dim**-0.5
     if not is_real(scale):
         raise ValueError(f"scale must be None or a Python float, got {scale!r}")
     if not (math.isfinite(scale) and scale > 0):

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention.checks import check_inputs, check_scale
-from jaxkv.attention.masks import MaskSpec, as_mask
-from jaxkv.attention.masks import block_all_visible
+from jaxkv.attention.masks import MaskSpec, as_mask, block_all_visible
 from jaxkv.attention.xla_cpu import _INT_MAX
 
 DTYPES = (jnp.float16, jnp.bfloat16)
@@ -38,8 +37,13 @@ def static_ok(head_dim: int, dtypes, rope) -> bool:
     """What cuDNN's fused attention accepts, known at trace time: one half dtype, head_dim % 8 == 0 and <= 256, and
     no cache-relative RoPE (keys would need rotating at read)."""
     dtypes = {jnp.dtype(d) for d in dtypes}
-    return (rope is None and len(dtypes) == 1 and dtypes.pop() in {jnp.dtype(d) for d in DTYPES}
-            and head_dim % 8 == 0 and 8 <= head_dim <= 256)
+    return (
+        rope is None
+        and len(dtypes) == 1
+        and dtypes.pop() in {jnp.dtype(d) for d in DTYPES}
+        and head_dim % 8 == 0
+        and 8 <= head_dim <= 256
+    )
 
 
 def lengths_if_exact(q_positions, kv_positions, spec: MaskSpec):
@@ -63,12 +67,25 @@ def lengths_if_exact(q_positions, kv_positions, spec: MaskSpec):
 
 def cudnn_call(q, k, v, lengths, scale: float):
     """The fused kernel: [batch, q_len, q_heads, head_dim] out, attending slots [0, lengths[b]) of each session."""
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=lengths,
-                                        implementation="cudnn")
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn")
 
 
-def cudnn_attention(q, k, v, q_positions, kv_positions, *, fallback: Callable, mask: MaskSpec | None = None,
-                    causal=False, chunk=None, window=None, sink=0, scale=None, kernel: Callable = cudnn_call):
+def cudnn_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    *,
+    fallback: Callable,
+    mask: MaskSpec | None = None,
+    causal=False,
+    chunk=None,
+    window=None,
+    sink=0,
+    scale=None,
+    kernel: Callable = cudnn_call,
+):
     """Position-masked attention on cuDNN when the mask is a valid-prefix mask, else ``fallback``.
 
     Args:
@@ -85,10 +102,14 @@ def cudnn_attention(q, k, v, q_positions, kv_positions, *, fallback: Callable, m
     spec = as_mask(mask, causal=causal, chunk=chunk, window=window, sink=sink)
     scale = check_scale(scale, d)
     if not static_ok(d, (q.dtype, k.dtype, v.dtype), None):
-        raise ValueError(f"cuDNN attention needs float16/bfloat16 q, k, v of one dtype and head_dim % 8 == 0, "
-                         f"<= 256; got {q.dtype}/{k.dtype}/{v.dtype}, head_dim {d}")
+        raise ValueError(
+            f"cuDNN attention needs float16/bfloat16 q, k, v of one dtype and head_dim % 8 == 0, "
+            f"<= 256; got {q.dtype}/{k.dtype}/{v.dtype}, head_dim {d}"
+        )
     q_positions, kv_positions = q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32)
     lengths, exact = lengths_if_exact(q_positions, kv_positions, spec)
-    return lax.cond(exact,
-                    lambda: kernel(q, k, v, lengths, scale).astype(q.dtype),
-                    lambda: fallback(q, k, v, q_positions, kv_positions).astype(q.dtype))
+    return lax.cond(
+        exact,
+        lambda: kernel(q, k, v, lengths, scale).astype(q.dtype),
+        lambda: fallback(q, k, v, q_positions, kv_positions).astype(q.dtype),
+    )

@@ -45,14 +45,34 @@ def _dense(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
 
 
 def _blockwise(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
-    return blockwise_attention(q, k, v, q_positions, kv_positions, mask=cfg.mask, scale=cfg.scale, rope=cfg.rope,
-                               block_k=cfg.block_k, segments=cfg.segments)
+    return blockwise_attention(
+        q,
+        k,
+        v,
+        q_positions,
+        kv_positions,
+        mask=cfg.mask,
+        scale=cfg.scale,
+        rope=cfg.rope,
+        block_k=cfg.block_k,
+        segments=cfg.segments,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _pallas(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
-    return pallas_gpu.pallas_attention(q, k, v, q_positions, kv_positions, mask=cfg.mask, scale=cfg.scale,
-                                       rope=cfg.rope, block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+    return pallas_gpu.pallas_attention(
+        q,
+        k,
+        v,
+        q_positions,
+        kv_positions,
+        mask=cfg.mask,
+        scale=cfg.scale,
+        rope=cfg.rope,
+        block_sizes=cfg.block_sizes,
+        interpret=cfg.interpret,
+    )
 
 
 def _pallas_fwd(q, k, v, q_positions, kv_positions, cfg):
@@ -77,13 +97,17 @@ def _cudnn(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
     # cuDNN where the mask reduces to valid lengths at run time, else the ring kernel (or blockwise XLA).
     inner = _pallas if pallas_gpu.supported(q.shape[-1]) else _blockwise
     fallback = lambda q_, k_, v_, qp_, kp_: inner(q_, k_, v_, qp_, kp_, cfg)
-    return cudnn.cudnn_attention(q, k, v, q_positions, kv_positions, fallback=fallback, mask=cfg.mask,
-                                 scale=cfg.scale)
+    return cudnn.cudnn_attention(q, k, v, q_positions, kv_positions, fallback=fallback, mask=cfg.mask, scale=cfg.scale)
 
 
 # Concrete paths by backend name.
-PATHS: dict[str, Callable] = {"xla_dense": _dense, "xla_blockwise": _blockwise, "xla_cpu": _xla_cpu,
-                              "pallas": _pallas, "cudnn": _cudnn}
+PATHS: dict[str, Callable] = {
+    "xla_dense": _dense,
+    "xla_blockwise": _blockwise,
+    "xla_cpu": _xla_cpu,
+    "pallas": _pallas,
+    "cudnn": _cudnn,
+}
 BACKENDS = ("auto", "xla", *PATHS)
 
 
@@ -98,21 +122,39 @@ def resolve_backend(backend: str, *, head_dim: int, dtypes, rope, logits: int, p
             return "xla_cpu"
         if platform == "gpu" and cudnn.static_ok(head_dim, dtypes, rope):
             return "cudnn"
-        kernel_ok = (pallas_gpu.supported(head_dim) and len(set(dtypes)) == 1
-                     and (rope is None or head_dim >= 32))
+        kernel_ok = pallas_gpu.supported(head_dim) and len(set(dtypes)) == 1 and (rope is None or head_dim >= 32)
         backend = "pallas" if platform == "gpu" and kernel_ok else "xla"
     if backend == "cudnn" and not cudnn.static_ok(head_dim, dtypes, rope):
-        raise ValueError(f"backend 'cudnn' needs float16/bfloat16 q, k, v of one dtype, head_dim % 8 == 0 and "
-                         f"<= 256, and no cache-relative rope; got dtypes {tuple(map(str, dtypes))}, head_dim "
-                         f"{head_dim}, rope {rope!r}")
+        raise ValueError(
+            f"backend 'cudnn' needs float16/bfloat16 q, k, v of one dtype, head_dim % 8 == 0 and "
+            f"<= 256, and no cache-relative rope; got dtypes {tuple(map(str, dtypes))}, head_dim "
+            f"{head_dim}, rope {rope!r}"
+        )
     if backend == "xla":
         backend = "xla_dense" if logits <= DENSE_MAX_LOGITS else "xla_blockwise"
     return backend
 
 
-def attend(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False, chunk=None,
-           window=None, sink=0, scale=None, backend="auto", rope: CacheRope | None = None, block_k: int = 512,
-           segments=None, block_sizes: pallas_gpu.BlockSizes | None = None, interpret: bool = False):
+def attend(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    *,
+    mask: MaskSpec | None = None,
+    causal=False,
+    chunk=None,
+    window=None,
+    sink=0,
+    scale=None,
+    backend="auto",
+    rope: CacheRope | None = None,
+    block_k: int = 512,
+    segments=None,
+    block_sizes: pallas_gpu.BlockSizes | None = None,
+    interpret: bool = False,
+):
     """Attention of queries at absolute positions to keys/values at absolute positions, in any physical order.
 
     Args:
@@ -149,9 +191,14 @@ def attend(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, 
         raise ValueError(f"rope must be None or a CacheRope, got {rope!r}")
     if rope is not None and d % 2:
         raise ValueError(f"cache-relative RoPE needs an even head_dim, got {d}")
-    cfg = AttendConfig(mask=spec, scale=check_scale(scale, d), rope=rope, block_k=block_k,
-                       segments=None if segments is None else tuple(segments), block_sizes=block_sizes,
-                       interpret=bool(interpret))
-    path = resolve_backend(backend, head_dim=d, dtypes=(q.dtype, k.dtype, v.dtype), rope=rope,
-                           logits=b * hq * lq * lk)
+    cfg = AttendConfig(
+        mask=spec,
+        scale=check_scale(scale, d),
+        rope=rope,
+        block_k=block_k,
+        segments=None if segments is None else tuple(segments),
+        block_sizes=block_sizes,
+        interpret=bool(interpret),
+    )
+    path = resolve_backend(backend, head_dim=d, dtypes=(q.dtype, k.dtype, v.dtype), rope=rope, logits=b * hq * lq * lk)
     return PATHS[path](q, k, v, q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), cfg)

@@ -50,11 +50,15 @@ class MaskSpec:
                 object.__setattr__(self, name, check_int(name, value, minimum=1))
         object.__setattr__(self, "sink", check_int("sink", self.sink, minimum=0))
         if self.sink > 0 and self.window is None:
-            raise ValueError(f"sink needs a window: sink={self.sink} keeps keys visible that the window would hide, "
-                             f"but window is None")
+            raise ValueError(
+                f"sink needs a window: sink={self.sink} keeps keys visible that the window would hide, "
+                f"but window is None"
+            )
         if self.chunk is not None and self.window is not None and self.window % self.chunk:
-            raise ValueError(f"window ({self.window} tokens) must be a whole number of chunks of {self.chunk} "
-                             f"tokens: with chunk set it is measured from chunk start to chunk start")
+            raise ValueError(
+                f"window ({self.window} tokens) must be a whole number of chunks of {self.chunk} "
+                f"tokens: with chunk set it is measured from chunk start to chunk start"
+            )
 
 
 def as_mask(mask: MaskSpec | None = None, *, causal=False, chunk=None, window=None, sink=0) -> MaskSpec:
@@ -119,8 +123,16 @@ def pair_visible(q, k, spec: MaskSpec):
     return block_may_be_visible(q, q, k, k, spec)
 
 
-def visible(q_positions, kv_positions, mask: MaskSpec | None = None, *, causal: bool = False,
-            chunk: int | None = None, window: int | None = None, sink: int = 0):
+def visible(
+    q_positions,
+    kv_positions,
+    mask: MaskSpec | None = None,
+    *,
+    causal: bool = False,
+    chunk: int | None = None,
+    window: int | None = None,
+    sink: int = 0,
+):
     """Boolean mask [batch, q_len, kv_len]: may query i see key j.
 
     Args:

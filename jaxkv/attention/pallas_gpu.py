@@ -39,8 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask, block_may_be_visible, pair_visible
-from jaxkv.validate import is_int
 from jaxkv.attention.rope import rope_ranks
+from jaxkv.validate import is_int
 
 _INT_MAX = jnp.iinfo(jnp.int32).max
 _NEG = -1e30  # finite "minus infinity": keeps exp2 and max free of inf - inf
@@ -118,8 +118,9 @@ def _split(ref, rows, style):
     return ref.at[rows, :, first], ref.at[rows, :, second]
 
 
-def _kernel(visits_ref, qpos_ref, kvpos_ref, q_ref, k_ref, v_ref, *rest, spec, scale, block_q, block_k, q_len,
-            kv_len, rope):
+def _kernel(
+    visits_ref, qpos_ref, kvpos_ref, q_ref, k_ref, v_ref, *rest, spec, scale, block_q, block_k, q_len, kv_len, rope
+):
     if rope is None:
         (o_ref,) = rest
     else:
@@ -169,16 +170,33 @@ def _kernel(visits_ref, qpos_ref, kvpos_ref, q_ref, k_ref, v_ref, *rest, spec, s
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), _NEG, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
+    init = (
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q,), _NEG, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
     acc, _, l = lax.fori_loop(0, visits_ref[0], body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # no visible key -> zeros, as in the reference
     plgpu.store(o_ref, out.astype(o_ref.dtype), mask=q_valid[:, None])
 
 
-def pallas_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False, chunk=None,
-                     window=None, sink=0, scale=None, rope=None, block_sizes: BlockSizes | None = None,
-                     interpret: bool = False):
+def pallas_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    *,
+    mask: MaskSpec | None = None,
+    causal=False,
+    chunk=None,
+    window=None,
+    sink=0,
+    scale=None,
+    rope=None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+):
     """Position-masked flash attention over K/V in any slot order (forward only).
 
     Args:
@@ -202,11 +220,22 @@ def pallas_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | Non
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype for the Pallas kernel, got {q.dtype}, {k.dtype}, {v.dtype}")
     if rope is not None and d < 32 and not interpret:
-        raise ValueError(f"cache-relative RoPE in the Pallas kernel needs head_dim >= 32 (two dots of head_dim / 2 "
-                         f">= 16), got {d}")
+        raise ValueError(
+            f"cache-relative RoPE in the Pallas kernel needs head_dim >= 32 (two dots of head_dim / 2 >= 16), got {d}"
+        )
     bs = block_sizes or default_block_sizes(d)
-    return _pallas_forward(q, k, v, q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), spec=spec,
-                           scale=scale, rope=rope, bs=bs, interpret=interpret)
+    return _pallas_forward(
+        q,
+        k,
+        v,
+        q_positions.astype(jnp.int32),
+        kv_positions.astype(jnp.int32),
+        spec=spec,
+        scale=scale,
+        rope=rope,
+        bs=bs,
+        interpret=interpret,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "scale", "rope", "bs", "interpret"))
@@ -238,8 +267,9 @@ def _pallas_forward(q, k, v, q_positions, kv_positions, *, spec, scale, rope, bs
         operands += [q, k, v, k_ranks]
     else:
         operands += [q, k, v]
-    kernel = functools.partial(_kernel, spec=spec, scale=scale, block_q=block_q, block_k=bs.block_k, q_len=lq,
-                               kv_len=lk, rope=rope)
+    kernel = functools.partial(
+        _kernel, spec=spec, scale=scale, block_q=block_q, block_k=bs.block_k, q_len=lq, kv_len=lk, rope=rope
+    )
     num_warps = bs.num_warps or (4 if d <= 64 else 8)
     return pl.pallas_call(
         kernel,

@@ -9,8 +9,22 @@ from jaxkv.attention.masks import MaskSpec, as_mask, visible
 from jaxkv.attention.rope import rope_ranks
 
 
-def dense_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False, chunk=None,
-                    window=None, sink=0, scale=None, rope=None, return_lse=False):
+def dense_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    *,
+    mask: MaskSpec | None = None,
+    causal=False,
+    chunk=None,
+    window=None,
+    sink=0,
+    scale=None,
+    rope=None,
+    return_lse=False,
+):
     """Softmax attention with a position mask, float32 accumulation.
 
     Args:

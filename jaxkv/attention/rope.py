@@ -54,7 +54,7 @@ class CacheRope:
         cos, sin = jnp.cos(angle), jnp.sin(angle)
         x = x.astype(jnp.float32)
         if self.style == "half":
-            x1, x2 = x[..., : d // 2], x[..., d // 2:]
+            x1, x2 = x[..., : d // 2], x[..., d // 2 :]
             return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)

@@ -76,9 +76,23 @@ def _block_state(qs, kb, vb, mask):
     return jnp.einsum("bhqk,bhkd->bhqd", p, vb), m, jnp.sum(p, axis=-1)
 
 
-def xla_cpu_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | None = None, causal=False,
-                      chunk=None, window=None, sink=0, scale=None, rope=None, block_k: int = DEFAULT_BLOCK_K,
-                      return_lse=False):
+def xla_cpu_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    *,
+    mask: MaskSpec | None = None,
+    causal=False,
+    chunk=None,
+    window=None,
+    sink=0,
+    scale=None,
+    rope=None,
+    block_k: int = DEFAULT_BLOCK_K,
+    return_lse=False,
+):
     """Softmax attention by position, in the layout XLA:CPU runs fastest; equals `dense_attention`.
 
     Args:
@@ -117,8 +131,11 @@ def xla_cpu_attention(q, k, v, q_positions, kv_positions, *, mask: MaskSpec | No
         pos = kv_positions[:, start:stop]
 
         def hidden(kb, vb, pos):
-            return (jnp.zeros((b, hk, g * lq, d), jnp.float32), jnp.full((b, hk, g * lq), -jnp.inf, jnp.float32),
-                    jnp.zeros((b, hk, g * lq), jnp.float32))
+            return (
+                jnp.zeros((b, hk, g * lq, d), jnp.float32),
+                jnp.full((b, hk, g * lq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, hk, g * lq), jnp.float32),
+            )
 
         def masked(kb, vb, pos):
             # Only a mixed block can hold empty slots: zero their values (0 x NaN would be NaN in p @ v).

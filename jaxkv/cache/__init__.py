@@ -34,12 +34,31 @@ def policy_class(name: str, spec=None) -> type[ChunkCache]:
     except (KeyError, TypeError):
         raise ValueError(f"cache policy must be one of {sorted(POLICIES)}, got {name!r}") from None
     if spec is not None and not isinstance(spec, cls.spec_type):
-        raise ValueError(f"cache policy {name!r} takes a {cls.spec_type.__name__}, got a {type(spec).__name__} "
-                         f"(policies of a {type(spec).__name__}: "
-                         f"{sorted(n for n, c in POLICIES.items() if isinstance(spec, c.spec_type))})")
+        raise ValueError(
+            f"cache policy {name!r} takes a {cls.spec_type.__name__}, got a {type(spec).__name__} "
+            f"(policies of a {type(spec).__name__}: "
+            f"{sorted(n for n, c in POLICIES.items() if isinstance(spec, c.spec_type))})"
+        )
     return cls
 
 
-__all__ = ["EMPTY", "POLICIES", "WINDOW_POLICIES", "ChunkCache", "DilatedCache", "DilatedSpec", "MixedCache",
-           "MixedSpec", "PrefixEpoch", "RingCache", "RingSpec", "RollingCache", "Window", "WindowSchedule",
-           "policy_class", "prefix_complete", "release", "rewrite_prefix"]
+__all__ = [
+    "EMPTY",
+    "POLICIES",
+    "WINDOW_POLICIES",
+    "ChunkCache",
+    "DilatedCache",
+    "DilatedSpec",
+    "MixedCache",
+    "MixedSpec",
+    "PrefixEpoch",
+    "RingCache",
+    "RingSpec",
+    "RollingCache",
+    "Window",
+    "WindowSchedule",
+    "policy_class",
+    "prefix_complete",
+    "release",
+    "rewrite_prefix",
+]

@@ -64,7 +64,7 @@ def _write_rows(buf, update, offsets, layer):
     trailing = (0,) * (update.ndim - 2)
     lead = () if layer is None else (layer,)
     for b in range(update.shape[0]):
-        row = update[b:b + 1] if layer is None else update[None, b:b + 1]
+        row = update[b : b + 1] if layer is None else update[None, b : b + 1]
         buf = lax.dynamic_update_slice(buf, row, (*lead, b, offsets[b], *trailing))
     return buf
 
@@ -89,9 +89,10 @@ def read_chunk_rows(buf: jax.Array, offsets: jax.Array, chunk: int, layer=None) 
     batch = offsets.shape[0]
     trailing = (0,) * (buf.ndim - (3 if layer is not None else 2))
     lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
-    size = (*(1,) * len(lead), 1, chunk, *buf.shape[len(lead) + 2:])
-    rows = [lax.dynamic_slice(buf, (*lead, b, offsets[b], *trailing), size).reshape(size[len(lead):])
-            for b in range(batch)]
+    size = (*(1,) * len(lead), 1, chunk, *buf.shape[len(lead) + 2 :])
+    rows = [
+        lax.dynamic_slice(buf, (*lead, b, offsets[b], *trailing), size).reshape(size[len(lead) :]) for b in range(batch)
+    ]
     return jnp.concatenate(rows, axis=0)
 
 
@@ -111,16 +112,16 @@ class ChunkCache:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def init(cls, spec: RingSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32,
-             layers: int | None = None):
+    def init(cls, spec: RingSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32, layers: int | None = None):
         """An empty cache: k, v zeros [batch, capacity, heads, head_dim] (with a leading [layers] axis when
         ``layers`` is given), all positions -1, no chunk reserved."""
         if not isinstance(spec, RingSpec):
             raise TypeError(f"spec must be a RingSpec, got {type(spec).__name__}")
         for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim), ("layers", layers)):
             if not (value is None and name == "layers") and not (is_int(value) and value > 0):
-                raise ValueError(f"{name} must be a positive int{' or None' if name == 'layers' else ''}, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"{name} must be a positive int{' or None' if name == 'layers' else ''}, got {value!r}"
+                )
         batch, heads, head_dim = int(batch), int(heads), int(head_dim)
         lead = () if layers is None else (int(layers),)
         if not jnp.issubdtype(dtype, jnp.floating):
@@ -191,13 +192,16 @@ class ChunkCache:
                 raise OverflowError(
                     f"begin_chunk: chunk {int(jnp.max(jnp.where(over, index, 0)))} would pass the int32 position "
                     f"limit: chunks of {self.spec.chunk} tokens fit only {self.spec.max_chunks} to a stream "
-                    f"(positions < 2**31); reset the session (or start a new one) before it")
+                    f"(positions < 2**31); reset the session (or start a new one) before it"
+                )
         return index
 
     def _check_session_mask(self, name: str, mask):
         mask = jnp.asarray(mask)
         if mask.shape != (self.batch,) or mask.dtype != jnp.bool_:
-            raise ValueError(f"{name} must be a bool array of shape ({self.batch},), got {mask.dtype}{list(mask.shape)}")
+            raise ValueError(
+                f"{name} must be a bool array of shape ({self.batch},), got {mask.dtype}{list(mask.shape)}"
+            )
         return mask
 
     def _reserve(self, slot: jax.Array, next_index: jax.Array, active, positions=None):
@@ -230,11 +234,14 @@ class ChunkCache:
         expected = (self.batch, self.spec.chunk, self.heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
             if tuple(x.shape) != expected:
-                raise ValueError(f"write: {name} must have shape [batch, chunk, heads, head_dim] = {list(expected)}, "
-                                 f"got {list(x.shape)}")
+                raise ValueError(
+                    f"write: {name} must have shape [batch, chunk, heads, head_dim] = {list(expected)}, "
+                    f"got {list(x.shape)}"
+                )
             if x.dtype != self.dtype:
-                raise ValueError(f"write: {name} must have the cache dtype {self.dtype}, got {x.dtype} "
-                                 f"(cast it explicitly)")
+                raise ValueError(
+                    f"write: {name} must have the cache dtype {self.dtype}, got {x.dtype} (cast it explicitly)"
+                )
         if self.layers is None:
             if layer is not None:
                 raise ValueError("write: layer was given but the cache is not stacked (init without layers)")
@@ -285,17 +292,21 @@ class ChunkCache:
         keys are masked and its values are zeroed before ``p @ v``, so even NaN/Inf left by a session that
         diverged never reaches the output of the next stream."""
         if sessions is None:
-            return self.replace(positions=jnp.full_like(self.positions, EMPTY),
-                                chunk_start=jnp.full_like(self.chunk_start, EMPTY))
+            return self.replace(
+                positions=jnp.full_like(self.positions, EMPTY), chunk_start=jnp.full_like(self.chunk_start, EMPTY)
+            )
         sessions = self._check_session_mask("reset: sessions", sessions)
-        return self.replace(positions=jnp.where(sessions[:, None], EMPTY, self.positions),
-                            chunk_start=jnp.where(sessions, EMPTY, self.chunk_start))
+        return self.replace(
+            positions=jnp.where(sessions[:, None], EMPTY, self.positions),
+            chunk_start=jnp.where(sessions, EMPTY, self.chunk_start),
+        )
 
     def _check_layer(self, where: str, layer) -> None:
         """An int or integer scalar; when its value is known (not traced), within [0, layers). A traced layer
         cannot be checked here: keep it in range (a scan over ``arange(layers)`` does)."""
-        if not is_int(layer) and not (hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer)
-                                      and jnp.ndim(layer) == 0):
+        if not is_int(layer) and not (
+            hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer) and jnp.ndim(layer) == 0
+        ):
             raise ValueError(f"{where}: layer must be an int or an integer scalar, got {layer!r}")
         if is_concrete(layer) and not 0 <= int(layer) < self.layers:
             raise ValueError(f"{where}: layer {int(layer)} out of range [0, {self.layers})")
@@ -305,8 +316,10 @@ class ChunkCache:
         if self.layers is None:
             raise ValueError("layer_kv: the cache is not stacked (init without layers)")
         self._check_layer("layer_kv", layer)
-        return (lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False),
-                lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False))
+        return (
+            lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False),
+            lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False),
+        )
 
     def chronological(self):
         """(k, v, positions) gathered into position order per session, empty slots last.

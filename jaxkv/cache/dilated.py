@@ -56,8 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.cache.base import EMPTY, ChunkCache, read_chunk_rows, write_chunk_rows
 from jaxkv.attention.masks import MaskSpec
+from jaxkv.cache.base import EMPTY, ChunkCache, read_chunk_rows, write_chunk_rows
 from jaxkv.cache.spec import POSITION_LIMIT
 from jaxkv.validate import check_int
 
@@ -85,8 +85,10 @@ class DilatedSpec:
         b = check_int("buckets", self.buckets, minimum=1)
         per_chunk = -(-c // d)
         if b < per_chunk:
-            raise ValueError(f"buckets ({b}) must be >= ceil(chunk_frames / dilation) = {per_chunk}: a chunk of {c} "
-                             f"frames keeps up to {per_chunk} frames at dilation {d}, and each needs its own slot")
+            raise ValueError(
+                f"buckets ({b}) must be >= ceil(chunk_frames / dilation) = {per_chunk}: a chunk of {c} "
+                f"frames keeps up to {per_chunk} frames at dilation {d}, and each needs its own slot"
+            )
         for name, value in (("tokens_per_frame", t), ("chunk_frames", c), ("dilation", d), ("buckets", b)):
             object.__setattr__(self, name, value)
 
@@ -148,8 +150,9 @@ class DilatedCache(ChunkCache):
     spec_type: ClassVar[type] = DilatedSpec
 
     @classmethod
-    def init(cls, spec: DilatedSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32,
-             layers: int | None = None):
+    def init(
+        cls, spec: DilatedSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32, layers: int | None = None
+    ):
         """An empty cache: k, v zeros [(layers,) batch, capacity, heads, head_dim], all positions -1."""
         if not isinstance(spec, DilatedSpec):
             raise TypeError(f"spec must be a DilatedSpec, got {type(spec).__name__}")
@@ -162,13 +165,19 @@ class DilatedCache(ChunkCache):
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
         lead = () if layers is None else (layers,)
         shape = (*lead, batch, spec.capacity, heads, head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   positions=jnp.full((batch, spec.capacity), EMPTY, jnp.int32),
-                   chunk_start=jnp.full((batch,), EMPTY, jnp.int32), spec=spec)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            positions=jnp.full((batch, spec.capacity), EMPTY, jnp.int32),
+            chunk_start=jnp.full((batch,), EMPTY, jnp.int32),
+            spec=spec,
+        )
 
     def slot_of_chunk(self, chunk_index):
-        raise NotImplementedError("a DilatedCache chunk has no single slot: its frames are written to the scratch "
-                                  "and its kept frames to their own ring slots (see chunk_offsets / spec.slot)")
+        raise NotImplementedError(
+            "a DilatedCache chunk has no single slot: its frames are written to the scratch "
+            "and its kept frames to their own ring slots (see chunk_offsets / spec.slot)"
+        )
 
     def chunk_offsets(self):
         """int32 [batch]: token offset where every write of the reserved chunk lands (the scratch)."""
@@ -194,13 +203,14 @@ class DilatedCache(ChunkCache):
         index = self._next_chunk_index()
         ring, scratch = self.positions[:, :ring_len], self.positions[:, ring_len:]
 
-        ring = jnp.where(act[:, None] & (ring <= -2), -ring - 2, ring)          # publish chunk n-1's commits
+        ring = jnp.where(act[:, None] & (ring <= -2), -ring - 2, ring)  # publish chunk n-1's commits
         frames = index[:, None] * spec.chunk_frames + jnp.arange(spec.chunk_frames, dtype=jnp.int32)[None, :]
-        hit = (spec.kept(frames)[:, :, None]
-               & (spec.slot(frames)[:, :, None] == jnp.arange(spec.buckets, dtype=jnp.int32)[None, None, :]))
-        reserved = jnp.any(hit, axis=1) & act[:, None]                           # [batch, buckets]
-        ring = jnp.where(jnp.repeat(reserved, t, axis=1), EMPTY, ring)           # evict the oldest kept frames
-        scratch = jnp.where(act[:, None], EMPTY, scratch)                        # uncommitted writes vanish
+        hit = spec.kept(frames)[:, :, None] & (
+            spec.slot(frames)[:, :, None] == jnp.arange(spec.buckets, dtype=jnp.int32)[None, None, :]
+        )
+        reserved = jnp.any(hit, axis=1) & act[:, None]  # [batch, buckets]
+        ring = jnp.where(jnp.repeat(reserved, t, axis=1), EMPTY, ring)  # evict the oldest kept frames
+        scratch = jnp.where(act[:, None], EMPTY, scratch)  # uncommitted writes vanish
 
         chunk_start = jnp.where(act, index * spec.chunk, self.chunk_start).astype(jnp.int32)
         return self.replace(positions=jnp.concatenate([ring, scratch], axis=1), chunk_start=chunk_start)
@@ -246,6 +256,7 @@ class DilatedCache(ChunkCache):
                 rows = slice(i * t, (i + 1) * t)
                 new_k = write_chunk_rows(new_k, k[:, rows], off, layer)
                 new_v = write_chunk_rows(new_v, v[:, rows], off, layer)
-                new_pos = write_chunk_rows(new_pos, jnp.where(keep[:, i, None], _pending(pos[:, rows]), pos[:, rows]),
-                                           off)
+                new_pos = write_chunk_rows(
+                    new_pos, jnp.where(keep[:, i, None], _pending(pos[:, rows]), pos[:, rows]), off
+                )
         return self.replace(k=new_k, v=new_v, positions=new_pos)

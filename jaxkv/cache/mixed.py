@@ -56,8 +56,10 @@ class MixedSpec:
             raise TypeError(f"MixedSpec.dilated must be a DilatedSpec, got {type(self.dilated).__name__}")
         period = check_int("MixedSpec.period", self.period, minimum=2)
         if self.dense.chunk != self.dilated.chunk:
-            raise ValueError(f"MixedSpec: the dense chunk ({self.dense.chunk} tokens) and the dilated chunk "
-                             f"({self.dilated.chunk} tokens) must be equal: every layer processes the same chunk")
+            raise ValueError(
+                f"MixedSpec: the dense chunk ({self.dense.chunk} tokens) and the dilated chunk "
+                f"({self.dilated.chunk} tokens) must be equal: every layer processes the same chunk"
+            )
         object.__setattr__(self, "period", period)
 
     @property
@@ -72,8 +74,10 @@ class MixedSpec:
         """``layers`` checked to be a positive multiple of ``period``."""
         layers = check_int("layers", layers, minimum=1)
         if layers % self.period:
-            raise ValueError(f"a mixed cache groups layers in periods of {self.period} (the last of each dilated); "
-                             f"{layers} layers is not a multiple of {self.period}")
+            raise ValueError(
+                f"a mixed cache groups layers in periods of {self.period} (the last of each dilated); "
+                f"{layers} layers is not a multiple of {self.period}"
+            )
         return layers
 
     def is_dilated(self, layer: int) -> bool:
@@ -94,8 +98,16 @@ class MixedCache:
     spec: MixedSpec = struct.field(pytree_node=False)
 
     @classmethod
-    def init(cls, spec: MixedSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32, layers: int = None,
-             dense_policy: type[ChunkCache] | None = None):
+    def init(
+        cls,
+        spec: MixedSpec,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        dtype=jnp.float32,
+        layers: int = None,
+        dense_policy: type[ChunkCache] | None = None,
+    ):
         """An empty mixed cache for ``layers`` layers (required, a multiple of spec.period).
 
         dense_policy: the dense layers' cache class (default `RingCache`), e.g. ``policy_class("rolling")``.
@@ -107,8 +119,9 @@ class MixedCache:
         layers = spec.check_layers(layers)
         dense_cls = RingCache if dense_policy is None else dense_policy
         if not (isinstance(dense_cls, type) and issubclass(dense_cls, ChunkCache)) or dense_cls is DilatedCache:
-            raise ValueError(f"dense_policy must be a sink + window cache class (RingCache, RollingCache), got "
-                             f"{dense_cls!r}")
+            raise ValueError(
+                f"dense_policy must be a sink + window cache class (RingCache, RollingCache), got {dense_cls!r}"
+            )
         n_dilated = layers // spec.period
         dense = dense_cls.init(spec.dense, batch, heads, head_dim, dtype=dtype, layers=layers - n_dilated)
         dilated = DilatedCache.init(spec.dilated, batch, heads, head_dim, dtype=dtype, layers=n_dilated)

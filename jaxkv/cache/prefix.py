@@ -48,8 +48,10 @@ class PrefixEpoch:
         """bool [batch]: True where ``seen`` (int [batch], the epoch a derived value was built at) is not current."""
         seen = jnp.asarray(seen)
         if seen.shape != self.epoch.shape or not jnp.issubdtype(seen.dtype, jnp.integer):
-            raise ValueError(f"is_stale: seen must be an int array of shape {tuple(self.epoch.shape)}, got "
-                             f"{seen.dtype}{list(seen.shape)}")
+            raise ValueError(
+                f"is_stale: seen must be an int array of shape {tuple(self.epoch.shape)}, got "
+                f"{seen.dtype}{list(seen.shape)}"
+            )
         return seen != self.epoch
 
 
@@ -88,16 +90,23 @@ def rewrite_prefix(cache: ChunkCache, epoch: PrefixEpoch, k, v, *, sessions=None
     expected = (*lead, cache.batch, spec.sink, cache.heads, cache.head_dim)
     for name, x in (("k", k), ("v", v)):
         if tuple(x.shape) != expected or x.dtype != cache.dtype:
-            raise ValueError(f"rewrite_prefix: {name} must be {cache.dtype}{list(expected)} "
-                             f"([{'layers, ' if lead else ''}batch, sink, heads, head_dim]), got {x.dtype}"
-                             f"{list(x.shape)}")
-    chosen = jnp.ones((cache.batch,), bool) if sessions is None else _session_mask(
-        "rewrite_prefix: sessions", sessions, cache.batch)
+            raise ValueError(
+                f"rewrite_prefix: {name} must be {cache.dtype}{list(expected)} "
+                f"([{'layers, ' if lead else ''}batch, sink, heads, head_dim]), got {x.dtype}"
+                f"{list(x.shape)}"
+            )
+    chosen = (
+        jnp.ones((cache.batch,), bool)
+        if sessions is None
+        else _session_mask("rewrite_prefix: sessions", sessions, cache.batch)
+    )
     ready = prefix_complete(cache)
     if is_concrete(ready) and is_concrete(chosen) and bool(jnp.any(chosen & ~ready)):
-        raise ValueError(f"rewrite_prefix: sessions {jnp.flatnonzero(chosen & ~ready).tolist()} have not reserved "
-                         f"all {spec.sink_chunks} sink chunks yet (chunk_start {cache.chunk_start.tolist()}); "
-                         f"a later begin_chunk would evict a prefix written now")
+        raise ValueError(
+            f"rewrite_prefix: sessions {jnp.flatnonzero(chosen & ~ready).tolist()} have not reserved "
+            f"all {spec.sink_chunks} sink chunks yet (chunk_start {cache.chunk_start.tolist()}); "
+            f"a later begin_chunk would evict a prefix written now"
+        )
     chosen = chosen & ready
     axis = len(lead)  # the session axis of k / v
 
@@ -126,13 +135,18 @@ def release(cache: ChunkCache, stop, *, sessions=None) -> ChunkCache:
     spec = cache.spec
     if not isinstance(spec, RingSpec):
         raise ValueError(f"release needs a sink + window cache (RingSpec), got spec {spec!r}")
-    if isinstance(stop, (bool,)) or not (isinstance(stop, int) or (hasattr(stop, "dtype") and jnp.ndim(stop) == 0
-                                                                     and jnp.issubdtype(stop.dtype, jnp.integer))):
+    if isinstance(stop, (bool,)) or not (
+        isinstance(stop, int)
+        or (hasattr(stop, "dtype") and jnp.ndim(stop) == 0 and jnp.issubdtype(stop.dtype, jnp.integer))
+    ):
         raise ValueError(f"release: stop must be an int or an integer scalar (a token position), got {stop!r}")
     if is_concrete(stop) and int(stop) < 0:
         raise ValueError(f"release: stop must be >= 0, got {int(stop)}")
-    chosen = jnp.ones((cache.batch,), bool) if sessions is None else _session_mask(
-        "release: sessions", sessions, cache.batch)
+    chosen = (
+        jnp.ones((cache.batch,), bool)
+        if sessions is None
+        else _session_mask("release: sessions", sessions, cache.batch)
+    )
     pos = cache.positions
     freed = (pos >= spec.sink) & (pos < jnp.asarray(stop, jnp.int32)) & chosen[:, None]
     return cache.replace(positions=jnp.where(freed, -1, pos).astype(jnp.int32))

@@ -10,8 +10,8 @@ O(window). Kept as the reference policy and the benchmark baseline; it presents 
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 from flax import struct
+from jax import lax
 
 from jaxkv.cache.base import ChunkCache
 
@@ -23,8 +23,10 @@ def _shift_window_left(x, shift, sink: int, chunk: int, axis: int):
     ``shift`` is bool [batch], broadcast against x with the batch axis just before ``axis``.
     """
     window = lax.slice_in_dim(x, sink, x.shape[axis], axis=axis)
-    rolled = jnp.concatenate([lax.slice_in_dim(window, chunk, window.shape[axis], axis=axis),
-                              lax.slice_in_dim(window, 0, chunk, axis=axis)], axis=axis)
+    rolled = jnp.concatenate(
+        [lax.slice_in_dim(window, chunk, window.shape[axis], axis=axis), lax.slice_in_dim(window, 0, chunk, axis=axis)],
+        axis=axis,
+    )
     mask = shift.reshape((1,) * (axis - 1) + (-1,) + (1,) * (x.ndim - axis))
     return lax.dynamic_update_slice_in_dim(x, jnp.where(mask, rolled, window), sink, axis=axis)
 

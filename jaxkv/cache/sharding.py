@@ -14,13 +14,13 @@ it shards on a data axis too. Slots are never sharded. These are ordinary `Named
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache.base import ChunkCache
 
 
-def cache_shardings(cache: ChunkCache, mesh: Mesh, *, data_axis: str | None = "data",
-                    head_axis: str | None = "model"):
+def cache_shardings(cache: ChunkCache, mesh: Mesh, *, data_axis: str | None = "data", head_axis: str | None = "model"):
     """A pytree of `NamedSharding` with the structure of ``cache``.
 
     k, v [(layers,) batch, capacity, heads, head_dim] -> P((None,) data_axis, None, head_axis, None);

@@ -8,7 +8,7 @@ from jaxkv.attention.masks import MaskSpec
 from jaxkv.validate import check_int
 
 # Positions are int32: the last token of a chunk must be <= 2**31 - 1.
-POSITION_LIMIT = 2 ** 31
+POSITION_LIMIT = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,9 @@ class RingSpec:
         object.__setattr__(self, "sink", sink)
 
     @classmethod
-    def from_frames(cls, tokens_per_frame: int, chunk_frames: int, window_frames: int,
-                    sink_frames: int = 0) -> "RingSpec":
+    def from_frames(
+        cls, tokens_per_frame: int, chunk_frames: int, window_frames: int, sink_frames: int = 0
+    ) -> "RingSpec":
         """Spec from frame counts: chunk = chunk_frames*T, window = window_frames*T, sink = sink_frames*T.
 
         ``window_frames`` and ``sink_frames`` must be whole multiples of ``chunk_frames``.

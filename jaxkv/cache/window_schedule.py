@@ -68,9 +68,15 @@ class WindowSchedule:
             raise ValueError(
                 f"context_units ({context}) must be 0 (keep everything) or >= overlap_units ({overlap}): after a "
                 f"window only its last {context} committed units are kept, but the next window conditions on the "
-                f"last {overlap}, so it would read freed units")
-        for name, value in (("total_units", total), ("window_units", window), ("overlap_units", overlap),
-                            ("context_units", context), ("prefix_units", prefix)):
+                f"last {overlap}, so it would read freed units"
+            )
+        for name, value in (
+            ("total_units", total),
+            ("window_units", window),
+            ("overlap_units", overlap),
+            ("context_units", context),
+            ("prefix_units", prefix),
+        ):
             object.__setattr__(self, name, value)
 
     @property

@@ -25,12 +25,25 @@ The output directory's layout is documented in `jaxkv.generate.outputs`.
 """
 
 from jaxkv.generate.inputs import load_context, standin_context
+from jaxkv.generate.loop import GenerationError, main, run
 from jaxkv.generate.options import DEFAULTS, POLICIES, UsageError, build_parser
 from jaxkv.generate.outputs import latent_chunks, load_latents
 from jaxkv.generate.png import write_png
 from jaxkv.generate.preview import latent_to_rgb, preview_image
-from jaxkv.generate.loop import GenerationError, main, run
 
-__all__ = ["DEFAULTS", "POLICIES", "GenerationError", "UsageError", "build_parser", "latent_chunks",
-           "latent_to_rgb", "load_context", "load_latents", "main", "preview_image", "run", "standin_context",
-           "write_png"]
+__all__ = [
+    "DEFAULTS",
+    "POLICIES",
+    "GenerationError",
+    "UsageError",
+    "build_parser",
+    "latent_chunks",
+    "latent_to_rgb",
+    "load_context",
+    "load_latents",
+    "main",
+    "preview_image",
+    "run",
+    "standin_context",
+    "write_png",
+]

@@ -26,7 +26,7 @@ from jaxkv.validate import check_int
 FILE = "contact_sheet.png"
 COLUMNS = 8
 ROWS = 4
-MAX_TILE = 256           # pixels a side of a tile, at most: frames larger than this are subsampled
+MAX_TILE = 256  # pixels a side of a tile, at most: frames larger than this are subsampled
 
 
 class ContactSheet:
@@ -43,11 +43,12 @@ class ContactSheet:
         self.columns = check_int("columns", columns, minimum=1)
         self.slots = self.columns * check_int("rows", rows, minimum=1)
         if self.slots < 2:
-            raise ValueError(f"a contact sheet needs at least 2 slots (the first and the last frame), got "
-                             f"{columns} x {rows}")
+            raise ValueError(
+                f"a contact sheet needs at least 2 slots (the first and the last frame), got {columns} x {rows}"
+            )
         self.max_tile = check_int("max_tile", max_tile, minimum=1)
         self.stride = 1
-        self.kept: dict[int, object] = {}         # frame index -> [batch, h, w, 3] (device or host array)
+        self.kept: dict[int, object] = {}  # frame index -> [batch, h, w, 3] (device or host array)
         self.last: tuple[int, object] | None = None
         self.total = 0
 
@@ -86,6 +87,6 @@ class ContactSheet:
             return {}
         chosen = {**self.kept, self.last[0]: self.last[1]}
         indices = self.shown()
-        tiles = np.stack([np.asarray(chosen[i]) for i in indices], axis=1)     # [batch, shown, h, w, 3]
+        tiles = np.stack([np.asarray(chosen[i]) for i in indices], axis=1)  # [batch, shown, h, w, 3]
         write_png(self.path, tile_grid(tiles, self.columns))
         return {"contact_sheet": self.path, "contact_sheet_frames": indices}

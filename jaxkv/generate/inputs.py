@@ -32,20 +32,26 @@ def pick_up_release(args) -> str | None:
     parts = release_parts(path)
     if parts is None:
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, CONFIG_FILE)):
-            raise UsageError(f"--checkpoint {path} is neither a jaxkv DiT checkpoint ({CONFIG_FILE} + params."
-                             f"safetensors) nor a converted release ({', '.join(p + '/' for p in PARTS.values())}); "
-                             f"convert a checkpoint or a Wan release with `jaxkv convert`")
+            raise UsageError(
+                f"--checkpoint {path} is neither a jaxkv DiT checkpoint ({CONFIG_FILE} + params."
+                f"safetensors) nor a converted release ({', '.join(p + '/' for p in PARTS.values())}); "
+                f"convert a checkpoint or a Wan release with `jaxkv convert`"
+            )
         return None
     toy = toy_model.is_release(path)
     args.checkpoint, args.release = parts["dit"], os.path.abspath(path)
     taken = [f"DiT from {parts['dit']}"]
     if toy:
-        taken.append(f"latent map from {os.path.join(path, toy_model.LATENT_MAP_DIR)}" if not args.no_video
-                     else "latent map not used (--no-video)")
+        taken.append(
+            f"latent map from {os.path.join(path, toy_model.LATENT_MAP_DIR)}"
+            if not args.no_video
+            else "latent map not used (--no-video)"
+        )
     needs_text = args.prompt is not None or bool(args.prompt_schedule)
     for family, name, flag, attr, needed, unused in (
-            *(() if toy else (("vae", "VAE", "--vae", "vae", not args.no_video, "--no-video"),)),
-            ("umt5", "text encoder", "--text-encoder", "text_encoder", needs_text, "no --prompt")):
+        *(() if toy else (("vae", "VAE", "--vae", "vae", not args.no_video, "--no-video"),)),
+        ("umt5", "text encoder", "--text-encoder", "text_encoder", needs_text, "no --prompt"),
+    ):
         if not needed:
             taken.append(f"{name} not used ({unused})")
         elif getattr(args, attr):
@@ -54,8 +60,10 @@ def pick_up_release(args) -> str | None:
             setattr(args, attr, parts[family])
             taken.append(f"{name} from {parts[family]}")
         else:
-            raise UsageError(f"--checkpoint {path} is a converted release without {PARTS[family]}/; pass {flag} DIR"
-                             + (" or --no-video" if family == "vae" else ""))
+            raise UsageError(
+                f"--checkpoint {path} is a converted release without {PARTS[family]}/; pass {flag} DIR"
+                + (" or --no-video" if family == "vae" else "")
+            )
     return f"{'toy-world release' if toy else 'release'} {path}: " + ", ".join(taken)
 
 
@@ -69,8 +77,10 @@ def resolve_config(args):
         except CheckpointError as e:
             raise UsageError(str(e)) from None
         if config.in_dim != config.out_dim:
-            raise UsageError(f"checkpoint {args.checkpoint} predicts {config.out_dim} channels from {config.in_dim}; "
-                             f"streaming generation needs in_dim == out_dim (a text-to-video model)")
+            raise UsageError(
+                f"checkpoint {args.checkpoint} predicts {config.out_dim} channels from {config.in_dim}; "
+                f"streaming generation needs in_dim == out_dim (a text-to-video model)"
+            )
         return config, f"checkpoint {args.checkpoint}" + (f" ({release})" if release else "")
     try:
         config = wan.preset(args.preset)
@@ -105,8 +115,9 @@ def nonfinite_leaves(params) -> list[str]:
     if bool(_all_finite(jax.tree.leaves(params))):
         return []
     named = jax.tree.flatten_with_path(params)[0]
-    return [jax.tree_util.keystr(path, simple=True, separator=".") for path, x in named
-            if not bool(jnp.isfinite(x).all())]
+    return [
+        jax.tree_util.keystr(path, simple=True, separator=".") for path, x in named if not bool(jnp.isfinite(x).all())
+    ]
 
 
 @jax.jit
@@ -140,8 +151,9 @@ def load_context(path: str, text_dim: int, text_len: int, flag: str = "--context
         elif len(tensors) == 1:
             array = next(iter(tensors.values()))
         else:
-            raise UsageError(f"{path!r} holds {sorted(tensors)}; expected one tensor or one named 'context' or "
-                             f"'prompt_embeds'")
+            raise UsageError(
+                f"{path!r} holds {sorted(tensors)}; expected one tensor or one named 'context' or 'prompt_embeds'"
+            )
     else:
         raise UsageError(f"{flag} file {path!r} must end in .npy or .safetensors")
     if array.ndim == 3 and array.shape[0] == 1:
@@ -156,8 +168,10 @@ def load_context(path: str, text_dim: int, text_len: int, flag: str = "--context
     finite = np.isfinite(array)
     if not finite.all():
         token, channel = np.argwhere(~finite)[0]
-        raise UsageError(f"{flag} in {path!r} holds {int((~finite).sum())} NaN/Inf value(s), the first at token "
-                         f"{token}, channel {channel} ({array[token, channel]})")
+        raise UsageError(
+            f"{flag} in {path!r} holds {int((~finite).sum())} NaN/Inf value(s), the first at token "
+            f"{token}, channel {channel} ({array[token, channel]})"
+        )
     return array
 
 
@@ -180,9 +194,11 @@ def text_encoder(args, config):
         raise UsageError(f"--text-encoder: {e}") from None
     where = f"--text-encoder {args.text_encoder}" if args.text_encoder else "the embedded tiny text encoder"
     if encoder.config.dim != config.text_dim or encoder.config.text_len > config.text_len:
-        raise UsageError(f"{where} gives [{encoder.config.text_len}, {encoder.config.dim}] contexts; the model takes "
-                         f"text_dim {config.text_dim} and at most {config.text_len} tokens"
-                         + ("" if args.text_encoder else "; pass --text-encoder DIR of the model's encoder"))
+        raise UsageError(
+            f"{where} gives [{encoder.config.text_len}, {encoder.config.dim}] contexts; the model takes "
+            f"text_dim {config.text_dim} and at most {config.text_len} tokens"
+            + ("" if args.text_encoder else "; pass --text-encoder DIR of the model's encoder")
+        )
     return encoder
 
 
@@ -194,8 +210,12 @@ def encode_prompts(args, config) -> tuple[np.ndarray, np.ndarray | None, dict]:
     encoded = encoder.encode(prompts)
     if args.offload_text_encoder:
         encoder.release()
-    info = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "text_encoder": encoder.name,
-            "text_encoder_released": encoder.released}
+    info = {
+        "prompt": args.prompt,
+        "negative_prompt": args.negative_prompt,
+        "text_encoder": encoder.name,
+        "text_encoder_released": encoder.released,
+    }
     return encoded[0], (encoded[1] if len(prompts) > 1 else None), info
 
 
@@ -214,7 +234,7 @@ def contexts(args, config) -> tuple[np.ndarray, np.ndarray | None, dict]:
             pass
         elif args.negative_context:
             negative = load_context(args.negative_context, config.text_dim, config.text_len, "--negative-context")
-        else:   # only with the stand-in context (options.check): an empty prompt's stand-in
+        else:  # only with the stand-in context (options.check): an empty prompt's stand-in
             negative = np.zeros((1, config.text_dim), np.float32)
         negative = np.broadcast_to(negative, (args.batch, *negative.shape))
     return np.broadcast_to(context, (args.batch, *context.shape)), negative, info
@@ -236,9 +256,11 @@ def resolve_vae(args, config):
     else:
         vae = wan_vae.preset("tiny")
     if vae.z_dim != config.out_dim:
-        raise UsageError(f"{'--vae ' + args.vae if args.vae else 'the tiny VAE'} decodes {vae.z_dim}-channel latents; "
-                         f"the model makes {config.out_dim} (another model family?); pass a matching --vae or "
-                         f"--no-video")
+        raise UsageError(
+            f"{'--vae ' + args.vae if args.vae else 'the tiny VAE'} decodes {vae.z_dim}-channel latents; "
+            f"the model makes {config.out_dim} (another model family?); pass a matching --vae or "
+            f"--no-video"
+        )
     return vae
 
 

@@ -25,16 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import recache
 from jaxkv import parallel as PL
+from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
 from jaxkv.generate import inputs, options, outputs, prompts, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
-from jaxkv.precision import Precision
 from jaxkv.models.checkpoint_dir import CheckpointError
+from jaxkv.precision import Precision
 from jaxkv.schedule import Schedule
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
@@ -66,8 +66,12 @@ class Stop:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        print(f"\njaxkv generate: {signal.Signals(signum).name}: stopping after the current chunk (send it again to "
-              f"abort at once)", file=sys.stderr, flush=True)
+        print(
+            f"\njaxkv generate: {signal.Signals(signum).name}: stopping after the current chunk (send it again to "
+            f"abort at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @contextlib.contextmanager
@@ -95,13 +99,22 @@ def _settings(args, config):
     """(Schedule, RolloutConfig) from the arguments; UsageError for any inconsistency."""
     try:
         schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
-        rc = R.RolloutConfig(args.height, args.width, chunk_frames=args.chunk_frames,
-                             window_frames=args.window_frames, sink_frames=args.sink_frames, schedule=schedule,
-                             guidance_scale=args.guidance_scale, policy=args.policy,
-                             precision=Precision.named(args.precision),
-                             dilated_every=args.dilated_every, dilation=args.dilation, buckets=args.buckets,
-                             rope=args.rope)
-        rc.cache_spec(config)                # validates the frame and layer settings against the model
+        rc = R.RolloutConfig(
+            args.height,
+            args.width,
+            chunk_frames=args.chunk_frames,
+            window_frames=args.window_frames,
+            sink_frames=args.sink_frames,
+            schedule=schedule,
+            guidance_scale=args.guidance_scale,
+            policy=args.policy,
+            precision=Precision.named(args.precision),
+            dilated_every=args.dilated_every,
+            dilation=args.dilation,
+            buckets=args.buckets,
+            rope=args.rope,
+        )
+        rc.cache_spec(config)  # validates the frame and layer settings against the model
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
@@ -117,8 +130,10 @@ def _mesh(args, config, rc):
     if args.mesh is None:
         return None
     if jax.process_count() > 1:
-        raise UsageError("--mesh: jaxkv generate writes its files from one process; a multi-process job runs "
-                         "jaxkv.parallel.MeshStream from Python (README, Scaling)")
+        raise UsageError(
+            "--mesh: jaxkv generate writes its files from one process; a multi-process job runs "
+            "jaxkv.parallel.MeshStream from Python (README, Scaling)"
+        )
     try:
         mesh = PL.make_mesh(**args.mesh)
         PL.check_mesh(mesh, config, rc, args.batch)
@@ -141,8 +156,9 @@ def _mesh_params(args, config, mesh):
         raise UsageError(f"checkpoint {args.checkpoint} changed while it was read; run again")
     bad = inputs.nonfinite_leaves(params)
     if bad:
-        raise UsageError(f"checkpoint {args.checkpoint} holds NaN or Inf values in {', '.join(bad)}; refusing to "
-                         f"generate from them")
+        raise UsageError(
+            f"checkpoint {args.checkpoint} holds NaN or Inf values in {', '.join(bad)}; refusing to generate from them"
+        )
     return params
 
 
@@ -155,14 +171,17 @@ def run(args, stop: Stop | None = None) -> dict:
     """
     stop = stop or Stop()
     if args.mesh is not None and (args.resume or args.save_state or args.prompt_schedule):
-        raise UsageError("--mesh runs a plain stream: it cannot be combined with --resume, --save-state or "
-                         "--prompt-schedule yet")
+        raise UsageError(
+            "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"
+        )
     if args.resume and args.prompt_schedule:
-        raise UsageError("--prompt-schedule cannot be combined with --resume yet (a saved session does not hold "
-                         "the clean latents a prompt switch re-caches); resume without it")
-    resumed = resume.apply_resume(args)            # --resume: the session's settings replace the flags
+        raise UsageError(
+            "--prompt-schedule cannot be combined with --resume yet (a saved session does not hold "
+            "the clean latents a prompt switch re-caches); resume without it"
+        )
+    resumed = resume.apply_resume(args)  # --resume: the session's settings replace the flags
     options.check_model(args)
-    toy_dir = toy.prepare(args, fill=resumed is None)   # the toy world (the default): its settings fill the flags
+    toy_dir = toy.prepare(args, fill=resumed is None)  # the toy world (the default): its settings fill the flags
     options.check(args)
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
@@ -170,21 +189,33 @@ def run(args, stop: Stop | None = None) -> dict:
     entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
     if toy_dir and entries:
         toy.check_schedule(entries)
-    decoder = toy.frame_decoder(toy_dir) if toy_dir and not args.no_video else None    # a Wan VAE's: below
-    sources = [p for p in (getattr(args, "release", None), args.checkpoint, args.context, args.negative_context,
-                           args.vae, args.text_encoder, args.embeddings_cache, args.prompt_schedule, args.resume)
-               if p]
+    decoder = toy.frame_decoder(toy_dir) if toy_dir and not args.no_video else None  # a Wan VAE's: below
+    sources = [
+        p
+        for p in (
+            getattr(args, "release", None),
+            args.checkpoint,
+            args.context,
+            args.negative_context,
+            args.vae,
+            args.text_encoder,
+            args.embeddings_cache,
+            args.prompt_schedule,
+            args.resume,
+        )
+        if p
+    ]
     sources += [e.context for e in entries or () if e.context]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
     resume.check_save_state(args, sources)
     mesh = _mesh(args, config, rc)
     session = None
     switches = {}
-    if resumed is not None:      # the session holds the cross-attention K/V: no text to encode
+    if resumed is not None:  # the session holds the cross-attention K/V: no text to encode
         session = resume.load(args, config, rc)
         context, negative, text_info = None, None, {}
     elif entries is None:
-        context, negative, text_info = inputs.contexts(args, config)   # encodes --prompt (after the cheap checks)
+        context, negative, text_info = inputs.contexts(args, config)  # encodes --prompt (after the cheap checks)
     else:
         scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
         context = scheduled[0]
@@ -203,11 +234,20 @@ def run(args, stop: Stop | None = None) -> dict:
         key = jax.random.key(args.seed)
         negative = None if negative is None else jnp.asarray(negative)
         if mesh is None:
-            stream = R.Stream(params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key,
-                              negative_context=negative)
+            stream = R.Stream(
+                params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key, negative_context=negative
+            )
         else:
-            stream = PL.MeshStream(params, config, rc, jnp.asarray(context), mesh=mesh, num_chunks=args.num_chunks,
-                                   key=key, negative_context=negative)
+            stream = PL.MeshStream(
+                params,
+                config,
+                rc,
+                jnp.asarray(context),
+                mesh=mesh,
+                num_chunks=args.num_chunks,
+                key=key,
+                negative_context=negative,
+            )
     if entries is not None:
         stream = recache.SwitchableStream(stream)
     keep_sink = getattr(args, "switch_sink", "keep") == "keep"
@@ -215,39 +255,57 @@ def run(args, stop: Stop | None = None) -> dict:
     def advance():
         """The next chunk, switching prompts first where the schedule says so."""
         if stream.index in switches:
-            stream.switch(switches[stream.index], None if negative is None else jnp.asarray(negative),
-                          keep_sink=keep_sink)
+            stream.switch(
+                switches[stream.index], None if negative is None else jnp.asarray(negative), keep_sink=keep_sink
+            )
         return next(stream)
 
     out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True, sources=sources)
-    sinks = [outputs.LatentsSink(out, args.format),
-             PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale)]
+    sinks = [
+        outputs.LatentsSink(out, args.format),
+        PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
+    ]
     chunk_shape = rc.chunk_shape(config, args.batch)
     video = None
     if vae_config is not None:
         from jaxkv.models.wan_vae import StreamDecoder
 
-        decoder = StreamDecoder(vae_params, vae_config, latent_height=args.height, latent_width=args.width,
-                                batch=args.batch)
+        decoder = StreamDecoder(
+            vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
+        )
     if decoder is not None:
-        video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps or options.DEFAULTS["fps"],
-                        frames=args.frames)
+        video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps or options.DEFAULTS["fps"], frames=args.frames)
         sinks.append(video)
     files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
 
     summary = {
-        "model": source, "precision": args.precision, "param_dtype": rc.precision.param_dtype,
+        "model": source,
+        "precision": args.precision,
+        "param_dtype": rc.precision.param_dtype,
         "config": config.to_dict(),
         "tokens_per_frame": rc.tokens_per_frame(config),
-        "chunk_frames": rc.chunk_frames, "window_frames": rc.window_frames, "sink_frames": rc.sink_frames,
-        "num_chunks": args.num_chunks, "policy": rc.policy, "cache_dtype": rc.precision.cache_dtype,
-        "dilated_every": rc.dilated_every, "dilation": rc.dilation, "buckets": rc.buckets, "rope": rc.rope,
-        "steps": list(schedule.steps), "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
-        "guidance_scale": args.guidance_scale, "seed": args.seed, "backend": jax.default_backend(),
+        "chunk_frames": rc.chunk_frames,
+        "window_frames": rc.window_frames,
+        "sink_frames": rc.sink_frames,
+        "num_chunks": args.num_chunks,
+        "policy": rc.policy,
+        "cache_dtype": rc.precision.cache_dtype,
+        "dilated_every": rc.dilated_every,
+        "dilation": rc.dilation,
+        "buckets": rc.buckets,
+        "rope": rc.rope,
+        "steps": list(schedule.steps),
+        "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
+        "guidance_scale": args.guidance_scale,
+        "seed": args.seed,
+        "backend": jax.default_backend(),
         "mesh": None if mesh is None else PL.mesh_sizes(mesh),
-        "cache_bytes": int(stream.state.cache.nbytes), "cache_sessions": int(stream.state.cache.batch),
-        "vae": _decoder_name(args, toy_dir), **text_info,
-        "first_chunk": stream.start, "resumed_from": None if session is None else os.path.abspath(args.resume),
+        "cache_bytes": int(stream.state.cache.nbytes),
+        "cache_sessions": int(stream.state.cache.batch),
+        "vae": _decoder_name(args, toy_dir),
+        **text_info,
+        "first_chunk": stream.start,
+        "resumed_from": None if session is None else os.path.abspath(args.resume),
     }
     progress = None
     if not args.no_progress:
@@ -259,7 +317,7 @@ def run(args, stop: Stop | None = None) -> dict:
     # Host time spent in the sinks per chunk: taken out of the next chunk's latency for the denoise-only rate.
     denoise_s, last_write, loop_start = 0.0, 0.0, None
     try:
-        if video is not None:     # inside the try: a failure here still finalises the files
+        if video is not None:  # inside the try: a failure here still finalises the files
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
             if session is not None:
                 resume.restore_video(video, session)
@@ -272,7 +330,7 @@ def run(args, stop: Stop | None = None) -> dict:
             for index in range(args.num_chunks):
                 x, finite = pending
                 if index + 1 < args.num_chunks and stop.signum is None:
-                    nxt = advance()      # dispatched now: the device computes it while this chunk is written
+                    nxt = advance()  # dispatched now: the device computes it while this chunk is written
                     pending = (nxt, _chunk_finite(nxt))
                 x, finite = jax.device_get((x, finite))
                 now = time.perf_counter()
@@ -285,10 +343,13 @@ def run(args, stop: Stop | None = None) -> dict:
                     denoise_s += latency - last_write
                 if not finite:
                     status = "failed"
-                    reason = (f"chunk {index} holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); "
-                              f"stopped, chunks 0..{index - 1} are written" if index else
-                              f"chunk 0 holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); stopped "
-                              f"before writing any chunk")
+                    reason = (
+                        f"chunk {index} holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); "
+                        f"stopped, chunks 0..{index - 1} are written"
+                        if index
+                        else f"chunk 0 holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); stopped "
+                        f"before writing any chunk"
+                    )
                     break
                 files.write_chunk(index, x)
                 last_write = time.perf_counter() - start
@@ -304,9 +365,10 @@ def run(args, stop: Stop | None = None) -> dict:
             reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
         if args.save_state and status != "failed":
             summary["session"] = resume.save(args, stream, video, files.chunks)
-    except BaseException as e:       # KeyboardInterrupt included: finish the files, then let it propagate
-        files.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary,
-                    f"{type(e).__name__}: {e}")
+    except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
+        files.close(
+            "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary, f"{type(e).__name__}: {e}"
+        )
         raise
     finally:
         if progress is not None:
@@ -326,7 +388,7 @@ def run(args, stop: Stop | None = None) -> dict:
         summary["signal"] = signal.Signals(stop.signum).name
     summary = files.close(status, summary, reason)
     _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
-    outputs._write_json(os.path.join(out, outputs.SUMMARY), summary)      # again, with the rates
+    outputs._write_json(os.path.join(out, outputs.SUMMARY), summary)  # again, with the rates
     if status == "failed":
         raise GenerationError(reason, summary)
     return summary
@@ -341,53 +403,69 @@ def _decoder_name(args, toy_dir) -> str | None:
     return args.vae or "tiny random (embedded default)"
 
 
-def _rates(summary: dict, chunk_frames: int, steady_n: int, denoise_s: float, loop_start: float | None,
-           video) -> None:
+def _rates(summary: dict, chunk_frames: int, steady_n: int, denoise_s: float, loop_start: float | None, video) -> None:
     """Adds the two throughputs to ``summary``: denoise-only (latent frames per second over the chunks after the
     first, the host's sink time taken out) and end to end (from the first dispatch until every file is closed,
     compilation included; latent frames, and decoded video frames when an mp4 is written)."""
-    summary["denoise_latent_frames_per_s"] = (steady_n * chunk_frames / denoise_s
-                                              if steady_n and denoise_s > 0 else None)
+    summary["denoise_latent_frames_per_s"] = steady_n * chunk_frames / denoise_s if steady_n and denoise_s > 0 else None
     latent = summary.get("latents_shape", [0, 0])[1]
     end = video.closed_at if video is not None and video.closed_at is not None else time.perf_counter()
     wall = end - loop_start if loop_start is not None else None
     summary["end_to_end_s"] = wall
     summary["end_to_end_latent_frames_per_s"] = latent / wall if wall else None
-    summary["end_to_end_video_frames_per_s"] = (video.video_frames / wall if wall and video is not None else None)
+    summary["end_to_end_video_frames_per_s"] = video.video_frames / wall if wall and video is not None else None
 
 
 def print_summary(s: dict) -> None:
     """The human-readable summary on stdout."""
-    mib = s["cache_bytes"] / 2 ** 20
-    lat = (f"{s['chunk_latency_ms_median']:.1f} ms median, {s['chunk_latency_ms_mean']:.1f} ms mean"
-           if s["chunk_latency_ms_median"] is not None else "n/a (one chunk)")
+    mib = s["cache_bytes"] / 2**20
+    lat = (
+        f"{s['chunk_latency_ms_median']:.1f} ms median, {s['chunk_latency_ms_mean']:.1f} ms mean"
+        if s["chunk_latency_ms_median"] is not None
+        else "n/a (one chunk)"
+    )
     shape = s["latents_shape"]
     print(f"model        {s['model']}")
-    print(f"video        {shape[1]} latent frames of {shape[2]}x{shape[3]} ({s['tokens_per_frame']} tokens/frame), "
-          f"batch {shape[0]}")
-    print(f"cache        {s['policy']}: sink {s['sink_frames']} + window {s['window_frames']} frames, chunks of "
-          f"{s['chunk_frames']}; {mib:.2f} MiB for {s['cache_sessions']} session(s)")
+    print(
+        f"video        {shape[1]} latent frames of {shape[2]}x{shape[3]} ({s['tokens_per_frame']} tokens/frame), "
+        f"batch {shape[0]}"
+    )
+    print(
+        f"cache        {s['policy']}: sink {s['sink_frames']} + window {s['window_frames']} frames, chunks of "
+        f"{s['chunk_frames']}; {mib:.2f} MiB for {s['cache_sessions']} session(s)"
+    )
     if s.get("mesh"):
         print(f"mesh         data={s['mesh']['data']} x model={s['mesh']['model']} devices")
-    print(f"sampler      steps {s['steps']} -> timesteps {s['timesteps']}"
-          + (f", guidance {s['guidance_scale']}" if s["guidance_scale"] is not None else ""))
+    print(
+        f"sampler      steps {s['steps']} -> timesteps {s['timesteps']}"
+        + (f", guidance {s['guidance_scale']}" if s["guidance_scale"] is not None else "")
+    )
     if s["first_chunk_s"] is not None:
-        print(f"compile      {s['compile_s_estimate']:.2f} s (first chunk {s['first_chunk_s']:.2f} s), "
-              f"{s['compilations']} compilation(s) of the chunk step")
+        print(
+            f"compile      {s['compile_s_estimate']:.2f} s (first chunk {s['first_chunk_s']:.2f} s), "
+            f"{s['compilations']} compilation(s) of the chunk step"
+        )
         print(f"per chunk    {lat} after compilation ({s['backend']})")
     rates = []
     if s.get("denoise_latent_frames_per_s") is not None:
         rates.append(f"denoise only {s['denoise_latent_frames_per_s']:.2f} latent frames/s")
     if s.get("end_to_end_s"):
-        rates.append(f"end to end {s['end_to_end_latent_frames_per_s']:.2f} latent frames/s"
-                     + (f" = {s['end_to_end_video_frames_per_s']:.2f} video frames/s"
-                        if s.get("end_to_end_video_frames_per_s") is not None else "")
-                     + f" over {s['end_to_end_s']:.2f} s, compilation included")
+        rates.append(
+            f"end to end {s['end_to_end_latent_frames_per_s']:.2f} latent frames/s"
+            + (
+                f" = {s['end_to_end_video_frames_per_s']:.2f} video frames/s"
+                if s.get("end_to_end_video_frames_per_s") is not None
+                else ""
+            )
+            + f" over {s['end_to_end_s']:.2f} s, compilation included"
+        )
     if rates:
         print(f"throughput   {'; '.join(rates)}")
     if s.get("prompt") is not None:
-        print(f"text         {s['prompt']!r} by {s['text_encoder']}"
-              + (" (released before the rollout)" if s.get("text_encoder_released") else ""))
+        print(
+            f"text         {s['prompt']!r} by {s['text_encoder']}"
+            + (" (released before the rollout)" if s.get("text_encoder_released") else "")
+        )
     print_written(s)
     if s.get("resumed_from"):
         print(f"resumed      {s['resumed_from']} at stream chunk {s['first_chunk']}")
@@ -400,16 +478,22 @@ def print_written(s: dict) -> None:
     if not chunks and "manifest" not in s:
         print("wrote        nothing")
         return
-    print(f"wrote        {chunks} chunk(s) to {s.get('latents_dir')} ({s['status']}), {s.get('preview', 'no preview')}, "
-          f"{os.path.join(os.path.dirname(s['manifest']), outputs.SUMMARY)}; read them with "
-          f"jaxkv.generate.load_latents({os.path.dirname(s['manifest'])!r})")
+    print(
+        f"wrote        {chunks} chunk(s) to {s.get('latents_dir')} ({s['status']}), {s.get('preview', 'no preview')}, "
+        f"{os.path.join(os.path.dirname(s['manifest']), outputs.SUMMARY)}; read them with "
+        f"jaxkv.generate.load_latents({os.path.dirname(s['manifest'])!r})"
+    )
     if s.get("video"):
         size = s.get("video_size") or [0, 0]
-        print(f"video        {s['video']}: {s['video_frames']} frames of {size[0]}x{size[1]} at {s['fps']} fps "
-              f"(VAE: {s['vae']})" + (f"; frames in {s['frames_dir']}" if s.get("frames_dir") else ""))
+        print(
+            f"video        {s['video']}: {s['video_frames']} frames of {size[0]}x{size[1]} at {s['fps']} fps "
+            f"(VAE: {s['vae']})" + (f"; frames in {s['frames_dir']}" if s.get("frames_dir") else "")
+        )
     if s.get("contact_sheet"):
-        print(f"sheet        {s['contact_sheet']}: {len(s['contact_sheet_frames'])} frames of each video, evenly "
-              f"spaced, the last included")
+        print(
+            f"sheet        {s['contact_sheet']}: {len(s['contact_sheet_frames'])} frames of each video, evenly "
+            f"spaced, the last included"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = options.build_parser()
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:       # --help (0) or an argparse error (2, message already printed)
+    except SystemExit as e:  # --help (0) or an argparse error (2, message already printed)
         return int(e.code or 0)
     args.explicit_flags = options.explicit_flags(sys.argv[1:] if argv is None else argv)
     with stop_on_signals() as stop:

@@ -10,27 +10,46 @@ import argparse
 import os
 
 from jaxkv.cache import WINDOW_POLICIES
-from jaxkv.models.wan.model import ROPE_MODES     # "absolute", "cache-relative"
+from jaxkv.models.wan.model import ROPE_MODES  # "absolute", "cache-relative"
 from jaxkv.precision import PRESETS as PRECISION_PRESETS
 
-POLICIES = WINDOW_POLICIES   # the cache layer's sink + window policies (dilated layers: --dilated-every)
-PRECISIONS = tuple(PRECISION_PRESETS)   # jaxkv.precision presets: "float32", "bfloat16"
+POLICIES = WINDOW_POLICIES  # the cache layer's sink + window policies (dilated layers: --dilated-every)
+PRECISIONS = tuple(PRECISION_PRESETS)  # jaxkv.precision presets: "float32", "bfloat16"
 # Flags --precision replaced (each set one dtype of what is now one policy): refused with the migration.
 REPLACED_FLAGS = ("--param-dtype", "--cache-dtype")
 SWITCH_SINK = ("keep", "recompute")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).
-SEED_MAX = 2 ** 63 - 1
+SEED_MAX = 2**63 - 1
 
 # The video, cache and sampler defaults below are those of --random-weights and of a Wan --checkpoint; the toy-world
 # model (the default) takes them from its release's settings for every flag not passed (`jaxkv.generate.toy`).
-DEFAULT_NUM_CHUNKS = 200        # 200 three-frame chunks of the toy world: 600 frames, 37.5 s at 16 fps
-DEFAULTS = dict(preset="tiny", height=16, width=16, chunk_frames=3, window_frames=9, sink_frames=3,
-                num_chunks=DEFAULT_NUM_CHUNKS,
-                steps="1000,750,500,250", shift=5.0, context_noise=0.0, seed=0, weights_seed=0, batch=1,
-                policy="ring", precision="float32", rope="absolute", out="jaxkv_out", format="npy",
-                preview_scale=4, preview_frames=12, fps=16, dilated_every=0)
+DEFAULT_NUM_CHUNKS = 200  # 200 three-frame chunks of the toy world: 600 frames, 37.5 s at 16 fps
+DEFAULTS = dict(
+    preset="tiny",
+    height=16,
+    width=16,
+    chunk_frames=3,
+    window_frames=9,
+    sink_frames=3,
+    num_chunks=DEFAULT_NUM_CHUNKS,
+    steps="1000,750,500,250",
+    shift=5.0,
+    context_noise=0.0,
+    seed=0,
+    weights_seed=0,
+    batch=1,
+    policy="ring",
+    precision="float32",
+    rope="absolute",
+    out="jaxkv_out",
+    format="npy",
+    preview_scale=4,
+    preview_frames=12,
+    fps=16,
+    dilated_every=0,
+)
 
 
 class UsageError(ValueError):
@@ -63,7 +82,7 @@ def _int_in(minimum: int, maximum: int | None = None):
             raise argparse.ArgumentTypeError(f"expected {span}, got {value}")
         return value
 
-    parse.__name__ = "int"     # argparse names the type in its messages
+    parse.__name__ = "int"  # argparse names the type in its messages
     return parse
 
 
@@ -90,126 +109,270 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxkv generate",
         description="Stream video chunk by chunk with causal Wan 2.1 on a ring KV cache (Self-Forcing sampler), "
-                    "writing each chunk to --out as it finishes. With no arguments: the toy world shipped in the "
-                    "package (a tiny causal Wan trained in this repository on coloured shapes bouncing in a box) "
-                    "streams its default prompt to OUT/video.mp4 and OUT/contact_sheet.png, with the chunk, window, "
-                    "sink, steps and shift it was trained for. Ctrl-C / SIGTERM stop after the current chunk.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "writing each chunk to --out as it finishes. With no arguments: the toy world shipped in the "
+        "package (a tiny causal Wan trained in this repository on coloured shapes bouncing in a box) "
+        "streams its default prompt to OUT/video.mp4 and OUT/contact_sheet.png, with the chunk, window, "
+        "sink, steps and shift it was trained for. Ctrl-C / SIGTERM stop after the current chunk.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     m = p.add_argument_group("model")
-    m.add_argument("--checkpoint", metavar="DIR", help="converted jaxkv checkpoint or release directory (`jaxkv "
-                   "convert`), or a toy-world release (`python -m jaxkv.toyworld train --out DIR`: its settings are "
-                   "the defaults of the video, cache and sampler flags, and its latent map decodes the mp4), loaded "
-                   "in --precision's weight dtype; default: the toy-world release shipped in the package")
-    m.add_argument("--random-weights", action="store_true", help="seeded random weights of --preset instead of a "
-                   "trained model, with a seeded stand-in context and a tiny random VAE (pictures of noise: for "
-                   "tests and timing); not with --checkpoint")
+    m.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="converted jaxkv checkpoint or release directory (`jaxkv "
+        "convert`), or a toy-world release (`python -m jaxkv.toyworld train --out DIR`: its settings are "
+        "the defaults of the video, cache and sampler flags, and its latent map decodes the mp4), loaded "
+        "in --precision's weight dtype; default: the toy-world release shipped in the package",
+    )
+    m.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="seeded random weights of --preset instead of a "
+        "trained model, with a seeded stand-in context and a tiny random VAE (pictures of noise: for "
+        "tests and timing); not with --checkpoint",
+    )
     m.add_argument("--preset", default=d["preset"], help="Wan preset of --random-weights (needs it)")
-    m.add_argument("--precision", choices=PRECISIONS, default=d["precision"],
-                   help="dtype policy (jaxkv.precision.Precision): float32 everywhere, or bfloat16 = Self-Forcing's "
-                        "inference: weights (a checkpoint is cast on load; a 14B one takes ~28 GB instead of ~56 GB), "
-                        "matmul inputs, KV cache and cross-attention K/V in bfloat16; accumulation, softmax, norms, "
-                        "modulation, time embedding, head and RoPE stay float32")
+    m.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=d["precision"],
+        help="dtype policy (jaxkv.precision.Precision): float32 everywhere, or bfloat16 = Self-Forcing's "
+        "inference: weights (a checkpoint is cast on load; a 14B one takes ~28 GB instead of ~56 GB), "
+        "matmul inputs, KV cache and cross-attention K/V in bfloat16; accumulation, softmax, norms, "
+        "modulation, time embedding, head and RoPE stay float32",
+    )
     for flag in REPLACED_FLAGS:
         m.add_argument(flag, dest=flag[2:].replace("-", "_"), help=argparse.SUPPRESS)
-    m.add_argument("--mesh", type=_mesh, metavar="data=N,model=M",
-                   help="run on a device mesh: N data groups (sessions; divides --batch) x M-way tensor parallelism "
-                        "(heads and FFN; divides the model's heads). N*M must equal the device count. A checkpoint "
-                        "is read straight into its shards. Default: one device")
-    m.add_argument("--weights-seed", type=_seed, default=d["weights_seed"],
-                   help=f"seed of --random-weights (needs it), 0..{SEED_MAX}")
+    m.add_argument(
+        "--mesh",
+        type=_mesh,
+        metavar="data=N,model=M",
+        help="run on a device mesh: N data groups (sessions; divides --batch) x M-way tensor parallelism "
+        "(heads and FFN; divides the model's heads). N*M must equal the device count. A checkpoint "
+        "is read straight into its shards. Default: one device",
+    )
+    m.add_argument(
+        "--weights-seed",
+        type=_seed,
+        default=d["weights_seed"],
+        help=f"seed of --random-weights (needs it), 0..{SEED_MAX}",
+    )
     t = p.add_argument_group("text")
-    t.add_argument("--context", metavar="FILE", help="text embeddings [tokens, text_dim] (.npy or .safetensors); "
-                   "default: a seeded stand-in")
-    t.add_argument("--negative-context", metavar="FILE", help="negative text embeddings for guidance; required with "
-                   "--guidance-scale when --context is given (default with the stand-in context: zeros)")
-    t.add_argument("--guidance-scale", type=float, help="classifier-free guidance scale (runs the negative "
-                   "context as a second session; default: no guidance)")
-    t.add_argument("--prompt", metavar="TEXT", help="text prompt, encoded once by --text-encoder (default: a "
-                   "release's own encoder, else the embedded tiny random umT5, which only fits a model with its "
-                   "text_dim); not with --context. A toy-world model takes toy-world prompts (e.g. 'a red circle "
-                   "and a blue square, fast'; default: its release's prompt)")
-    t.add_argument("--negative-prompt", metavar="TEXT", help="negative prompt for guidance (may be \"\"); "
-                   "required with --guidance-scale and --prompt")
-    t.add_argument("--text-encoder", metavar="DIR", help="converted jaxkv umT5 directory (converters.umt5)")
-    t.add_argument("--offload-text-encoder", action="store_true", help="free the text encoder's device memory "
-                   "after encoding, before the rollout")
-    t.add_argument("--embeddings-cache", metavar="DIR", help="on-disk cache of prompt embeddings: a repeated "
-                   "prompt is read, not encoded")
-    t.add_argument("--prompt-schedule", metavar="FILE", help="JSON list switching prompts mid-stream, e.g. "
-                   '[{"chunk": 0, "prompt": "a cat"}, {"chunk": 8, "context": "dog.npy"}]: each entry gives the '
-                   "first chunk it drives and a prompt (encoded by --text-encoder) or a context file; later "
-                   "entries switch with KV re-cache (jaxkv.recache). Not with --prompt or --context")
-    t.add_argument("--switch-sink", choices=SWITCH_SINK, default=argparse.SUPPRESS, help="at a prompt switch, "
-                   "keep the sink's K/V (default: keep; LongLive's global sink) or recompute them under the new "
-                   "prompt")
-    toy_note = ("the defaults shown are those of --random-weights and Wan checkpoints; a toy-world model's settings "
-                "replace those of --height, --width, --chunk-frames, --window-frames, --sink-frames, --steps and "
-                "--shift for each one not passed")
+    t.add_argument(
+        "--context",
+        metavar="FILE",
+        help="text embeddings [tokens, text_dim] (.npy or .safetensors); default: a seeded stand-in",
+    )
+    t.add_argument(
+        "--negative-context",
+        metavar="FILE",
+        help="negative text embeddings for guidance; required with "
+        "--guidance-scale when --context is given (default with the stand-in context: zeros)",
+    )
+    t.add_argument(
+        "--guidance-scale",
+        type=float,
+        help="classifier-free guidance scale (runs the negative context as a second session; default: no guidance)",
+    )
+    t.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="text prompt, encoded once by --text-encoder (default: a "
+        "release's own encoder, else the embedded tiny random umT5, which only fits a model with its "
+        "text_dim); not with --context. A toy-world model takes toy-world prompts (e.g. 'a red circle "
+        "and a blue square, fast'; default: its release's prompt)",
+    )
+    t.add_argument(
+        "--negative-prompt",
+        metavar="TEXT",
+        help='negative prompt for guidance (may be ""); required with --guidance-scale and --prompt',
+    )
+    t.add_argument("--text-encoder", metavar="DIR", help="converted jaxkv umT5 directory (jaxkv.convert.umt5)")
+    t.add_argument(
+        "--offload-text-encoder",
+        action="store_true",
+        help="free the text encoder's device memory after encoding, before the rollout",
+    )
+    t.add_argument(
+        "--embeddings-cache",
+        metavar="DIR",
+        help="on-disk cache of prompt embeddings: a repeated prompt is read, not encoded",
+    )
+    t.add_argument(
+        "--prompt-schedule",
+        metavar="FILE",
+        help="JSON list switching prompts mid-stream, e.g. "
+        '[{"chunk": 0, "prompt": "a cat"}, {"chunk": 8, "context": "dog.npy"}]: each entry gives the '
+        "first chunk it drives and a prompt (encoded by --text-encoder) or a context file; later "
+        "entries switch with KV re-cache (jaxkv.recache). Not with --prompt or --context",
+    )
+    t.add_argument(
+        "--switch-sink",
+        choices=SWITCH_SINK,
+        default=argparse.SUPPRESS,
+        help="at a prompt switch, "
+        "keep the sink's K/V (default: keep; LongLive's global sink) or recompute them under the new "
+        "prompt",
+    )
+    toy_note = (
+        "the defaults shown are those of --random-weights and Wan checkpoints; a toy-world model's settings "
+        "replace those of --height, --width, --chunk-frames, --window-frames, --sink-frames, --steps and "
+        "--shift for each one not passed"
+    )
     v = p.add_argument_group("video and cache (frames are latent frames)", toy_note)
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
     v.add_argument("--width", type=_positive, default=d["width"], help="latent width")
     v.add_argument("--chunk-frames", type=_positive, default=d["chunk_frames"], help="frames per chunk")
-    v.add_argument("--window-frames", type=_positive, default=d["window_frames"],
-                   help="rolling attention window, including the current chunk")
+    v.add_argument(
+        "--window-frames",
+        type=_positive,
+        default=d["window_frames"],
+        help="rolling attention window, including the current chunk",
+    )
     v.add_argument("--sink-frames", type=_non_negative, default=d["sink_frames"], help="pinned first frames")
-    v.add_argument("--num-chunks", type=_positive, default=d["num_chunks"], help="chunks to generate (the "
-                   "default is 37.5 s of toy-world video at 16 fps)")
+    v.add_argument(
+        "--num-chunks",
+        type=_positive,
+        default=d["num_chunks"],
+        help="chunks to generate (the default is 37.5 s of toy-world video at 16 fps)",
+    )
     v.add_argument("--batch", type=_positive, default=d["batch"], help="independent videos (sessions)")
     v.add_argument("--policy", choices=POLICIES, default=d["policy"], help="cache policy")
-    v.add_argument("--dilated-every", type=_non_negative, default=d["dilated_every"], metavar="K",
-                   help="make every K-th layer a dilated long-range layer (K=1: every layer; num_layers must be a "
-                        "multiple of K); 0: none. Needs --dilation and --buckets")
+    v.add_argument(
+        "--dilated-every",
+        type=_non_negative,
+        default=d["dilated_every"],
+        metavar="K",
+        help="make every K-th layer a dilated long-range layer (K=1: every layer; num_layers must be a "
+        "multiple of K); 0: none. Needs --dilation and --buckets",
+    )
     v.add_argument("--dilation", type=_positive, help="dilated layers keep every D-th frame")
-    v.add_argument("--buckets", type=_positive, help="frame slots of a dilated layer: it reaches dilation x buckets "
-                   "frames back for the memory of buckets frames (+ one chunk of scratch)")
-    v.add_argument("--rope", choices=ROPE_MODES, default=d["rope"], help="absolute: keys rotated at their "
-                   "absolute frame (Self-Forcing); cache-relative: keys cached unrotated and rotated by their rank "
-                   "in the cache, so frame indices stay within the cache however long the stream (no int32 "
-                   "limit on --num-chunks)")
+    v.add_argument(
+        "--buckets",
+        type=_positive,
+        help="frame slots of a dilated layer: it reaches dilation x buckets "
+        "frames back for the memory of buckets frames (+ one chunk of scratch)",
+    )
+    v.add_argument(
+        "--rope",
+        choices=ROPE_MODES,
+        default=d["rope"],
+        help="absolute: keys rotated at their "
+        "absolute frame (Self-Forcing); cache-relative: keys cached unrotated and rotated by their rank "
+        "in the cache, so frame indices stay within the cache however long the stream (no int32 "
+        "limit on --num-chunks)",
+    )
     s = p.add_argument_group("sampler", toy_note)
-    s.add_argument("--steps", type=_parse_steps, default=_parse_steps(d["steps"]),
-                   help="denoising steps on the 1000-step grid, comma-separated")
+    s.add_argument(
+        "--steps",
+        type=_parse_steps,
+        default=_parse_steps(d["steps"]),
+        help="denoising steps on the 1000-step grid, comma-separated",
+    )
     s.add_argument("--shift", type=float, default=d["shift"], help="flow-matching shift")
-    s.add_argument("--context-noise", type=float, default=d["context_noise"],
-                   help="timestep of the pass that commits each chunk's K/V")
-    s.add_argument("--seed", type=_seed, default=d["seed"],
-                   help=f"seed of the noise (and of the stand-in context), 0..{SEED_MAX}")
+    s.add_argument(
+        "--context-noise",
+        type=float,
+        default=d["context_noise"],
+        help="timestep of the pass that commits each chunk's K/V",
+    )
+    s.add_argument(
+        "--seed", type=_seed, default=d["seed"], help=f"seed of the noise (and of the stand-in context), 0..{SEED_MAX}"
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=d["out"], metavar="DIR", help="output directory (created; an existing one must "
-                   "be empty, or a previous jaxkv generate output with --overwrite)")
-    o.add_argument("--overwrite", action="store_true", help="replace --out if it is a previous jaxkv generate "
-                   "output (anything else is refused)")
+    o.add_argument(
+        "--out",
+        default=d["out"],
+        metavar="DIR",
+        help="output directory (created; an existing one must "
+        "be empty, or a previous jaxkv generate output with --overwrite)",
+    )
+    o.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out if it is a previous jaxkv generate output (anything else is refused)",
+    )
     o.add_argument("--format", choices=FORMATS, default=d["format"], help="format of the per-chunk latents files")
-    o.add_argument("--preview-scale", type=_int_in(1, 64), default=d["preview_scale"],
-                   help="pixels per latent pixel in preview.png")
-    o.add_argument("--preview-frames", type=_int_in(1, 1000), default=d["preview_frames"],
-                   help="preview.png shows the first and the last this many frames of each video")
-    o.add_argument("--vae", metavar="DIR", help="converted jaxkv Wan VAE directory: each chunk is decoded as it "
-                   "arrives and appended to OUT/video.mp4 (default: a release's own VAE, else a tiny random VAE, "
-                   "seeded); not with a toy-world model, which decodes with its latent map. Any run with video also "
-                   "writes OUT/contact_sheet.png (evenly spaced decoded frames, the last included)")
+    o.add_argument(
+        "--preview-scale",
+        type=_int_in(1, 64),
+        default=d["preview_scale"],
+        help="pixels per latent pixel in preview.png",
+    )
+    o.add_argument(
+        "--preview-frames",
+        type=_int_in(1, 1000),
+        default=d["preview_frames"],
+        help="preview.png shows the first and the last this many frames of each video",
+    )
+    o.add_argument(
+        "--vae",
+        metavar="DIR",
+        help="converted jaxkv Wan VAE directory: each chunk is decoded as it "
+        "arrives and appended to OUT/video.mp4 (default: a release's own VAE, else a tiny random VAE, "
+        "seeded); not with a toy-world model, which decodes with its latent map. Any run with video also "
+        "writes OUT/contact_sheet.png (evenly spaced decoded frames, the last included)",
+    )
     o.add_argument("--fps", type=_int_in(1, 240), help=f"frames per second of the mp4 (default {d['fps']}, Wan's)")
-    o.add_argument("--frames", choices=FRAME_FORMATS, help="also write the decoded frames: png = OUT/frames/"
-                   "frame_VIDEO_NNNNNN.png per frame, npy = OUT/frames/chunk_NNNNNN.npy (uint8 [batch, n, H, W, 3]) "
-                   "per chunk; one chunk of frames in host memory at a time, disk grows with the run")
+    o.add_argument(
+        "--frames",
+        choices=FRAME_FORMATS,
+        help="also write the decoded frames: png = OUT/frames/"
+        "frame_VIDEO_NNNNNN.png per frame, npy = OUT/frames/chunk_NNNNNN.npy (uint8 [batch, n, H, W, 3]) "
+        "per chunk; one chunk of frames in host memory at a time, disk grows with the run",
+    )
     o.add_argument("--no-video", action="store_true", help="no mp4 and no contact sheet (latents and preview only)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     r = p.add_argument_group("session (jaxkv.session)")
-    r.add_argument("--save-state", metavar="DIR", help="after the last chunk (or when stopped by a signal) save the "
-                   "stream's session to DIR, to continue it later with --resume DIR (an existing DIR is replaced "
-                   "only with --overwrite, and only if it is a jaxkv session)")
-    r.add_argument("--resume", metavar="DIR", help="continue the session saved in DIR by --save-state for "
-                   "--num-chunks more chunks: the model, text, video, cache and sampler settings (and --seed) are "
-                   "the session's; passing one of them with another value is an error. --out gets the new chunks, "
-                   "numbered from 0 (summary.json records the stream's first_chunk)")
+    r.add_argument(
+        "--save-state",
+        metavar="DIR",
+        help="after the last chunk (or when stopped by a signal) save the "
+        "stream's session to DIR, to continue it later with --resume DIR (an existing DIR is replaced "
+        "only with --overwrite, and only if it is a jaxkv session)",
+    )
+    r.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the session saved in DIR by --save-state for "
+        "--num-chunks more chunks: the model, text, video, cache and sampler settings (and --seed) are "
+        "the session's; passing one of them with another value is an error. --out gets the new chunks, "
+        "numbered from 0 (summary.json records the stream's first_chunk)",
+    )
     return p
 
 
 # The settings a session continues under: --resume takes them from the session, and refuses other values.
-SESSION_SETTINGS = ("checkpoint", "random_weights", "preset", "precision", "weights_seed", "context",
-                    "negative_context", "guidance_scale", "prompt", "negative_prompt", "text_encoder", "height",
-                    "width", "chunk_frames", "window_frames", "sink_frames", "batch", "policy", "dilated_every",
-                    "dilation", "buckets", "rope", "steps", "shift", "context_noise", "seed", "vae", "no_video")
+SESSION_SETTINGS = (
+    "checkpoint",
+    "random_weights",
+    "preset",
+    "precision",
+    "weights_seed",
+    "context",
+    "negative_context",
+    "guidance_scale",
+    "prompt",
+    "negative_prompt",
+    "text_encoder",
+    "height",
+    "width",
+    "chunk_frames",
+    "window_frames",
+    "sink_frames",
+    "batch",
+    "policy",
+    "dilated_every",
+    "dilation",
+    "buckets",
+    "rope",
+    "steps",
+    "shift",
+    "context_noise",
+    "seed",
+    "vae",
+    "no_video",
+)
 
 
 def explicit_flags(argv: list[str]) -> set[str]:
@@ -239,8 +402,10 @@ def check_model(args: argparse.Namespace) -> None:
         given = explicit(args)
         for flag, name in (("--preset", "preset"), ("--weights-seed", "weights_seed")):
             if name in given:
-                raise UsageError(f"{flag} chooses random weights: add --random-weights (without it the model is "
-                                 f"--checkpoint DIR, by default the toy world shipped in the package)")
+                raise UsageError(
+                    f"{flag} chooses random weights: add --random-weights (without it the model is "
+                    f"--checkpoint DIR, by default the toy world shipped in the package)"
+                )
 
 
 def flag_name(dest: str) -> str:
@@ -251,38 +416,54 @@ def check(args: argparse.Namespace) -> None:
     """Checks the combinations argparse cannot (before any model is built). Raises UsageError."""
     for flag in REPLACED_FLAGS:
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
-            raise UsageError(f"{flag} was replaced by --precision {'|'.join(PRECISIONS)} (one policy for the "
-                             f"weights, matmuls and caches)")
+            raise UsageError(
+                f"{flag} was replaced by --precision {'|'.join(PRECISIONS)} (one policy for the "
+                f"weights, matmuls and caches)"
+            )
     if args.guidance_scale is None and args.negative_context:
         raise UsageError("--negative-context needs --guidance-scale")
     if args.guidance_scale is not None and args.context and not args.negative_context:
-        raise UsageError("--guidance-scale with --context needs --negative-context FILE (the negative prompt's "
-                         "embeddings, e.g. of the empty prompt); only the stand-in context has a stand-in negative")
+        raise UsageError(
+            "--guidance-scale with --context needs --negative-context FILE (the negative prompt's "
+            "embeddings, e.g. of the empty prompt); only the stand-in context has a stand-in negative"
+        )
     if args.prompt is not None and args.context:
         raise UsageError("--prompt and --context both give the text context; pass one")
     if args.prompt_schedule and (args.prompt is not None or args.context):
-        raise UsageError(f"--prompt-schedule gives the text context; not with "
-                         f"{'--prompt' if args.prompt is not None else '--context'}")
+        raise UsageError(
+            f"--prompt-schedule gives the text context; not with "
+            f"{'--prompt' if args.prompt is not None else '--context'}"
+        )
     if getattr(args, "switch_sink", None) is not None and not args.prompt_schedule:
         raise UsageError("--switch-sink needs --prompt-schedule")
     if args.prompt_schedule:
         if args.guidance_scale is not None and args.negative_prompt is None and not args.negative_context:
-            raise UsageError("--guidance-scale with --prompt-schedule needs --negative-prompt TEXT or "
-                             "--negative-context FILE")
+            raise UsageError(
+                "--guidance-scale with --prompt-schedule needs --negative-prompt TEXT or --negative-context FILE"
+            )
     elif args.prompt is None:
-        for flag, value in (("--negative-prompt", args.negative_prompt), ("--text-encoder", args.text_encoder),
-                            ("--embeddings-cache", args.embeddings_cache),
-                            ("--offload-text-encoder", args.offload_text_encoder or None)):
+        for flag, value in (
+            ("--negative-prompt", args.negative_prompt),
+            ("--text-encoder", args.text_encoder),
+            ("--embeddings-cache", args.embeddings_cache),
+            ("--offload-text-encoder", args.offload_text_encoder or None),
+        ):
             if value is not None:
                 raise UsageError(f"{flag} needs --prompt")
     if args.negative_prompt is not None and args.negative_context:
         raise UsageError("--negative-prompt and --negative-context both give the negative context; pass one")
     if args.guidance_scale is None and args.negative_prompt is not None:
         raise UsageError("--negative-prompt needs --guidance-scale")
-    if args.guidance_scale is not None and args.prompt is not None and args.negative_prompt is None \
-            and not args.negative_context:
-        raise UsageError("--guidance-scale with --prompt needs --negative-prompt TEXT (e.g. --negative-prompt \"\") "
-                         "or --negative-context FILE")
+    if (
+        args.guidance_scale is not None
+        and args.prompt is not None
+        and args.negative_prompt is None
+        and not args.negative_context
+    ):
+        raise UsageError(
+            '--guidance-scale with --prompt needs --negative-prompt TEXT (e.g. --negative-prompt "") '
+            "or --negative-context FILE"
+        )
     if not args.dilated_every:
         for flag, value in (("--dilation", args.dilation), ("--buckets", args.buckets)):
             if value is not None:

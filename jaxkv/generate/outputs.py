@@ -41,7 +41,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 LATENTS_DIR = "latents"
-FRAMES_DIR = "frames"                # decoded frames (``--frames``), written by `jaxkv.generate.video.Mp4Sink`
+FRAMES_DIR = "frames"  # decoded frames (``--frames``), written by `jaxkv.generate.video.Mp4Sink`
 
 
 class Sink(Protocol):
@@ -72,7 +72,7 @@ def _is_previous_output(path: str) -> bool:
     if manifest is None:
         return False
     own = set(manifest.get("entries", [])) | {MANIFEST}
-    own |= {f"{name}.tmp" for name in own}           # a file being replaced when the run was killed
+    own |= {f"{name}.tmp" for name in own}  # a file being replaced when the run was killed
     if not set(os.listdir(path)) <= own:
         return False
     for sub, prefixes in ((LATENTS_DIR, ("chunk_",)), (FRAMES_DIR, ("chunk_", "frame_"))):
@@ -105,9 +105,13 @@ def prepare_output_dir(path: str, *, overwrite: bool, create: bool, sources=()) 
         # A foreign directory is refused for what it is, with or without --overwrite; only our own previous
         # output asks for --overwrite.
         force = overwrite or not exists or not _is_previous_output(path)
-        files.check_destination(path, sources=sources, force=force, flag="--overwrite",
-                                replaceable=lambda p: None if _is_previous_output(p) else
-                                "it is not a jaxkv generate output")
+        files.check_destination(
+            path,
+            sources=sources,
+            force=force,
+            flag="--overwrite",
+            replaceable=lambda p: None if _is_previous_output(p) else "it is not a jaxkv generate output",
+        )
     except files.DestinationError as e:
         raise UsageError(f"--out: {e}; nothing was touched") from None
     parent = path if os.path.isdir(path) else os.path.dirname(path)
@@ -119,7 +123,7 @@ def prepare_output_dir(path: str, *, overwrite: bool, create: bool, sources=()) 
         raise UsageError(f"cannot write --out {path}: {parent} is not writable")
     if not create:
         return path
-    if exists:                                        # a previous output, overwrite checked above
+    if exists:  # a previous output, overwrite checked above
         aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
         os.rename(path, aside)
         shutil.rmtree(aside)
@@ -183,17 +187,25 @@ class OutputDir:
         self.path, self.sinks = path, list(sinks)
         self.chunks = 0
         entries = sorted({n for s in self.sinks for n in s.names} | {SUMMARY})
-        self.manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "status": "running", "chunks": 0,
-                         "chunk_shape": list(chunk_shape), "dtype": "float32", "latents_format": latents_format,
-                         "entries": entries}
+        self.manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "status": "running",
+            "chunks": 0,
+            "chunk_shape": list(chunk_shape),
+            "dtype": "float32",
+            "latents_format": latents_format,
+            "entries": entries,
+        }
         _write_json(os.path.join(path, MANIFEST), self.manifest)
 
     def write_chunk(self, index: int, latents: np.ndarray) -> None:
         if index != self.chunks:
             raise ValueError(f"chunks must arrive in order: expected chunk {self.chunks}, got {index}")
         if list(latents.shape) != self.manifest["chunk_shape"] or latents.dtype != np.float32:
-            raise ValueError(f"chunk {index} is {latents.dtype}{list(latents.shape)}, expected float32"
-                             f"{self.manifest['chunk_shape']}")
+            raise ValueError(
+                f"chunk {index} is {latents.dtype}{list(latents.shape)}, expected float32{self.manifest['chunk_shape']}"
+            )
         for sink in self.sinks:
             sink.write_chunk(index, latents)
         self.chunks += 1
@@ -225,11 +237,12 @@ def latent_chunks(out_dir: str) -> Iterator[np.ndarray]:
     mis-shaped chunk file."""
     manifest = _read_manifest(out_dir)
     if manifest is None:
-        raise ValueError(f"{out_dir} is not a jaxkv generate output ({MANIFEST} with \"format\": {FORMAT!r} "
-                         f"missing)")
+        raise ValueError(f'{out_dir} is not a jaxkv generate output ({MANIFEST} with "format": {FORMAT!r} missing)')
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{out_dir}/{MANIFEST} has format_version {manifest.get('format_version')!r}; this jaxkv "
-                         f"reads version {FORMAT_VERSION}")
+        raise ValueError(
+            f"{out_dir}/{MANIFEST} has format_version {manifest.get('format_version')!r}; this jaxkv "
+            f"reads version {FORMAT_VERSION}"
+        )
     fmt, shape = manifest["latents_format"], list(manifest["chunk_shape"])
     for i in range(manifest["chunks"]):
         path = os.path.join(out_dir, LATENTS_DIR, chunk_name(i, fmt))

@@ -19,19 +19,22 @@ def write_png(path: str, image: np.ndarray) -> None:
     temporary file beside ``path`` that is renamed onto it when complete."""
     image = np.asarray(image)
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
-        raise ValueError(f"write_png expects uint8 [height, width, 3] with height, width >= 1, got "
-                         f"{image.dtype}{list(image.shape)}")
+        raise ValueError(
+            f"write_png expects uint8 [height, width, 3] with height, width >= 1, got {image.dtype}{list(image.shape)}"
+        )
     image = np.ascontiguousarray(image)
     h, w, _ = image.shape
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    rows = np.concatenate([np.zeros((h, 1), np.uint8), image.reshape(h, w * 3)], axis=1)   # filter byte 0 per row
-    png = (b"\x89PNG\r\n\x1a\n"
-           + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
-           + chunk(b"IEND", b""))
+    rows = np.concatenate([np.zeros((h, 1), np.uint8), image.reshape(h, w * 3)], axis=1)  # filter byte 0 per row
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
+        + chunk(b"IEND", b"")
+    )
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(png)

@@ -29,7 +29,7 @@ def latent_to_rgb(latents: np.ndarray) -> np.ndarray:
     """
     c = latents.shape[-1]
     phase = np.arange(c)[:, None] / c + np.arange(3)[None, :] / 3.0
-    projection = np.cos(2.0 * np.pi * phase) * np.sqrt(2.0 / c)         # [channels, 3]
+    projection = np.cos(2.0 * np.pi * phase) * np.sqrt(2.0 / c)  # [channels, 3]
     rgb = np.asarray(latents, np.float64) @ projection
     return np.clip(np.round(127.5 + 50.0 * rgb), 0, 255).astype(np.uint8)
 
@@ -38,7 +38,7 @@ def preview_image(latents: np.ndarray, scale: int = 4, gap: int = 1, columns: in
     """[batch, frames, h, w, channels] -> uint8 [rows, cols, 3]: frames left to right in rows of ``columns``, each
     video below the previous one, each latent pixel a ``scale`` x ``scale`` block, tiles ``gap`` black pixels
     apart."""
-    tiles = np.repeat(np.repeat(latent_to_rgb(latents), scale, axis=2), scale, axis=3)   # [b, f, H, W, 3]
+    tiles = np.repeat(np.repeat(latent_to_rgb(latents), scale, axis=2), scale, axis=3)  # [b, f, H, W, 3]
     return tile_grid(tiles, columns, gap)
 
 
@@ -54,7 +54,7 @@ def tile_grid(tiles: np.ndarray, columns: int, gap: int = 1) -> np.ndarray:
     for i in range(b):
         for j in range(f):
             r, c = i * rows_per_video + j // cols, j % cols
-            image[r * (th + gap):r * (th + gap) + th, c * (tw + gap):c * (tw + gap) + tw] = tiles[i, j]
+            image[r * (th + gap) : r * (th + gap) + th, c * (tw + gap) : c * (tw + gap) + tw] = tiles[i, j]
     return image
 
 
@@ -69,7 +69,7 @@ class PreviewSink:
     def __init__(self, path: str, frames: int, scale: int):
         self.path = path
         self.frames, self.scale = check_int("frames", frames, minimum=1), check_int("scale", scale, minimum=1)
-        self.head: list[np.ndarray] = []                       # each [batch, h, w, channels]
+        self.head: list[np.ndarray] = []  # each [batch, h, w, channels]
         self.tail: collections.deque = collections.deque(maxlen=frames)
         self.total = 0
 
@@ -93,6 +93,6 @@ class PreviewSink:
         """Writes the PNG (nothing when no frame arrived); returns what the summary records."""
         if not self.total:
             return {}
-        latents = np.stack(self.head + list(self.tail), axis=1)          # [batch, shown, h, w, channels]
+        latents = np.stack(self.head + list(self.tail), axis=1)  # [batch, shown, h, w, channels]
         write_png(self.path, preview_image(latents, self.scale, columns=self.frames))
         return {"preview": self.path, "preview_frames": self.shown()}

@@ -30,8 +30,8 @@ from jaxkv.validate import is_int
 
 class Entry(NamedTuple):
     chunk: int
-    prompt: str | None       # text to encode, or
-    context: str | None      # path of an embeddings file (resolved)
+    prompt: str | None  # text to encode, or
+    context: str | None  # path of an embeddings file (resolved)
 
 
 def read_schedule(path: str, num_chunks: int) -> list[Entry]:
@@ -44,8 +44,10 @@ def read_schedule(path: str, num_chunks: int) -> list[Entry]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"--prompt-schedule {path!r} is not readable JSON ({e})") from None
     if not isinstance(raw, list) or not raw:
-        raise UsageError(f"--prompt-schedule {path!r} must hold a non-empty JSON list of "
-                         f'{{"chunk": N, "prompt": TEXT}} or {{"chunk": N, "context": FILE}} entries')
+        raise UsageError(
+            f"--prompt-schedule {path!r} must hold a non-empty JSON list of "
+            f'{{"chunk": N, "prompt": TEXT}} or {{"chunk": N, "context": FILE}} entries'
+        )
     base = os.path.dirname(os.path.abspath(path))
     entries: list[Entry] = []
     for i, item in enumerate(raw):
@@ -59,7 +61,7 @@ def read_schedule(path: str, num_chunks: int) -> list[Entry]:
         if not is_int(chunk) or chunk < 0:
             raise UsageError(f"{where}: chunk must be an int >= 0, got {chunk!r}")
         if ("prompt" in item) == ("context" in item):
-            raise UsageError(f"{where} must give exactly one of \"prompt\" and \"context\"")
+            raise UsageError(f'{where} must give exactly one of "prompt" and "context"')
         if "prompt" in item and not isinstance(item["prompt"], str):
             raise UsageError(f"{where}: prompt must be a string, got {item['prompt']!r}")
         if "context" in item and not (isinstance(item["context"], str) and item["context"]):
@@ -71,8 +73,7 @@ def read_schedule(path: str, num_chunks: int) -> list[Entry]:
         if chunk >= num_chunks:
             raise UsageError(f"{where}: chunk {chunk} is not generated (--num-chunks {num_chunks})")
         context = item.get("context")
-        entries.append(Entry(int(chunk), item.get("prompt"),
-                             None if context is None else os.path.join(base, context)))
+        entries.append(Entry(int(chunk), item.get("prompt"), None if context is None else os.path.join(base, context)))
     return entries
 
 
@@ -85,7 +86,7 @@ def schedule_contexts(args, config, entries: list[Entry]) -> tuple[list[np.ndarr
     if texts or args.negative_prompt is not None:
         encoder = inputs.text_encoder(args, config)
         out = encoder.encode(texts + ([args.negative_prompt] if args.negative_prompt is not None else []))
-        encoded = list(out[:len(texts)])
+        encoded = list(out[: len(texts)])
         if args.negative_prompt is not None:
             negative = np.asarray(out[len(texts)], np.float32)
         if args.offload_text_encoder:
@@ -96,13 +97,16 @@ def schedule_contexts(args, config, entries: list[Entry]) -> tuple[list[np.ndarr
         if e.prompt is not None:
             contexts.append(np.asarray(encoded.pop(0), np.float32))
         else:
-            contexts.append(inputs.load_context(e.context, config.text_dim, config.text_len,
-                                                f"--prompt-schedule entry {i} context"))
+            contexts.append(
+                inputs.load_context(e.context, config.text_dim, config.text_len, f"--prompt-schedule entry {i} context")
+            )
     if args.guidance_scale is None:
         negative = None
-    elif negative is None:       # options.check: guidance with a schedule has --negative-prompt or this
+    elif negative is None:  # options.check: guidance with a schedule has --negative-prompt or this
         negative = inputs.load_context(args.negative_context, config.text_dim, config.text_len, "--negative-context")
-    info["prompt_schedule"] = [{"chunk": e.chunk, **({"prompt": e.prompt} if e.prompt is not None
-                                                     else {"context": e.context})} for e in entries]
+    info["prompt_schedule"] = [
+        {"chunk": e.chunk, **({"prompt": e.prompt} if e.prompt is not None else {"context": e.context})}
+        for e in entries
+    ]
     batched = [np.broadcast_to(c, (args.batch, *c.shape)) for c in contexts]
     return batched, None if negative is None else np.broadcast_to(negative, (args.batch, *negative.shape)), info

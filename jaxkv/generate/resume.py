@@ -58,9 +58,11 @@ def apply_resume(args) -> dict | None:
         raise UsageError(f"--resume: {e}") from None
     recorded = manifest.get("metadata", {}).get("generate")
     if not isinstance(recorded, dict) or set(recorded) != set(options.SESSION_SETTINGS):
-        raise UsageError(f"--resume {args.resume} is a jaxkv session but not one saved by this jaxkv generate (its "
-                         f"recorded settings are missing or of another version); continue it from Python with "
-                         f"jaxkv.rollout.Stream.from_session")
+        raise UsageError(
+            f"--resume {args.resume} is a jaxkv session but not one saved by this jaxkv generate (its "
+            f"recorded settings are missing or of another version); continue it from Python with "
+            f"jaxkv.rollout.Stream.from_session"
+        )
     explicit = options.explicit(args)
     conflicts = []
     for dest in options.SESSION_SETTINGS:
@@ -69,8 +71,10 @@ def apply_resume(args) -> dict | None:
             conflicts.append(f"{options.flag_name(dest)} {now!r} (the session's: {saved!r})")
         setattr(args, dest, tuple(saved) if dest == "steps" else saved)
     if conflicts:
-        raise UsageError(f"--resume {args.resume} continues under the session's own settings, but "
-                         f"{'; '.join(conflicts)}; drop these flags (or pass the session's values)")
+        raise UsageError(
+            f"--resume {args.resume} continues under the session's own settings, but "
+            f"{'; '.join(conflicts)}; drop these flags (or pass the session's values)"
+        )
     return manifest
 
 
@@ -80,12 +84,19 @@ def check_save_state(args, sources) -> None:
     if not args.save_state:
         return
     if args.dilated_every and args.dilated_every > 1:
-        raise UsageError(f"--save-state: sessions hold one cache policy per model; --dilated-every "
-                         f"{args.dilated_every} mixes dense and dilated layers (a MixedCache), which sessions do not "
-                         f"save yet")
+        raise UsageError(
+            f"--save-state: sessions hold one cache policy per model; --dilated-every "
+            f"{args.dilated_every} mixes dense and dilated layers (a MixedCache), which sessions do not "
+            f"save yet"
+        )
     try:
-        files.check_destination(args.save_state, sources=[*sources, args.out, *([args.resume] if args.resume else [])],
-                                force=args.overwrite, flag="--overwrite", replaceable=S._is_session_dir)
+        files.check_destination(
+            args.save_state,
+            sources=[*sources, args.out, *([args.resume] if args.resume else [])],
+            force=args.overwrite,
+            flag="--overwrite",
+            replaceable=S._is_session_dir,
+        )
     except files.DestinationError as e:
         raise UsageError(f"--save-state: {e}; nothing was touched") from None
 
@@ -105,8 +116,10 @@ def restore_video(video, session: S.Session) -> None:
         return
     extra = session.extras.get(S.VAE_DECODER)
     if extra is None:
-        raise UsageError("--resume: the session holds no VAE decoder state, so a video cannot continue seamlessly; "
-                         "the session was made with --no-video, pass it again")
+        raise UsageError(
+            "--resume: the session holds no VAE decoder state, so a video cannot continue seamlessly; "
+            "the session was made with --no-video, pass it again"
+        )
     state = S.vae_state(extra)
     fresh = video.decoder.state
     got = {k: (tuple(v.shape), v.dtype) for k, v in state.caches.items()}
@@ -120,11 +133,14 @@ def restore_video(video, session: S.Session) -> None:
 def save(args, stream, video, chunks_written: int) -> str:
     """Writes the stream's session (and the VAE decoder's caches) to ``--save-state``; returns its path. The
     stream must not step again before this returns (the session shares its buffers)."""
-    extras = {S.VAE_DECODER: S.vae_extra(video.decoder.state)} if video is not None and _stateful(video.decoder) \
-        else {}
+    extras = {S.VAE_DECODER: S.vae_extra(video.decoder.state)} if video is not None and _stateful(video.decoder) else {}
     session = stream.session(copy=False, extras=extras)
-    return S.save(args.save_state, session, force=args.overwrite,
-                  metadata={"generate": recorded_settings(args), "chunks_written_by_this_run": chunks_written})
+    return S.save(
+        args.save_state,
+        session,
+        force=args.overwrite,
+        metadata={"generate": recorded_settings(args), "chunks_written_by_this_run": chunks_written},
+    )
 
 
 def _stateful(decoder) -> bool:

@@ -30,9 +30,16 @@ from jaxkv.toyworld import model, world
 
 def _geometry(settings: model.Settings) -> dict:
     """The flag destinations a toy model's settings fill, with their values."""
-    return {"height": model.LATENT_SIZE, "width": model.LATENT_SIZE, "chunk_frames": settings.chunk_frames,
-            "window_frames": settings.window_frames, "sink_frames": settings.sink_frames,
-            "steps": tuple(settings.steps), "shift": float(settings.shift), "rope": settings.rope}
+    return {
+        "height": model.LATENT_SIZE,
+        "width": model.LATENT_SIZE,
+        "chunk_frames": settings.chunk_frames,
+        "window_frames": settings.window_frames,
+        "sink_frames": settings.sink_frames,
+        "steps": tuple(settings.steps),
+        "shift": float(settings.shift),
+        "rope": settings.rope,
+    }
 
 
 def prepare(args, *, fill: bool) -> str | None:
@@ -45,10 +52,12 @@ def prepare(args, *, fill: bool) -> str | None:
         return None
     if args.checkpoint is None:
         if not model.is_release(model.RELEASE_DIR):
-            raise UsageError(f"the toy-world release shipped in the package is missing ({model.RELEASE_DIR} has no "
-                             f"{model.SETTINGS_FILE}: an install without its package data?); reinstall jaxkv, train "
-                             f"one with `python -m jaxkv.toyworld train --out DIR` and pass --checkpoint DIR, or "
-                             f"pass --random-weights")
+            raise UsageError(
+                f"the toy-world release shipped in the package is missing ({model.RELEASE_DIR} has no "
+                f"{model.SETTINGS_FILE}: an install without its package data?); reinstall jaxkv, train "
+                f"one with `python -m jaxkv.toyworld train --out DIR` and pass --checkpoint DIR, or "
+                f"pass --random-weights"
+            )
         args.checkpoint = model.RELEASE_DIR
     if not model.is_release(args.checkpoint):
         return None
@@ -58,8 +67,10 @@ def prepare(args, *, fill: bool) -> str | None:
     except (OSError, ValueError, TypeError) as e:
         raise UsageError(f"--checkpoint {directory}: {e}") from None
     if args.vae:
-        raise UsageError(f"--vae: the toy-world model {directory} decodes its frames with its own latent map "
-                         f"({model.LATENT_MAP_DIR}/); --vae is for Wan models")
+        raise UsageError(
+            f"--vae: the toy-world model {directory} decodes its frames with its own latent map "
+            f"({model.LATENT_MAP_DIR}/); --vae is for Wan models"
+        )
     if fill:
         given = options.explicit(args)
         for dest, value in _geometry(settings).items():
@@ -73,7 +84,7 @@ def prepare(args, *, fill: bool) -> str | None:
             if args.negative_prompt is None and not args.negative_context:
                 args.negative_prompt = settings.negative_prompt
     for flag, text in (("--prompt", args.prompt), ("--negative-prompt", args.negative_prompt)):
-        if text is not None and not (flag == "--negative-prompt" and text == ""):     # "": the empty prompt
+        if text is not None and not (flag == "--negative-prompt" and text == ""):  # "": the empty prompt
             check_prompt(text, flag)
     return directory
 
@@ -83,9 +94,11 @@ def check_prompt(text: str, where: str) -> None:
     try:
         world.parse_prompt(text)
     except ValueError as e:
-        raise UsageError(f"{where} {text!r} is not a toy-world prompt: {e}. The toy world's words are "
-                         f"{', '.join(world.VOCABULARY)}; a prompt names 1..{world.MAX_OBJECTS} shapes of distinct "
-                         f"colours and a speed, e.g. 'a red circle and a blue square, fast'") from None
+        raise UsageError(
+            f"{where} {text!r} is not a toy-world prompt: {e}. The toy world's words are "
+            f"{', '.join(world.VOCABULARY)}; a prompt names 1..{world.MAX_OBJECTS} shapes of distinct "
+            f"colours and a speed, e.g. 'a red circle and a blue square, fast'"
+        ) from None
 
 
 def check_schedule(entries) -> None:

@@ -58,7 +58,7 @@ class Mp4Sink:
         if frames:
             os.makedirs(self.frames_dir, exist_ok=True)
         self.writers = [VideoWriter(p, fps) for p in self.paths]
-        self.video_frames = 0              # per video
+        self.video_frames = 0  # per video
         self.size: tuple[int, int] | None = None
         self.closed_at: float | None = None
 
@@ -71,7 +71,7 @@ class Mp4Sink:
         return time.perf_counter() - start
 
     def write_chunk(self, index: int, latents: np.ndarray) -> None:
-        frames = self.decoder(jnp.asarray(latents))        # uint8 [batch, n, H, W, 3], still being computed
+        frames = self.decoder(jnp.asarray(latents))  # uint8 [batch, n, H, W, 3], still being computed
         first = self.video_frames
         self.video_frames += frames.shape[1]
         self.size = (int(frames.shape[2]), int(frames.shape[3]))
@@ -93,17 +93,22 @@ class Mp4Sink:
         """Finishes every mp4 (waits for the encoder threads) and writes the contact sheet; returns what the summary
         records."""
         errors = []
-        for writer in self.writers:              # every file is finalised even if one encoder failed
+        for writer in self.writers:  # every file is finalised even if one encoder failed
             try:
                 writer.close()
             except Exception as e:  # noqa: BLE001 - the first is re-raised below
                 errors.append(e)
-        sheet = self.sheet.write()             # also when an encoder failed: the frames it shows were decoded
+        sheet = self.sheet.write()  # also when an encoder failed: the frames it shows were decoded
         self.closed_at = time.perf_counter()
         if errors:
             raise errors[0]
-        summary = {"video": self.paths if len(self.paths) > 1 else self.paths[0], "video_frames": self.video_frames,
-                   "fps": self.fps, "video_size": list(self.size) if self.size else None, **sheet}
+        summary = {
+            "video": self.paths if len(self.paths) > 1 else self.paths[0],
+            "video_frames": self.video_frames,
+            "fps": self.fps,
+            "video_size": list(self.size) if self.size else None,
+            **sheet,
+        }
         if self.frames:
             summary["frames_dir"] = self.frames_dir
         return summary

@@ -42,8 +42,9 @@ def read_marked_config(path: str, *, fmt: str, version: int, kind: str, hint: st
     the directory or its marker is not ours)."""
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is not a jaxkv {kind} checkpoint directory (it does not exist or is a file); "
-                              f"{hint}")
+        raise CheckpointError(
+            f"{path} is not a jaxkv {kind} checkpoint directory (it does not exist or is a file); {hint}"
+        )
     try:
         with open(file) as f:
             data = json.load(f)
@@ -53,18 +54,31 @@ def read_marked_config(path: str, *, fmt: str, version: int, kind: str, hint: st
         raise CheckpointError(f"{file} is not readable JSON ({e})") from None
     found = data.get("format") if isinstance(data, dict) else type(data).__name__
     if found != fmt:
-        other = (f" (that is a jaxkv {FAMILIES[found]} checkpoint, not a {FAMILIES.get(fmt, kind)} one)"
-                 if isinstance(found, str) and found in FAMILIES else "")
-        raise CheckpointError(f"{file} is not a jaxkv {kind} config: expected \"format\": {fmt!r}, found "
-                              f"{found!r}{other}; {hint}")
+        other = (
+            f" (that is a jaxkv {FAMILIES[found]} checkpoint, not a {FAMILIES.get(fmt, kind)} one)"
+            if isinstance(found, str) and found in FAMILIES
+            else ""
+        )
+        raise CheckpointError(
+            f'{file} is not a jaxkv {kind} config: expected "format": {fmt!r}, found {found!r}{other}; {hint}'
+        )
     if data.get("format_version") != version:
-        raise CheckpointError(f"{file} has format_version {data.get('format_version')!r}; this jaxkv reads version "
-                              f"{version}")
+        raise CheckpointError(
+            f"{file} has format_version {data.get('format_version')!r}; this jaxkv reads version {version}"
+        )
     return {k: v for k, v in data.items() if k not in ("format", "format_version")}
 
 
-def save_params(path: str, params: dict[str, Any], config_json: str, *, fmt: str, version: int, force: bool = False,
-                optional: tuple[str, ...] = ()) -> None:
+def save_params(
+    path: str,
+    params: dict[str, Any],
+    config_json: str,
+    *,
+    fmt: str,
+    version: int,
+    force: bool = False,
+    optional: tuple[str, ...] = (),
+) -> None:
     """Writes ``params`` (a validated tree) and ``config_json`` to the directory ``path`` atomically; with ``force``
     an existing directory is replaced only if it is a checkpoint of ``fmt`` (holding at most ``optional`` besides
     the two files)."""
@@ -84,8 +98,13 @@ class _Shape:
         self.shape = tuple(shape)
 
 
-def load_params(path: str, validate: Callable[[dict[str, Any]], None], dtype=None, *,
-                sharding_of: Callable[[str, tuple[int, ...]], Any] | None = None) -> dict[str, Any]:
+def load_params(
+    path: str,
+    validate: Callable[[dict[str, Any]], None],
+    dtype=None,
+    *,
+    sharding_of: Callable[[str, tuple[int, ...]], Any] | None = None,
+) -> dict[str, Any]:
     """The params tree of the checkpoint directory ``path`` as jax arrays.
 
     ``validate(tree)`` (the family's ``validate_params`` with its config) is first run on the file's header alone
@@ -111,8 +130,10 @@ def load_params(path: str, validate: Callable[[dict[str, Any]], None], dtype=Non
         for key, info in infos.items():
             if sharding_of is not None:
                 flat[key] = jax.make_array_from_callback(
-                    info.shape, sharding_of(key, info.shape),
-                    lambda index, info=info: safetensors_io.read_slice(file, info, index, target))
+                    info.shape,
+                    sharding_of(key, info.shape),
+                    lambda index, info=info: safetensors_io.read_slice(file, info, index, target),
+                )
                 continue
             array = safetensors_io.read_array(file, info, target)
             flat[key] = jax.device_put(array)

@@ -42,8 +42,9 @@ def _listing(keys: list[str], most: int = 12) -> str:
     return f"{keys[:most]}" + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
-def check_shapes(params: dict[str, Any], expected: Mapping[str, tuple[int, ...]], what: str,
-                 prefixes: tuple[str, ...] | None = None) -> None:
+def check_shapes(
+    params: dict[str, Any], expected: Mapping[str, tuple[int, ...]], what: str, prefixes: tuple[str, ...] | None = None
+) -> None:
     """ValueError naming every missing key, unexpected key and shape mismatch of ``params`` against ``expected``
     (flat key -> shape); ``prefixes`` restricts both sides to keys starting with one of them."""
     found = {k: tuple(np.shape(v)) for k, v in flatten(params).items()}

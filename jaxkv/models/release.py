@@ -5,7 +5,7 @@
       vae/            the Wan VAE (`jaxkv.models.wan_vae.checkpoint`)
       text_encoder/   the umT5 encoder with its tokenizer (`jaxkv.models.umt5.checkpoint`)
 
-`jaxkv convert` writes it from a Wan release (converters/release.py); `jaxkv generate --checkpoint DST` reads it.
+`jaxkv convert` writes it from a Wan release (jaxkv/convert/release.py); `jaxkv generate --checkpoint DST` reads it.
 Both take the part names from `PARTS`, so they cannot drift apart.
 """
 
@@ -24,6 +24,5 @@ def release_parts(path: str) -> dict[str, str] | None:
     removed to save space); the caller decides whether it needs it. Reads directory entries only."""
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, CONFIG_FILE)):
         return None
-    found = {family: os.path.join(path, sub) for family, sub in PARTS.items()
-             if os.path.isdir(os.path.join(path, sub))}
+    found = {family: os.path.join(path, sub) for family, sub in PARTS.items() if os.path.isdir(os.path.join(path, sub))}
     return found if "dit" in found else None

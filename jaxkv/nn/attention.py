@@ -51,10 +51,22 @@ class CachedSelfAttention(nnx.Module):
       use_bias, dtype, param_dtype, rngs: as for `nnx.Linear`.
     """
 
-    def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 mask: MaskSpec = MaskSpec(), rope: RopeHook | None = None, cache_rope: CacheRope | None = None,
-                 backend: str = "auto", use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mask: MaskSpec = MaskSpec(),
+        rope: RopeHook | None = None,
+        cache_rope: CacheRope | None = None,
+        backend: str = "auto",
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
@@ -100,18 +112,23 @@ class CachedSelfAttention(nnx.Module):
           (y [batch, chunk, dim], the cache with this layer's k, v written).
         """
         if x.ndim != 3 or x.shape[:2] != (cache.batch, cache.spec.chunk):
-            raise ValueError(f"x must be [batch, chunk, dim] = [{cache.batch}, {cache.spec.chunk}, dim], "
-                             f"got {list(x.shape)}")
+            raise ValueError(
+                f"x must be [batch, chunk, dim] = [{cache.batch}, {cache.spec.chunk}, dim], got {list(x.shape)}"
+            )
         if (cache.heads, cache.head_dim) != (self.num_kv_heads, self.head_dim):
-            raise ValueError(f"cache holds {cache.heads} heads of {cache.head_dim}, the layer needs "
-                             f"{self.num_kv_heads} of {self.head_dim}")
+            raise ValueError(
+                f"cache holds {cache.heads} heads of {cache.head_dim}, the layer needs "
+                f"{self.num_kv_heads} of {self.head_dim}"
+            )
         q, k, v = self._qkv(x, cache.chunk_positions())
-        out, cache = cached_attention(cache, q, k, v, layer=layer, mask=self.mask, rope=self.cache_rope,
-                                      backend=self.backend)
+        out, cache = cached_attention(
+            cache, q, k, v, layer=layer, mask=self.mask, rope=self.cache_rope, backend=self.backend
+        )
         return self._out(out), cache
 
     def forward(self, x, positions):
         """The whole sequence at once, no cache: x [batch, tokens, dim], positions int [batch, tokens]."""
         q, k, v = self._qkv(x, positions)
-        return self._out(attend(q, k, v, positions, positions, mask=self.mask, rope=self.cache_rope,
-                                backend=self.backend))
+        return self._out(
+            attend(q, k, v, positions, positions, mask=self.mask, rope=self.cache_rope, backend=self.backend)
+        )

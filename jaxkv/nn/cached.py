@@ -9,8 +9,9 @@ from __future__ import annotations
 from jaxkv.attention import CacheRope, MaskSpec, attend
 
 
-def cached_attention(cache, q, k, v, *, layer=None, mask: MaskSpec | None = None, rope: CacheRope | None = None,
-                     backend: str = "auto"):
+def cached_attention(
+    cache, q, k, v, *, layer=None, mask: MaskSpec | None = None, rope: CacheRope | None = None, backend: str = "auto"
+):
     """Writes the reserved chunk's k, v into ``cache`` and attends the chunk's queries to the whole cache.
 
     Args:
@@ -30,6 +31,14 @@ def cached_attention(cache, q, k, v, *, layer=None, mask: MaskSpec | None = None
     dtype = cache.dtype
     cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
     kc, vc = (cache.k, cache.v) if layer is None else cache.layer_kv(layer)
-    out = attend(q.astype(dtype), kc, vc, cache.chunk_positions(), cache.positions,
-                 mask=cache.spec.mask() if mask is None else mask, rope=rope, backend=backend)
+    out = attend(
+        q.astype(dtype),
+        kc,
+        vc,
+        cache.chunk_positions(),
+        cache.positions,
+        mask=cache.spec.mask() if mask is None else mask,
+        rope=rope,
+        backend=backend,
+    )
     return out.astype(q.dtype), cache

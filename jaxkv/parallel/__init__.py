@@ -9,10 +9,35 @@
 
 from jaxkv.parallel.loading import load_sharded
 from jaxkv.parallel.mesh import AXES, DATA, MODEL, make_mesh, mesh_sizes, parse_mesh
-from jaxkv.parallel.rollout import (MeshStream, check_mesh, init_state, local_rows, mesh_step, session_order,
-                                   state_shardings)
+from jaxkv.parallel.rollout import (
+    MeshStream,
+    check_mesh,
+    init_state,
+    local_rows,
+    mesh_step,
+    session_order,
+    state_shardings,
+)
 from jaxkv.parallel.rules import RULES, param_shardings, param_specs, put_global, shard_params
 
-__all__ = ["AXES", "DATA", "MODEL", "RULES", "MeshStream", "check_mesh", "init_state", "load_sharded", "local_rows",
-           "make_mesh", "mesh_sizes", "mesh_step", "param_shardings", "param_specs", "parse_mesh", "put_global",
-           "session_order", "shard_params", "state_shardings"]
+__all__ = [
+    "AXES",
+    "DATA",
+    "MODEL",
+    "RULES",
+    "MeshStream",
+    "check_mesh",
+    "init_state",
+    "load_sharded",
+    "local_rows",
+    "make_mesh",
+    "mesh_sizes",
+    "mesh_step",
+    "param_shardings",
+    "param_specs",
+    "parse_mesh",
+    "put_global",
+    "session_order",
+    "shard_params",
+    "state_shardings",
+]

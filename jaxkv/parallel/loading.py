@@ -24,7 +24,7 @@ def load_sharded(path: str, mesh: Mesh, dtype=None) -> tuple[WanConfig, dict]:
     before any data is read; CheckpointError names a missing or foreign directory, a bad file or a mismatch, and
     ValueError a parameter the mesh's model axis does not divide."""
     config = read_config(path)
-    param_shardings(param_shapes(config), mesh)      # a mesh that does not divide the model fails before any read
+    param_shardings(param_shapes(config), mesh)  # a mesh that does not divide the model fails before any read
 
     def sharding_of(key: str, shape: tuple[int, ...]) -> NamedSharding:
         return NamedSharding(mesh, spec_of(key, shape))

@@ -32,8 +32,9 @@ def parse_mesh(text: str) -> dict[str, int]:
         name, sep, value = part.strip().partition("=")
         name = name.strip()
         if not sep or name not in AXES:
-            raise ValueError(f"mesh entry {part.strip()!r} is not AXIS=SIZE with AXIS one of {list(AXES)} "
-                             f"(in {text!r})")
+            raise ValueError(
+                f"mesh entry {part.strip()!r} is not AXIS=SIZE with AXIS one of {list(AXES)} (in {text!r})"
+            )
         if name in sizes:
             raise ValueError(f"mesh axis {name!r} is given twice in {text!r}")
         try:
@@ -54,10 +55,12 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     model = check_int("mesh model size", model, minimum=1)
     devices = list(jax.devices() if devices is None else devices)
     if data * model != len(devices):
-        raise ValueError(f"a mesh data={data} x model={model} needs {data * model} devices, but {len(devices)} "
-                         f"are available ({devices[0].platform}); set the sizes so their product is "
-                         f"{len(devices)}, or pass the devices to use (Python) / limit the visible ones "
-                         f"(CUDA_VISIBLE_DEVICES)")
+        raise ValueError(
+            f"a mesh data={data} x model={model} needs {data * model} devices, but {len(devices)} "
+            f"are available ({devices[0].platform}); set the sizes so their product is "
+            f"{len(devices)}, or pass the devices to use (Python) / limit the visible ones "
+            f"(CUDA_VISIBLE_DEVICES)"
+        )
     devices.sort(key=lambda d: (d.process_index, d.id))
     grid = np.array(devices, dtype=object).reshape(data, model)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))

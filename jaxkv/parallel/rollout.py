@@ -29,7 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv import rollout as R
 from jaxkv.cache.sharding import cache_partition_specs
@@ -38,7 +39,7 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.parallel.mesh import DATA, MODEL, mesh_sizes
 from jaxkv.parallel.rules import put_global, shard_params
 
-CROSS_SPEC = P(None, DATA, None, MODEL, None)     # [layers, sessions, text_tokens, heads, head_dim]
+CROSS_SPEC = P(None, DATA, None, MODEL, None)  # [layers, sessions, text_tokens, heads, head_dim]
 
 
 def session_order(batch: int, data: int, guided: bool) -> np.ndarray:
@@ -47,8 +48,9 @@ def session_order(batch: int, data: int, guided: bool) -> np.ndarray:
     if not guided:
         return np.arange(batch)
     local = batch // data
-    return np.concatenate([np.concatenate([d * local + np.arange(local), batch + d * local + np.arange(local)])
-                           for d in range(data)])
+    return np.concatenate(
+        [np.concatenate([d * local + np.arange(local), batch + d * local + np.arange(local)]) for d in range(data)]
+    )
 
 
 def state_partition_specs(state: R.RolloutState, *, manual_only: bool = False) -> R.RolloutState:
@@ -71,8 +73,11 @@ def _canonical(spec: P, mesh: Mesh) -> P:
 
 def state_shardings(state, mesh: Mesh) -> R.RolloutState:
     """`NamedSharding`s of a mesh state (arrays or ShapeDtypeStructs)."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, _canonical(spec, mesh)), state_partition_specs(state),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, _canonical(spec, mesh)),
+        state_partition_specs(state),
+        is_leaf=lambda x: isinstance(x, P),
+    )
 
 
 def check_mesh(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, batch: int) -> dict[str, int]:
@@ -80,15 +85,21 @@ def check_mesh(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, batch: int) -
     (ValueError naming the one that does not)."""
     sizes = mesh_sizes(mesh)
     if rc.dilated_every:
-        raise ValueError(f"dilated layers (RolloutConfig.dilated_every={rc.dilated_every}) do not run on a mesh yet: "
-                         f"their cache's partition specs are not defined")
+        raise ValueError(
+            f"dilated layers (RolloutConfig.dilated_every={rc.dilated_every}) do not run on a mesh yet: "
+            f"their cache's partition specs are not defined"
+        )
     if batch % sizes[DATA]:
-        raise ValueError(f"batch {batch} is not divisible by the mesh's data axis ({sizes[DATA]}): each data group "
-                         f"runs batch / data sessions")
+        raise ValueError(
+            f"batch {batch} is not divisible by the mesh's data axis ({sizes[DATA]}): each data group "
+            f"runs batch / data sessions"
+        )
     for what, n in (("num_heads", config.num_heads), ("ffn_dim", config.ffn_dim)):
         if n % sizes[MODEL]:
-            raise ValueError(f"the model's {what} ({n}) is not divisible by the mesh's model axis ({sizes[MODEL]}): "
-                             f"tensor parallelism splits whole heads and FFN columns")
+            raise ValueError(
+                f"the model's {what} ({n}) is not divisible by the mesh's model axis ({sizes[MODEL]}): "
+                f"tensor parallelism splits whole heads and FFN columns"
+            )
     return sizes
 
 
@@ -106,7 +117,7 @@ def init_state(params, config: WanConfig, rc: R.RolloutConfig, mesh: Mesh, conte
 
     def build(params, context, negative_context):
         state = R.init_state(params, config, rc, context, negative_context)
-        cross = M.CrossKV(state.cross.k[:, order], state.cross.v[:, order])   # the empty cache needs no reorder
+        cross = M.CrossKV(state.cross.k[:, order], state.cross.v[:, order])  # the empty cache needs no reorder
         return R.RolloutState(state.cache, cross)
 
     shapes = jax.eval_shape(build, params, context, negative_context)
@@ -134,8 +145,14 @@ def mesh_step(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
             noise = R.chunk_noise(jax.random.wrap_key_data(key_data), config, rc, batch, index)
         noise = jax.lax.with_sharding_constraint(noise.astype(jnp.float32), noise_sharding)
         specs = state_partition_specs(state, manual_only=True)
-        local = jax.shard_map(chunk, mesh=mesh, in_specs=(P(), specs, P(None, DATA)), out_specs=(P(DATA), specs),
-                              axis_names=frozenset({DATA}), check_vma=False)
+        local = jax.shard_map(
+            chunk,
+            mesh=mesh,
+            in_specs=(P(), specs, P(None, DATA)),
+            out_specs=(P(DATA), specs),
+            axis_names=frozenset({DATA}),
+            check_vma=False,
+        )
         return local(params, state, noise)
 
     # out_shardings pin the returned state to the shardings it came in with (heads on model included); they need
@@ -155,24 +172,49 @@ class MeshStream(R.Stream):
     `local_rows` gives a process its rows of the latents.
     """
 
-    def __init__(self, params, config: WanConfig, rc: R.RolloutConfig, context, *, mesh: Mesh,
-                 num_chunks: int | None = None, key=None, noise=None, negative_context=None):
+    def __init__(
+        self,
+        params,
+        config: WanConfig,
+        rc: R.RolloutConfig,
+        context,
+        *,
+        mesh: Mesh,
+        num_chunks: int | None = None,
+        key=None,
+        noise=None,
+        negative_context=None,
+    ):
         check_mesh(mesh, config, rc, int(np.shape(context)[0]))
         self.mesh = mesh
         self.step = mesh_step(mesh, config, rc)
         self._replicated = NamedSharding(mesh, P())
-        super().__init__(shard_params(params, mesh), config, rc, context, num_chunks=num_chunks, key=key,
-                         noise=noise, negative_context=negative_context)
+        super().__init__(
+            shard_params(params, mesh),
+            config,
+            rc,
+            context,
+            num_chunks=num_chunks,
+            key=key,
+            noise=noise,
+            negative_context=negative_context,
+        )
 
     def _init_state(self, context, negative_context) -> R.RolloutState:
         return init_state(self.params, self.config, self.rc, self.mesh, context, negative_context)
 
     def _run_step(self, key, index, noise):
         if noise is not None:
-            return self.step(self.params, self.state, None, None,
-                             put_global(noise, NamedSharding(self.mesh, P(None, DATA))))
-        return self.step(self.params, self.state, put_global(jax.random.key_data(key), self._replicated),
-                         put_global(index, self._replicated), None)
+            return self.step(
+                self.params, self.state, None, None, put_global(noise, NamedSharding(self.mesh, P(None, DATA)))
+            )
+        return self.step(
+            self.params,
+            self.state,
+            put_global(jax.random.key_data(key), self._replicated),
+            put_global(index, self._replicated),
+            None,
+        )
 
 
 def local_rows(x: jax.Array) -> tuple[slice, np.ndarray]:

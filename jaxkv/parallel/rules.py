@@ -18,7 +18,8 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.models.param_tree import flatten, unflatten
 from jaxkv.parallel.mesh import MODEL
@@ -42,8 +43,9 @@ def spec_of(path: str, shape: tuple[int, ...]) -> P:
     for pattern, spec in _COMPILED:
         if pattern.fullmatch(path):
             if len(spec) != len(shape):
-                raise ValueError(f"sharding rule {pattern.pattern!r} has {len(spec)} axes but parameter {path} is "
-                                 f"{list(shape)}")
+                raise ValueError(
+                    f"sharding rule {pattern.pattern!r} has {len(spec)} axes but parameter {path} is {list(shape)}"
+                )
             return spec
     return P()
 
@@ -51,8 +53,10 @@ def spec_of(path: str, shape: tuple[int, ...]) -> P:
 def check_divisible(path: str, shape, spec: P, mesh: Mesh) -> None:
     for dim, axis in zip(shape, spec):
         if axis is not None and dim % mesh.shape[axis]:
-            raise ValueError(f"parameter {path} {list(shape)} cannot be sharded {spec} on a mesh with {axis}="
-                             f"{mesh.shape[axis]}: {dim} is not divisible by {mesh.shape[axis]}")
+            raise ValueError(
+                f"parameter {path} {list(shape)} cannot be sharded {spec} on a mesh with {axis}="
+                f"{mesh.shape[axis]}: {dim} is not divisible by {mesh.shape[axis]}"
+            )
 
 
 def _shape(leaf) -> tuple[int, ...]:

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PATCH = 4            # pixels per latent pixel along height and width
-CHANNELS = 16        # latent channels, like Wan's VAE
+PATCH = 4  # pixels per latent pixel along height and width
+CHANNELS = 16  # latent channels, like Wan's VAE
 PATCH_DIM = PATCH * PATCH * 3
 FILE = "latent_map.safetensors"
 
@@ -67,8 +67,9 @@ class LatentMap:
         for name, shape in (("basis", (PATCH_DIM, CHANNELS)), ("mean", (PATCH_DIM,)), ("std", (CHANNELS,))):
             value = np.asarray(getattr(self, name), np.float32)
             if value.shape != shape or not np.isfinite(value).all():
-                raise ValueError(f"LatentMap.{name} must be finite float32 {list(shape)}, got {value.dtype}"
-                                 f"{list(value.shape)}")
+                raise ValueError(
+                    f"LatentMap.{name} must be finite float32 {list(shape)}, got {value.dtype}{list(value.shape)}"
+                )
             object.__setattr__(self, name, value)
         if (self.std <= 0).any():
             raise ValueError("LatentMap.std must be > 0")
@@ -108,8 +109,11 @@ class LatentMap:
         from safetensors.numpy import save_file
 
         path = os.path.join(directory, FILE)
-        save_file({"basis": self.basis, "mean": self.mean, "std": self.std}, path,
-                  metadata={"format": "jaxkv-toyworld-latent-map", "patch": str(PATCH)})
+        save_file(
+            {"basis": self.basis, "mean": self.mean, "std": self.std},
+            path,
+            metadata={"format": "jaxkv-toyworld-latent-map", "patch": str(PATCH)},
+        )
         return path
 
     @classmethod

@@ -52,14 +52,14 @@ from jaxkv.validate import check_int
 # and the colours, so as an entry it would take blurred object edges; it lies outside every colour's cap (each colour
 # is farther from it than its cap: green, the nearest, 124 against a cap of 96), so wall pixels are never an object's.
 PALETTE = np.array([world.BACKGROUND, *world.COLOURS.values()], np.float32)
-COLOUR_NAMES = tuple(world.COLOURS)                                           # detection's colour axis order
-COLOUR_FRACTION = 0.5      # a colour's mask reaches this fraction of the way from it to the background
-_CAP2 = (COLOUR_FRACTION * np.linalg.norm(PALETTE - PALETTE[0], axis=-1)) ** 2   # squared caps [1 + C]
-MAJORITY = 5                # of the 9 pixels of a 3x3 neighbourhood, for a pixel to stay in a mask
-WINDOW = 13                 # half-size of the box (around the mask's median) that holds one object
-MIN_AREA = 60               # pixels of an object (or of stray mask) to count as present
-SHAPE_IOU = 0.75            # least overlap (IoU) of an object with its shape's mask to be that shape
-_BLOCK = 256                # frames per vectorised block (bounds the temporaries to ~100 MB)
+COLOUR_NAMES = tuple(world.COLOURS)  # detection's colour axis order
+COLOUR_FRACTION = 0.5  # a colour's mask reaches this fraction of the way from it to the background
+_CAP2 = (COLOUR_FRACTION * np.linalg.norm(PALETTE - PALETTE[0], axis=-1)) ** 2  # squared caps [1 + C]
+MAJORITY = 5  # of the 9 pixels of a 3x3 neighbourhood, for a pixel to stay in a mask
+WINDOW = 13  # half-size of the box (around the mask's median) that holds one object
+MIN_AREA = 60  # pixels of an object (or of stray mask) to count as present
+SHAPE_IOU = 0.75  # least overlap (IoU) of an object with its shape's mask to be that shape
+_BLOCK = 256  # frames per vectorised block (bounds the temporaries to ~100 MB)
 
 
 class Detections(NamedTuple):
@@ -84,8 +84,9 @@ class Detections(NamedTuple):
 def _check_frames(frames) -> np.ndarray:
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[1:] != (world.SIZE, world.SIZE, 3):
-        raise ValueError(f"toy-world frames must be uint8 [T, {world.SIZE}, {world.SIZE}, 3], got "
-                         f"{frames.dtype}{list(frames.shape)}")
+        raise ValueError(
+            f"toy-world frames must be uint8 [T, {world.SIZE}, {world.SIZE}, 3], got {frames.dtype}{list(frames.shape)}"
+        )
     if frames.shape[0] < 1:
         raise ValueError("toy-world frames must hold at least one frame, got 0")
     return frames
@@ -95,18 +96,19 @@ def colour_masks(frames) -> np.ndarray:
     """bool [T, C, SIZE, SIZE]: per colour, the pixels of ``frames`` uint8 [T, SIZE, SIZE, 3] nearest to it and
     within its cap (`COLOUR_FRACTION`), after the 3x3 majority filter."""
     frames = _check_frames(frames)
-    return np.concatenate([_masks(frames[i:i + _BLOCK]) for i in range(0, len(frames), _BLOCK)])
+    return np.concatenate([_masks(frames[i : i + _BLOCK]) for i in range(0, len(frames), _BLOCK)])
 
 
 def _masks(block: np.ndarray) -> np.ndarray:
     rgb = block.astype(np.float32)
     # squared distances to the palette as |p|^2 - 2 p.c + |c|^2: a matmul, 20x faster than broadcasting
-    d2 = (rgb[..., 0] ** 2 + rgb[..., 1] ** 2 + rgb[..., 2] ** 2)[..., None] - 2 * rgb @ PALETTE.T \
-        + (PALETTE ** 2).sum(-1)                                                  # [B, H, W, 1 + C]
+    d2 = (
+        (rgb[..., 0] ** 2 + rgb[..., 1] ** 2 + rgb[..., 2] ** 2)[..., None] - 2 * rgb @ PALETTE.T + (PALETTE**2).sum(-1)
+    )  # [B, H, W, 1 + C]
     nearest = d2.argmin(-1)
     near = np.take_along_axis(d2, nearest[..., None], -1)[..., 0] <= _CAP2[nearest]
     colours = np.arange(1, len(PALETTE))[None, :, None, None]
-    raw = ((nearest[:, None] == colours) & near[:, None]).astype(np.uint8)   # [B, C, H, W]
+    raw = ((nearest[:, None] == colours) & near[:, None]).astype(np.uint8)  # [B, C, H, W]
     # the wall is no shape's: no world shape reaches it (centres stay MARGIN from the edge, a shape reaches at most
     # 9.9 px), and its grey, shifted by a decoder's colour offset, can fall within a colour's cap
     w = world.WALL_WIDTH
@@ -123,7 +125,7 @@ def detect(frames) -> Detections:
     """The objects of ``frames`` uint8 [T, SIZE, SIZE, 3], one per colour of `COLOUR_NAMES` (see the module
     docstring for how). Vectorised over frames in blocks of `_BLOCK`."""
     frames = _check_frames(frames)
-    parts = [_features(_masks(frames[i:i + _BLOCK])) for i in range(0, len(frames), _BLOCK)]
+    parts = [_features(_masks(frames[i : i + _BLOCK])) for i in range(0, len(frames), _BLOCK)]
     return Detections(*(np.concatenate(field) for field in zip(*parts)))
 
 
@@ -138,7 +140,7 @@ def _first(mask: np.ndarray) -> np.ndarray:
 def _boxed(masks: np.ndarray, mx: np.ndarray, my: np.ndarray):
     """The part of masks bool [B, C, H, W] within `WINDOW` of pixel (mx, my) int [B, C], with its column and row
     counts [B, C, SIZE], area [B, C] and centre of mass cx, cy [B, C] (NaN where empty)."""
-    inx = np.abs(_INDEX - mx[..., None]) <= WINDOW             # [B, C, SIZE]
+    inx = np.abs(_INDEX - mx[..., None]) <= WINDOW  # [B, C, SIZE]
     iny = np.abs(_INDEX - my[..., None]) <= WINDOW
     obj = masks & iny[..., :, None] & inx[..., None, :]
     columns, rows = obj.sum(2), obj.sum(3)
@@ -151,7 +153,7 @@ def _boxed(masks: np.ndarray, mx: np.ndarray, my: np.ndarray):
 
 def _features(masks: np.ndarray) -> Detections:
     """Detections of one block of masks bool [B, C, H, W]."""
-    columns, rows = masks.sum(2), masks.sum(3)                  # per-x and per-y pixel counts [B, C, SIZE]
+    columns, rows = masks.sum(2), masks.sum(3)  # per-x and per-y pixel counts [B, C, SIZE]
     total = columns.sum(-1)
     # per-axis median of the mask: the first index where the running count reaches half the total
     half = (total[..., None] + 1) // 2
@@ -159,16 +161,23 @@ def _features(masks: np.ndarray) -> Detections:
     my = np.where(total > 0, (rows.cumsum(-1) >= half).argmax(-1), 0)
     obj, columns, rows, area, cx, cy = _boxed(masks, mx, my)
     # the median of two blobs lies at the edge of one, so centre the box once more on what it holds
-    obj, columns, rows, area, cx, cy = _boxed(masks, np.where(area > 0, np.floor(cx), mx).astype(int),
-                                              np.where(area > 0, np.floor(cy), my).astype(int))
+    obj, columns, rows, area, cx, cy = _boxed(
+        masks, np.where(area > 0, np.floor(cx), mx).astype(int), np.where(area > 0, np.floor(cy), my).astype(int)
+    )
     x0, y0 = _first(columns > 0), _first(rows > 0)
     x1 = np.where(area > 0, world.SIZE - 1 - _first(columns[..., ::-1] > 0), -1)
     y1 = np.where(area > 0, world.SIZE - 1 - _first(rows[..., ::-1] > 0), -1)
     present = area >= MIN_AREA
     centroid = np.where(present[..., None], np.stack([cx, cy], -1), np.nan)
     shape = np.where(present, _classify(obj, centroid), -1).astype(np.int8)
-    return Detections(present, area.astype(np.int32), centroid, np.stack([x0, y0, x1, y1], -1).astype(np.int32),
-                      shape, (total - area).astype(np.int32))
+    return Detections(
+        present,
+        area.astype(np.int32),
+        centroid,
+        np.stack([x0, y0, x1, y1], -1).astype(np.int32),
+        shape,
+        (total - area).astype(np.int32),
+    )
 
 
 def _classify(obj: np.ndarray, centroid: np.ndarray) -> np.ndarray:
@@ -179,7 +188,7 @@ def _classify(obj: np.ndarray, centroid: np.ndarray) -> np.ndarray:
     found = ~np.isnan(centroid[..., 0])
     if not found.any():
         return out
-    masks, centres = obj[found], centroid[found]                         # [K, H, W], [K, 2]
+    masks, centres = obj[found], centroid[found]  # [K, H, W], [K, 2]
     area = masks.sum((1, 2))
     ious = []
     for shape in world.SHAPES:
@@ -193,11 +202,11 @@ def _classify(obj: np.ndarray, centroid: np.ndarray) -> np.ndarray:
 
 # -- scoring
 
-LAG = 4                     # frames between the centroids of the speed and straightness checks
-CENTROID_ERROR = 0.6        # px, the largest per-axis gap between a detected centroid and the true centre
-STEP_SLACK = 2 * np.sqrt(2) * CENTROID_ERROR      # both ends of a displacement off by CENTROID_ERROR per axis
-CURVE_SLACK = 4 * CENTROID_ERROR                  # c[t] - 2 c[t - LAG] + c[t - 2 LAG]: weights 1 + 2 + 1
-COVER_MARGIN = 2            # px by which bounding boxes are grown to decide that one object covers another
+LAG = 4  # frames between the centroids of the speed and straightness checks
+CENTROID_ERROR = 0.6  # px, the largest per-axis gap between a detected centroid and the true centre
+STEP_SLACK = 2 * np.sqrt(2) * CENTROID_ERROR  # both ends of a displacement off by CENTROID_ERROR per axis
+CURVE_SLACK = 4 * CENTROID_ERROR  # c[t] - 2 c[t - LAG] + c[t - 2 LAG]: weights 1 + 2 + 1
+COVER_MARGIN = 2  # px by which bounding boxes are grown to decide that one object covers another
 # One frame's step of a covered object's visible centroid, beyond the speed, as its visible part shrinks or splits:
 # measured on world clips up to 4.6 px over ~7,900 covered steps (75 two-object clips), 6.0 px once in 20 more
 # clips. 8 px lets those through and stays well under the hard bound (the visible part lies inside the object's
@@ -212,7 +221,7 @@ HIDE_FRAMES = 60
 # world clips of 300 frames, each clean, through a principal-component map and blurred: 8 keeps every hidden frame
 # the rule without a path keeps, 7 drops 1-2 %; 9 leaves a pixel to spare.
 HIDE_REACH = 9.0
-OUTLINE_REACH = world.HALF_SIDE * np.sqrt(2)       # px: the farthest any shape's pixel lies from its centre (9.9)
+OUTLINE_REACH = world.HALF_SIDE * np.sqrt(2)  # px: the farthest any shape's pixel lies from its centre (9.9)
 # the most clear frames before an object went under from which its velocity is read (`_on_its_path`)
 TRACK_FRAMES = 12
 # The travel check: over any `STOP_FRAMES` frames in at least `STOP_SEEN` of which an object is present, its centre
@@ -282,8 +291,12 @@ class Occlusion(NamedTuple):
 def _meets(box: np.ndarray, other: np.ndarray) -> np.ndarray:
     """bool [T]: boxes int [T, 4] (x0, y0, x1, y1) meet ``other`` grown by `COVER_MARGIN`."""
     g = COVER_MARGIN
-    return ((box[:, 0] <= other[:, 2] + g) & (other[:, 0] <= box[:, 2] + g)
-            & (box[:, 1] <= other[:, 3] + g) & (other[:, 1] <= box[:, 3] + g))
+    return (
+        (box[:, 0] <= other[:, 2] + g)
+        & (other[:, 0] <= box[:, 2] + g)
+        & (box[:, 1] <= other[:, 3] + g)
+        & (other[:, 1] <= box[:, 3] + g)
+    )
 
 
 def occlusion(detections: Detections, prompt: str) -> Occlusion:
@@ -295,13 +308,13 @@ def _judge(detections: Detections, prompt: str) -> tuple[Occlusion, np.ndarray]:
     """(`occlusion`, `transitions`): each object's steps are judged with its own occlusion, which depends on
     the steps of the objects above it, so both come out of one pass from the top object down."""
     colours, shapes, speed = _objects(prompt)
-    present = detections.present[:, colours]                    # [T, N]
-    seen_any = detections.area[:, colours] > 0                  # some pixels, maybe under MIN_AREA
-    box = detections.bbox[:, colours]                           # [T, N, 4]
+    present = detections.present[:, colours]  # [T, N]
+    seen_any = detections.area[:, colours] > 0  # some pixels, maybe under MIN_AREA
+    box = detections.bbox[:, colours]  # [T, N, 4]
     frames, count = present.shape
     covered = np.zeros_like(present)
-    near = np.zeros_like(present)          # pixels of n beside a present object named after it
-    above = np.zeros_like(present)         # an object named after n is present
+    near = np.zeros_like(present)  # pixels of n beside a present object named after it
+    above = np.zeros_like(present)  # an object named after n is present
     for n in range(count):
         for other in range(n + 1, count):
             meets = _meets(box[:, n], box[:, other]) & seen_any[:, n] & present[:, other]
@@ -310,30 +323,42 @@ def _judge(detections: Detections, prompt: str) -> tuple[Occlusion, np.ndarray]:
             above[:, n] |= present[:, other]
     index = np.arange(frames)[:, None]
     column = np.arange(count)[None]
-    before = np.maximum.accumulate(np.where(present, index, -1), axis=0)        # last present frame <= t
-    after = np.minimum.accumulate(np.where(present, index, frames)[::-1], axis=0)[::-1]   # first present >= t
+    before = np.maximum.accumulate(np.where(present, index, -1), axis=0)  # last present frame <= t
+    after = np.minimum.accumulate(np.where(present, index, frames)[::-1], axis=0)[::-1]  # first present >= t
     went_under = (before < 0) | covered[np.maximum(before, 0), column]
     came_out = (after >= frames) | covered[np.minimum(after, frames - 1), column]
-    bare = np.concatenate([np.zeros((1, count), np.int64), (~present & ~near).cumsum(0)])   # running count
+    bare = np.concatenate([np.zeros((1, count), np.int64), (~present & ~near).cumsum(0)])  # running count
     bare_in_run = bare[after, column] - bare[before + 1, column]
-    hidden = ~present & above & went_under & came_out & (bare_in_run <= HIDE_FRAMES) & \
-        ((before >= 0) | (after < frames))
+    hidden = (
+        ~present & above & went_under & came_out & (bare_in_run <= HIDE_FRAMES) & ((before >= 0) | (after < frames))
+    )
     # from the top down, as an object's steps are judged with its own occlusion: a frame may hide n under an
     # object named after it only if that one moves as the world moves things there (a still or jumping blob of its
     # colour is no cover), and only while n's own path keeps it under one
     centre = detections.centroid[:, colours]
-    moving = np.zeros_like(present)              # present, with plausible steps into and out of the frame
+    moving = np.zeros_like(present)  # present, with plausible steps into and out of the frame
     steps = np.zeros((frames - 1, count), bool)
     for n in range(count - 1, -1, -1):
         if n < count - 1:
-            hidden[:, n] &= moving[:, n + 1:].any(1) & _on_its_path(
-                hidden[:, n], present[:, n] & ~covered[:, n], centre[:, n], centre[:, n + 1:], speed,
-                after[:, n] < frames)
-        others = np.delete(centre, n, axis=1)                                  # [T, N - 1, 2]
-        contact = np.array([world.contact(world.SHAPES[shapes[n]], world.SHAPES[shapes[m]])   # [N - 1]
-                            for m in range(count) if m != n])
-        steps[:, n] = _steps(present[:, n], hidden[:, n], covered[:, n] | hidden[:, n], centre[:, n], speed,
-                             others, contact)
+            hidden[:, n] &= moving[:, n + 1 :].any(1) & _on_its_path(
+                hidden[:, n],
+                present[:, n] & ~covered[:, n],
+                centre[:, n],
+                centre[:, n + 1 :],
+                speed,
+                after[:, n] < frames,
+            )
+        others = np.delete(centre, n, axis=1)  # [T, N - 1, 2]
+        contact = np.array(
+            [
+                world.contact(world.SHAPES[shapes[n]], world.SHAPES[shapes[m]])  # [N - 1]
+                for m in range(count)
+                if m != n
+            ]
+        )
+        steps[:, n] = _steps(
+            present[:, n], hidden[:, n], covered[:, n] | hidden[:, n], centre[:, n], speed, others, contact
+        )
         moving[:, n] = present[:, n] & np.append(steps[:, n], True) & np.insert(steps[:, n], 0, True)
     return Occlusion(covered, hidden), steps
 
@@ -344,8 +369,9 @@ def _runs(flags: np.ndarray):
     return zip(np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0] - 1)
 
 
-def _on_its_path(hidden: np.ndarray, clear: np.ndarray, centre: np.ndarray, above: np.ndarray, speed: float,
-                 comes_out: np.ndarray) -> np.ndarray:
+def _on_its_path(
+    hidden: np.ndarray, clear: np.ndarray, centre: np.ndarray, above: np.ndarray, speed: float, comes_out: np.ndarray
+) -> np.ndarray:
     """bool [T]: the frames of each run of ``hidden`` [T] (one object's) during which the object, moving on from
     its last ``clear`` frame (present, not covered: centroid trusted) as it moved before, is still under an object
     named after it (``above`` [T, M, 2] centroids, NaN where absent) -- up to the first frame it is not.
@@ -360,31 +386,31 @@ def _on_its_path(hidden: np.ndarray, clear: np.ndarray, centre: np.ndarray, abov
     out = np.zeros_like(hidden)
     lo, span = world.MARGIN, world.SIZE - 2 * world.MARGIN
     # frames whose centre lies beyond a step of either wall: no bounce between them and the next
-    far = np.minimum(centre - lo, lo + span - centre) > speed + CENTROID_ERROR         # [T, 2]; NaN: False
+    far = np.minimum(centre - lo, lo + span - centre) > speed + CENTROID_ERROR  # [T, 2]; NaN: False
     for first, last in _runs(hidden):
         anchors = np.nonzero(clear[:first])[0]
         seen = np.nonzero(~np.isnan(centre[:first, 0]))[0]
         if not len(anchors) and not len(seen):
-            out[first:last + 1] = comes_out[first]
+            out[first : last + 1] = comes_out[first]
             continue
         u = anchors[-1] if len(anchors) else seen[-1]
         velocity, slack = np.zeros(2), np.full(2, speed)
         for axis in range(2 if len(anchors) else 0):
             k = 0
-            while k < TRACK_FRAMES and u - k - 1 >= 0 and clear[u - k - 1] and far[u - k - 1:u + 1, axis].all():
+            while k < TRACK_FRAMES and u - k - 1 >= 0 and clear[u - k - 1] and far[u - k - 1 : u + 1, axis].all():
                 k += 1
             if k >= 2:
                 velocity[axis] = (centre[u, axis] - centre[u - k, axis]) / k
                 slack[axis] = 2 * CENTROID_ERROR / k
         t = np.arange(first, last + 1)
-        free = centre[u] - lo + (t - u)[:, None] * velocity                   # [run, 2]
+        free = centre[u] - lo + (t - u)[:, None] * velocity  # [run, 2]
         folded = np.mod(free, 2 * span)
         path = lo + np.where(folded > span, 2 * span - folded, folded)
         # a covered object's visible centroid lies within its outline's reach of its centre
-        reach = HIDE_REACH + (0.0 if len(anchors) else OUTLINE_REACH) + (t - u)[:, None] * slack    # [run, 2]
-        gap = np.abs(above[first:last + 1] - path[:, None])                    # [run, M, 2]
-        under = (gap <= reach[:, None]).all(-1).any(-1)                        # NaN (absent) compares False
-        out[first:last + 1] = np.logical_and.accumulate(under)
+        reach = HIDE_REACH + (0.0 if len(anchors) else OUTLINE_REACH) + (t - u)[:, None] * slack  # [run, 2]
+        gap = np.abs(above[first : last + 1] - path[:, None])  # [run, M, 2]
+        under = (gap <= reach[:, None]).all(-1).any(-1)  # NaN (absent) compares False
+        out[first : last + 1] = np.logical_and.accumulate(under)
     return out
 
 
@@ -439,28 +465,35 @@ def transitions(detections: Detections, prompt: str) -> np.ndarray:
     return _judge(detections, prompt)[1]
 
 
-def _steps(present: np.ndarray, hidden: np.ndarray, shaded: np.ndarray, centre: np.ndarray,
-           speed: float, others: np.ndarray, contact: np.ndarray) -> np.ndarray:
+def _steps(
+    present: np.ndarray,
+    hidden: np.ndarray,
+    shaded: np.ndarray,
+    centre: np.ndarray,
+    speed: float,
+    others: np.ndarray,
+    contact: np.ndarray,
+) -> np.ndarray:
     """`transitions` of one object: bool [T - 1] from its present, hidden, shaded (covered or hidden) bool [T],
     centroid float [T, 2], the other objects' centroids ``others`` float [T, M, 2] (NaN where absent) and the
     centre distance at which it bounces off each, ``contact`` float [M] (`world.paths`)."""
     frames = len(present)
     seen = present | hidden
-    later = np.arange(1, frames)                                 # frame t + 1 of each transition
+    later = np.arange(1, frames)  # frame t + 1 of each transition
 
-    step = np.linalg.norm(centre[1:] - centre[:-1], axis=-1)   # NaN where an end is absent
+    step = np.linalg.norm(centre[1:] - centre[:-1], axis=-1)  # NaN where an end is absent
     limit = speed + np.where(shaded[:-1] | shaded[1:], COVERED_SLACK, STEP_SLACK)
     ok = seen[:-1] & seen[1:] & ~(step > limit)
 
     reach = LAG * speed + CENTROID_ERROR
-    wall = np.minimum(centre - world.MARGIN, world.SIZE - world.MARGIN - centre)   # [T, 2]
-    far = wall > reach                                           # no bounce on that axis within LAG frames
+    wall = np.minimum(centre - world.MARGIN, world.SIZE - world.MARGIN - centre)  # [T, 2]
+    far = wall > reach  # no bounce on that axis within LAG frames
     # a frame from which the object may bounce off another before the next: `world.paths` turns two shapes round
     # when their next step would bring them under contact, so they are within contact + both steps (+ detection)
-    gap = np.linalg.norm(others - centre[:, None], axis=-1)      # [T, M]; NaN where either is absent
+    gap = np.linalg.norm(others - centre[:, None], axis=-1)  # [T, M]; NaN where either is absent
     touching = (gap <= contact + 2 * speed + 2 * CENTROID_ERROR).any(-1)
 
-    sel = later >= LAG                                           # transitions with a speed check
+    sel = later >= LAG  # transitions with a speed check
     if sel.any():
         t, s = later[sel], later[sel] - LAG
         checked = present[s] & present[t] & ~_any_in(shaded, s, LAG)
@@ -469,22 +502,22 @@ def _steps(present: np.ndarray, hidden: np.ndarray, shaded: np.ndarray, centre: 
         bad = (disp > LAG * speed + STEP_SLACK) | (no_bounce & (disp < LAG * speed - STEP_SLACK))
         ok[sel] &= ~(checked & bad)
 
-    sel = later >= 2 * LAG                                       # transitions with a straightness check
+    sel = later >= 2 * LAG  # transitions with a straightness check
     if sel.any():
         t = later[sel]
         m, s = t - LAG, t - 2 * LAG
         checked = present[s] & present[m] & present[t] & ~_any_in(shaded, s, 2 * LAG)
-        curve = np.abs(centre[t] - 2 * centre[m] + centre[s])   # [.., 2]
+        curve = np.abs(centre[t] - 2 * centre[m] + centre[s])  # [.., 2]
         bad = (far[m] & (curve > CURVE_SLACK)).any(-1) & ~_any_in(touching, s, 2 * LAG)
         ok[sel] &= ~(checked & bad)
 
-    if frames >= STOP_FRAMES:                                    # transitions into frames STOP_FRAMES - 1 on
-        windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, STOP_FRAMES, axis=0)   # noqa: E731
-        hi = windows(np.where(present[:, None], centre, -np.inf)).max(-1)    # [T - STOP_FRAMES + 1, 2]
+    if frames >= STOP_FRAMES:  # transitions into frames STOP_FRAMES - 1 on
+        windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, STOP_FRAMES, axis=0)  # noqa: E731
+        hi = windows(np.where(present[:, None], centre, -np.inf)).max(-1)  # [T - STOP_FRAMES + 1, 2]
         lo = windows(np.where(present[:, None], centre, np.inf)).min(-1)
         judged = windows(present).sum(-1) >= STOP_SEEN
-        stopped = judged & ((hi - lo).max(-1) < STOP_SPAN) & present[STOP_FRAMES - 1:]
-        ok[STOP_FRAMES - 2:] &= ~stopped
+        stopped = judged & ((hi - lo).max(-1) < STOP_SPAN) & present[STOP_FRAMES - 1 :]
+        ok[STOP_FRAMES - 2 :] &= ~stopped
     return ok
 
 
@@ -498,16 +531,19 @@ def score(frames, prompt: str, *, chunk_frames: int = 3, window_chunks: int = 50
     chunk_frames = check_int("chunk_frames", chunk_frames, minimum=1)
     window_chunks = check_int("window_chunks", window_chunks, minimum=1)
     frames = _check_frames(frames)
-    _objects(prompt)                                             # a bad prompt fails before any work
+    _objects(prompt)  # a bad prompt fails before any work
     if window_chunks * chunk_frames < 2:
-        raise ValueError(f"a drift window must span at least 2 frames (one transition), got window_chunks="
-                         f"{window_chunks} x chunk_frames={chunk_frames}")
+        raise ValueError(
+            f"a drift window must span at least 2 frames (one transition), got window_chunks="
+            f"{window_chunks} x chunk_frames={chunk_frames}"
+        )
     if len(frames) < 2 or len(frames) % chunk_frames:
-        raise ValueError(f"score needs a whole number of {chunk_frames}-frame chunks and at least 2 frames, got "
-                         f"{len(frames)} frames")
+        raise ValueError(
+            f"score needs a whole number of {chunk_frames}-frame chunks and at least 2 frames, got {len(frames)} frames"
+        )
     found = detect(frames)
-    adherence = frame_adherence(found, prompt)                   # [T]
-    plausible = transitions(found, prompt)                       # [T - 1, N]
+    adherence = frame_adherence(found, prompt)  # [T]
+    plausible = transitions(found, prompt)  # [T - 1, N]
     window = window_chunks * chunk_frames
     starts = np.arange(0, len(frames), window)
     window_adherence = np.add.reduceat(adherence, starts) / np.diff(np.append(starts, len(frames)))
@@ -517,5 +553,13 @@ def score(frames, prompt: str, *, chunk_frames: int = 3, window_chunks: int = 50
     window_continuity = np.add.reduceat(per_transition, bounds) / np.diff(np.append(bounds, len(per_transition)))
     window_overall = window_adherence * window_continuity
     a, c = float(adherence.mean()), float(per_transition.mean())
-    return Scores(a, c, a * c, float(window_overall.min()), starts // chunk_frames, window_adherence,
-                  window_continuity, window_overall)
+    return Scores(
+        a,
+        c,
+        a * c,
+        float(window_overall.min()),
+        starts // chunk_frames,
+        window_adherence,
+        window_continuity,
+        window_overall,
+    )

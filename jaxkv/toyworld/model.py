@@ -49,9 +49,18 @@ FORMAT_VERSION = 1
 # This is the default shape of a training run (`train.TrainConfig.dit_*`, release 6's); the shipped release 8 (like
 # release 7) is twice as wide (dim 192, ffn 512, 6 heads of the same 32 channels: its dit/config.json), and a loaded
 # release always carries its own config (`ToyModel.config`).
-WAN_CONFIG = WanConfig(dim=96, ffn_dim=256, num_heads=3, num_layers=4, patch_size=(1, 2, 2),
-                       text_dim=text.CONFIG.dim, text_len=text.CONFIG.text_len, freq_dim=64, rope_theta=100.0)
-LATENT_SIZE = 64 // latents.PATCH          # 16: latent height and width
+WAN_CONFIG = WanConfig(
+    dim=96,
+    ffn_dim=256,
+    num_heads=3,
+    num_layers=4,
+    patch_size=(1, 2, 2),
+    text_dim=text.CONFIG.dim,
+    text_len=text.CONFIG.text_len,
+    freq_dim=64,
+    rope_theta=100.0,
+)
+LATENT_SIZE = 64 // latents.PATCH  # 16: latent height and width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +77,9 @@ class Settings:
     window_frames: int = 6
     sink_frames: int = 3
     steps: tuple[int, ...] = (1000, 750, 500, 250)
-    shift: float = 3.0      # the sampler's steps warp to sigma 1, 0.9, 0.75, 0.5; training draws its levels with it
+    shift: float = 3.0  # the sampler's steps warp to sigma 1, 0.9, 0.75, 0.5; training draws its levels with it
     rope: str = "cache-relative"
-    prompt: str = "a red circle and a blue square, slow"    # the default prompt
+    prompt: str = "a red circle and a blue square, slow"  # the default prompt
     # classifier-free guidance against ``negative_prompt`` (a model trained with text dropout); None: none
     guidance_scale: float | None = None
     negative_prompt: str = ""
@@ -81,9 +90,16 @@ class Settings:
     def rollout_config(self, **overrides) -> RolloutConfig:
         """The `RolloutConfig` of these settings on the 16x16 latent, with any field replaced by ``overrides``
         (e.g. ``sink_frames=0``, ``policy="rolling"``, ``rope="absolute"``)."""
-        rc = RolloutConfig(latent_height=LATENT_SIZE, latent_width=LATENT_SIZE, chunk_frames=self.chunk_frames,
-                           window_frames=self.window_frames, sink_frames=self.sink_frames, schedule=self.schedule(),
-                           rope=self.rope, guidance_scale=self.guidance_scale)
+        rc = RolloutConfig(
+            latent_height=LATENT_SIZE,
+            latent_width=LATENT_SIZE,
+            chunk_frames=self.chunk_frames,
+            window_frames=self.window_frames,
+            sink_frames=self.sink_frames,
+            schedule=self.schedule(),
+            rope=self.rope,
+            guidance_scale=self.guidance_scale,
+        )
         return dataclasses.replace(rc, **overrides) if overrides else rc
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,24 +142,42 @@ class ToyModel:
         return self.text_encoder.encode([self.settings.negative_prompt] * batch)
 
 
-def save(directory: str, params: dict, text_params: dict, latent_map: latents.LatentMap, settings: Settings,
-         info: dict, *, config: WanConfig = WAN_CONFIG, force: bool = False) -> None:
+def save(
+    directory: str,
+    params: dict,
+    text_params: dict,
+    latent_map: latents.LatentMap,
+    settings: Settings,
+    info: dict,
+    *,
+    config: WanConfig = WAN_CONFIG,
+    force: bool = False,
+) -> None:
     """Writes a release (see the module docstring): ``params`` a DiT of shape ``config``, its weights stored in
     bfloat16."""
     from jaxkv.files import atomic_directory
     from jaxkv.models import umt5
 
-    replace = (lambda p: None if is_release(p) else f"it is not a toy-world release (no {SETTINGS_FILE})") \
-        if force else None
+    replace = (
+        (lambda p: None if is_release(p) else f"it is not a toy-world release (no {SETTINGS_FILE})") if force else None
+    )
     with atomic_directory(directory, replace=replace) as tmp:
         wan.save(os.path.join(tmp, PARTS["dit"]), config, _cast(params, jnp.bfloat16))
-        umt5.save(os.path.join(tmp, PARTS["umt5"]), text.CONFIG, text_params,
-                  tokenizer_files={"tokenizer.json": text.tokenizer_json().encode()})
+        umt5.save(
+            os.path.join(tmp, PARTS["umt5"]),
+            text.CONFIG,
+            text_params,
+            tokenizer_files={"tokenizer.json": text.tokenizer_json().encode()},
+        )
         os.makedirs(os.path.join(tmp, LATENT_MAP_DIR))
         latent_map.save(os.path.join(tmp, LATENT_MAP_DIR))
         with open(os.path.join(tmp, SETTINGS_FILE), "w") as f:
-            json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings.to_dict(), **info},
-                      f, indent=2, sort_keys=True)
+            json.dump(
+                {"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings.to_dict(), **info},
+                f,
+                indent=2,
+                sort_keys=True,
+            )
 
 
 def _cast(tree, dtype):
@@ -162,8 +196,12 @@ def read_settings(directory: str) -> Settings:
     path = os.path.join(directory, SETTINGS_FILE)
     with open(path) as f:
         meta = json.load(f)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION \
-            or not isinstance(meta.get("settings"), dict):
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != FORMAT
+        or meta.get("format_version") != FORMAT_VERSION
+        or not isinstance(meta.get("settings"), dict)
+    ):
         raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} file with settings")
     return Settings.from_dict(meta["settings"])
 
@@ -172,13 +210,17 @@ def load(directory: str = RELEASE_DIR) -> ToyModel:
     """Reads a release; the DiT in float32. FileNotFoundError / ValueError name what is missing or wrong."""
     path = os.path.join(directory, SETTINGS_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{directory} is not a toy-world release (no {SETTINGS_FILE}); train one with "
-                                f"`python -m jaxkv.toyworld train --out {directory}`")
+        raise FileNotFoundError(
+            f"{directory} is not a toy-world release (no {SETTINGS_FILE}); train one with "
+            f"`python -m jaxkv.toyworld train --out {directory}`"
+        )
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} file (format {meta.get('format')!r}, "
-                         f"version {meta.get('format_version')!r})")
+        raise ValueError(
+            f"{path} is not a {FORMAT} v{FORMAT_VERSION} file (format {meta.get('format')!r}, "
+            f"version {meta.get('format_version')!r})"
+        )
     config, params = wan.load(os.path.join(directory, PARTS["dit"]), dtype=jnp.float32)
     encoder = TextEncoder.load(os.path.join(directory, PARTS["umt5"]), dtype=jnp.float32)
     latent_map = latents.LatentMap.load(os.path.join(directory, LATENT_MAP_DIR))

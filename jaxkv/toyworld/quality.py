@@ -36,23 +36,27 @@ from jaxkv.toyworld import metric, sample, world
 from jaxkv.toyworld.model import ToyModel
 from jaxkv.validate import check_int
 
-PROMPTS = ("a red circle and a blue square, slow", "a green triangle, fast", "a yellow square and a red triangle, fast",
-           "a blue circle, slow")
-FRAMES = 48          # per prompt (16 chunks of the shipped model)
+PROMPTS = (
+    "a red circle and a blue square, slow",
+    "a green triangle, fast",
+    "a yellow square and a red triangle, fast",
+    "a blue circle, slow",
+)
+FRAMES = 48  # per prompt (16 chunks of the shipped model)
 SEED = 0
 THRESHOLD = 0.5
-TRACK_RADIUS = 3.0   # px from the true centre for `tracking` (5 x the metric's CENTROID_ERROR: a slow shape's 3 frames)
+TRACK_RADIUS = 3.0  # px from the true centre for `tracking` (5 x the metric's CENTROID_ERROR: a slow shape's 3 frames)
 
 
-NEXT_CLIPS = 48      # clips of `next_chunk`
-NEXT_START = 2000    # `next_chunk`'s chunks start anywhere before this frame of their scene
+NEXT_CLIPS = 48  # clips of `next_chunk`
+NEXT_START = 2000  # `next_chunk`'s chunks start anywhere before this frame of their scene
 
 
 class Report(NamedTuple):
-    overall: float                  # mean over PROMPTS of each stream's overall score
-    per_prompt: tuple[dict, ...]    # {"prompt", "adherence", "continuity", "overall", "tracking"}
+    overall: float  # mean over PROMPTS of each stream's overall score
+    per_prompt: tuple[dict, ...]  # {"prompt", "adherence", "continuity", "overall", "tracking"}
     passed: bool
-    tracking: float                 # mean over PROMPTS of `tracking` (not part of the bar)
+    tracking: float  # mean over PROMPTS of `tracking` (not part of the bar)
 
 
 def tracking(video: np.ndarray, prompt: str) -> float:
@@ -63,7 +67,7 @@ def tracking(video: np.ndarray, prompt: str) -> float:
     scene = world.canonical_scene(prompt)
     hits = []
     for thing, path in zip(scene.things, np.moveaxis(world.paths(scene, len(video)), 1, 0)):
-        centre = detections.centroid[:, metric.COLOUR_NAMES.index(thing.colour)]        # NaN where absent
+        centre = detections.centroid[:, metric.COLOUR_NAMES.index(thing.colour)]  # NaN where absent
         error = np.linalg.norm(centre - path, axis=-1)
         hits.append(np.nan_to_num(error, nan=np.inf) <= TRACK_RADIUS)
     return float(np.mean(hits))
@@ -74,8 +78,15 @@ def scores_of(videos: np.ndarray, prompts, chunk_frames: int) -> Report:
     rows = []
     for video, prompt in zip(videos, prompts):
         s = metric.score(video, prompt, chunk_frames=chunk_frames, window_chunks=max(1, len(video) // chunk_frames))
-        rows.append({"prompt": prompt, "adherence": s.adherence, "continuity": s.continuity, "overall": s.overall,
-                     "tracking": tracking(video, prompt)})
+        rows.append(
+            {
+                "prompt": prompt,
+                "adherence": s.adherence,
+                "continuity": s.continuity,
+                "overall": s.overall,
+                "tracking": tracking(video, prompt),
+            }
+        )
     overall = float(np.mean([r["overall"] for r in rows]))
     return Report(overall, tuple(rows), overall >= THRESHOLD, float(np.mean([r["tracking"] for r in rows])))
 
@@ -99,16 +110,16 @@ SURVEY_SEEDS = 2
 
 
 class Survey(NamedTuple):
-    overall: float                  # mean overall score over every (prompt, seed) stream
-    tracking: float                 # mean tracking over the same streams
-    by_seed: tuple[float, ...]      # mean overall of each seed's streams (their spread is the reading's noise)
+    overall: float  # mean overall score over every (prompt, seed) stream
+    tracking: float  # mean tracking over the same streams
+    by_seed: tuple[float, ...]  # mean overall of each seed's streams (their spread is the reading's noise)
     prompts: tuple[str, ...]
 
 
 def survey_prompts(count: int = SURVEY_PROMPTS) -> tuple[str, ...]:
     """`PROMPTS`, then distinct random prompts (`world.random_prompt`, a fixed draw) up to ``count``."""
     c, s = len(world.COLOURS), len(world.SHAPES)
-    distinct = len(world.SPEEDS) * sum(math.perm(c, n) * s ** n for n in range(1, world.MAX_OBJECTS + 1))
+    distinct = len(world.SPEEDS) * sum(math.perm(c, n) * s**n for n in range(1, world.MAX_OBJECTS + 1))
     count = check_int("count", count, minimum=len(PROMPTS), maximum=distinct)
     rng = np.random.default_rng([SEED, count])
     prompts = list(PROMPTS)
@@ -119,8 +130,9 @@ def survey_prompts(count: int = SURVEY_PROMPTS) -> tuple[str, ...]:
     return tuple(prompts)
 
 
-def survey(model: ToyModel, *, prompts: int = SURVEY_PROMPTS, seeds: int = SURVEY_SEEDS,
-           frames: int = FRAMES) -> Survey:
+def survey(
+    model: ToyModel, *, prompts: int = SURVEY_PROMPTS, seeds: int = SURVEY_SEEDS, frames: int = FRAMES
+) -> Survey:
     """A steadier reading than `check` for comparing models (not the bar): ``prompts`` prompts (`survey_prompts`)
     streamed with each of ``seeds`` seeds (`SEED`, `SEED` + 1, ...) for ``frames`` frames, scored as `check` scores
     its streams. The check's 4 streams move by a few hundredths between models that differ only by noise; the
@@ -128,21 +140,25 @@ def survey(model: ToyModel, *, prompts: int = SURVEY_PROMPTS, seeds: int = SURVE
     seeds = check_int("seeds", seeds, minimum=1)
     chosen = survey_prompts(check_int("prompts", prompts, minimum=len(PROMPTS)))
     reports = [_streamed(model, chosen, frames, SEED + i) for i in range(seeds)]
-    return Survey(float(np.mean([r.overall for r in reports])), float(np.mean([r.tracking for r in reports])),
-                  tuple(r.overall for r in reports), chosen)
+    return Survey(
+        float(np.mean([r.overall for r in reports])),
+        float(np.mean([r.tracking for r in reports])),
+        tuple(r.overall for r in reports),
+        chosen,
+    )
 
 
-LONG_FRAMES = 300    # `long_streams`: frames per prompt (100 chunks of the shipped model) ...
-LONG_WINDOW = 30     # ... scored per window of this many frames
+LONG_FRAMES = 300  # `long_streams`: frames per prompt (100 chunks of the shipped model) ...
+LONG_WINDOW = 30  # ... scored per window of this many frames
 
 
 class LongStreams(NamedTuple):
     """`long_streams`' reading, per window of `LONG_WINDOW` frames (means over the prompts)."""
 
     window_frames: int
-    overall: np.ndarray      # float64 [windows]: the metric's overall score of each window (`metric.Scores`)
-    continuity: np.ndarray   # float64 [windows]: its continuity part
-    seen: np.ndarray         # float64 [windows]: the share of (frame, named shape) pairs whose colour is detected
+    overall: np.ndarray  # float64 [windows]: the metric's overall score of each window (`metric.Scores`)
+    continuity: np.ndarray  # float64 [windows]: its continuity part
+    seen: np.ndarray  # float64 [windows]: the share of (frame, named shape) pairs whose colour is detected
     # float64 [windows]: the share of named shapes whose detected centre spans `metric.STOP_SPAN` px per
     # `metric.STOP_FRAMES` frames of the window (6 px over 30): the metric's travel check, read per window
     moving: np.ndarray
@@ -152,8 +168,10 @@ def _check_windows(frames: int, window_frames: int, chunk_frames: int) -> int:
     """``window_frames``, checked: whole chunks, dividing ``frames``."""
     window_frames = check_int("window_frames", window_frames, minimum=2)
     if window_frames % chunk_frames or frames % window_frames:
-        raise ValueError(f"windows of {window_frames} frames must be whole {chunk_frames}-frame chunks and divide "
-                         f"the {frames} frames")
+        raise ValueError(
+            f"windows of {window_frames} frames must be whole {chunk_frames}-frame chunks and divide "
+            f"the {frames} frames"
+        )
     return window_frames
 
 
@@ -161,7 +179,7 @@ def long_scores(videos: np.ndarray, prompts, chunk_frames: int, window_frames: i
     """`LongStreams` of ``videos`` uint8 [len(prompts), T, 64, 64, 3], T a multiple of ``window_frames``, itself a
     multiple of ``chunk_frames``."""
     window_frames = _check_windows(videos.shape[1], window_frames, chunk_frames)
-    travel = metric.STOP_SPAN * window_frames / metric.STOP_FRAMES       # px a moving shape spans in a window
+    travel = metric.STOP_SPAN * window_frames / metric.STOP_FRAMES  # px a moving shape spans in a window
     overall, continuity, seen, moving = [], [], [], []
     for video, prompt in zip(videos, prompts):
         s = metric.score(video, prompt, chunk_frames=chunk_frames, window_chunks=window_frames // chunk_frames)
@@ -170,21 +188,22 @@ def long_scores(videos: np.ndarray, prompts, chunk_frames: int, window_frames: i
         named = [metric.COLOUR_NAMES.index(t.colour) for t in world.canonical_scene(prompt).things]
         found = metric.detect(video)
         seen.append(found.present[:, named].mean(axis=1).reshape(-1, window_frames).mean(axis=1))
-        centres = found.centroid[:, named].reshape(-1, window_frames, len(named), 2)      # [windows, frames, N, 2]
+        centres = found.centroid[:, named].reshape(-1, window_frames, len(named), 2)  # [windows, frames, N, 2]
         here = ~np.isnan(centres)
         span = np.where(here, centres, -np.inf).max(axis=1) - np.where(here, centres, np.inf).min(axis=1)
-        moving.append((span.max(axis=-1) >= travel).mean(axis=1))                  # -inf: never seen
+        moving.append((span.max(axis=-1) >= travel).mean(axis=1))  # -inf: never seen
     return LongStreams(window_frames, *(np.mean(x, axis=0) for x in (overall, continuity, seen, moving)))
 
 
-def long_streams(model: ToyModel, *, frames: int = LONG_FRAMES, window_frames: int = LONG_WINDOW,
-                 seed: int = SEED) -> LongStreams:
+def long_streams(
+    model: ToyModel, *, frames: int = LONG_FRAMES, window_frames: int = LONG_WINDOW, seed: int = SEED
+) -> LongStreams:
     """Streams `PROMPTS` for ``frames`` frames (seed ``seed``, the model's settings) and scores each window of
     ``window_frames`` frames (`long_scores`): whether the shapes stay drawn, and keep moving, past the bar's
     `FRAMES`."""
     chunk_frames = model.settings.chunk_frames
     frames = check_int("frames", frames, minimum=2)
-    window_frames = _check_windows(frames, window_frames, chunk_frames)      # before streaming anything
+    window_frames = _check_windows(frames, window_frames, chunk_frames)  # before streaming anything
     videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
     return long_scores(videos, PROMPTS, chunk_frames, window_frames)
 
@@ -194,8 +213,9 @@ def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, can
     top of the scale): random scenes of the prompts (`world.sample_scene`), or with ``canonical`` the scenes a
     stream is meant to show (`world.canonical_scene`, the top of `tracking`'s scale)."""
     rng = np.random.default_rng(seed)
-    clips = np.stack([world.render(world.canonical_scene(p) if canonical else world.sample_scene(rng, p), frames)
-                      for p in PROMPTS])
+    clips = np.stack(
+        [world.render(world.canonical_scene(p) if canonical else world.sample_scene(rng, p), frames) for p in PROMPTS]
+    )
     return np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(clips)))
 
 
@@ -203,9 +223,9 @@ class NextChunk(NamedTuple):
     """`next_chunk`'s reading: per frame of the generated chunk, the median over (clip, named shape) of the distance
     (px) from the shape's detected centre to the world's (inf where it is not detected)."""
 
-    model: np.ndarray     # float64 [chunk_frames]: the model's chunk
-    still: np.ndarray     # float64 [chunk_frames]: the last frame before the chunk held still (no motion at all)
-    world: np.ndarray     # float64 [chunk_frames]: the world's own chunk through the latent map (the floor)
+    model: np.ndarray  # float64 [chunk_frames]: the model's chunk
+    still: np.ndarray  # float64 [chunk_frames]: the last frame before the chunk held still (no motion at all)
+    world: np.ndarray  # float64 [chunk_frames]: the world's own chunk through the latent map (the floor)
 
 
 def _world_chunks(model: ToyModel, clips: int, seed: int):
@@ -216,14 +236,22 @@ def _world_chunks(model: ToyModel, clips: int, seed: int):
     st = model.settings
     cf, sink, before = st.chunk_frames, st.sink_frames, st.window_frames - st.chunk_frames
     if sink % cf or before % cf:
-        raise ValueError(f"the world's chunks are committed whole: the sink ({sink}) and the window before a chunk "
-                         f"({before}) must be multiples of the chunk ({cf} frames)")
+        raise ValueError(
+            f"the world's chunks are committed whole: the sink ({sink}) and the window before a chunk "
+            f"({before}) must be multiples of the chunk ({cf} frames)"
+        )
     rng = np.random.default_rng([seed, clips])
     prompts = [world.random_prompt(rng) for _ in range(clips)]
     starts = rng.integers(sink + before, NEXT_START, clips)
     scenes = [world.canonical_scene(p) for p in prompts]
-    context = np.stack([np.concatenate([world.render(sc, sink), world.render(sc, before, int(t) - before)])
-                        if before else world.render(sc, sink) for sc, t in zip(scenes, starts)])
+    context = np.stack(
+        [
+            np.concatenate([world.render(sc, sink), world.render(sc, before, int(t) - before)])
+            if before
+            else world.render(sc, sink)
+            for sc, t in zip(scenes, starts)
+        ]
+    )
     truth = np.stack([world.render(sc, cf, int(t)) for sc, t in zip(scenes, starts)])
     return prompts, starts, context, truth
 
@@ -246,21 +274,28 @@ def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) ->
     negative = model.negative_context(clips, rc)
     state = R.init_state(model.params, model.config, rc, model.context(prompts), negative)
     state = R.jit_commit(model.params, model.config, rc, state, model.latent_map.encode(context))
-    out = R.jit_rollout(model.params, model.config, rc, None, num_chunks=1, key=jax.random.key(seed), state=state,
-                        first_chunk=context.shape[1] // st.chunk_frames)
+    out = R.jit_rollout(
+        model.params,
+        model.config,
+        rc,
+        None,
+        num_chunks=1,
+        key=jax.random.key(seed),
+        state=state,
+        first_chunk=context.shape[1] // st.chunk_frames,
+    )
     generated = np.asarray(model.latent_map.decode_uint8(out.latents))
     still = np.repeat(context[:, -1:], st.chunk_frames, axis=1)
     through_map = np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(truth)))
-    return NextChunk(*(np.median(chunk_errors(v, prompts, starts), axis=0)
-                       for v in (generated, still, through_map)))
+    return NextChunk(*(np.median(chunk_errors(v, prompts, starts), axis=0) for v in (generated, still, through_map)))
 
 
 class DenoisingErrors(NamedTuple):
     """`denoising_errors`' reading: mean squared error in latent units (mean over clips, positions, channels)."""
 
-    sigmas: np.ndarray    # float64 [levels]: the sampler's noise levels, first step first
-    model: np.ndarray     # float64 [levels, chunk_frames]: of the model's x0 prediction at each level, per frame
-    still: np.ndarray     # float64 [chunk_frames]: of the last frame before the chunk held still
+    sigmas: np.ndarray  # float64 [levels]: the sampler's noise levels, first step first
+    model: np.ndarray  # float64 [levels, chunk_frames]: of the model's x0 prediction at each level, per frame
+    still: np.ndarray  # float64 [chunk_frames]: of the last frame before the chunk held still
 
 
 def denoising_errors(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) -> DenoisingErrors:
@@ -279,7 +314,7 @@ def denoising_errors(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SE
     st = model.settings
     schedule = st.schedule()
     prompts, _, context, truth = _world_chunks(model, clips, seed)
-    x0 = model.latent_map.encode(np.concatenate([context, truth], axis=1))        # [clips, F, 16, 16, 16]
+    x0 = model.latent_map.encode(np.concatenate([context, truth], axis=1))  # [clips, F, 16, 16, 16]
     eps = np.random.default_rng([seed, clips, 1]).standard_normal(x0.shape).astype(np.float32)
     text = model.context(prompts)
     cf = st.chunk_frames
@@ -287,16 +322,34 @@ def denoising_errors(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SE
     @jax.jit
     def predict(params, x0, eps, text, sigma, timestep):
         xt = (1 - sigma) * x0 + sigma * eps
-        flow = wan.forward_teacher_forcing(params, model.config, x0, xt, jnp.full(x0.shape[:2], timestep), text,
-                                           chunk_frames=cf, window_frames=st.window_frames,
-                                           sink_frames=st.sink_frames)
+        flow = wan.forward_teacher_forcing(
+            params,
+            model.config,
+            x0,
+            xt,
+            jnp.full(x0.shape[:2], timestep),
+            text,
+            chunk_frames=cf,
+            window_frames=st.window_frames,
+            sink_frames=st.sink_frames,
+        )
         return (xt - sigma * flow)[:, -cf:]
 
     sigmas = np.asarray(schedule.sigmas(), np.float64)
-    errors = np.stack([np.mean((np.asarray(predict(model.params, x0, eps, text, np.float32(s), np.float32(t)),
-                                           np.float64) - x0[:, -cf:]) ** 2, axis=(0, 2, 3, 4))
-                       for s, t in zip(sigmas, schedule.timesteps())])
-    still = np.mean((x0[:, -cf - 1:-cf] - x0[:, -cf:]) ** 2, axis=(0, 2, 3, 4))
+    errors = np.stack(
+        [
+            np.mean(
+                (
+                    np.asarray(predict(model.params, x0, eps, text, np.float32(s), np.float32(t)), np.float64)
+                    - x0[:, -cf:]
+                )
+                ** 2,
+                axis=(0, 2, 3, 4),
+            )
+            for s, t in zip(sigmas, schedule.timesteps())
+        ]
+    )
+    still = np.mean((x0[:, -cf - 1 : -cf] - x0[:, -cf:]) ** 2, axis=(0, 2, 3, 4))
     return DenoisingErrors(sigmas, errors.astype(np.float64), still.astype(np.float64))
 
 

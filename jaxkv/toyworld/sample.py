@@ -22,20 +22,29 @@ def rollout_config(model: ToyModel, **overrides) -> R.RolloutConfig:
     return model.settings.rollout_config(**overrides)
 
 
-def stream_frames(model: ToyModel, prompts: list[str], *, num_chunks: int, seed: int = 0,
-                  rc: R.RolloutConfig | None = None) -> Iterator[np.ndarray]:
+def stream_frames(
+    model: ToyModel, prompts: list[str], *, num_chunks: int, seed: int = 0, rc: R.RolloutConfig | None = None
+) -> Iterator[np.ndarray]:
     """Yields each chunk's frames, uint8 [len(prompts), chunk_frames, 64, 64, 3], as the stream makes them."""
     rc = rc if rc is not None else rollout_config(model)
     context = model.context(prompts)
     negative = model.negative_context(len(prompts), rc)
-    stream = R.Stream(model.params, model.config, rc, context, num_chunks=num_chunks, key=jax.random.key(seed),
-                      negative_context=negative)
+    stream = R.Stream(
+        model.params,
+        model.config,
+        rc,
+        context,
+        num_chunks=num_chunks,
+        key=jax.random.key(seed),
+        negative_context=negative,
+    )
     decode = jax.jit(model.latent_map.decode_uint8)
     for chunk in stream:
         yield np.asarray(decode(chunk))
 
 
-def video(model: ToyModel, prompts: list[str], *, num_chunks: int, seed: int = 0,
-          rc: R.RolloutConfig | None = None) -> np.ndarray:
+def video(
+    model: ToyModel, prompts: list[str], *, num_chunks: int, seed: int = 0, rc: R.RolloutConfig | None = None
+) -> np.ndarray:
     """All frames of a stream: uint8 [len(prompts), num_chunks * chunk_frames, 64, 64, 3]."""
     return np.concatenate(list(stream_frames(model, prompts, num_chunks=num_chunks, seed=seed, rc=rc)), axis=1)

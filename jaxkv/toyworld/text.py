@@ -15,8 +15,17 @@ from jaxkv.models.umt5.tokenizer import Tokenizer
 from jaxkv.toyworld.world import VOCABULARY
 
 SPECIAL = ("<pad>", "</s>", "<unk>", ",")
-CONFIG = UMT5Config(vocab_size=32, dim=32, ffn_dim=64, num_heads=4, head_dim=8, num_layers=2, num_buckets=8,
-                    max_distance=12, text_len=16)
+CONFIG = UMT5Config(
+    vocab_size=32,
+    dim=32,
+    ffn_dim=64,
+    num_heads=4,
+    head_dim=8,
+    num_layers=2,
+    num_buckets=8,
+    max_distance=12,
+    text_len=16,
+)
 
 
 def tokenizer_json() -> str:
@@ -28,7 +37,7 @@ def tokenizer_json() -> str:
     vocab = {piece: i for i, piece in enumerate((*SPECIAL, *VOCABULARY))}
     tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()     # words, and the comma as its own piece
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words, and the comma as its own piece
     return tok.to_str()
 
 
@@ -36,8 +45,9 @@ def tokenizer() -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     text = tokenizer_json()
-    return Tokenizer.from_tokenizers(HFTokenizer.from_str(text), source="toy-world tokenizer",
-                                     digest=hashlib.sha256(text.encode()).hexdigest())
+    return Tokenizer.from_tokenizers(
+        HFTokenizer.from_str(text), source="toy-world tokenizer", digest=hashlib.sha256(text.encode()).hexdigest()
+    )
 
 
 def init_text_params(seed: int) -> dict:

@@ -75,25 +75,25 @@ from jaxkv.validate import is_real
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    batch: int = 8               # clips per teacher-forcing step
-    steps: int = 1300            # teacher-forcing steps
+    batch: int = 8  # clips per teacher-forcing step
+    steps: int = 1300  # teacher-forcing steps
     lr: float = 2e-3
     warmup: int = 100
-    start_share: float = 0.5     # clips that run straight on from the sink (a stream's beginning)
-    text_dropout: float = 0.0    # clips whose text is the empty prompt (what classifier-free guidance subtracts)
-    pure_noise_share: float = 0.0    # chunks trained at sigma 1 exactly (the sampler's first step) among `noise_levels`
-    refine_steps: int = 300      # stage 3: teacher-forcing steps from stage 2's weights (see the module docstring)
+    start_share: float = 0.5  # clips that run straight on from the sink (a stream's beginning)
+    text_dropout: float = 0.0  # clips whose text is the empty prompt (what classifier-free guidance subtracts)
+    pure_noise_share: float = 0.0  # chunks trained at sigma 1 exactly (the sampler's first step) among `noise_levels`
+    refine_steps: int = 300  # stage 3: teacher-forcing steps from stage 2's weights (see the module docstring)
     refine_lr: float = 5e-4
     refine_warmup: int = 20
-    refine_pure_noise_share: float = 0.25    # `pure_noise_share` of stage 3
-    sf_steps: int = 600          # self-forcing steps (see the module docstring)
-    sf_chunks: int = 4           # chunks a self-forcing clip rolls out after its committed frames (past the cache)
+    refine_pure_noise_share: float = 0.25  # `pure_noise_share` of stage 3
+    sf_steps: int = 600  # self-forcing steps (see the module docstring)
+    sf_chunks: int = 4  # chunks a self-forcing clip rolls out after its committed frames (past the cache)
     sf_batch: int = 4
     sf_lr: float = 1e-4
-    sf_colour_weight: float = 0.1    # weight of stage 4's colour-share term (`colour_share_error`)
+    sf_colour_weight: float = 0.1  # weight of stage 4's colour-share term (`colour_share_error`)
     # weight of stage 4's outline term (`outline_error`); 0 in the shipped recipe so far (README "The outline term")
     sf_outline_weight: float = 0.0
-    fit_frames: int = 2048       # frames the latent map is fitted on
+    fit_frames: int = 2048  # frames the latent map is fitted on
     snapshot_every: int = 250
     # Recompute each DiT block's activations in the backward pass instead of storing them (`jax.checkpoint`):
     # on 2 CPU cores teacher-forcing steps 1.2-1.3x and self-forcing steps 1.7-2.1x faster (benchmarks/train_step.py),
@@ -110,8 +110,9 @@ class TrainConfig:
 
     def wan_config(self) -> WanConfig:
         """The DiT's `WanConfig`: `jaxkv.toyworld.model.WAN_CONFIG` with this config's width, heads and depth."""
-        return dataclasses.replace(WAN_CONFIG, dim=self.dit_dim, ffn_dim=self.dit_ffn_dim, num_heads=self.dit_heads,
-                                   num_layers=self.dit_layers)
+        return dataclasses.replace(
+            WAN_CONFIG, dim=self.dit_dim, ffn_dim=self.dit_ffn_dim, num_heads=self.dit_heads, num_layers=self.dit_layers
+        )
 
     def __post_init__(self):
         for name in ("start_share", "text_dropout", "pure_noise_share", "refine_pure_noise_share"):
@@ -131,8 +132,10 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} is a size, an int >= 1; got {value!r}")
         if self.dit_dim % (2 * self.dit_heads):
-            raise ValueError(f"TrainConfig.dit_dim ({self.dit_dim}) must split into dit_heads ({self.dit_heads}) "
-                             f"heads of an even width (RoPE rotates channel pairs)")
+            raise ValueError(
+                f"TrainConfig.dit_dim ({self.dit_dim}) must split into dit_heads ({self.dit_heads}) "
+                f"heads of an even width (RoPE rotates channel pairs)"
+            )
 
 
 # Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
@@ -156,16 +159,26 @@ def fit_latent_map(tc: TrainConfig) -> latents.LatentMap:
 class Batch(NamedTuple):
     """What `batch` draws (``size`` clips)."""
 
-    latents: np.ndarray     # float32 [size, sink_frames + after_sink, 16, 16, 16]
-    ids: np.ndarray         # int32 [size, text_len]: the prompts' tokens
-    mask: np.ndarray        # int32 [size, text_len]
-    at_start: np.ndarray    # bool [size]: the clip runs straight on from the sink
-    objects: np.ndarray     # int32 [size, world.MAX_OBJECTS, 2]: (colour, shape) index of each named object in
-                            # prompt order (into world.COLOURS, world.SHAPES); -1 rows where a prompt names fewer
+    latents: np.ndarray  # float32 [size, sink_frames + after_sink, 16, 16, 16]
+    ids: np.ndarray  # int32 [size, text_len]: the prompts' tokens
+    mask: np.ndarray  # int32 [size, text_len]
+    at_start: np.ndarray  # bool [size]: the clip runs straight on from the sink
+    objects: np.ndarray  # int32 [size, world.MAX_OBJECTS, 2]: (colour, shape) index of each named object in
+    # prompt order (into world.COLOURS, world.SHAPES); -1 rows where a prompt names fewer
 
 
-def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step: int, size: int,
-          start_share: float, text_dropout: float = 0.0, after_sink: int | None = None) -> Batch:
+def batch(
+    latent_map,
+    tokenizer,
+    settings: Settings,
+    seed: int,
+    stage: int,
+    step: int,
+    size: int,
+    start_share: float,
+    text_dropout: float = 0.0,
+    after_sink: int | None = None,
+) -> Batch:
     """A `Batch` of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone. Each clip is a
     random prompt's `world.canonical_scene`: its first ``sink_frames`` frames (the sink), then ``after_sink`` frames
     (default ``window_frames``; more for a clip that runs on past the cache) from frame ``sink_frames`` on
@@ -179,8 +192,12 @@ def batch(latent_map, tokenizer, settings: Settings, seed: int, stage: int, step
     starts = np.where(at_start, sink, rng.integers(sink + 1, MAX_START + 1, size))
     scenes = [world.canonical_scene(p) for p in prompts]
     after_sink = settings.window_frames if after_sink is None else after_sink
-    video = np.stack([np.concatenate([world.render(scene, sink), world.render(scene, after_sink, int(t))])
-                      for scene, t in zip(scenes, starts)])
+    video = np.stack(
+        [
+            np.concatenate([world.render(scene, sink), world.render(scene, after_sink, int(t))])
+            for scene, t in zip(scenes, starts)
+        ]
+    )
     objects = np.full((size, world.MAX_OBJECTS, 2), -1, np.int32)
     for clip, scene in zip(objects, scenes):
         for row, thing in zip(clip, scene.things):
@@ -209,6 +226,7 @@ _ZERO_INIT = ("self_attn.o.", "cross_attn.o.", "ffn.fc2.", "head.head.")
 def init_dit(key, config: WanConfig = WAN_CONFIG) -> dict:
     """The DiT's starting params (shaped by ``config``): `wan.init_params`, then the `_ZERO_INIT` leaves zeroed,
     biases zero and norm scales one."""
+
     def start(path, x):
         name = jax.tree_util.keystr(path, simple=True, separator=".") + "."
         if any(part in name for part in _ZERO_INIT) or name.endswith(".bias."):
@@ -243,8 +261,18 @@ def noise_levels(key, shape, shift: float, pure_noise_share: float = 0.0):
     return sigma
 
 
-def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings, pure_noise_share: float = 0.0,
-                         remat: bool = False, config: WanConfig = WAN_CONFIG):
+def teacher_forcing_loss(
+    params,
+    x0,
+    ids,
+    mask,
+    at_start,
+    key,
+    settings: Settings,
+    pure_noise_share: float = 0.0,
+    remat: bool = False,
+    config: WanConfig = WAN_CONFIG,
+):
     """Flow-matching loss of clips x0 [B, F, h, w, c] (`batch`), every chunk denoised after the clean chunks before
     it (`wan.forward_teacher_forcing`, its blocks under `jax.checkpoint` with ``remat``) at its own noise level
     (`noise_levels`); the mean over the `supervised_chunks`."""
@@ -254,11 +282,19 @@ def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Setting
     sigma = jnp.repeat(noise_levels(k_level, (b, f // cf), settings.shift, pure_noise_share), cf, axis=1)  # [B, F]
     eps = jax.random.normal(k_eps, x0.shape)
     xt = (1 - sigma[..., None, None, None]) * x0 + sigma[..., None, None, None] * eps
-    flow = wan.forward_teacher_forcing(params["dit"], config, x0, xt, 1000.0 * sigma,
-                                       _context(params["text"], ids, mask), chunk_frames=cf,
-                                       window_frames=settings.window_frames, sink_frames=settings.sink_frames,
-                                       remat=remat)
-    per_frame = jnp.mean((flow - (eps - x0)) ** 2, axis=(2, 3, 4))              # [B, F]
+    flow = wan.forward_teacher_forcing(
+        params["dit"],
+        config,
+        x0,
+        xt,
+        1000.0 * sigma,
+        _context(params["text"], ids, mask),
+        chunk_frames=cf,
+        window_frames=settings.window_frames,
+        sink_frames=settings.sink_frames,
+        remat=remat,
+    )
+    per_frame = jnp.mean((flow - (eps - x0)) ** 2, axis=(2, 3, 4))  # [B, F]
     weight = jnp.repeat(supervised_chunks(at_start, settings), cf, axis=1).astype(jnp.float32)
     return jnp.sum(per_frame * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
@@ -267,7 +303,7 @@ def teacher_forcing_loss(params, x0, ids, mask, at_start, key, settings: Setting
 # of `colour_shares`' soft assignment of a pixel to it (by squared RGB distance; any two palette colours are >= 0.95
 # apart in it, 19 temperatures, so a pixel near a colour goes almost wholly to it).
 PALETTE = np.asarray([world.BACKGROUND, world.WALL, *world.COLOURS.values()], np.float32) / 127.5 - 1.0
-SHAPE_COLOURS = slice(2, None)          # the shape colours' entries of PALETTE
+SHAPE_COLOURS = slice(2, None)  # the shape colours' entries of PALETTE
 SHARE_TEMPERATURE = 0.05
 
 
@@ -277,7 +313,7 @@ def colour_shares(latent_map: latents.LatentMap, x) -> jax.Array:
     decoded by ``latent_map``'s linear map (no clamp). On the world's own frames it is each colour's pixel count
     to within half a percentage point (the map blurs the edges)."""
     patches = (jnp.asarray(x, jnp.float32) * latent_map.std) @ latent_map.basis.T + latent_map.mean
-    pixels = patches.reshape(*patches.shape[:-1], -1, 3)                     # [..., F, h, w, 16 pixels, RGB]
+    pixels = patches.reshape(*patches.shape[:-1], -1, 3)  # [..., F, h, w, 16 pixels, RGB]
     return 100.0 * jnp.mean(_palette_weights(pixels), axis=(-4, -3, -2))
 
 
@@ -292,8 +328,9 @@ def colour_share_error(latent_map: latents.LatentMap, x, target) -> jax.Array:
     squared) between latents x and target [..., F, h, w, 16]. Blind to where a shape is, so it does not reward what
     the squared error of a rollout rewards where the model is unsure of a shape's place: the mean of its possible
     places, a fainter, wider shape (README "The toy world": self-forcing faded the shapes without it)."""
-    return jnp.mean((colour_shares(latent_map, x)[..., SHAPE_COLOURS]
-                     - colour_shares(latent_map, target)[..., SHAPE_COLOURS]) ** 2)
+    return jnp.mean(
+        (colour_shares(latent_map, x)[..., SHAPE_COLOURS] - colour_shares(latent_map, target)[..., SHAPE_COLOURS]) ** 2
+    )
 
 
 # `outline_error`: a shape's soft mask weighs a pixel by the sigmoid of minus its signed distance (px) to the outline
@@ -304,7 +341,7 @@ def colour_share_error(latent_map: latents.LatentMap, x, target) -> jax.Array:
 OUTLINE_SOFTNESS = 0.7
 OUTLINE_PRESENT = 40.0
 OUTLINE_CLEAR = 0.05
-_PIXEL_CENTRES = np.mgrid[0:world.SIZE, 0:world.SIZE].astype(np.float32) + 0.5     # [2 (y, x), SIZE, SIZE]
+_PIXEL_CENTRES = np.mgrid[0 : world.SIZE, 0 : world.SIZE].astype(np.float32) + 0.5  # [2 (y, x), SIZE, SIZE]
 
 
 def shape_outline(shape, centre) -> jax.Array:
@@ -314,12 +351,15 @@ def shape_outline(shape, centre) -> jax.Array:
     dy = _PIXEL_CENTRES[0] - centre[..., 1, None, None]
     dx = _PIXEL_CENTRES[1] - centre[..., 0, None, None]
     r = world.TRIANGLE_R
-    distance = {"circle": jnp.sqrt(dx * dx + dy * dy + 1e-12) - world.RADIUS,
-                "square": jnp.maximum(jnp.abs(dx), jnp.abs(dy)) - world.HALF_SIDE,
-                # the slanted edges' normals have length 2 in (sqrt(3) dx, -dy); the base is y = +r/2
-                "triangle": jnp.maximum((np.sqrt(3.0) * jnp.abs(dx) - dy - r) / 2.0, dy - r / 2.0)}
-    chosen = sum(jnp.where(jnp.asarray(shape)[..., None, None] == i, distance[name], 0.0)
-                 for i, name in enumerate(world.SHAPES))
+    distance = {
+        "circle": jnp.sqrt(dx * dx + dy * dy + 1e-12) - world.RADIUS,
+        "square": jnp.maximum(jnp.abs(dx), jnp.abs(dy)) - world.HALF_SIDE,
+        # the slanted edges' normals have length 2 in (sqrt(3) dx, -dy); the base is y = +r/2
+        "triangle": jnp.maximum((np.sqrt(3.0) * jnp.abs(dx) - dy - r) / 2.0, dy - r / 2.0),
+    }
+    chosen = sum(
+        jnp.where(jnp.asarray(shape)[..., None, None] == i, distance[name], 0.0) for i, name in enumerate(world.SHAPES)
+    )
     return jax.nn.sigmoid(-chosen / OUTLINE_SOFTNESS)
 
 
@@ -335,32 +375,51 @@ def outline_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
     Blind to where a shape is, like `colour_share_error`: the squared error to the world's frames rewards, where the
     model is unsure of a shape's place, a blob spread over its possible places; this term rewards the named shape,
     whole and sharp, wherever the model draws it. On the world's own frames (through the map) it is ~0.09."""
-    masks = _palette_weights(latent_map.decode(x, clamp=False))[..., SHAPE_COLOURS]   # [B, F, SIZE, SIZE, colours]
+    masks = _palette_weights(latent_map.decode(x, clamp=False))[..., SHAPE_COLOURS]  # [B, F, SIZE, SIZE, colours]
     objects = jnp.asarray(objects)
-    named = objects[..., 0] >= 0                                             # [B, N]
+    named = objects[..., 0] >= 0  # [B, N]
     drawn = jnp.einsum("bfyxc,bnc->bnfyx", masks, jax.nn.one_hot(objects[..., 0], masks.shape[-1]))
-    mass = jnp.sum(drawn, axis=(-2, -1))                                     # [B, N, F]
-    centre = jnp.stack([jnp.sum(drawn * _PIXEL_CENTRES[1], axis=(-2, -1)),
-                        jnp.sum(drawn * _PIXEL_CENTRES[0], axis=(-2, -1))], -1) / jnp.maximum(mass, 1e-3)[..., None]
+    mass = jnp.sum(drawn, axis=(-2, -1))  # [B, N, F]
+    centre = (
+        jnp.stack(
+            [jnp.sum(drawn * _PIXEL_CENTRES[1], axis=(-2, -1)), jnp.sum(drawn * _PIXEL_CENTRES[0], axis=(-2, -1))], -1
+        )
+        / jnp.maximum(mass, 1e-3)[..., None]
+    )
     outline = shape_outline(jnp.maximum(objects[..., 1], 0)[:, :, None], jax.lax.stop_gradient(centre))
-    outline = outline * named[:, :, None, None, None]                        # [B, N, F, SIZE, SIZE]
+    outline = outline * named[:, :, None, None, None]  # [B, N, F, SIZE, SIZE]
     count = objects.shape[1]
     errors, weights = [], []
     for n in range(count):
-        on_top = 1.0 - jnp.prod(1.0 - outline[:, n + 1:], axis=1) if n + 1 < count else 0.0
-        area = jnp.maximum(jnp.sum(outline[:, n], axis=(-2, -1)), 1.0)       # [B, F]
+        on_top = 1.0 - jnp.prod(1.0 - outline[:, n + 1 :], axis=1) if n + 1 < count else 0.0
+        area = jnp.maximum(jnp.sum(outline[:, n], axis=(-2, -1)), 1.0)  # [B, F]
         target = outline[:, n] * (1.0 - on_top)
         errors.append(jnp.sum((drawn[:, n] - target) ** 2, axis=(-2, -1)) / area)
         under = jnp.sum(outline[:, n] * on_top, axis=(-2, -1)) / area
-        weights.append(jax.lax.stop_gradient(named[:, n, None] & (mass[:, n] >= OUTLINE_PRESENT)
-                                             & (under <= OUTLINE_CLEAR)).astype(jnp.float32))
+        weights.append(
+            jax.lax.stop_gradient(
+                named[:, n, None] & (mass[:, n] >= OUTLINE_PRESENT) & (under <= OUTLINE_CLEAR)
+            ).astype(jnp.float32)
+        )
     errors, weights = jnp.stack(errors), jnp.stack(weights)
     return jnp.sum(errors * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
-                      latent_map: latents.LatentMap | None = None, colour_weight: float = 0.0, remat: bool = False,
-                      objects=None, outline_weight: float = 0.0, config: WanConfig = WAN_CONFIG):
+def self_forcing_loss(
+    params,
+    x0,
+    ids,
+    mask,
+    at_start,
+    key,
+    settings: Settings,
+    latent_map: latents.LatentMap | None = None,
+    colour_weight: float = 0.0,
+    remat: bool = False,
+    objects=None,
+    outline_weight: float = 0.0,
+    config: WanConfig = WAN_CONFIG,
+):
     """x0 [B, F, ...] (`batch`, ``after_sink`` frames after the sink): commit the sink and the first
     `context_chunks` window chunks, roll the other (F - committed) / chunk_frames chunks out on the ring (noise of
     chunk n from ``fold_in(key, n)``, n counted from the stream's first chunk); the mean squared error of the
@@ -369,18 +428,27 @@ def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
     ``latent_map`` that decodes the latents. ``remat``: the rollout's blocks under `jax.checkpoint`
     (`jaxkv.rollout.RolloutConfig.remat`)."""
     if (colour_weight or outline_weight) and latent_map is None:
-        raise ValueError("self_forcing_loss: a colour_weight or outline_weight needs the latent_map that decodes the "
-                         "latents")
+        raise ValueError(
+            "self_forcing_loss: a colour_weight or outline_weight needs the latent_map that decodes the latents"
+        )
     if outline_weight and objects is None:
         raise ValueError("self_forcing_loss: an outline_weight needs the clips' named objects (Batch.objects)")
-    rc = settings.rollout_config(guidance_scale=None, remat=remat)   # training rolls out the conditional model alone
+    rc = settings.rollout_config(guidance_scale=None, remat=remat)  # training rolls out the conditional model alone
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
     state = R.init_state(params["dit"], config, rc, _context(params["text"], ids, mask))
-    state = R.commit(params["dit"], config, rc, state, x0[:, :committed * cf])
-    out = R.rollout(params["dit"], config, rc, None, num_chunks=x0.shape[1] // cf - committed, key=key,
-                    state=state, first_chunk=committed)
-    target = x0[:, committed * cf:]
+    state = R.commit(params["dit"], config, rc, state, x0[:, : committed * cf])
+    out = R.rollout(
+        params["dit"],
+        config,
+        rc,
+        None,
+        num_chunks=x0.shape[1] // cf - committed,
+        key=key,
+        state=state,
+        first_chunk=committed,
+    )
+    target = x0[:, committed * cf :]
     loss = jnp.mean((out.latents - target) ** 2)
     if colour_weight:
         loss = loss + colour_weight * colour_share_error(latent_map, out.latents, target)
@@ -390,13 +458,15 @@ def self_forcing_loss(params, x0, ids, mask, at_start, key, settings: Settings,
 
 
 def _optimizer(lr: float, steps: int, warmup: int):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(warmup, max(steps - 1, 1)), max(steps, 2),
-                                                  end_value=lr * 0.1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, min(warmup, max(steps - 1, 1)), max(steps, 2), end_value=lr * 0.1
+    )
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
 
 
 def _step_fn(loss_fn, optimizer):
     """One optax step of ``loss_fn(params, batch: Batch, key)``, jit-compiled."""
+
     @jax.jit
     def step(params, opt_state, clips: Batch, key):
         loss, grads = jax.value_and_grad(loss_fn)(params, clips, key)
@@ -409,8 +479,17 @@ def _step_fn(loss_fn, optimizer):
 # ------------------------------------------------------------------------------------------------ snapshots
 
 
-def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: list[float], done: list,
-                   seconds: tuple[float, float], tc: TrainConfig) -> None:
+def _save_snapshot(
+    path: str,
+    stage: int,
+    step: int,
+    params,
+    opt_state,
+    losses: list[float],
+    done: list,
+    seconds: tuple[float, float],
+    tc: TrainConfig,
+) -> None:
     """params + optimizer state + position, atomically (a Ctrl-C while writing keeps the previous snapshot).
     ``seconds``: (the run's, the stage's) training time so far, so a resumed run records the whole of it; ``tc``
     the run's config, which a resumed run must repeat."""
@@ -421,9 +500,18 @@ def _save_snapshot(path: str, stage: int, step: int, params, opt_state, losses: 
     os.makedirs(tmp, exist_ok=True)
     save_file({f"{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}, os.path.join(tmp, "state.safetensors"))
     with open(os.path.join(tmp, "position.json"), "w") as f:
-        json.dump({"stage": stage, "step": step, "losses": losses, "finished_stages": done,
-                   "seconds": round(seconds[0], 1), "stage_seconds": round(seconds[1], 1),
-                   "train_config": dataclasses.asdict(tc)}, f)
+        json.dump(
+            {
+                "stage": stage,
+                "step": step,
+                "losses": losses,
+                "finished_stages": done,
+                "seconds": round(seconds[0], 1),
+                "stage_seconds": round(seconds[1], 1),
+                "train_config": dataclasses.asdict(tc),
+            },
+            f,
+        )
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)
@@ -454,10 +542,23 @@ def _load_snapshot(path: str, template):
 # field changes; fields not listed change every stage (seed, fit_frames, start_share, text_dropout: the latent map and
 # the clips) but those in _RESUME_FREE, which change how a step is computed, not what (remat: float rounding only,
 # like resuming on another machine; each stage's record says whether it ran with remat).
-_FIELD_STAGES = {"batch": (0, 1), "steps": (0,), "lr": (0,), "warmup": (0,), "pure_noise_share": (0,),
-                 "refine_steps": (1,), "refine_lr": (1,), "refine_warmup": (1,), "refine_pure_noise_share": (1,),
-                 "sf_steps": (2,), "sf_chunks": (2,), "sf_batch": (2,), "sf_lr": (2,), "sf_colour_weight": (2,),
-                 "sf_outline_weight": (2,)}
+_FIELD_STAGES = {
+    "batch": (0, 1),
+    "steps": (0,),
+    "lr": (0,),
+    "warmup": (0,),
+    "pure_noise_share": (0,),
+    "refine_steps": (1,),
+    "refine_lr": (1,),
+    "refine_warmup": (1,),
+    "refine_pure_noise_share": (1,),
+    "sf_steps": (2,),
+    "sf_chunks": (2,),
+    "sf_batch": (2,),
+    "sf_lr": (2,),
+    "sf_colour_weight": (2,),
+    "sf_outline_weight": (2,),
+}
 _RESUME_FREE = ("remat",)
 # The value a field added after snapshots began recording their config had before it existed (else its default).
 _BEFORE_FIELD = {"sf_outline_weight": 0.0}
@@ -480,8 +581,16 @@ def resume_conflicts(position: dict, tc: TrainConfig) -> list[tuple[str, Any, An
     return out
 
 
-def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settings(), *, resume: bool = False,
-          progress: bool = True, command: str | None = None, force: bool = False) -> dict[str, Any]:
+def train(
+    out: str,
+    tc: TrainConfig = TrainConfig(),
+    settings: Settings = Settings(),
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
     """Trains from scratch (or from the snapshot in ``out + '.partial'`` with ``resume``) and writes the release to
     ``out`` (`jaxkv.toyworld.model.save`). Returns the training record stored in its toyworld.json."""
     from tqdm import tqdm
@@ -491,40 +600,73 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         raise FileExistsError(f"{out} exists; pass force=True (--overwrite) to replace a toy-world release")
     if resume and not os.path.isdir(snapshot):
         raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
-    if resume:      # a resumed run is the interrupted one continued: same config, or its steps would not be its own
+    if resume:  # a resumed run is the interrupted one continued: same config, or its steps would not be its own
         interrupted = _read_position(snapshot)
-        saved = interrupted.get("train_config")                      # (snapshots before this check hold none)
+        saved = interrupted.get("train_config")  # (snapshots before this check hold none)
         changed = resume_conflicts(interrupted, tc)
         if changed:
-            raise ValueError(f"--resume: the snapshot at {snapshot} was written by a run with other settings ("
-                             + ", ".join(f"{k} {there!r} there, {here!r} here" for k, there, here in changed)
-                             + "); resume with the flags it was started with")
+            raise ValueError(
+                f"--resume: the snapshot at {snapshot} was written by a run with other settings ("
+                + ", ".join(f"{k} {there!r} there, {here!r} here" for k, there, here in changed)
+                + "); resume with the flags it was started with"
+            )
     started = time.perf_counter()
     latent_map = fit_latent_map(tc)
     tokenizer = text.tokenizer()
     key = jax.random.key(tc.seed)
     config = tc.wan_config()
-    params = {"dit": init_dit(jax.random.fold_in(key, 0), config),
-              "text": text.init_text_params(tc.seed)}
+    params = {"dit": init_dit(jax.random.fold_in(key, 0), config), "text": text.init_text_params(tc.seed)}
+
     def teacher_forcing(pure_noise_share):
-        return lambda p, b, k: teacher_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings,
-                                                 pure_noise_share, tc.remat, config)
+        return lambda p, b, k: teacher_forcing_loss(
+            p, b.latents, b.ids, b.mask, b.at_start, k, settings, pure_noise_share, tc.remat, config
+        )
 
     # (name, steps, batch, frames after the sink, loss, optimizer): stages 2, 3 and 4 of the docstring
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
     stages = [
-        ("teacher forcing", tc.steps, tc.batch, settings.window_frames, teacher_forcing(tc.pure_noise_share),
-         _optimizer(tc.lr, tc.steps, tc.warmup)),
-        ("teacher forcing, level-1 share", tc.refine_steps, tc.batch, settings.window_frames,
-         teacher_forcing(tc.refine_pure_noise_share), _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup)),
-        ("self-forcing", tc.sf_steps, tc.sf_batch, sf_frames,
-         lambda p, b, k: self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map,
-                                           tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight, config),
-         _optimizer(tc.sf_lr, tc.sf_steps, 20)),
+        (
+            "teacher forcing",
+            tc.steps,
+            tc.batch,
+            settings.window_frames,
+            teacher_forcing(tc.pure_noise_share),
+            _optimizer(tc.lr, tc.steps, tc.warmup),
+        ),
+        (
+            "teacher forcing, level-1 share",
+            tc.refine_steps,
+            tc.batch,
+            settings.window_frames,
+            teacher_forcing(tc.refine_pure_noise_share),
+            _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup),
+        ),
+        (
+            "self-forcing",
+            tc.sf_steps,
+            tc.sf_batch,
+            sf_frames,
+            lambda p, b, k: self_forcing_loss(
+                p,
+                b.latents,
+                b.ids,
+                b.mask,
+                b.at_start,
+                k,
+                settings,
+                latent_map,
+                tc.sf_colour_weight,
+                tc.remat,
+                b.objects,
+                tc.sf_outline_weight,
+                config,
+            ),
+            _optimizer(tc.sf_lr, tc.sf_steps, 20),
+        ),
     ]
     record: dict[str, Any] = {"stages": []}
     first_stage, first_step, losses = 0, 0, []
-    before, stage_before = 0.0, 0.0        # seconds spent in earlier processes (a resumed run): run, stage
+    before, stage_before = 0.0, 0.0  # seconds spent in earlier processes (a resumed run): run, stage
     opt_state = stages[0][5].init(params)
     if resume:
         first_stage = _read_position(snapshot)["stage"]
@@ -534,7 +676,7 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         # stage records written before they carried remat: the interrupted run's setting (remat is _RESUME_FREE)
         ran_with = (saved or {}).get("remat", False)
         record["stages"] = [{**s, "remat": s.get("remat", ran_with)} for s in position["finished_stages"]]
-        resumed_remat = ran_with if first_step else tc.remat     # the setting of the stage's steps before this run
+        resumed_remat = ran_with if first_step else tc.remat  # the setting of the stage's steps before this run
         before, stage_before = position.get("seconds", 0.0), position.get("stage_seconds", 0.0)
     for stage in range(first_stage, len(stages)):
         name, steps, size, after_sink, loss_fn, optimizer = stages[stage]
@@ -547,15 +689,27 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
             now = time.perf_counter()
             return before + now - started, stage_before + now - t0
 
-        bar = tqdm(range(first_step, steps), desc=name, disable=not progress, file=sys.stderr, initial=first_step,
-                   total=steps)
-        done = first_step                     # steps of this stage whose update is in params
+        bar = tqdm(
+            range(first_step, steps), desc=name, disable=not progress, file=sys.stderr, initial=first_step, total=steps
+        )
+        done = first_step  # steps of this stage whose update is in params
         try:
             for step in bar:
-                clips = batch(latent_map, tokenizer, settings, tc.seed, stage + 1, step, size, tc.start_share,
-                              tc.text_dropout, after_sink)
-                params, opt_state, loss = step_fn(params, opt_state, clips,
-                                                  jax.random.fold_in(jax.random.fold_in(key, stage + 1), step))
+                clips = batch(
+                    latent_map,
+                    tokenizer,
+                    settings,
+                    tc.seed,
+                    stage + 1,
+                    step,
+                    size,
+                    tc.start_share,
+                    tc.text_dropout,
+                    after_sink,
+                )
+                params, opt_state, loss = step_fn(
+                    params, opt_state, clips, jax.random.fold_in(jax.random.fold_in(key, stage + 1), step)
+                )
                 done = step + 1
                 losses.append(float(loss))
                 if step % 10 == 0:
@@ -565,22 +719,41 @@ def train(out: str, tc: TrainConfig = TrainConfig(), settings: Settings = Settin
         except KeyboardInterrupt:
             bar.close()
             _save_snapshot(snapshot, stage, done, params, opt_state, losses[:done], record["stages"], seconds(), tc)
-            print(f"interrupted: snapshot at {name} step {done} in {snapshot}; continue with --resume",
-                  file=sys.stderr)
+            print(f"interrupted: snapshot at {name} step {done} in {snapshot}; continue with --resume", file=sys.stderr)
             raise
         bar.close()
         remat = tc.remat if stage != first_stage or not resume or resumed_remat == tc.remat else "mixed"
-        record["stages"].append({"name": name, "steps": steps, "seconds": round(seconds()[1], 1), "remat": remat,
-                                 "loss_first_50": float(np.mean(losses[:50])) if losses else None,
-                                 "loss_last_50": float(np.mean(losses[-50:])) if losses else None})
+        record["stages"].append(
+            {
+                "name": name,
+                "steps": steps,
+                "seconds": round(seconds()[1], 1),
+                "remat": remat,
+                "loss_first_50": float(np.mean(losses[:50])) if losses else None,
+                "loss_last_50": float(np.mean(losses[-50:])) if losses else None,
+            }
+        )
         if stage + 1 < len(stages):
-            _save_snapshot(snapshot, stage + 1, 0, params, stages[stage + 1][5].init(params), [], record["stages"],
-                           (seconds()[0], 0.0), tc)
-    record.update(seed=tc.seed, train_config=dataclasses.asdict(tc),
-                  seconds=round(before + time.perf_counter() - started, 1),
-                  command=command or f"python -m jaxkv.toyworld train --out {out} --seed {tc.seed}",
-                  jax_version=jax.__version__)
-    save_release(out, params["dit"], params["text"], latent_map, settings, {"training": record}, config=config,
-                 force=force)
+            _save_snapshot(
+                snapshot,
+                stage + 1,
+                0,
+                params,
+                stages[stage + 1][5].init(params),
+                [],
+                record["stages"],
+                (seconds()[0], 0.0),
+                tc,
+            )
+    record.update(
+        seed=tc.seed,
+        train_config=dataclasses.asdict(tc),
+        seconds=round(before + time.perf_counter() - started, 1),
+        command=command or f"python -m jaxkv.toyworld train --out {out} --seed {tc.seed}",
+        jax_version=jax.__version__,
+    )
+    save_release(
+        out, params["dit"], params["text"], latent_map, settings, {"training": record}, config=config, force=force
+    )
     shutil.rmtree(snapshot, ignore_errors=True)
     return record

@@ -25,22 +25,22 @@ import re
 
 import numpy as np
 
-SIZE = 64                                   # frames are SIZE x SIZE RGB
+SIZE = 64  # frames are SIZE x SIZE RGB
 BACKGROUND = (16, 16, 24)
-WALL = (110, 110, 120)                      # the border; far from every shape colour (see jaxkv.toyworld.metric)
-WALL_WIDTH = 4                              # pixels: one latent patch, so a wall patch is flat grey
+WALL = (110, 110, 120)  # the border; far from every shape colour (see jaxkv.toyworld.metric)
+WALL_WIDTH = 4  # pixels: one latent patch, so a wall patch is flat grey
 COLOURS = {"red": (230, 50, 50), "green": (40, 200, 70), "blue": (60, 100, 240), "yellow": (235, 215, 40)}
 SHAPES = ("circle", "square", "triangle")
-SPEEDS = {"slow": 1.0, "fast": 2.0}         # pixels per frame
-RADIUS = 8.0                                # circle radius; square half-side 7; triangle circumradius 9.5
+SPEEDS = {"slow": 1.0, "fast": 2.0}  # pixels per frame
+RADIUS = 8.0  # circle radius; square half-side 7; triangle circumradius 9.5
 HALF_SIDE = 7.0
 TRIANGLE_R = 9.5
-MARGIN = 14.0                               # centres stay in [MARGIN, SIZE - MARGIN]: shapes fit inside the walls
+MARGIN = 14.0  # centres stay in [MARGIN, SIZE - MARGIN]: shapes fit inside the walls
 MAX_OBJECTS = 2
 # The farthest any pixel of a shape lies from its centre: two shapes whose centres are `REACH` [a] + `REACH` [b]
 # apart cannot overlap.
 REACH = {"circle": RADIUS, "square": HALF_SIDE * math.sqrt(2.0), "triangle": TRIANGLE_R}
-CONTACT_GAP = 1.0        # px kept between two shapes' reaches: they bounce before they touch
+CONTACT_GAP = 1.0  # px kept between two shapes' reaches: they bounce before they touch
 VOCABULARY = ("a", "and", *COLOURS, *SHAPES, *SPEEDS)
 
 
@@ -55,8 +55,8 @@ class Thing:
 
     colour: str
     shape: str
-    position: tuple[float, float] = (SIZE / 2, SIZE / 2)   # (x, y) centre
-    velocity: tuple[float, float] = (0.0, 0.0)              # (dx, dy) per frame
+    position: tuple[float, float] = (SIZE / 2, SIZE / 2)  # (x, y) centre
+    velocity: tuple[float, float] = (0.0, 0.0)  # (dx, dy) per frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +84,18 @@ def parse_prompt(prompt: str) -> tuple[list[tuple[str, str]], str]:
     speed_words = "|".join(SPEEDS)
     match = re.fullmatch(rf"(.+?),?\s+({speed_words})", text)
     if not match:
-        raise ValueError(f"toy-world prompt {prompt!r} must end with a speed ({', '.join(SPEEDS)}), like "
-                         f"'a red circle and a blue square, fast'")
+        raise ValueError(
+            f"toy-world prompt {prompt!r} must end with a speed ({', '.join(SPEEDS)}), like "
+            f"'a red circle and a blue square, fast'"
+        )
     objects = []
     for part in match.group(1).split(" and "):
         words = part.split()
         if len(words) != 3 or words[0] != "a" or words[1] not in COLOURS or words[2] not in SHAPES:
-            raise ValueError(f"toy-world prompt {prompt!r}: {part!r} is not 'a <colour> <shape>' (colours "
-                             f"{', '.join(COLOURS)}; shapes {', '.join(SHAPES)})")
+            raise ValueError(
+                f"toy-world prompt {prompt!r}: {part!r} is not 'a <colour> <shape>' (colours "
+                f"{', '.join(COLOURS)}; shapes {', '.join(SHAPES)})"
+            )
         objects.append((words[1], words[2]))
     _check_objects(objects, match.group(2))
     return objects, match.group(2)
@@ -144,9 +148,10 @@ def canonical_scene(prompt: str) -> Scene:
     `sample_scene` draws the random scenes the metric is tested on."""
     objects, speed = parse_prompt(prompt)
     v = SPEEDS[speed]
-    things = tuple(Thing(colour, shape, position, (v * float(np.cos(np.radians(angle))),
-                                                   v * float(np.sin(np.radians(angle)))))
-                   for (colour, shape), (position, angle) in zip(objects, CANONICAL_STARTS))
+    things = tuple(
+        Thing(colour, shape, position, (v * float(np.cos(np.radians(angle))), v * float(np.sin(np.radians(angle)))))
+        for (colour, shape), (position, angle) in zip(objects, CANONICAL_STARTS)
+    )
     return Scene(things, speed)
 
 
@@ -162,7 +167,7 @@ def trajectory(thing: Thing, frames: int, start: int = 0) -> np.ndarray:
     return MARGIN + np.where(folded > span, 2 * span - folded, folded)
 
 
-_YY, _XX = np.mgrid[0:SIZE, 0:SIZE].astype(np.float64) + 0.5    # pixel centres
+_YY, _XX = np.mgrid[0:SIZE, 0:SIZE].astype(np.float64) + 0.5  # pixel centres
 
 
 def shape_mask(shape: str, centres: np.ndarray) -> np.ndarray:
@@ -173,9 +178,9 @@ def shape_mask(shape: str, centres: np.ndarray) -> np.ndarray:
         return dx * dx + dy * dy <= RADIUS * RADIUS
     if shape == "square":
         return (np.abs(dx) <= HALF_SIDE) & (np.abs(dy) <= HALF_SIDE)
-    if shape == "triangle":   # pointing up: apex at -R, base at +R/2, half-width R*sqrt(3)/2
+    if shape == "triangle":  # pointing up: apex at -R, base at +R/2, half-width R*sqrt(3)/2
         r = TRIANGLE_R
-        return (np.sqrt(3.0) * np.abs(dx) - dy <= r) & (dy <= r / 2)   # the slanted edges, the base
+        return (np.sqrt(3.0) * np.abs(dx) - dy <= r) & (dy <= r / 2)  # the slanted edges, the base
     raise ValueError(f"unknown shape {shape!r}; shapes are {SHAPES}")
 
 
@@ -183,7 +188,7 @@ def empty_frames(frames: int) -> np.ndarray:
     """uint8 [frames, SIZE, SIZE, 3]: the empty box, background inside a `WALL_WIDTH`-pixel wall."""
     video = np.empty((frames, SIZE, SIZE, 3), np.uint8)
     video[:] = WALL
-    video[:, WALL_WIDTH:SIZE - WALL_WIDTH, WALL_WIDTH:SIZE - WALL_WIDTH] = BACKGROUND
+    video[:, WALL_WIDTH : SIZE - WALL_WIDTH, WALL_WIDTH : SIZE - WALL_WIDTH] = BACKGROUND
     return video
 
 
@@ -200,10 +205,10 @@ def paths(scene: Scene, frames: int, start: int = 0, *, bounce: bool = True) -> 
         raise ValueError(f"paths needs frames >= 1 and start >= 0, got frames={frames}, start={start}")
     if len(scene.things) == 1 or not bounce:
         return np.stack([trajectory(thing, frames, start) for thing in scene.things], axis=1)
-    return _pair_path(scene, max(64, 1 << (start + frames - 1).bit_length()))[start:start + frames]
+    return _pair_path(scene, max(64, 1 << (start + frames - 1).bit_length()))[start : start + frames]
 
 
-@functools.lru_cache(maxsize=1024)     # a training run asks for the same few hundred prompts' scenes again and again
+@functools.lru_cache(maxsize=1024)  # a training run asks for the same few hundred prompts' scenes again and again
 def _pair_path(scene: Scene, frames: int) -> np.ndarray:
     """float64 [frames, 2, 2]: a two-shape scene's centres from frame 0, stepped frame by frame (`paths` asks for
     powers of two, so a longer request steps again at most log2 times).
@@ -219,19 +224,19 @@ def _pair_path(scene: Scene, frames: int) -> np.ndarray:
     (ax, ay), (bx, by) = a.position, b.position
     (avx, avy), (bvx, bvy) = a.velocity, b.velocity
     out = np.empty((frames, 4))
-    was_apart = False                                        # the frame before was at least contact apart
+    was_apart = False  # the frame before was at least contact apart
     for t in range(frames):
         out[t] = ax, ay, bx, by
         dx, dy = bx - ax, by - ay
         dist = math.hypot(dx, dy)
         (qax, qay, wax, way), (qbx, qby, wbx, wby) = _wall_step(ax, ay, avx, avy), _wall_step(bx, by, bvx, bvy)
         if math.hypot(qbx - qax, qby - qay) < apart and dist > 0:
-            nx, ny = dx / dist, dy / dist                    # from shape a towards shape b
+            nx, ny = dx / dist, dy / dist  # from shape a towards shape b
             along = wax * nx + way * ny
-            if along > 0:                                    # a closes on b
+            if along > 0:  # a closes on b
                 qax, qay, wax, way = _wall_step(ax, ay, wax - 2 * along * nx, way - 2 * along * ny)
             along = wbx * nx + wby * ny
-            if along < 0:                                    # b closes on a
+            if along < 0:  # b closes on a
                 qbx, qby, wbx, wby = _wall_step(bx, by, wbx - 2 * along * nx, wby - 2 * along * ny)
             if math.hypot(qbx - qax, qby - qay) < apart and dist >= apart and was_apart:
                 qax, qay, wax, way = _wall_step(ax, ay, -avx, -avy)
@@ -239,7 +244,7 @@ def _pair_path(scene: Scene, frames: int) -> np.ndarray:
         was_apart = dist >= apart
         ax, ay, avx, avy, bx, by, bvx, bvy = qax, qay, wax, way, qbx, qby, wbx, wby
     out = out.reshape(frames, 2, 2)
-    out.flags.writeable = False           # shared by every caller of the cache
+    out.flags.writeable = False  # shared by every caller of the cache
     return out
 
 
@@ -258,7 +263,7 @@ def _wall_step(x: float, y: float, vx: float, vy: float) -> tuple[float, float, 
 def render(scene: Scene, frames: int, start: int = 0, *, bounce: bool = True) -> np.ndarray:
     """uint8 [frames, SIZE, SIZE, 3]: frames start .. start + frames - 1 of the scene (shapes bounce off each
     other; with ``bounce=False`` they pass over each other, see `paths`)."""
-    path = paths(scene, frames, start, bounce=bounce)                # [frames, N, 2]; checks frames and start
+    path = paths(scene, frames, start, bounce=bounce)  # [frames, N, 2]; checks frames and start
     video = empty_frames(frames)
     for thing, centres in zip(scene.things, np.moveaxis(path, 1, 0)):
         mask = shape_mask(thing.shape, centres)

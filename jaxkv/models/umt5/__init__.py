@@ -9,6 +9,24 @@ from jaxkv.models.umt5.model import encode, encode_jit, relative_buckets
 from jaxkv.models.umt5.params import init_params, param_shapes, validate_params
 from jaxkv.models.umt5.tokenizer import Tokenizer, TokenizerNotFound, clean_text, tiny_tokenizer
 
-__all__ = ["load", "save", "PRESETS", "UMT5Config", "preset", "EmbeddingsCache", "PromptTruncated", "TextEncoder",
-           "encode_prompts", "encode", "encode_jit", "relative_buckets", "init_params", "param_shapes",
-           "validate_params", "Tokenizer", "TokenizerNotFound", "clean_text", "tiny_tokenizer"]
+__all__ = [
+    "load",
+    "save",
+    "PRESETS",
+    "UMT5Config",
+    "preset",
+    "EmbeddingsCache",
+    "PromptTruncated",
+    "TextEncoder",
+    "encode_prompts",
+    "encode",
+    "encode_jit",
+    "relative_buckets",
+    "init_params",
+    "param_shapes",
+    "validate_params",
+    "Tokenizer",
+    "TokenizerNotFound",
+    "clean_text",
+    "tiny_tokenizer",
+]

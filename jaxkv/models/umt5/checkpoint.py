@@ -1,4 +1,4 @@
-"""The jaxkv umT5 text-encoder checkpoint: a directory that `converters.umt5` (or `save`) writes and
+"""The jaxkv umT5 text-encoder checkpoint: a directory that `jaxkv.convert.umt5` (or `save`) writes and
 `jaxkv.models.umt5.encoder.TextEncoder.load` reads.
 
 Layout::
@@ -24,8 +24,14 @@ from typing import Any
 import numpy as np
 
 from jaxkv import files
-from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text, load_params,
-                                         read_marked_config)
+from jaxkv.models.checkpoint_dir import (
+    CONFIG_FILE,
+    PARAMS_FILE,
+    CheckpointError,
+    config_text,
+    load_params,
+    read_marked_config,
+)
 from jaxkv.models.umt5.config import UMT5Config
 from jaxkv.models.umt5.params import flatten, validate_params
 from jaxkv.models.umt5.tokenizer import TOKENIZER_FILES
@@ -62,8 +68,13 @@ def config_json(config: UMT5Config, fingerprint: str, **extra) -> str:
 def read_config(path: str) -> tuple[UMT5Config, dict[str, Any]]:
     """(UMT5Config, the other entries of config.json) of the checkpoint directory ``path``; CheckpointError for a
     missing directory, a missing or foreign config.json (a Wan DiT checkpoint included)."""
-    data = read_marked_config(path, fmt=FORMAT, version=FORMAT_VERSION, kind="umT5",
-                              hint="a PyTorch / Hugging Face text encoder must first be converted (`jaxkv convert`)")
+    data = read_marked_config(
+        path,
+        fmt=FORMAT,
+        version=FORMAT_VERSION,
+        kind="umT5",
+        hint="a PyTorch / Hugging Face text encoder must first be converted (`jaxkv convert`)",
+    )
     fields = {f: data[f] for f in UMT5Config.__dataclass_fields__ if f in data}
     meta = {k: v for k, v in data.items() if k not in fields}
     try:
@@ -77,8 +88,15 @@ def atomic_directory(path: str, *, force: bool = False, log=None):
     a jaxkv text-encoder checkpoint directory (its tokenizer files included)."""
     return files.atomic_checkpoint_directory(path, force=force, formats=(FORMAT,), optional=TOKENIZER_FILES, log=log)
 
-def save(path: str, config: UMT5Config, params: dict[str, Any], *, tokenizer_files: dict[str, str | bytes] = (),
-         force: bool = False) -> str:
+
+def save(
+    path: str,
+    config: UMT5Config,
+    params: dict[str, Any],
+    *,
+    tokenizer_files: dict[str, str | bytes] = (),
+    force: bool = False,
+) -> str:
     """Writes ``params`` (any float dtype) and ``config`` to the directory ``path`` atomically, with
     ``tokenizer_files`` beside ({file name: bytes to write, or a str path to copy}). Returns the fingerprint.
     Validates the params first: nothing is written on error. (Holds the params in memory; the converter streams.)"""

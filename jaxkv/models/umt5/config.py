@@ -49,12 +49,22 @@ class UMT5Config:
     eos_id: int = 1
 
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "ffn_dim", "num_heads", "head_dim", "num_layers", "num_buckets",
-                     "max_distance", "text_len"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "ffn_dim",
+            "num_heads",
+            "head_dim",
+            "num_layers",
+            "num_buckets",
+            "max_distance",
+            "text_len",
+        ):
             object.__setattr__(self, name, check_int(f"UMT5Config.{name}", getattr(self, name), minimum=1))
         for name in ("pad_id", "eos_id"):
-            object.__setattr__(self, name, check_int(f"UMT5Config.{name}", getattr(self, name), minimum=0,
-                                                     maximum=self.vocab_size - 1))
+            object.__setattr__(
+                self, name, check_int(f"UMT5Config.{name}", getattr(self, name), minimum=0, maximum=self.vocab_size - 1)
+            )
         if self.pad_id == self.eos_id:
             raise ValueError(f"UMT5Config.pad_id and eos_id must differ, both are {self.pad_id}")
         # Bidirectional buckets: num_buckets // 2 per direction, half of them exact offsets, so at least 4 buckets,
@@ -62,8 +72,10 @@ class UMT5Config:
         if self.num_buckets < 4 or self.num_buckets % 2:
             raise ValueError(f"UMT5Config.num_buckets must be an even int >= 4, got {self.num_buckets}")
         if self.max_distance <= self.num_buckets // 4:
-            raise ValueError(f"UMT5Config.max_distance ({self.max_distance}) must exceed the exact-offset buckets per "
-                             f"direction ({self.num_buckets // 4})")
+            raise ValueError(
+                f"UMT5Config.max_distance ({self.max_distance}) must exceed the exact-offset buckets per "
+                f"direction ({self.num_buckets // 4})"
+            )
         eps = self.eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
             raise ValueError(f"UMT5Config.eps must be a finite float > 0, got {eps!r}")
@@ -99,8 +111,17 @@ PRESETS: dict[str, UMT5Config] = {
     "umt5-xxl": UMT5Config(vocab_size=256384, dim=4096, ffn_dim=10240, num_heads=64, head_dim=64, num_layers=24),
     # Feeds the tiny Wan DiT (text_dim 32, text_len 16); vocab 256 holds the embedded tiny tokenizer's pieces.
     # Small max_distance so 16 tokens reach the logarithmic buckets too.
-    "tiny": UMT5Config(vocab_size=256, dim=32, ffn_dim=64, num_heads=4, head_dim=8, num_layers=2, num_buckets=8,
-                       max_distance=12, text_len=16),
+    "tiny": UMT5Config(
+        vocab_size=256,
+        dim=32,
+        ffn_dim=64,
+        num_heads=4,
+        head_dim=8,
+        num_layers=2,
+        num_buckets=8,
+        max_distance=12,
+        text_len=16,
+    ),
 }
 
 

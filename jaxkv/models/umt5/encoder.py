@@ -44,23 +44,31 @@ encode_masked_jit = jax.jit(_encode_masked, static_argnames=("config",))
 def check_tokenizer(tokenizer: Tokenizer, config: UMT5Config) -> None:
     """The tokenizer's special ids and vocabulary must be the encoder's."""
     if (tokenizer.eos_id, tokenizer.pad_id) != (config.eos_id, config.pad_id):
-        raise ValueError(f"{tokenizer.source}: eos/pad ids ({tokenizer.eos_id}, {tokenizer.pad_id}) differ from the "
-                         f"encoder's ({config.eos_id}, {config.pad_id}); the tokenizer does not belong to this encoder")
+        raise ValueError(
+            f"{tokenizer.source}: eos/pad ids ({tokenizer.eos_id}, {tokenizer.pad_id}) differ from the "
+            f"encoder's ({config.eos_id}, {config.pad_id}); the tokenizer does not belong to this encoder"
+        )
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"{tokenizer.source} has {tokenizer.vocab_size} pieces, more than the encoder's vocabulary "
-                         f"of {config.vocab_size}; the tokenizer does not belong to this encoder")
+        raise ValueError(
+            f"{tokenizer.source} has {tokenizer.vocab_size} pieces, more than the encoder's vocabulary "
+            f"of {config.vocab_size}; the tokenizer does not belong to this encoder"
+        )
 
 
-def encode_prompts(params: dict[str, Any], config: UMT5Config, tokenizer: Tokenizer,
-                   prompts: Sequence[str]) -> np.ndarray:
+def encode_prompts(
+    params: dict[str, Any], config: UMT5Config, tokenizer: Tokenizer, prompts: Sequence[str]
+) -> np.ndarray:
     """Wan's text context for ``prompts``: float32 ``[batch, config.text_len, config.dim]``, zero past each prompt's
     length. A prompt longer than ``text_len - 1`` pieces is truncated with a `PromptTruncated` warning."""
     ids, mask, dropped = tokenizer(prompts, config.text_len)
     for i, n in enumerate(dropped):
         if n:
-            warnings.warn(f"prompt {i} has {config.text_len - 1 + n} pieces, more than text_len - 1 = "
-                          f"{config.text_len - 1}; its last {n} were dropped (as Wan's tokenizer truncates)",
-                          PromptTruncated, stacklevel=2)
+            warnings.warn(
+                f"prompt {i} has {config.text_len - 1 + n} pieces, more than text_len - 1 = "
+                f"{config.text_len - 1}; its last {n} were dropped (as Wan's tokenizer truncates)",
+                PromptTruncated,
+                stacklevel=2,
+            )
     check_ids(ids, mask, config)
     return np.asarray(encode_masked_jit(params, config, ids, mask))
 
@@ -90,8 +98,10 @@ class EmbeddingsCache:
         except (OSError, ValueError) as e:
             raise CacheError(f"embeddings-cache entry {path} is unreadable ({e}); delete it to recompute") from None
         if array.shape != shape or array.dtype != np.float32:
-            raise CacheError(f"embeddings-cache entry {path} is {array.dtype} {array.shape}, expected float32 "
-                             f"{shape}; delete it to recompute")
+            raise CacheError(
+                f"embeddings-cache entry {path} is {array.dtype} {array.shape}, expected float32 "
+                f"{shape}; delete it to recompute"
+            )
         return array
 
     def put(self, key: str, array: np.ndarray) -> None:
@@ -117,8 +127,16 @@ class TextEncoder:
     (cached prompts can still be served afterwards).
     """
 
-    def __init__(self, config: UMT5Config, params: dict[str, Any], tokenizer: Tokenizer, *, fingerprint: str,
-                 cache_dir: str | None = None, name: str = ""):
+    def __init__(
+        self,
+        config: UMT5Config,
+        params: dict[str, Any],
+        tokenizer: Tokenizer,
+        *,
+        fingerprint: str,
+        cache_dir: str | None = None,
+        name: str = "",
+    ):
         check_tokenizer(tokenizer, config)
         self.config, self.tokenizer, self.fingerprint, self.name = config, tokenizer, fingerprint, name
         self._params = params
@@ -126,14 +144,21 @@ class TextEncoder:
         self.cache = EmbeddingsCache(cache_dir) if cache_dir is not None else None
 
     @classmethod
-    def load(cls, path: str, *, dtype=None, tokenizer: Tokenizer | None = None,
-             cache_dir: str | None = None) -> "TextEncoder":
-        """Loads a checkpoint written by `converters.umt5` / `checkpoint.save`; the tokenizer comes from the same
+    def load(
+        cls, path: str, *, dtype=None, tokenizer: Tokenizer | None = None, cache_dir: str | None = None
+    ) -> "TextEncoder":
+        """Loads a checkpoint written by `jaxkv.convert.umt5` / `checkpoint.save`; the tokenizer comes from the same
         directory unless given (`tokenizer.TokenizerNotFound` lists where it looked)."""
         tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(path)
         config, params, meta = checkpoint.load(path, dtype=dtype)
-        return cls(config, params, tokenizer, fingerprint=str(meta.get("fingerprint")), cache_dir=cache_dir,
-                   name=os.path.abspath(path))
+        return cls(
+            config,
+            params,
+            tokenizer,
+            fingerprint=str(meta.get("fingerprint")),
+            cache_dir=cache_dir,
+            name=os.path.abspath(path),
+        )
 
     @classmethod
     def tiny(cls, seed: int = 0, *, cache_dir: str | None = None) -> "TextEncoder":
@@ -141,8 +166,14 @@ class TextEncoder:
         seed = check_int("seed", seed, minimum=0)
         config = preset("tiny")
         params = init_params(config, seed)
-        return cls(config, params, tiny_tokenizer(), fingerprint=f"embedded-tiny-v1-seed{seed}", cache_dir=cache_dir,
-                   name=f"embedded tiny (seed {seed})")
+        return cls(
+            config,
+            params,
+            tiny_tokenizer(),
+            fingerprint=f"embedded-tiny-v1-seed{seed}",
+            cache_dir=cache_dir,
+            name=f"embedded tiny (seed {seed})",
+        )
 
     @property
     def released(self) -> bool:
@@ -159,8 +190,15 @@ class TextEncoder:
 
     def cache_key(self, prompt: str) -> str:
         clean = "ftfy" if self.tokenizer.use_ftfy is not False and _has_ftfy() else "subset"
-        fields = [checkpoint.FORMAT, self.fingerprint, self.tokenizer.digest, clean, self._dtype,
-                  self.config.text_len, prompt]
+        fields = [
+            checkpoint.FORMAT,
+            self.fingerprint,
+            self.tokenizer.digest,
+            clean,
+            self._dtype,
+            self.config.text_len,
+            prompt,
+        ]
         return hashlib.sha256(json.dumps(fields, ensure_ascii=True).encode()).hexdigest()
 
     def encode(self, prompts: Sequence[str]) -> np.ndarray:
@@ -175,8 +213,10 @@ class TextEncoder:
         todo = sorted({p for p, o in zip(prompts, out) if o is None})
         if todo:
             if self._params is None:
-                raise RuntimeError(f"the text encoder was released; {len(todo)} prompt(s) are not in the embeddings "
-                                   f"cache and cannot be encoded (load it again)")
+                raise RuntimeError(
+                    f"the text encoder was released; {len(todo)} prompt(s) are not in the embeddings "
+                    f"cache and cannot be encoded (load it again)"
+                )
             fresh = dict(zip(todo, encode_prompts(self._params, self.config, self.tokenizer, todo)))
             for i, p in enumerate(prompts):
                 if out[i] is None:

@@ -33,8 +33,11 @@ def relative_buckets(length: int, config: UMT5Config) -> np.ndarray:
     base = np.where(rel > 0, half, 0)
     dist = np.abs(rel)
     with np.errstate(divide="ignore"):
-        ratio = (np.log(dist.astype(np.float32) / np.float32(max_exact))
-                 / np.float32(math.log(config.max_distance / max_exact)) * np.float32(half - max_exact))
+        ratio = (
+            np.log(dist.astype(np.float32) / np.float32(max_exact))
+            / np.float32(math.log(config.max_distance / max_exact))
+            * np.float32(half - max_exact)
+        )
     large = max_exact + np.where(dist < max_exact, 0, ratio).astype(np.int64)  # truncation, as torch's .long()
     large = np.minimum(large, half - 1)
     return (base + np.where(dist < max_exact, dist, large)).astype(np.int32)
@@ -52,12 +55,12 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
 
 
 def _dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype),
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _block(x: jax.Array, layer: dict[str, Any], buckets: jax.Array, key_mask: jax.Array,
-           config: UMT5Config) -> jax.Array:
+def _block(
+    x: jax.Array, layer: dict[str, Any], buckets: jax.Array, key_mask: jax.Array, config: UMT5Config
+) -> jax.Array:
     b, n, _ = x.shape
     h, hd = config.num_heads, config.head_dim
     attn = layer["attn"]
@@ -121,8 +124,10 @@ def check_ids(ids: np.ndarray, mask: np.ndarray, config: UMT5Config) -> None:
     if ids.ndim != 2 or mask.shape != ids.shape:
         raise ValueError(f"ids and mask must both be [batch, length], got ids {ids.shape} and mask {mask.shape}")
     if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got range [{ids.min()}, {ids.max()}]; "
-                         f"the tokenizer does not match the encoder's vocabulary")
+        raise ValueError(
+            f"token ids must lie in [0, {config.vocab_size}), got range [{ids.min()}, {ids.max()}]; "
+            f"the tokenizer does not match the encoder's vocabulary"
+        )
     lengths = mask.astype(bool).sum(axis=1)
     if ids.size and lengths.min() == 0:
         raise ValueError("every row of mask must keep at least one token (an all-padding row has nothing to attend)")

@@ -36,9 +36,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # noqa: F401  (flatten re-exported)
 from jaxkv.models.umt5.config import UMT5Config
 from jaxkv.validate import check_int
-from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # noqa: F401  (flatten re-exported)
 
 
 def param_shapes(config: UMT5Config) -> dict[str, Any]:
@@ -48,8 +48,13 @@ def param_shapes(config: UMT5Config) -> dict[str, Any]:
         "embedding": (config.vocab_size, d),
         "blocks": {
             "norm1": {"scale": (L, d)},
-            "attn": {"q": {"kernel": (L, d, a)}, "k": {"kernel": (L, d, a)}, "v": {"kernel": (L, d, a)},
-                     "o": {"kernel": (L, a, d)}, "rel_bias": (L, config.num_buckets, config.num_heads)},
+            "attn": {
+                "q": {"kernel": (L, d, a)},
+                "k": {"kernel": (L, d, a)},
+                "v": {"kernel": (L, d, a)},
+                "o": {"kernel": (L, a, d)},
+                "rel_bias": (L, config.num_buckets, config.num_heads),
+            },
             "norm2": {"scale": (L, d)},
             "ffn": {"gate": {"kernel": (L, d, f)}, "up": {"kernel": (L, d, f)}, "down": {"kernel": (L, f, d)}},
         },
@@ -75,9 +80,14 @@ def init_params(config: UMT5Config, seed: int = 0, dtype=jnp.float32) -> dict[st
     d, a, f = config.dim, config.attn_dim, config.ffn_dim
     std = {
         "embedding": 1.0,
-        "blocks.attn.q.kernel": a ** -0.5, "blocks.attn.k.kernel": d ** -0.5, "blocks.attn.v.kernel": d ** -0.5,
-        "blocks.attn.o.kernel": a ** -0.5, "blocks.attn.rel_bias": 1.0, "blocks.ffn.gate.kernel": d ** -0.5,
-        "blocks.ffn.up.kernel": d ** -0.5, "blocks.ffn.down.kernel": f ** -0.5,
+        "blocks.attn.q.kernel": a**-0.5,
+        "blocks.attn.k.kernel": d**-0.5,
+        "blocks.attn.v.kernel": d**-0.5,
+        "blocks.attn.o.kernel": a**-0.5,
+        "blocks.attn.rel_bias": 1.0,
+        "blocks.ffn.gate.kernel": d**-0.5,
+        "blocks.ffn.up.kernel": d**-0.5,
+        "blocks.ffn.down.kernel": f**-0.5,
     }
     out = {}
     for name, shape in sorted(flat_param_shapes(config).items()):

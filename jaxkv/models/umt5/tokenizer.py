@@ -39,13 +39,31 @@ _WHITESPACE = re.compile("[\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u202
 _SINGLE_QUOTES = re.compile("[\u02bc\u2018-\u201b]")
 _DOUBLE_QUOTES = re.compile("[\u201c-\u201f]")
 _ANSI = re.compile("\x1b\\[((?:\\d|;)*)([a-zA-Z])")
-_LIGATURES = {c: unicodedata.normalize("NFKC", chr(c)) for c in
-              (*range(0x0132, 0x0134), 0x0149, *range(0x01C4, 0x01CD), *range(0x01F1, 0x01F4), *range(0xFB00, 0xFB07))}
+_LIGATURES = {
+    c: unicodedata.normalize("NFKC", chr(c))
+    for c in (*range(0x0132, 0x0134), 0x0149, *range(0x01C4, 0x01CD), *range(0x01F1, 0x01F4), *range(0xFB00, 0xFB07))
+}
 _LIGATURES[0xFB05] = "\u017ft"  # long-s + t: ftfy keeps the long s, NFKC would not
-_WIDTH = {0x3000: " ", **{c: unicodedata.normalize("NFKC", chr(c)) for c in range(0xFF01, 0xFFF0)
-                          if unicodedata.normalize("NFKC", chr(c)) != chr(c)}}
-_CONTROL = {c: None for c in (*range(0x00, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F, *range(0x206A, 0x2070), 0xFEFF,
-                              *range(0xFFF9, 0xFFFD))}
+_WIDTH = {
+    0x3000: " ",
+    **{
+        c: unicodedata.normalize("NFKC", chr(c))
+        for c in range(0xFF01, 0xFFF0)
+        if unicodedata.normalize("NFKC", chr(c)) != chr(c)
+    },
+}
+_CONTROL = {
+    c: None
+    for c in (
+        *range(0x00, 0x09),
+        0x0B,
+        *range(0x0E, 0x20),
+        0x7F,
+        *range(0x206A, 0x2070),
+        0xFEFF,
+        *range(0xFFF9, 0xFFFD),
+    )
+}
 # Mojibake: UTF-8 bytes shown through Windows-1252 (or Latin-1, for cp1252's five undefined bytes). Each
 # character of such text stands for one byte; a lead byte C2..F4 followed by its continuation bytes 80..BF is one
 # misread character, repaired in place (so correct accented text around it is left alone).
@@ -133,8 +151,17 @@ class Tokenizer:
       vocab_size: number of pieces.
     """
 
-    def __init__(self, encode_pieces, *, eos_id: int, pad_id: int, vocab_size: int, source: str, digest: str,
-                 use_ftfy: bool | None = None):
+    def __init__(
+        self,
+        encode_pieces,
+        *,
+        eos_id: int,
+        pad_id: int,
+        vocab_size: int,
+        source: str,
+        digest: str,
+        use_ftfy: bool | None = None,
+    ):
         self._encode_pieces = encode_pieces
         self.eos_id, self.pad_id, self.vocab_size = int(eos_id), int(pad_id), int(vocab_size)
         self.source, self.digest, self.use_ftfy = source, digest, use_ftfy
@@ -152,8 +179,15 @@ class Tokenizer:
             import hashlib
 
             digest = hashlib.sha256(tok.to_str().encode()).hexdigest()
-        return cls(lambda text: tok.encode(text, add_special_tokens=False).ids, eos_id=ids["</s>"],
-                   pad_id=ids["<pad>"], vocab_size=tok.get_vocab_size(), source=source, digest=digest, **kw)
+        return cls(
+            lambda text: tok.encode(text, add_special_tokens=False).ids,
+            eos_id=ids["</s>"],
+            pad_id=ids["<pad>"],
+            vocab_size=tok.get_vocab_size(),
+            source=source,
+            digest=digest,
+            **kw,
+        )
 
     @classmethod
     def from_sentencepiece(cls, model_proto: bytes, *, source: str, **kw) -> "Tokenizer":
@@ -163,8 +197,9 @@ class Tokenizer:
         try:
             import sentencepiece
         except ImportError:
-            raise ImportError(f"{source} is a sentencepiece model; reading it needs sentencepiece "
-                              f"(pip install sentencepiece)") from None
+            raise ImportError(
+                f"{source} is a sentencepiece model; reading it needs sentencepiece (pip install sentencepiece)"
+            ) from None
         sp = sentencepiece.SentencePieceProcessor()
         try:
             sp.LoadFromSerializedProto(bytes(model_proto))
@@ -173,9 +208,15 @@ class Tokenizer:
         eos, pad = sp.eos_id(), sp.pad_id()
         if eos < 0 or pad < 0:
             raise ValueError(f"{source}: the sentencepiece model defines no eos/pad id (eos {eos}, pad {pad})")
-        return cls(lambda text: sp.encode(text, out_type=int), eos_id=eos, pad_id=pad,
-                   vocab_size=sp.get_piece_size(), source=source, digest=hashlib.sha256(model_proto).hexdigest(),
-                   **kw)
+        return cls(
+            lambda text: sp.encode(text, out_type=int),
+            eos_id=eos,
+            pad_id=pad,
+            vocab_size=sp.get_piece_size(),
+            source=source,
+            digest=hashlib.sha256(model_proto).hexdigest(),
+            **kw,
+        )
 
     @classmethod
     def from_file(cls, path: str, **kw) -> "Tokenizer":
@@ -228,10 +269,10 @@ class Tokenizer:
         dropped = []
         for row, prompt in enumerate(prompts):
             pieces = self.pieces(prompt)
-            keep = pieces[:text_len - 1] + [self.eos_id]
+            keep = pieces[: text_len - 1] + [self.eos_id]
             dropped.append(len(pieces) + 1 - len(keep))
-            ids[row, :len(keep)] = keep
-            mask[row, :len(keep)] = 1
+            ids[row, : len(keep)] = keep
+            mask[row, : len(keep)] = 1
         return ids, mask, dropped
 
 
@@ -244,9 +285,11 @@ def find_tokenizer(directory: str) -> str:
             looked.append(path)
             if os.path.isfile(path):
                 return path
-    raise TokenizerNotFound(f"no umT5 tokenizer found for {directory}: looked for {', '.join(looked)}. Copy the "
-                            f"tokenizer files of the Wan release (google/umt5-xxl/tokenizer.json or spiece.model) "
-                            f"there; jaxkv never downloads them")
+    raise TokenizerNotFound(
+        f"no umT5 tokenizer found for {directory}: looked for {', '.join(looked)}. Copy the "
+        f"tokenizer files of the Wan release (google/umt5-xxl/tokenizer.json or spiece.model) "
+        f"there; jaxkv never downloads them"
+    )
 
 
 def tiny_tokenizer_json() -> str:
@@ -275,5 +318,6 @@ def tiny_tokenizer() -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     text = tiny_tokenizer_json()
-    return Tokenizer.from_tokenizers(HFTokenizer.from_str(text), source="embedded tiny tokenizer",
-                                     digest=hashlib.sha256(text.encode()).hexdigest())
+    return Tokenizer.from_tokenizers(
+        HFTokenizer.from_str(text), source="embedded tiny tokenizer", digest=hashlib.sha256(text.encode()).hexdigest()
+    )

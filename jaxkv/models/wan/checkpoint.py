@@ -16,10 +16,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
 from jaxkv import files
-from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text, load_params,
-                                         read_marked_config, save_params)
+from jaxkv.models.checkpoint_dir import (
+    CONFIG_FILE,
+    PARAMS_FILE,
+    CheckpointError,
+    config_text,
+    load_params,
+    read_marked_config,
+    save_params,
+)
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import validate_params
 
@@ -34,9 +40,13 @@ def config_json(config: WanConfig) -> str:
 
 def read_config(path: str) -> WanConfig:
     """WanConfig of the checkpoint directory ``path``; CheckpointError for a missing or foreign config.json."""
-    fields = read_marked_config(path, fmt=FORMAT, version=FORMAT_VERSION, kind="Wan",
-                                hint=f"create one with `jaxkv convert SRC {path}` (a PyTorch/diffusers directory "
-                                     f"must first be converted)")
+    fields = read_marked_config(
+        path,
+        fmt=FORMAT,
+        version=FORMAT_VERSION,
+        kind="Wan",
+        hint=f"create one with `jaxkv convert SRC {path}` (a PyTorch/diffusers directory must first be converted)",
+    )
     try:
         return WanConfig.from_dict(fields)
     except (TypeError, ValueError) as e:

@@ -49,11 +49,19 @@ class WanConfig:
     def __post_init__(self):
         patch = self.patch_size
         if not isinstance(patch, (tuple, list)) or len(patch) != 3 or not all(is_int(p) and p > 0 for p in patch):
-            raise ValueError(f"WanConfig.patch_size must be three positive ints (frames, height, width), "
-                             f"got {patch!r}")
+            raise ValueError(f"WanConfig.patch_size must be three positive ints (frames, height, width), got {patch!r}")
         object.__setattr__(self, "patch_size", tuple(int(p) for p in patch))
-        for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_dim", "text_len",
-                     "freq_dim"):
+        for name in (
+            "dim",
+            "ffn_dim",
+            "num_heads",
+            "num_layers",
+            "in_dim",
+            "out_dim",
+            "text_dim",
+            "text_len",
+            "freq_dim",
+        ):
             object.__setattr__(self, name, check_int(f"WanConfig.{name}", getattr(self, name), minimum=1))
         for name in ("eps", "rope_theta"):
             value = getattr(self, name)

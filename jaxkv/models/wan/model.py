@@ -53,7 +53,6 @@ from jaxkv.nn.cached import cached_attention
 from jaxkv.precision import Precision, as_precision
 from jaxkv.validate import is_concrete, is_int
 
-
 # Where a stream's RoPE positions come from: "absolute" rotates q and k at their absolute token positions before the
 # cache write (Wan 2.1 / Self-Forcing); "cache-relative" caches k unrotated and rotates q and the cached keys by
 # their rank among the cache's valid positions at every read (`cache_relative_rope`).
@@ -138,8 +137,9 @@ def _init_leaf(key, scale, offset, shape: tuple[int, ...], stacked: bool, dtype)
 
 def _check_latents(config: WanConfig, latents, name: str = "latents"):
     if latents.ndim != 5 or latents.shape[-1] != config.in_dim:
-        raise ValueError(f"{name} must be [batch, frames, height, width, in_dim={config.in_dim}], "
-                         f"got {list(latents.shape)}")
+        raise ValueError(
+            f"{name} must be [batch, frames, height, width, in_dim={config.in_dim}], got {list(latents.shape)}"
+        )
     _, f, h, w, _ = latents.shape
     pt, ph, pw = config.patch_size
     if f % pt or h % ph or w % pw:
@@ -155,20 +155,21 @@ def _frame_timesteps(timesteps, batch: int, frames: int):
     if t.shape == (batch,):
         t = jnp.broadcast_to(t[:, None], (batch, frames))
     elif t.shape != (batch, frames):
-        raise ValueError(f"timesteps must be [batch]={[batch]} or per frame [batch, frames]={[batch, frames]}, "
-                         f"got {list(t.shape)}")
+        raise ValueError(
+            f"timesteps must be [batch]={[batch]} or per frame [batch, frames]={[batch, frames]}, got {list(t.shape)}"
+        )
     return t.astype(jnp.float32)
 
 
-def _check_context(config: WanConfig, context, batch: int | None = None, pad_context: bool = True,
-                   name: str = "context"):
+def _check_context(
+    config: WanConfig, context, batch: int | None = None, pad_context: bool = True, name: str = "context"
+):
     """Checks text context [batch, text_tokens <= text_len, text_dim] (any batch when ``batch`` is None) and, when
     pad_context, zero-pads it to [batch, text_len, text_dim]."""
     context = jnp.asarray(context)
     if context.ndim != 3 or (batch is not None and context.shape[0] != batch) or context.shape[2] != config.text_dim:
         want = "batch" if batch is None else f"batch={batch}"
-        raise ValueError(f"{name} must be [{want}, text_tokens, text_dim={config.text_dim}], "
-                         f"got {list(context.shape)}")
+        raise ValueError(f"{name} must be [{want}, text_tokens, text_dim={config.text_dim}], got {list(context.shape)}")
     n = context.shape[1]
     if n > config.text_len:
         raise ValueError(f"{name} has {n} tokens, more than the model's text_len {config.text_len}")
@@ -190,16 +191,18 @@ def _cast_kernels(tree, dtype):
     modulation tables are left as they are: the layers use them in float32."""
     dtype = jnp.dtype(dtype)
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(dtype) if getattr(path[-1], "key", None) == "kernel" and x.dtype != dtype else x, tree)
+        lambda path, x: x.astype(dtype) if getattr(path[-1], "key", None) == "kernel" and x.dtype != dtype else x, tree
+    )
 
 
 def _compute_params(params, precision: Precision):
     """The non-block params with each kernel in the dtype its matmul runs in. Block params are cast one layer at
     a time inside the layer scan (`_block_params`), so a cast never materialises a copy of the whole stack."""
     compute = precision.compute_dtype
-    return {name: (tree if name == "blocks" else
-                   _cast_kernels(tree, jnp.float32 if name in _FLOAT32_MATMULS else compute))
-            for name, tree in params.items()}
+    return {
+        name: (tree if name == "blocks" else _cast_kernels(tree, jnp.float32 if name in _FLOAT32_MATMULS else compute))
+        for name, tree in params.items()
+    }
 
 
 def _block_params(p, precision: Precision):
@@ -222,8 +225,9 @@ def _heads(x, config: WanConfig):
     return x.reshape(*x.shape[:-1], config.num_heads, config.head_dim)
 
 
-def cross_kv(params, config: WanConfig, context, *, pad_context: bool = True,
-             precision: Precision | str = Precision()) -> CrossKV:
+def cross_kv(
+    params, config: WanConfig, context, *, pad_context: bool = True, precision: Precision | str = Precision()
+) -> CrossKV:
     """Cross-attention keys/values of all layers from the text context (a pure function: hoist it out of loops).
 
     Args:
@@ -301,8 +305,8 @@ def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, bac
     state it updates, e.g. the cache).
     """
     b, n, d = x.shape
-    mod = p["modulation"].astype(jnp.float32)[None, None] + e0          # [batch, frames, 6, dim]
-    m = [mod[:, :, i, None, :] for i in range(6)]                        # each [batch, frames, 1, dim]
+    mod = p["modulation"].astype(jnp.float32)[None, None] + e0  # [batch, frames, 6, dim]
+    m = [mod[:, :, i, None, :] for i in range(6)]  # each [batch, frames, 1, dim]
     shift1, scale1, gate1, shift2, scale2, gate2 = m
     flat = lambda y: y.reshape(b, n, d)
 
@@ -310,8 +314,9 @@ def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, bac
     y, aux = self_attention(p["self_attn"], h)
     x = x + flat(L.per_frame(y, frames) * gate1)
 
-    x = x + _cross_attention(p["cross_attn"], L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"]),
-                             ck, cv, config, backend)
+    x = x + _cross_attention(
+        p["cross_attn"], L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"]), ck, cv, config, backend
+    )
 
     h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale2) + shift2)
     y = L.linear(p["ffn"]["fc2"], L.gelu_tanh(L.linear(p["ffn"]["fc1"], h)))
@@ -321,7 +326,7 @@ def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, bac
 def _head(params, config: WanConfig, x, e, frames: int):
     """Output head: per-frame modulated LayerNorm, then the linear to pt*ph*pw*out_dim. e [batch, frames, dim]."""
     b, n, d = x.shape
-    mod = params["head"]["modulation"].astype(jnp.float32)[None, None] + e[:, :, None, :]   # [b, frames, 2, dim]
+    mod = params["head"]["modulation"].astype(jnp.float32)[None, None] + e[:, :, None, :]  # [b, frames, 2, dim]
     shift, scale = mod[:, :, 0:1], mod[:, :, 1:2]
     h = (L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale) + shift).reshape(b, n, d)
     return L.linear(params["head"]["head"], h)
@@ -330,8 +335,20 @@ def _head(params, config: WanConfig, x, e, frames: int):
 # ------------------------------------------------------------------------------------------------ full sequences
 
 
-def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossKV, self_attention, state,
-         backend: str, precision: Precision = Precision(), rotate: bool = True, remat: bool = False):
+def _dit(
+    params,
+    config: WanConfig,
+    latents,
+    timesteps,
+    positions,
+    cross: CrossKV,
+    self_attention,
+    state,
+    backend: str,
+    precision: Precision = Precision(),
+    rotate: bool = True,
+    remat: bool = False,
+):
     """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
     ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the float32
     q, k and v [batch, tokens, heads, head_dim], rotated at ``positions`` (unrotated when ``rotate`` is False: the
@@ -361,6 +378,7 @@ def _dit(params, config: WanConfig, latents, timesteps, positions, cross: CrossK
     if isinstance(state, MixedCache):
         x, state = _scan_periods(run_block, x, state, params["blocks"], cross, self_attention)
     else:
+
         def body(carry, xs):
             x, state = carry
             p, ck, cv, layer = xs
@@ -381,8 +399,9 @@ def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_
     take = lambda tree, layer: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), tree)
 
     def one(x, stack, layer, index):
-        return run_block(x, stack, take(blocks, layer), take(cross.k, layer), take(cross.v, layer), index,
-                         self_attention)
+        return run_block(
+            x, stack, take(blocks, layer), take(cross.k, layer), take(cross.v, layer), index, self_attention
+        )
 
     def period(carry, i):
         x, dense, dilated = carry
@@ -400,12 +419,13 @@ def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_
     return x, cache.replace(dense=dense, dilated=dilated)
 
 
-def _forward_sequence(params, config: WanConfig, latents, timesteps, context, mask: MaskSpec, pad_context: bool,
-                      backend: str, precision):
+def _forward_sequence(
+    params, config: WanConfig, latents, timesteps, context, mask: MaskSpec, pad_context: bool, backend: str, precision
+):
     precision = _precision(params, precision)
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
-    _frame_timesteps(timesteps, latents.shape[0], gf)   # checked before the text embedding runs
+    _frame_timesteps(timesteps, latents.shape[0], gf)  # checked before the text embedding runs
     cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context, precision=precision)
     positions = sequence_positions(latents.shape[0], gf * gh * gw)
     kv_dtype = jnp.dtype(precision.cache_dtype)
@@ -418,8 +438,17 @@ def _forward_sequence(params, config: WanConfig, latents, timesteps, context, ma
     return _dit(params, config, latents, timesteps, positions, cross, self_attention, None, backend, precision)[0]
 
 
-def forward(params, config: WanConfig, latents, timesteps, context, *, pad_context: bool = True,
-            backend: str = "auto", precision: Precision | str = Precision()):
+def forward(
+    params,
+    config: WanConfig,
+    latents,
+    timesteps,
+    context,
+    *,
+    pad_context: bool = True,
+    backend: str = "auto",
+    precision: Precision | str = Precision(),
+):
     """The plain bidirectional Wan 2.1 forward (flow prediction).
 
     Args:
@@ -431,8 +460,7 @@ def forward(params, config: WanConfig, latents, timesteps, context, *, pad_conte
     Returns:
       float32 [batch, frames, height, width, out_dim].
     """
-    return _forward_sequence(params, config, latents, timesteps, context, MaskSpec(), pad_context, backend,
-                             precision)
+    return _forward_sequence(params, config, latents, timesteps, context, MaskSpec(), pad_context, backend, precision)
 
 
 def block_causal_spec(config: WanConfig, latents, chunk_frames, window_frames=None, sink_frames=0) -> RingSpec:
@@ -441,8 +469,7 @@ def block_causal_spec(config: WanConfig, latents, chunk_frames, window_frames=No
     ``window_frames=None`` (no window: every earlier chunk is visible) is a window as long as the whole clip,
     rounded up to whole chunks."""
     gf, gh, gw = _check_latents(config, jnp.asarray(latents))
-    for name, value in (("chunk_frames", chunk_frames), ("window_frames", window_frames),
-                        ("sink_frames", sink_frames)):
+    for name, value in (("chunk_frames", chunk_frames), ("window_frames", window_frames), ("sink_frames", sink_frames)):
         if value is not None and not (is_int(value) and value >= 0):
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     if chunk_frames is None or chunk_frames <= 0:
@@ -456,9 +483,20 @@ def block_causal_spec(config: WanConfig, latents, chunk_frames, window_frames=No
     return RingSpec.from_frames(gh * gw, chunk_frames, window_frames, sink_frames)
 
 
-def forward_block_causal(params, config: WanConfig, latents, timesteps, context, *, chunk_frames: int,
-                         window_frames: int | None = None, sink_frames: int = 0, pad_context: bool = True,
-                         backend: str = "auto", precision: Precision | str = Precision()):
+def forward_block_causal(
+    params,
+    config: WanConfig,
+    latents,
+    timesteps,
+    context,
+    *,
+    chunk_frames: int,
+    window_frames: int | None = None,
+    sink_frames: int = 0,
+    pad_context: bool = True,
+    backend: str = "auto",
+    precision: Precision | str = Precision(),
+):
     """Wan 2.1 under the block-causal (chunk-causal) mask of causal Wan training, by token position.
 
     Token i (frame f_i, chunk c_i = f_i // chunk_frames) sees token j iff c_j <= c_i and, when ``window_frames`` is
@@ -472,9 +510,22 @@ def forward_block_causal(params, config: WanConfig, latents, timesteps, context,
     return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, backend, precision)
 
 
-def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, context, *, chunk_frames: int,
-                            window_frames: int | None = None, sink_frames: int = 0, pad_context: bool = True,
-                            backend: str = "auto", precision: Precision | str = Precision(), remat: bool = False):
+def forward_teacher_forcing(
+    params,
+    config: WanConfig,
+    clean,
+    noisy,
+    timesteps,
+    context,
+    *,
+    chunk_frames: int,
+    window_frames: int | None = None,
+    sink_frames: int = 0,
+    pad_context: bool = True,
+    backend: str = "auto",
+    precision: Precision | str = Precision(),
+    remat: bool = False,
+):
     """Every chunk of a clip denoised as a stream denoises it: each noisy chunk sees the *clean* chunks before it
     (teacher forcing, CausVid's training forward), in one pass over the clean and the noisy copy of the clip.
 
@@ -508,12 +559,12 @@ def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, 
     t = _frame_timesteps(timesteps, b, gf)
     precision = _precision(params, precision)
     mask = block_causal_spec(config, clean, chunk_frames, window_frames, sink_frames).mask()
-    n = gf * gh * gw                                      # tokens of one copy
-    tpc = mask.chunk                                      # tokens per chunk
+    n = gf * gh * gw  # tokens of one copy
+    tpc = mask.chunk  # tokens per chunk
     chunks = n // tpc
     positions = sequence_positions(b, n)
-    chunk_of = jnp.arange(n) // tpc                       # [n]
-    own = chunk_of[None, :] == jnp.arange(chunks)[:, None]                   # [chunks, n]: fold c's own tokens
+    chunk_of = jnp.arange(n) // tpc  # [n]
+    own = chunk_of[None, :] == jnp.arange(chunks)[:, None]  # [chunks, n]: fold c's own tokens
     kv_dtype = jnp.dtype(precision.cache_dtype)
 
     def self_attention(q, k, v, state, layer):
@@ -522,7 +573,8 @@ def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, 
         # fold c: the queries of noisy chunk c; the keys are the clean copy's with chunk c's replaced by the noisy
         fold = lambda a: a.reshape(b * chunks, tpc, *a.shape[2:])
         swap = lambda a: jnp.where(own[None, :, :, None, None], a[:, None, n:], a[:, None, :n]).reshape(
-            b * chunks, n, *a.shape[2:])
+            b * chunks, n, *a.shape[2:]
+        )
         q_pos = fold(positions)
         kv_pos = jnp.broadcast_to(positions[:, None], (b, chunks, n)).reshape(b * chunks, n)
         out_noisy = attend(fold(q[:, n:]), swap(k), swap(v), q_pos, kv_pos, mask=mask, backend=backend)
@@ -532,9 +584,20 @@ def forward_teacher_forcing(params, config: WanConfig, clean, noisy, timesteps, 
     cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context, precision=precision)
     latents = jnp.concatenate([clean, noisy], axis=1)
     both_t = jnp.concatenate([jnp.zeros_like(t), t], axis=1)
-    flow = _dit(params, config, latents, both_t, jnp.concatenate([positions, positions], axis=1), cross,
-                self_attention, None, backend, precision, remat=remat)[0]
-    return flow[:, clean.shape[1]:]
+    flow = _dit(
+        params,
+        config,
+        latents,
+        both_t,
+        jnp.concatenate([positions, positions], axis=1),
+        cross,
+        self_attention,
+        None,
+        backend,
+        precision,
+        remat=remat,
+    )[0]
+    return flow[:, clean.shape[1] :]
 
 
 # ------------------------------------------------------------------------------------------------ streaming
@@ -552,10 +615,12 @@ def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dty
     """
     if isinstance(spec, MixedSpec):
         dense = policy_class(policy, spec.dense)
-        return MixedCache.init(spec, batch, config.num_heads, config.head_dim, dtype=dtype,
-                               layers=config.num_layers, dense_policy=dense)
-    return policy_class(policy, spec).init(spec, batch, config.num_heads, config.head_dim, dtype=dtype,
-                                           layers=config.num_layers)
+        return MixedCache.init(
+            spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers, dense_policy=dense
+        )
+    return policy_class(policy, spec).init(
+        spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers
+    )
 
 
 def _describe_layers(cache) -> str:
@@ -564,8 +629,19 @@ def _describe_layers(cache) -> str:
     return f"k {list(cache.k.shape)}"
 
 
-def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, rope: str = "absolute",
-                  backend: str = "auto", precision: Precision | str = Precision(), remat: bool = False):
+def forward_chunk(
+    params,
+    config: WanConfig,
+    cache,
+    cross: CrossKV,
+    latents,
+    timesteps,
+    *,
+    rope: str = "absolute",
+    backend: str = "auto",
+    precision: Precision | str = Precision(),
+    remat: bool = False,
+):
     """One chunk of a stream: the flow prediction of the cache's reserved chunk, and the cache with its K/V written.
 
     The caller reserves the chunk (``cache = cache.begin_chunk()``) once, then may call this any number of times for
@@ -596,34 +672,54 @@ def forward_chunk(params, config: WanConfig, cache, cross: CrossKV, latents, tim
     b = latents.shape[0]
     n = gf * gh * gw
     if cache.layers != config.num_layers or cache.heads != config.num_heads or cache.head_dim != config.head_dim:
-        raise ValueError(f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
-                         f"heads={config.num_heads}, head_dim={config.head_dim}], got "
-                         f"{_describe_layers(cache)}")
+        raise ValueError(
+            f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
+            f"heads={config.num_heads}, head_dim={config.head_dim}], got "
+            f"{_describe_layers(cache)}"
+        )
     if cache.batch != b:
         raise ValueError(f"cache has {cache.batch} sessions but latents have batch {b}")
     if cache.spec.chunk != n:
-        raise ValueError(f"cache chunk is {cache.spec.chunk} tokens but the latents chunk has {n} "
-                         f"({gf} frames x {gh}x{gw} patches)")
+        raise ValueError(
+            f"cache chunk is {cache.spec.chunk} tokens but the latents chunk has {n} ({gf} frames x {gh}x{gw} patches)"
+        )
     _check_cross(config, cross, b)
     _check_cache_dtypes(cache, cross, precision)
     # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
     if is_concrete(cache.chunk_start) and bool(jnp.all(cache.chunk_start < 0)):
-        raise ValueError("forward_chunk: no session has a reserved chunk (chunk_start < 0 for every session); call "
-                         "cache = cache.begin_chunk() before the chunk's first forward")
+        raise ValueError(
+            "forward_chunk: no session has a reserved chunk (chunk_start < 0 for every session); call "
+            "cache = cache.begin_chunk() before the chunk's first forward"
+        )
 
     if rope == "absolute":
+
         def self_attention(q, k, v, cache, layer):
-            return cached_attention(cache, q, k, v, layer=layer, backend=backend)   # mask: cache.spec.mask()
+            return cached_attention(cache, q, k, v, layer=layer, backend=backend)  # mask: cache.spec.mask()
     else:
+
         def self_attention(q, k, v, cache, layer):
             dtype = cache.dtype
             cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
             kc, vc = cache.layer_kv(layer)
-            return _relative_attend(q, kc, vc, cache.chunk_positions(), cache.positions, cache.spec.mask(),
-                                    (gh, gw), config, backend), cache
+            return _relative_attend(
+                q, kc, vc, cache.chunk_positions(), cache.positions, cache.spec.mask(), (gh, gw), config, backend
+            ), cache
 
-    return _dit(params, config, latents, timesteps, cache.chunk_positions(), cross, self_attention, cache, backend,
-                precision, rotate=rope == "absolute", remat=remat)
+    return _dit(
+        params,
+        config,
+        latents,
+        timesteps,
+        cache.chunk_positions(),
+        cross,
+        self_attention,
+        cache,
+        backend,
+        precision,
+        rotate=rope == "absolute",
+        remat=remat,
+    )
 
 
 def _relative_attend(q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend):
@@ -643,23 +739,42 @@ def _relative_attend(q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_
 def _check_cross(config: WanConfig, cross: CrossKV, batch: int) -> None:
     expected = [config.num_layers, batch, "text_tokens", config.num_heads, config.head_dim]
     k_shape, v_shape = tuple(cross.k.shape), tuple(cross.v.shape)
-    if (len(k_shape) != 5 or k_shape != v_shape or k_shape[2] < 1
-            or (k_shape[0], k_shape[1], k_shape[3], k_shape[4]) != (config.num_layers, batch, config.num_heads,
-                                                                    config.head_dim)):
-        raise ValueError(f"cross K/V must both be [layers, batch, text_tokens, heads, head_dim] = {expected}, "
-                         f"got k {list(k_shape)}, v {list(v_shape)}")
+    if (
+        len(k_shape) != 5
+        or k_shape != v_shape
+        or k_shape[2] < 1
+        or (k_shape[0], k_shape[1], k_shape[3], k_shape[4])
+        != (config.num_layers, batch, config.num_heads, config.head_dim)
+    ):
+        raise ValueError(
+            f"cross K/V must both be [layers, batch, text_tokens, heads, head_dim] = {expected}, "
+            f"got k {list(k_shape)}, v {list(v_shape)}"
+        )
 
 
 def _check_cache_dtypes(cache, cross: CrossKV, precision: Precision) -> None:
     for name, dtype in (("cache", cache.dtype), ("cross K", cross.k.dtype), ("cross V", cross.v.dtype)):
         if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
-            raise ValueError(f"the {name} is {jnp.dtype(dtype).name} but the precision's cache_dtype is "
-                             f"{precision.cache_dtype}; build both with it (init_cache(..., dtype="
-                             f"precision.cache_dtype), cross_kv(..., precision=precision)) or pass that precision")
+            raise ValueError(
+                f"the {name} is {jnp.dtype(dtype).name} but the precision's cache_dtype is "
+                f"{precision.cache_dtype}; build both with it (init_cache(..., dtype="
+                f"precision.cache_dtype), cross_kv(..., precision=precision)) or pass that precision"
+            )
 
 
-def recompute_cache(params, config: WanConfig, cache, cross: CrossKV, latents, timesteps, *, keep=None,
-                    rope: str = "absolute", backend: str = "auto", precision: Precision | str = Precision()):
+def recompute_cache(
+    params,
+    config: WanConfig,
+    cache,
+    cross: CrossKV,
+    latents,
+    timesteps,
+    *,
+    keep=None,
+    rope: str = "absolute",
+    backend: str = "auto",
+    precision: Precision | str = Precision(),
+):
     """Recomputes every slot's K/V from the latents the cache's slots hold, in one forward (KV re-cache).
 
     The slots are run as one sequence in the cache's physical order, each token at its stored position, under the
@@ -684,18 +799,24 @@ def recompute_cache(params, config: WanConfig, cache, cross: CrossKV, latents, t
     check_rope_mode(rope)
     precision = _precision(params, precision)
     if isinstance(cache, MixedCache) or not isinstance(cache.spec, RingSpec):
-        raise ValueError(f"recompute_cache rebuilds a sink + window cache (ring or rolling, a RingSpec); a "
-                         f"{type(cache).__name__} (dilated layers) is not supported")
+        raise ValueError(
+            f"recompute_cache rebuilds a sink + window cache (ring or rolling, a RingSpec); a "
+            f"{type(cache).__name__} (dilated layers) is not supported"
+        )
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
     b = latents.shape[0]
     if cache.layers != config.num_layers or cache.heads != config.num_heads or cache.head_dim != config.head_dim:
-        raise ValueError(f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
-                         f"heads={config.num_heads}, head_dim={config.head_dim}], got k {list(cache.k.shape)}")
+        raise ValueError(
+            f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
+            f"heads={config.num_heads}, head_dim={config.head_dim}], got k {list(cache.k.shape)}"
+        )
     if cache.batch != b or gf * gh * gw != cache.spec.capacity:
-        raise ValueError(f"latents must fill the cache's slots: [batch={cache.batch}, frames, h, w, in_dim] with "
-                         f"frames * h * w / patch = capacity {cache.spec.capacity} tokens, got {list(latents.shape)} "
-                         f"({gf * gh * gw} tokens)")
+        raise ValueError(
+            f"latents must fill the cache's slots: [batch={cache.batch}, frames, h, w, in_dim] with "
+            f"frames * h * w / patch = capacity {cache.spec.capacity} tokens, got {list(latents.shape)} "
+            f"({gf * gh * gw} tokens)"
+        )
     if keep is not None:
         keep = jnp.asarray(keep)
         if keep.shape != cache.positions.shape or keep.dtype != jnp.bool_:
@@ -711,14 +832,26 @@ def recompute_cache(params, config: WanConfig, cache, cross: CrossKV, latents, t
         if keep is not None:
             sel = keep[:, :, None, None]
             k, v = jnp.where(sel, old_k, k), jnp.where(sel, old_v, v)
-        cache = cache.replace(k=lax.dynamic_update_index_in_dim(cache.k, k, layer, 0),
-                              v=lax.dynamic_update_index_in_dim(cache.v, v, layer, 0))
+        cache = cache.replace(
+            k=lax.dynamic_update_index_in_dim(cache.k, k, layer, 0),
+            v=lax.dynamic_update_index_in_dim(cache.v, v, layer, 0),
+        )
         if rope == "absolute":
             out = attend(q.astype(dtype), k, v, positions, positions, mask=mask, backend=backend).astype(q.dtype)
         else:
             out = _relative_attend(q, k, v, positions, positions, mask, (gh, gw), config, backend)
         return out, cache
 
-    return _dit(params, config, latents, timesteps, positions, cross, self_attention, cache, backend, precision,
-                rotate=rope == "absolute")[1]
-
+    return _dit(
+        params,
+        config,
+        latents,
+        timesteps,
+        positions,
+        cross,
+        self_attention,
+        cache,
+        backend,
+        precision,
+        rotate=rope == "absolute",
+    )[1]

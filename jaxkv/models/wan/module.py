@@ -29,8 +29,11 @@ class _ParamTree(nnx.Module):
 
     def tree(self) -> dict[str, Any]:
         """The nested dict of arrays, read straight from the variables (no `nnx.State` built, nothing copied)."""
-        return {name: node.tree() if isinstance(node, _ParamTree) else node[...]
-                for name, node in vars(self).items() if isinstance(node, (_ParamTree, nnx.Param))}
+        return {
+            name: node.tree() if isinstance(node, _ParamTree) else node[...]
+            for name, node in vars(self).items()
+            if isinstance(node, (_ParamTree, nnx.Param))
+        }
 
 
 class WanModel(_ParamTree):
@@ -42,8 +45,14 @@ class WanModel(_ParamTree):
     leading layer axis), ``head``.
     """
 
-    def __init__(self, config: WanConfig, *, rngs: nnx.Rngs | None = None, params: dict[str, Any] | None = None,
-                 dtype=jnp.float32):
+    def __init__(
+        self,
+        config: WanConfig,
+        *,
+        rngs: nnx.Rngs | None = None,
+        params: dict[str, Any] | None = None,
+        dtype=jnp.float32,
+    ):
         if (rngs is None) == (params is None):
             raise ValueError("WanModel needs exactly one of rngs= (random init) or params= (existing weights)")
         if params is None:
@@ -61,20 +70,55 @@ class WanModel(_ParamTree):
         variables, cheap enough to run on every call."""
         return self.tree()
 
-    def __call__(self, latents, timesteps, context, *, pad_context: bool = True, backend: str = "auto",
-                 precision: Precision | str = Precision()):
+    def __call__(
+        self,
+        latents,
+        timesteps,
+        context,
+        *,
+        pad_context: bool = True,
+        backend: str = "auto",
+        precision: Precision | str = Precision(),
+    ):
         """Bidirectional forward: see `jaxkv.models.wan.forward`. Returns float32 [batch, frames, h, w, out_dim]."""
-        return M.forward(self.params(), self.config, latents, timesteps, context, pad_context=pad_context,
-                         backend=backend, precision=precision)
+        return M.forward(
+            self.params(),
+            self.config,
+            latents,
+            timesteps,
+            context,
+            pad_context=pad_context,
+            backend=backend,
+            precision=precision,
+        )
 
-    def block_causal(self, latents, timesteps, context, *, chunk_frames: int, window_frames: int | None = None,
-                     sink_frames: int = 0, pad_context: bool = True, backend: str = "auto",
-                     precision: Precision | str = Precision()):
+    def block_causal(
+        self,
+        latents,
+        timesteps,
+        context,
+        *,
+        chunk_frames: int,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        pad_context: bool = True,
+        backend: str = "auto",
+        precision: Precision | str = Precision(),
+    ):
         """Block-causal full-sequence forward: see `jaxkv.models.wan.forward_block_causal`."""
-        return M.forward_block_causal(self.params(), self.config, latents, timesteps, context,
-                                      chunk_frames=chunk_frames, window_frames=window_frames,
-                                      sink_frames=sink_frames, pad_context=pad_context, backend=backend,
-                                      precision=precision)
+        return M.forward_block_causal(
+            self.params(),
+            self.config,
+            latents,
+            timesteps,
+            context,
+            chunk_frames=chunk_frames,
+            window_frames=window_frames,
+            sink_frames=sink_frames,
+            pad_context=pad_context,
+            backend=backend,
+            precision=precision,
+        )
 
     def cross_kv(self, context, *, pad_context: bool = True, precision: Precision | str = Precision()) -> M.CrossKV:
         """Cross-attention K/V of all layers, computed once per text context: see `jaxkv.models.wan.cross_kv`."""
@@ -84,8 +128,17 @@ class WanModel(_ParamTree):
         """Empty stacked cache for every layer: see `jaxkv.models.wan.init_cache`."""
         return M.init_cache(self.config, spec, batch, policy=policy, dtype=dtype)
 
-    def step(self, cache, cross: M.CrossKV, latents, timesteps, *, backend: str = "auto",
-             precision: Precision | str = Precision()):
+    def step(
+        self,
+        cache,
+        cross: M.CrossKV,
+        latents,
+        timesteps,
+        *,
+        backend: str = "auto",
+        precision: Precision | str = Precision(),
+    ):
         """One streaming chunk on the reserved slot: (flow, cache). See `jaxkv.models.wan.forward_chunk`."""
-        return M.forward_chunk(self.params(), self.config, cache, cross, latents, timesteps, backend=backend,
-                               precision=precision)
+        return M.forward_chunk(
+            self.params(), self.config, cache, cross, latents, timesteps, backend=backend, precision=precision
+        )

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # noqa: F401  (re-exported)
 from jaxkv.models.wan.config import WanConfig
 

@@ -9,6 +9,25 @@ from jaxkv.models.wan_vae.latents import denormalize, normalize
 from jaxkv.models.wan_vae.params import init_params, num_params, param_shapes, validate_params
 from jaxkv.models.wan_vae.stream import StreamDecoder
 
-__all__ = ["load", "save", "LATENTS_MEAN", "LATENTS_STD", "PRESETS", "WanVAEConfig", "preset", "DecoderState",
-           "cache_bytes", "decode", "decode_chunk", "init_decoder_state", "encode", "denormalize", "normalize",
-           "init_params", "num_params", "param_shapes", "validate_params", "StreamDecoder"]
+__all__ = [
+    "load",
+    "save",
+    "LATENTS_MEAN",
+    "LATENTS_STD",
+    "PRESETS",
+    "WanVAEConfig",
+    "preset",
+    "DecoderState",
+    "cache_bytes",
+    "decode",
+    "decode_chunk",
+    "init_decoder_state",
+    "encode",
+    "denormalize",
+    "normalize",
+    "init_params",
+    "num_params",
+    "param_shapes",
+    "validate_params",
+    "StreamDecoder",
+]

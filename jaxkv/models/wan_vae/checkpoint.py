@@ -16,18 +16,33 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
 from jaxkv import files
-from jaxkv.models.checkpoint_dir import (CONFIG_FILE, PARAMS_FILE, CheckpointError, config_text, load_params,
-                                         read_marked_config, save_params)
+from jaxkv.models.checkpoint_dir import (
+    CONFIG_FILE,
+    PARAMS_FILE,
+    CheckpointError,
+    config_text,
+    load_params,
+    read_marked_config,
+    save_params,
+)
 from jaxkv.models.wan_vae.config import WanVAEConfig
 from jaxkv.models.wan_vae.params import validate_params
 
 FORMAT = "jaxkv-wan-vae"
 FORMAT_VERSION = 1
 
-__all__ = ["CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "PARAMS_FILE", "CheckpointError", "config_json", "read_config", "save",
-           "load"]
+__all__ = [
+    "CONFIG_FILE",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "PARAMS_FILE",
+    "CheckpointError",
+    "config_json",
+    "read_config",
+    "save",
+    "load",
+]
 
 
 def config_json(config: WanVAEConfig) -> str:
@@ -37,8 +52,13 @@ def config_json(config: WanVAEConfig) -> str:
 
 def read_config(path: str) -> WanVAEConfig:
     """WanVAEConfig of the checkpoint directory ``path``; CheckpointError for a missing or foreign config.json."""
-    fields = read_marked_config(path, fmt=FORMAT, version=FORMAT_VERSION, kind="Wan VAE",
-                                hint="a PyTorch/diffusers VAE must first be converted (`jaxkv convert`)")
+    fields = read_marked_config(
+        path,
+        fmt=FORMAT,
+        version=FORMAT_VERSION,
+        kind="Wan VAE",
+        hint="a PyTorch/diffusers VAE must first be converted (`jaxkv convert`)",
+    )
     try:
         return WanVAEConfig.from_dict(fields)
     except (TypeError, ValueError) as e:
@@ -49,6 +69,7 @@ def atomic_directory(path: str, *, force: bool = False, log=None):
     """`jaxkv.files.atomic_directory` for this format: with ``force`` an existing ``path`` is replaced only if it is
     a jaxkv VAE checkpoint directory."""
     return files.atomic_checkpoint_directory(path, force=force, formats=(FORMAT,), log=log)
+
 
 def save(path: str, config: WanVAEConfig, params: dict[str, Any], *, force: bool = False) -> None:
     """Writes ``params`` and ``config`` to the directory ``path``, atomically; validates first (nothing is written

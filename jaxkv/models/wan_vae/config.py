@@ -17,10 +17,42 @@ from jaxkv.validate import check_int
 
 # Per-channel statistics of the Wan 2.1 latent space, published with the model: the DiT sees
 # (z - mean) / std (`latents.normalize`).
-LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-                0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
-LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-               3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+LATENTS_MEAN = (
+    -0.7571,
+    -0.7089,
+    -0.9113,
+    0.1075,
+    -0.1745,
+    0.9653,
+    -0.1517,
+    1.5508,
+    0.4134,
+    -0.0715,
+    0.5517,
+    -0.3632,
+    -0.1922,
+    -0.9497,
+    0.2503,
+    -0.2921,
+)
+LATENTS_STD = (
+    2.8184,
+    1.4541,
+    2.3275,
+    2.6558,
+    1.2196,
+    1.7708,
+    2.6052,
+    2.0743,
+    3.2687,
+    2.1526,
+    2.8652,
+    1.5579,
+    1.6382,
+    1.1253,
+    2.8251,
+    1.9160,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,28 +84,37 @@ class WanVAEConfig:
         mult = self.dim_mult
         if not isinstance(mult, (tuple, list)) or len(mult) < 1:
             raise ValueError(f"WanVAEConfig.dim_mult must be a non-empty sequence of positive ints, got {mult!r}")
-        object.__setattr__(self, "dim_mult", tuple(check_int("WanVAEConfig.dim_mult[i]", m, minimum=1)
-                                                   for m in mult))
+        object.__setattr__(self, "dim_mult", tuple(check_int("WanVAEConfig.dim_mult[i]", m, minimum=1) for m in mult))
         down = self.temporal_downsample
-        if (not isinstance(down, (tuple, list)) or len(down) != len(self.dim_mult) - 1
-                or any(not isinstance(d, bool) for d in down)):
-            raise ValueError(f"WanVAEConfig.temporal_downsample must be {len(self.dim_mult) - 1} bools (one per "
-                             f"resampling, len(dim_mult) - 1), got {down!r}")
+        if (
+            not isinstance(down, (tuple, list))
+            or len(down) != len(self.dim_mult) - 1
+            or any(not isinstance(d, bool) for d in down)
+        ):
+            raise ValueError(
+                f"WanVAEConfig.temporal_downsample must be {len(self.dim_mult) - 1} bools (one per "
+                f"resampling, len(dim_mult) - 1), got {down!r}"
+            )
         object.__setattr__(self, "temporal_downsample", tuple(down))
         for name in ("latents_mean", "latents_std"):
             values = getattr(self, name)
-            if (not isinstance(values, (tuple, list)) or len(values) != self.z_dim
-                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                           for v in values)):
-                raise ValueError(f"WanVAEConfig.{name} must be {self.z_dim} finite floats (one per latent channel), "
-                                 f"got {values!r}")
+            if (
+                not isinstance(values, (tuple, list))
+                or len(values) != self.z_dim
+                or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values)
+            ):
+                raise ValueError(
+                    f"WanVAEConfig.{name} must be {self.z_dim} finite floats (one per latent channel), got {values!r}"
+                )
             object.__setattr__(self, name, tuple(float(v) for v in values))
         if any(s <= 0 for s in self.latents_std):
             raise ValueError(f"WanVAEConfig.latents_std must be > 0, got {self.latents_std}")
         for i, m in enumerate(self.decoder_dims[1:-1]):
             if (self.base_dim * m) % 2:
-                raise ValueError(f"decoder stage {i + 1} has {self.base_dim * m} channels; upsampling halves them, so "
-                                 f"they must be even")
+                raise ValueError(
+                    f"decoder stage {i + 1} has {self.base_dim * m} channels; upsampling halves them, so "
+                    f"they must be even"
+                )
 
     # --- derived sizes -------------------------------------------------------------------------------------------
 

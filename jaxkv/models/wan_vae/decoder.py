@@ -113,8 +113,7 @@ def _decode(params: dict, config: WanVAEConfig, caches: _Caches, first, latents)
             x = _res(stage["res"][str(j)], x, caches, f"up.{i}.res.{j}", keep)
         if "resample" in stage:
             if "time_conv" in stage["resample"]:
-                x = _time_upsample(stage["resample"]["time_conv"], x, caches, f"up.{i}.resample.time_conv", first,
-                                   pad)
+                x = _time_upsample(stage["resample"]["time_conv"], x, caches, f"up.{i}.resample.time_conv", first, pad)
                 pad = 2 * pad + 1
             x = upsample2d(stage["resample"]["conv"], x)
     keep = _keep(first, x.shape[1], pad)
@@ -125,8 +124,9 @@ def _decode(params: dict, config: WanVAEConfig, caches: _Caches, first, latents)
 
 
 def _param_structs(config: WanVAEConfig, dtype) -> dict[str, Any]:
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config),
-                        is_leaf=lambda s: isinstance(s, tuple))
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -141,8 +141,9 @@ def _cache_shapes(config: WanVAEConfig, batch: int, height: int, width: int, dty
     return {k: tuple(v.shape) for k, v in out.items()}
 
 
-def init_decoder_state(config: WanVAEConfig, batch: int, latent_height: int, latent_width: int,
-                       dtype=jnp.float32) -> DecoderState:
+def init_decoder_state(
+    config: WanVAEConfig, batch: int, latent_height: int, latent_width: int, dtype=jnp.float32
+) -> DecoderState:
     """A fresh stream: zero caches for latents ``[batch, T, latent_height, latent_width, z_dim]`` and
     ``first=True``. ``dtype`` is the activation dtype (the params' dtype)."""
     from jaxkv.validate import check_int
@@ -163,21 +164,26 @@ def cache_bytes(config: WanVAEConfig, batch: int, latent_height: int, latent_wid
 
 def _check(config: WanVAEConfig, state: DecoderState, latents) -> None:
     if latents.ndim != 5 or latents.shape[-1] != config.z_dim:
-        raise ValueError(f"latents must be [batch, frames, height, width, {config.z_dim}] (channels last), got "
-                         f"shape {tuple(latents.shape)}")
+        raise ValueError(
+            f"latents must be [batch, frames, height, width, {config.z_dim}] (channels last), got "
+            f"shape {tuple(latents.shape)}"
+        )
     if latents.shape[1] < 1:
         raise ValueError("latents must hold at least one frame")
     if not isinstance(state, DecoderState) or "conv_in" not in state.caches:
         raise ValueError(f"state must be a DecoderState from init_decoder_state, got {type(state).__name__}")
     b, _, h, w, _ = state.caches["conv_in"].shape
     if (latents.shape[0], latents.shape[2], latents.shape[3]) != (b, h, w):
-        raise ValueError(f"latents of batch {latents.shape[0]} and size {latents.shape[2]}x{latents.shape[3]} do "
-                         f"not match the decoder state, made for batch {b} and latent size {h}x{w}")
+        raise ValueError(
+            f"latents of batch {latents.shape[0]} and size {latents.shape[2]}x{latents.shape[3]} do "
+            f"not match the decoder state, made for batch {b} and latent size {h}x{w}"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "clamp"), donate_argnames=("state",))
-def decode_chunk(params: dict, config: WanVAEConfig, state: DecoderState, latents: jax.Array, *,
-                 clamp: bool = True) -> tuple[jax.Array, DecoderState]:
+def decode_chunk(
+    params: dict, config: WanVAEConfig, state: DecoderState, latents: jax.Array, *, clamp: bool = True
+) -> tuple[jax.Array, DecoderState]:
     """Decodes the next chunk of a stream.
 
     Args:
@@ -197,8 +203,7 @@ def decode_chunk(params: dict, config: WanVAEConfig, state: DecoderState, latent
     frames = _decode(params, config, caches, state.first, latents)
     if clamp:
         frames = jnp.clip(frames, -1.0, 1.0)
-    new = DecoderState({k: v.astype(state.caches[k].dtype) for k, v in caches.new.items()},
-                       jnp.zeros_like(state.first))
+    new = DecoderState({k: v.astype(state.caches[k].dtype) for k, v in caches.new.items()}, jnp.zeros_like(state.first))
     return frames, new
 
 
@@ -209,9 +214,11 @@ def decode(params: dict, config: WanVAEConfig, latents: jax.Array, *, clamp: boo
     if latents.ndim != 5:
         raise ValueError(f"latents must be [batch, frames, height, width, {config.z_dim}], got {latents.shape}")
     if latents.shape[-1] != config.z_dim or latents.shape[1] < 1:
-        raise ValueError(f"latents must be [batch, frames >= 1, height, width, {config.z_dim}] (channels last), got "
-                         f"shape {tuple(latents.shape)}")
+        raise ValueError(
+            f"latents must be [batch, frames >= 1, height, width, {config.z_dim}] (channels last), got "
+            f"shape {tuple(latents.shape)}"
+        )
     frames = _decode(params, config, _Caches(None), jnp.asarray(True), latents)
     if clamp:
         frames = jnp.clip(frames, -1.0, 1.0)
-    return frames[:, config.first_chunk_padding:]
+    return frames[:, config.first_chunk_padding :]

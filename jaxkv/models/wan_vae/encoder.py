@@ -34,8 +34,10 @@ def encode(params: dict, config: WanVAEConfig, video: jax.Array) -> tuple[jax.Ar
     """
     f, s = config.temporal_factor, config.spatial_factor
     if video.ndim != 5 or video.shape[-1] != config.image_channels:
-        raise ValueError(f"video must be [batch, frames, height, width, {config.image_channels}] (channels last), "
-                         f"got shape {tuple(video.shape)}")
+        raise ValueError(
+            f"video must be [batch, frames, height, width, {config.image_channels}] (channels last), "
+            f"got shape {tuple(video.shape)}"
+        )
     _, t, h, w, _ = video.shape
     if t < 1 or (t - 1) % f:
         raise ValueError(f"video must have 1 + {f} * k frames (1, {1 + f}, {1 + 2 * f}, ...), got {t}")
@@ -55,4 +57,4 @@ def encode(params: dict, config: WanVAEConfig, video: jax.Array) -> tuple[jax.Ar
     x = _mid(p["mid"], x, caches, "mid")
     x = caches.conv("conv_out", p["conv_out"], jax.nn.silu(rms_norm(p["norm_out"], x)), None)
     moments = dense(params["quant_conv"], x)
-    return moments[..., :config.z_dim], moments[..., config.z_dim:]
+    return moments[..., : config.z_dim], moments[..., config.z_dim :]

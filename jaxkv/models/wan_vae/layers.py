@@ -56,9 +56,14 @@ def conv3d_causal(p: dict, x: jax.Array, cache: jax.Array | None) -> tuple[jax.A
         full = jnp.pad(x, [(0, 0), (CACHE_FRAMES, 0), (0, 0), (0, 0), (0, 0)])
     else:
         full = jnp.concatenate([_cast(cache, x.dtype), x], axis=1)
-    y = lax.conv_general_dilated(_cast(full, k.dtype), k, (1, 1, 1),
-                                 [(0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)], dimension_numbers=_DN3,
-                                 preferred_element_type=jnp.float32)
+    y = lax.conv_general_dilated(
+        _cast(full, k.dtype),
+        k,
+        (1, 1, 1),
+        [(0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2)],
+        dimension_numbers=_DN3,
+        preferred_element_type=jnp.float32,
+    )
     return (y + p["bias"].astype(jnp.float32)).astype(k.dtype), full[:, -CACHE_FRAMES:]
 
 
@@ -66,8 +71,14 @@ def conv_time_stride2(p: dict, x: jax.Array) -> jax.Array:
     """The encoder's temporal downsampling conv: kernel (3, 1, 1), stride 2 in time, no padding.
     ``x [B, T, H, W, C]`` -> ``[B, (T - 1) // 2, H, W, C]``."""
     k = p["kernel"]
-    y = lax.conv_general_dilated(_cast(x, k.dtype), k, (2, 1, 1), [(0, 0), (0, 0), (0, 0)],
-                                 dimension_numbers=_DN3, preferred_element_type=jnp.float32)
+    y = lax.conv_general_dilated(
+        _cast(x, k.dtype),
+        k,
+        (2, 1, 1),
+        [(0, 0), (0, 0), (0, 0)],
+        dimension_numbers=_DN3,
+        preferred_element_type=jnp.float32,
+    )
     return (y + p["bias"].astype(jnp.float32)).astype(k.dtype)
 
 
@@ -75,8 +86,14 @@ def conv2d(p: dict, x: jax.Array, *, stride: int = 1, padding) -> jax.Array:
     """Per-frame 2-D conv: ``x [B, T, H, W, Cin]`` -> ``[B, T, H', W', Cout]``."""
     k = p["kernel"]
     b, t, h, w, c = x.shape
-    y = lax.conv_general_dilated(_cast(x.reshape(b * t, h, w, c), k.dtype), k, (stride, stride), padding,
-                                 dimension_numbers=_DN2, preferred_element_type=jnp.float32)
+    y = lax.conv_general_dilated(
+        _cast(x.reshape(b * t, h, w, c), k.dtype),
+        k,
+        (stride, stride),
+        padding,
+        dimension_numbers=_DN2,
+        preferred_element_type=jnp.float32,
+    )
     y = (y + p["bias"].astype(jnp.float32)).astype(k.dtype)
     return y.reshape(b, t, *y.shape[1:])
 
@@ -97,8 +114,8 @@ def attention(p: dict, x: jax.Array) -> jax.Array:
     ``x [B, T, H, W, C]`` -> same shape."""
     b, t, h, w, c = x.shape
     qkv = dense(p["qkv"], rms_norm(p["norm"], x)).reshape(b * t, h * w, 3 * c)
-    q, k, v = (qkv[..., i * c:(i + 1) * c] for i in range(3))
-    logits = jnp.einsum("nqc,nkc->nqk", q, k, preferred_element_type=jnp.float32) / (c ** 0.5)
+    q, k, v = (qkv[..., i * c : (i + 1) * c] for i in range(3))
+    logits = jnp.einsum("nqc,nkc->nqk", q, k, preferred_element_type=jnp.float32) / (c**0.5)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("nqk,nkc->nqc", probs, v.astype(jnp.float32)).astype(x.dtype)
     return x + dense(p["proj"], out).reshape(b, t, h, w, c)

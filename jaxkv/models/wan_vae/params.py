@@ -29,8 +29,7 @@ import numpy as np
 from jaxkv.models.param_tree import check_shapes, flatten, unflatten
 from jaxkv.models.wan_vae.config import WanVAEConfig
 
-__all__ = ["param_shapes", "flat_param_shapes", "init_params", "validate_params", "flatten", "unflatten",
-           "num_params"]
+__all__ = ["param_shapes", "flat_param_shapes", "init_params", "validate_params", "flatten", "unflatten", "num_params"]
 
 
 def _conv3d(c_in: int, c_out: int, kt: int = 3, k: int = 3) -> dict:
@@ -46,16 +45,23 @@ def _dense(c_in: int, c_out: int) -> dict:
 
 
 def _res(c_in: int, c_out: int) -> dict:
-    block = {"norm1": {"scale": (c_in,)}, "conv1": _conv3d(c_in, c_out), "norm2": {"scale": (c_out,)},
-             "conv2": _conv3d(c_out, c_out)}
+    block = {
+        "norm1": {"scale": (c_in,)},
+        "conv1": _conv3d(c_in, c_out),
+        "norm2": {"scale": (c_out,)},
+        "conv2": _conv3d(c_out, c_out),
+    }
     if c_in != c_out:
         block["shortcut"] = _dense(c_in, c_out)
     return block
 
 
 def _mid(c: int) -> dict:
-    return {"res0": _res(c, c), "attn": {"norm": {"scale": (c,)}, "qkv": _dense(c, 3 * c), "proj": _dense(c, c)},
-            "res1": _res(c, c)}
+    return {
+        "res0": _res(c, c),
+        "attn": {"norm": {"scale": (c,)}, "qkv": _dense(c, 3 * c), "proj": _dense(c, c)},
+        "res1": _res(c, c),
+    }
 
 
 def encoder_shapes(config: WanVAEConfig) -> dict[str, Any]:
@@ -71,8 +77,13 @@ def encoder_shapes(config: WanVAEConfig) -> dict[str, Any]:
                 stage["resample"]["time_conv"] = _conv3d(c_out, c_out, kt=3, k=1)
         down[str(i)] = stage
     c = dims[-1]
-    return {"conv_in": _conv3d(config.image_channels, dims[0]), "down": down, "mid": _mid(c),
-            "norm_out": {"scale": (c,)}, "conv_out": _conv3d(c, 2 * config.z_dim)}
+    return {
+        "conv_in": _conv3d(config.image_channels, dims[0]),
+        "down": down,
+        "mid": _mid(c),
+        "norm_out": {"scale": (c,)},
+        "conv_out": _conv3d(c, 2 * config.z_dim),
+    }
 
 
 def decoder_shapes(config: WanVAEConfig) -> dict[str, Any]:
@@ -90,15 +101,24 @@ def decoder_shapes(config: WanVAEConfig) -> dict[str, Any]:
                 stage["resample"]["time_conv"] = _conv3d(c_out, 2 * c_out, kt=3, k=1)
         up[str(i)] = stage
     c = dims[-1]
-    return {"conv_in": _conv3d(config.z_dim, dims[0]), "mid": _mid(dims[0]), "up": up,
-            "norm_out": {"scale": (c,)}, "conv_out": _conv3d(c, config.image_channels)}
+    return {
+        "conv_in": _conv3d(config.z_dim, dims[0]),
+        "mid": _mid(dims[0]),
+        "up": up,
+        "norm_out": {"scale": (c,)},
+        "conv_out": _conv3d(c, config.image_channels),
+    }
 
 
 def param_shapes(config: WanVAEConfig) -> dict[str, Any]:
     """Nested dict with the structure of the params whose leaves are shape tuples."""
     z = config.z_dim
-    return {"encoder": encoder_shapes(config), "quant_conv": _dense(2 * z, 2 * z),
-            "post_quant_conv": _dense(z, z), "decoder": decoder_shapes(config)}
+    return {
+        "encoder": encoder_shapes(config),
+        "quant_conv": _dense(2 * z, 2 * z),
+        "post_quant_conv": _dense(z, z),
+        "decoder": decoder_shapes(config),
+    }
 
 
 def flat_param_shapes(config: WanVAEConfig) -> dict[str, tuple[int, ...]]:
@@ -134,6 +154,9 @@ def init_params(seed: int, config: WanVAEConfig, dtype=jnp.float32) -> dict[str,
 def validate_params(params: dict[str, Any], config: WanVAEConfig, part: str | None = None) -> None:
     """Raises ValueError naming every missing key, unexpected key and shape mismatch. ``part`` ("encoder" /
     "decoder") checks only that sub-tree (a decode-only caller may hold just the decoder)."""
-    prefixes = None if part is None else (("decoder.", "post_quant_conv.") if part == "decoder" else
-                                          ("encoder.", "quant_conv."))
+    prefixes = (
+        None
+        if part is None
+        else (("decoder.", "post_quant_conv.") if part == "decoder" else ("encoder.", "quant_conv."))
+    )
     check_shapes(params, flat_param_shapes(config), "Wan VAE", prefixes)

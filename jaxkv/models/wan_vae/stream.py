@@ -42,8 +42,16 @@ class StreamDecoder:
     (`decode_chunk`) are dropped here. `reset` starts a new stream without recompiling.
     """
 
-    def __init__(self, params: dict, config: WanVAEConfig, *, latent_height: int, latent_width: int,
-                 batch: int = 1, normalized: bool = True):
+    def __init__(
+        self,
+        params: dict,
+        config: WanVAEConfig,
+        *,
+        latent_height: int,
+        latent_width: int,
+        batch: int = 1,
+        normalized: bool = True,
+    ):
         self.params, self.config, self.normalized = params, config, normalized
         self._dtype = params["post_quant_conv"]["kernel"]
         self._geometry = (batch, latent_height, latent_width)
@@ -59,7 +67,7 @@ class StreamDecoder:
         z = _prepare(self.config, latents, self._dtype) if self.normalized else latents
         frames, self.state = decode_chunk(self.params, self.config, self.state, z)
         if self.first:
-            frames = frames[:, self.config.first_chunk_padding:]
+            frames = frames[:, self.config.first_chunk_padding :]
             self.first = False
         self.frames_out += frames.shape[1]
         return to_uint8(frames)

@@ -13,15 +13,15 @@ import dataclasses
 import functools
 from typing import Any
 
-
-from converters.errors import ConversionError, listing
-from converters.layouts import apply, detect_naming, map_key, source_keys, source_shape, target_shape
-from converters.safetensors_io import DTYPES
-from converters.sources import Source, TorchSource, open_source
-from converters.stream import WriteResult, output_dtype, source_piece, write_tensor_directory
 from jaxkv import files
+from jaxkv.convert.errors import ConversionError, listing
+from jaxkv.convert.layouts import apply, detect_naming, map_key, source_keys, source_shape, target_shape
+from jaxkv.convert.safetensors_io import DTYPES
+from jaxkv.convert.sources import Source, TorchSource, open_source
+from jaxkv.convert.stream import WriteResult, output_dtype, source_piece, write_tensor_directory
 from jaxkv.models.wan import checkpoint
-from jaxkv.models.wan.config import PRESETS, WanConfig, preset as get_preset
+from jaxkv.models.wan.config import PRESETS, WanConfig
+from jaxkv.models.wan.config import preset as get_preset
 from jaxkv.models.wan.params import flat_param_shapes
 
 _FLOAT_NAMES = set(DTYPES)
@@ -58,16 +58,27 @@ def _evidence() -> dict[str, tuple]:
     """Which config field each axis of a jaxkv parameter (one layer's slice for ``blocks.*``) shows: a field
     name, ``(field, k)`` for an axis of k times the field, or a constant. Tests check it against params.py."""
     ev = {
-        "patch_embedding.kernel": ("pt", "ph", "pw", "in_dim", "dim"), "patch_embedding.bias": ("dim",),
-        "text_embedding.fc1.kernel": ("text_dim", "dim"), "text_embedding.fc1.bias": ("dim",),
-        "text_embedding.fc2.kernel": ("dim", "dim"), "text_embedding.fc2.bias": ("dim",),
-        "time_embedding.fc1.kernel": ("freq_dim", "dim"), "time_embedding.fc1.bias": ("dim",),
-        "time_embedding.fc2.kernel": ("dim", "dim"), "time_embedding.fc2.bias": ("dim",),
-        "time_projection.kernel": ("dim", ("dim", 6)), "time_projection.bias": (("dim", 6),),
-        "head.head.kernel": ("dim", "head_out"), "head.head.bias": ("head_out",), "head.modulation": (2, "dim"),
-        "blocks.norm3.scale": ("dim",), "blocks.norm3.bias": ("dim",),
-        "blocks.ffn.fc1.kernel": ("dim", "ffn_dim"), "blocks.ffn.fc1.bias": ("ffn_dim",),
-        "blocks.ffn.fc2.kernel": ("ffn_dim", "dim"), "blocks.ffn.fc2.bias": ("dim",),
+        "patch_embedding.kernel": ("pt", "ph", "pw", "in_dim", "dim"),
+        "patch_embedding.bias": ("dim",),
+        "text_embedding.fc1.kernel": ("text_dim", "dim"),
+        "text_embedding.fc1.bias": ("dim",),
+        "text_embedding.fc2.kernel": ("dim", "dim"),
+        "text_embedding.fc2.bias": ("dim",),
+        "time_embedding.fc1.kernel": ("freq_dim", "dim"),
+        "time_embedding.fc1.bias": ("dim",),
+        "time_embedding.fc2.kernel": ("dim", "dim"),
+        "time_embedding.fc2.bias": ("dim",),
+        "time_projection.kernel": ("dim", ("dim", 6)),
+        "time_projection.bias": (("dim", 6),),
+        "head.head.kernel": ("dim", "head_out"),
+        "head.head.bias": ("head_out",),
+        "head.modulation": (2, "dim"),
+        "blocks.norm3.scale": ("dim",),
+        "blocks.norm3.bias": ("dim",),
+        "blocks.ffn.fc1.kernel": ("dim", "ffn_dim"),
+        "blocks.ffn.fc1.bias": ("ffn_dim",),
+        "blocks.ffn.fc2.kernel": ("ffn_dim", "dim"),
+        "blocks.ffn.fc2.bias": ("dim",),
         "blocks.modulation": (6, "dim"),
     }
     for attn in ("self_attn", "cross_attn"):
@@ -81,8 +92,9 @@ EVIDENCE = _evidence()
 _WIDTHS = ("dim", "ffn_dim", "in_dim", "pt", "ph", "pw", "text_dim", "freq_dim", "head_out")
 
 
-def _vote_widths(mapped: dict[tuple[str, int | None], tuple[str, str]], shapes: dict[str, tuple[int, ...]],
-                 where: str) -> dict[str, int]:
+def _vote_widths(
+    mapped: dict[tuple[str, int | None], tuple[str, str]], shapes: dict[str, tuple[int, ...]], where: str
+) -> dict[str, int]:
     """Every width from every tensor that shows it, by majority: one mis-shaped tensor is outvoted by the many
     correct ones (and then reported as the mismatch), instead of fixing a wrong width that blames correct tensors.
     A width no tensor shows, or two values with equal support, is an error naming the tensors involved."""
@@ -98,18 +110,30 @@ def _vote_widths(mapped: dict[tuple[str, int | None], tuple[str, str]], shapes: 
     widths = {}
     for field, by_value in votes.items():
         if not by_value:
-            shown = sorted({key for (dst, _), (key, _) in mapped.items()
-                            if any(field in (a, a[0] if isinstance(a, tuple) else None)
-                                   for a in EVIDENCE.get(dst, ()))}, key=_natural)
-            why = (f"the tensors that show it have an unexpected rank: {listing(shown)}" if shown
-                   else "the tensors that show it are missing")
-            raise ConversionError(f"{where}: cannot infer the model config: no tensor shows {field} ({why}); pass "
-                                  f"--preset or --config to check the checkpoint against a known config")
+            shown = sorted(
+                {
+                    key
+                    for (dst, _), (key, _) in mapped.items()
+                    if any(field in (a, a[0] if isinstance(a, tuple) else None) for a in EVIDENCE.get(dst, ()))
+                },
+                key=_natural,
+            )
+            why = (
+                f"the tensors that show it have an unexpected rank: {listing(shown)}"
+                if shown
+                else "the tensors that show it are missing"
+            )
+            raise ConversionError(
+                f"{where}: cannot infer the model config: no tensor shows {field} ({why}); pass "
+                f"--preset or --config to check the checkpoint against a known config"
+            )
         ranked = sorted(by_value.items(), key=lambda kv: -len(kv[1]))
         if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
             sides = "; ".join(f"{v} from {listing(sorted(keys, key=_natural), 4)}" for v, keys in ranked[:2])
-            raise ConversionError(f"{where}: the tensors disagree on {field} with equal support ({sides}); one "
-                                  f"side is mis-shaped; pass --preset or --config to say which is right")
+            raise ConversionError(
+                f"{where}: the tensors disagree on {field} with equal support ({sides}); one "
+                f"side is mis-shaped; pass --preset or --config to say which is right"
+            )
         widths[field] = ranked[0][0]
     return widths
 
@@ -122,7 +146,7 @@ def _num_layers(mapped, hints) -> int:
         return hints["num_layers"]
     per_block = sum(1 for k in EVIDENCE if k.startswith("blocks."))
     counts: dict[int, int] = {}
-    for (_, layer) in mapped:
+    for _, layer in mapped:
         if layer is not None:
             counts[layer] = counts.get(layer, 0) + 1
     full = [layer for layer, n in counts.items() if 2 * n >= per_block]
@@ -130,26 +154,46 @@ def _num_layers(mapped, hints) -> int:
 
 
 # Config values no tensor shows, and where a config.json beside the weights keeps them.
-_UNSEEN = {"num_heads": ("num_heads", "num_attention_heads"), "text_len": ("text_len",), "eps": ("eps",),
-           "rope_theta": ("rope_theta",)}
+_UNSEEN = {
+    "num_heads": ("num_heads", "num_attention_heads"),
+    "text_len": ("text_len",),
+    "eps": ("eps",),
+    "rope_theta": ("rope_theta",),
+}
 
 
-def _infer_config(mapped, shapes, hints: dict[str, Any], num_heads: int | None,
-                  where: str) -> tuple[WanConfig, str, dict[str, str]]:
+def _infer_config(
+    mapped, shapes, hints: dict[str, Any], num_heads: int | None, where: str
+) -> tuple[WanConfig, str, dict[str, str]]:
     """Config from the tensors' shapes (by majority, `_vote_widths`) plus stored hints; returns (config, origin,
     {field: where its value came from} for every value that was defaulted rather than read)."""
     w = _vote_widths(mapped, shapes, where)
     patch = (w["pt"], w["ph"], w["pw"])
     volume = patch[0] * patch[1] * patch[2]
     if w["head_out"] % volume:
-        raise ConversionError(f"{where}: head output width {w['head_out']} is not a multiple of the patch volume "
-                              f"{volume} (patch {patch})")
-    shape = dict(dim=w["dim"], ffn_dim=w["ffn_dim"], num_layers=_num_layers(mapped, hints), in_dim=w["in_dim"],
-                 out_dim=w["head_out"] // volume, patch_size=patch, text_dim=w["text_dim"], freq_dim=w["freq_dim"])
+        raise ConversionError(
+            f"{where}: head output width {w['head_out']} is not a multiple of the patch volume {volume} (patch {patch})"
+        )
+    shape = dict(
+        dim=w["dim"],
+        ffn_dim=w["ffn_dim"],
+        num_layers=_num_layers(mapped, hints),
+        in_dim=w["in_dim"],
+        out_dim=w["head_out"] // volume,
+        patch_size=patch,
+        text_dim=w["text_dim"],
+        freq_dim=w["freq_dim"],
+    )
     # A preset with the same widths fixes what tensors cannot show (heads, text_len, eps).
-    match = next((name for name, p in PRESETS.items()
-                  if (p.dim, p.ffn_dim, p.in_dim, p.text_dim, p.freq_dim) == (w["dim"], w["ffn_dim"], w["in_dim"],
-                                                                                w["text_dim"], w["freq_dim"])), None)
+    match = next(
+        (
+            name
+            for name, p in PRESETS.items()
+            if (p.dim, p.ffn_dim, p.in_dim, p.text_dim, p.freq_dim)
+            == (w["dim"], w["ffn_dim"], w["in_dim"], w["text_dim"], w["freq_dim"])
+        ),
+        None,
+    )
     base = PRESETS[match] if match else None
     unseen, defaulted, heads_origin = {}, {}, None
     for field, names in _UNSEEN.items():
@@ -167,13 +211,17 @@ def _infer_config(mapped, shapes, hints: dict[str, Any], num_heads: int | None,
         elif field != "num_heads":
             defaulted[field] = "jaxkv default"
     if "num_heads" not in unseen:
-        raise ConversionError(f"{where}: the number of attention heads cannot be inferred from tensors (dim "
-                              f"{w['dim']}, ffn_dim {w['ffn_dim']}, no config.json with num_heads, no preset with "
-                              f"these widths); pass --num-heads N or --preset NAME (known: {sorted(PRESETS)})")
+        raise ConversionError(
+            f"{where}: the number of attention heads cannot be inferred from tensors (dim "
+            f"{w['dim']}, ffn_dim {w['ffn_dim']}, no config.json with num_heads, no preset with "
+            f"these widths); pass --num-heads N or --preset NAME (known: {sorted(PRESETS)})"
+        )
     head_dim, heads = hints.get("attention_head_dim"), unseen["num_heads"]
     if heads_origin.startswith("config.json") and isinstance(head_dim, int) and head_dim * heads != w["dim"]:
-        raise ConversionError(f"{where}: config.json says {unseen['num_heads']} heads of {head_dim} channels, but "
-                              f"the tensors have dim {w['dim']}")
+        raise ConversionError(
+            f"{where}: config.json says {unseen['num_heads']} heads of {head_dim} channels, but "
+            f"the tensors have dim {w['dim']}"
+        )
     try:
         config = WanConfig(**shape, **unseen)
     except (TypeError, ValueError) as e:
@@ -184,12 +232,19 @@ def _infer_config(mapped, shapes, hints: dict[str, Any], num_heads: int | None,
     return config, described, defaulted
 
 
-def plan_conversion(src: str, *, preset: str | None = None, config: WanConfig | str | None = None,
-                    num_heads: int | None = None, text_len: int | None = None, ema: bool | None = None) -> Plan:
+def plan_conversion(
+    src: str,
+    *,
+    preset: str | None = None,
+    config: WanConfig | str | None = None,
+    num_heads: int | None = None,
+    text_len: int | None = None,
+    ema: bool | None = None,
+) -> Plan:
     """Opens ``src`` and checks it completely against the output config, reading headers only.
 
     Args:
-      src: a checkpoint file or directory (see `converters.sources.open_source`).
+      src: a checkpoint file or directory (see `jaxkv.convert.sources.open_source`).
       preset: name of a WanConfig preset the checkpoint must match.
       config: a WanConfig, or a path to a JSON file of WanConfig fields (a jaxkv config.json also works).
       num_heads: attention heads (overrides the preset/config/inferred value; tensors cannot show it).
@@ -204,8 +259,9 @@ def plan_conversion(src: str, *, preset: str | None = None, config: WanConfig | 
     source = open_source(src, ema)
     try:
         if ema is not None and not isinstance(source, TorchSource):
-            raise ConversionError(f"--ema/--no-ema choose an entry of a PyTorch training checkpoint; {src} is "
-                                  f"{source.description}")
+            raise ConversionError(
+                f"--ema/--no-ema choose an entry of a PyTorch training checkpoint; {src} is {source.description}"
+            )
         return _plan(source, preset, config, num_heads, text_len)
     except BaseException:
         source.close()
@@ -249,8 +305,7 @@ def _plan(source: Source, preset, config, num_heads, text_len) -> Plan:
     expected_names = source_keys(naming, config.num_layers)
     shapes = flat_param_shapes(config)
     missing = sorted((name for dst, name in expected_names.items() if dst not in mapped), key=_natural)
-    unexpected = sorted(unknown + [key for dst, (key, _) in mapped.items() if dst not in expected_names],
-                        key=_natural)
+    unexpected = sorted(unknown + [key for dst, (key, _) in mapped.items() if dst not in expected_names], key=_natural)
     mismatched, bad_dtype = [], []
     for dst in expected_names:  # top-level tensors first: they show a width mismatch most plainly
         if dst not in mapped:
@@ -275,10 +330,12 @@ def _plan(source: Source, preset, config, num_heads, text_len) -> Plan:
             parts.append(f"shape mismatches ({len(mismatched)}): {listing(mismatched, 8)}")
         if bad_dtype:
             parts.append(f"non-floating tensors: {listing(bad_dtype)}")
-        raise ConversionError(f"{where} ({naming} naming) does not match the Wan config ({origin}: dim "
-                              f"{config.dim}, ffn_dim {config.ffn_dim}, {config.num_layers} layers, patch "
-                              f"{list(config.patch_size)}, in/out {config.in_dim}/{config.out_dim}, text_dim "
-                              f"{config.text_dim}); " + "; ".join(parts))
+        raise ConversionError(
+            f"{where} ({naming} naming) does not match the Wan config ({origin}: dim "
+            f"{config.dim}, ffn_dim {config.ffn_dim}, {config.num_layers} layers, patch "
+            f"{list(config.patch_size)}, in/out {config.in_dim}/{config.out_dim}, text_dim "
+            f"{config.text_dim}); " + "; ".join(parts)
+        )
 
     items: dict[str, list[tuple[str, str]]] = {}
     for key in shapes:
@@ -315,42 +372,77 @@ def check_output(src: str, dst: str, *, force: bool = False) -> None:
         raise ConversionError(str(e)) from None
 
 
-def write_checkpoint(plan: Plan, dst: str, *, dtype: str = "bf16", force: bool = False, progress: bool = True,
-                     allow_nonfinite: bool = False, log=None) -> WriteResult:
+def write_checkpoint(
+    plan: Plan,
+    dst: str,
+    *,
+    dtype: str = "bf16",
+    force: bool = False,
+    progress: bool = True,
+    allow_nonfinite: bool = False,
+    log=None,
+) -> WriteResult:
     """Streams ``plan`` into the jaxkv checkpoint directory ``dst`` (atomically); returns what was written.
 
     ``dtype``: 'bf16' or 'f32' for every parameter (rounded to nearest even when narrowing). ``force`` replaces an
     existing ``dst`` only if it is a jaxkv Wan checkpoint directory; ``dst`` may never be, contain or lie inside the
     source. A NaN/Inf tensor stops the conversion (ConversionError naming it) unless ``allow_nonfinite``.
     ``log`` receives one-line notes (stale temporaries of killed conversions removed). See
-    `converters.stream.write_tensor_directory` for the rules.
+    `jaxkv.convert.stream.write_tensor_directory` for the rules.
     """
     out = output_dtype(dtype)
     shapes = flat_param_shapes(plan.config)
     source = plan.source
-    tensors = [(key, shapes[key], [source_piece(source, k, functools.partial(apply, kind)) for k, kind in parts])
-               for key, parts in plan.items.items()]
-    metadata = {"format": checkpoint.FORMAT, "format_version": str(checkpoint.FORMAT_VERSION),
-                "source": source.description, "source_naming": plan.naming}
+    tensors = [
+        (key, shapes[key], [source_piece(source, k, functools.partial(apply, kind)) for k, kind in parts])
+        for key, parts in plan.items.items()
+    ]
+    metadata = {
+        "format": checkpoint.FORMAT,
+        "format_version": str(checkpoint.FORMAT_VERSION),
+        "source": source.description,
+        "source_naming": plan.naming,
+    }
     return write_tensor_directory(
-        dst, tensors, dtype=out, metadata=metadata,
+        dst,
+        tensors,
+        dtype=out,
+        metadata=metadata,
         extra_files={checkpoint.CONFIG_FILE: checkpoint.config_json(plan.config)},
-        replaceable=checkpoint.replace_problem, force=force, sources=source.paths,
-        allow_nonfinite=allow_nonfinite, progress=progress, log=log, params_file=checkpoint.PARAMS_FILE)
+        replaceable=checkpoint.replace_problem,
+        force=force,
+        sources=source.paths,
+        allow_nonfinite=allow_nonfinite,
+        progress=progress,
+        log=log,
+        params_file=checkpoint.PARAMS_FILE,
+    )
 
 
-def convert_checkpoint(src: str, dst: str, *, preset: str | None = None, config: WanConfig | str | None = None,
-                       num_heads: int | None = None, text_len: int | None = None, ema: bool | None = None,
-                       dtype: str = "bf16", force: bool = False, allow_nonfinite: bool = False,
-                       progress: bool = False, log=None) -> Plan:
+def convert_checkpoint(
+    src: str,
+    dst: str,
+    *,
+    preset: str | None = None,
+    config: WanConfig | str | None = None,
+    num_heads: int | None = None,
+    text_len: int | None = None,
+    ema: bool | None = None,
+    dtype: str = "bf16",
+    force: bool = False,
+    allow_nonfinite: bool = False,
+    progress: bool = False,
+    log=None,
+) -> Plan:
     """Converts the Wan 2.1 checkpoint ``src`` into the jaxkv checkpoint directory ``dst``; returns the plan
     (its ``config`` is the output config). See `plan_conversion` and `write_checkpoint` for the options; raises
     ConversionError. The destination is checked before the source is opened."""
     check_output(src, dst, force=force)
     plan = plan_conversion(src, preset=preset, config=config, num_heads=num_heads, text_len=text_len, ema=ema)
     try:
-        write_checkpoint(plan, dst, dtype=dtype, force=force, progress=progress, allow_nonfinite=allow_nonfinite,
-                         log=log)
+        write_checkpoint(
+            plan, dst, dtype=dtype, force=force, progress=progress, allow_nonfinite=allow_nonfinite, log=log
+        )
     finally:
         plan.source.close()
     return plan

@@ -15,7 +15,7 @@ The config (base dim, stages, residual blocks, temporal flags) is read off the t
 diffusers ``config.json`` when there is one; then every source tensor must map to exactly one jaxkv parameter of the
 right shape, or the conversion stops before writing anything. Wan 2.2's VAE (48 latent channels, residual
 resamplers, 2x2 patchified RGB) and DiT checkpoints are refused by name. Tensors are streamed one at a time into
-``params.safetensors`` by `converters.stream.write_tensor_directory`, the DiT's writer (atomic output directory,
+``params.safetensors`` by `jaxkv.convert.stream.write_tensor_directory`, the DiT's writer (atomic output directory,
 destination rules, NaN/Inf check).
 
     plan = plan_vae_conversion("Wan2.1-T2V-1.3B/Wan2.1_VAE.pth")
@@ -33,17 +33,24 @@ from typing import Any
 
 import numpy as np
 
-from converters.errors import ConversionError, listing
-from converters.sources import Source, TORCH_SUFFIXES, open_source
-from converters.stream import WriteResult, output_dtype, source_piece, write_tensor_directory
 from jaxkv import files
+from jaxkv.convert.errors import ConversionError, listing
+from jaxkv.convert.sources import TORCH_SUFFIXES, Source, open_source
+from jaxkv.convert.stream import WriteResult, output_dtype, source_piece, write_tensor_directory
 from jaxkv.models.wan_vae import checkpoint
 from jaxkv.models.wan_vae.checkpoint import load
 from jaxkv.models.wan_vae.config import WanVAEConfig
 from jaxkv.models.wan_vae.params import flat_param_shapes
 
-__all__ = ["VAEPlan", "plan_vae_conversion", "write_vae_checkpoint", "convert_vae", "is_vae_source",
-           "detect_vae_naming", "load"]
+__all__ = [
+    "VAEPlan",
+    "plan_vae_conversion",
+    "write_vae_checkpoint",
+    "convert_vae",
+    "is_vae_source",
+    "detect_vae_naming",
+    "load",
+]
 
 
 # Transform kinds: torch tensor -> jaxkv array (pure axis/shape changes).
@@ -87,21 +94,28 @@ def apply(kind: str, a: np.ndarray) -> np.ndarray:
 
 # --- naming tables: jaxkv flat key -> (source key, kind) --------------------------------------------------------
 
+
 def _conv(dst: str, src: str, kind: str = CONV3D) -> dict[str, tuple[str, str]]:
     return {f"{dst}.kernel": (f"{src}.weight", kind), f"{dst}.bias": (f"{src}.bias", COPY)}
 
 
 def _res(dst: str, src: str, has_shortcut: bool, naming: str) -> dict:
     if naming == "wan":
-        names = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
-                 "shortcut": "shortcut"}
+        names = {
+            "norm1": "residual.0",
+            "conv1": "residual.2",
+            "norm2": "residual.3",
+            "conv2": "residual.6",
+            "shortcut": "shortcut",
+        }
     else:
-        names = {"norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2",
-                 "shortcut": "conv_shortcut"}
-    table = {f"{dst}.norm1.scale": (f"{src}.{names['norm1']}.gamma", NORM3),
-             **_conv(f"{dst}.conv1", f"{src}.{names['conv1']}"),
-             f"{dst}.norm2.scale": (f"{src}.{names['norm2']}.gamma", NORM3),
-             **_conv(f"{dst}.conv2", f"{src}.{names['conv2']}")}
+        names = {"norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2", "shortcut": "conv_shortcut"}
+    table = {
+        f"{dst}.norm1.scale": (f"{src}.{names['norm1']}.gamma", NORM3),
+        **_conv(f"{dst}.conv1", f"{src}.{names['conv1']}"),
+        f"{dst}.norm2.scale": (f"{src}.{names['norm2']}.gamma", NORM3),
+        **_conv(f"{dst}.conv2", f"{src}.{names['conv2']}"),
+    }
     if has_shortcut:
         table.update(_conv(f"{dst}.shortcut", f"{src}.{names['shortcut']}", DENSE3))
     return table
@@ -112,10 +126,13 @@ def _mid(dst: str, src: str, naming: str) -> dict:
         res0, attn, res1 = f"{src}.middle.0", f"{src}.middle.1", f"{src}.middle.2"
     else:
         res0, attn, res1 = f"{src}.mid_block.resnets.0", f"{src}.mid_block.attentions.0", f"{src}.mid_block.resnets.1"
-    return {**_res(f"{dst}.mid.res0", res0, False, naming), **_res(f"{dst}.mid.res1", res1, False, naming),
-            f"{dst}.mid.attn.norm.scale": (f"{attn}.norm.gamma", NORM2),
-            **_conv(f"{dst}.mid.attn.qkv", f"{attn}.to_qkv", DENSE2),
-            **_conv(f"{dst}.mid.attn.proj", f"{attn}.proj", DENSE2)}
+    return {
+        **_res(f"{dst}.mid.res0", res0, False, naming),
+        **_res(f"{dst}.mid.res1", res1, False, naming),
+        f"{dst}.mid.attn.norm.scale": (f"{attn}.norm.gamma", NORM2),
+        **_conv(f"{dst}.mid.attn.qkv", f"{attn}.to_qkv", DENSE2),
+        **_conv(f"{dst}.mid.attn.proj", f"{attn}.proj", DENSE2),
+    }
 
 
 def mapping(config: WanVAEConfig, naming: str) -> dict[str, tuple[str, str]]:
@@ -158,20 +175,23 @@ def mapping(config: WanVAEConfig, naming: str) -> dict[str, tuple[str, str]]:
     t["decoder.norm_out.scale"] = ("decoder.head.0.gamma" if wan else "decoder.norm_out.gamma", NORM3)
     t.update(_conv("decoder.conv_out", "decoder.head.2" if wan else "decoder.conv_out"))
     if set(t) != set(shapes):  # the table and the params layout are two descriptions of one tree
-        raise AssertionError(f"VAE mapping out of sync with the params layout: "
-                             f"{sorted(set(t) ^ set(shapes))[:8]}")
+        raise AssertionError(f"VAE mapping out of sync with the params layout: {sorted(set(t) ^ set(shapes))[:8]}")
     return {k: t[k] for k in sorted(shapes)}
 
 
 # --- detection and config inference -----------------------------------------------------------------------------
+
 
 def detect_vae_naming(keys) -> str | None:
     """'wan' / 'diffusers' when ``keys`` look like a Wan-family VAE state dict, else None."""
     keys = set(keys)
     if "post_quant_conv.weight" in keys and "decoder.conv_in.weight" in keys:
         return "diffusers"
-    if "conv2.weight" in keys and "decoder.conv1.weight" in keys and any(k.startswith("decoder.upsamples.")
-                                                                         for k in keys):
+    if (
+        "conv2.weight" in keys
+        and "decoder.conv1.weight" in keys
+        and any(k.startswith("decoder.upsamples.") for k in keys)
+    ):
         return "wan"
     return None
 
@@ -181,8 +201,7 @@ def _indices(keys, prefix: str) -> list[int]:
     return sorted({int(m.group(1)) for k in keys if (m := pat.match(k))})
 
 
-def _infer_config(shapes: dict[str, tuple[int, ...]], naming: str, hints: dict[str, Any], where: str
-                  ) -> WanVAEConfig:
+def _infer_config(shapes: dict[str, tuple[int, ...]], naming: str, hints: dict[str, Any], where: str) -> WanVAEConfig:
     """The WanVAEConfig the decoder's tensor shapes describe (the encoder is then checked key by key)."""
     keys = set(shapes)
     try:
@@ -204,20 +223,30 @@ def _infer_config(shapes: dict[str, tuple[int, ...]], naming: str, hints: dict[s
             stage_dims = [shapes[f"decoder.up_blocks.{i}.resnets.0.conv2.weight"][0] for i in range(stages)]
             temporal = [f"decoder.up_blocks.{i}.upsamplers.0.time_conv.weight" in keys for i in range(stages - 1)]
     except (KeyError, IndexError) as e:
-        raise ConversionError(f"{where}: the VAE decoder is incomplete ({e} is missing), so its shape cannot be "
-                              f"read") from None
+        raise ConversionError(
+            f"{where}: the VAE decoder is incomplete ({e} is missing), so its shape cannot be read"
+        ) from None
     image_channels, base = out[0], out[1]
     if z != 16 or image_channels != 3:
         raise ConversionError(
             f"{where} is not a Wan 2.1 VAE: it has {z} latent channels and {image_channels} output channels (Wan "
             f"2.1: 16 and 3). A 48-channel VAE with 12 output channels is Wan 2.2's (TI2V-5B), which has another "
-            f"architecture (residual resamplers, 2x2 patchified RGB) and is not supported")
+            f"architecture (residual resamplers, 2x2 patchified RGB) and is not supported"
+        )
     mult = [d // base for d in reversed(stage_dims)]
     if any(d % base for d in stage_dims) or per_stage < 2:
-        raise ConversionError(f"{where}: decoder stage widths {stage_dims} with base {base} and {per_stage} residual "
-                              f"blocks per stage do not describe a Wan 2.1 VAE")
-    fields = dict(base_dim=base, z_dim=z, dim_mult=tuple(mult), num_res_blocks=per_stage - 1,
-                  temporal_downsample=tuple(temporal[::-1]), image_channels=image_channels)
+        raise ConversionError(
+            f"{where}: decoder stage widths {stage_dims} with base {base} and {per_stage} residual "
+            f"blocks per stage do not describe a Wan 2.1 VAE"
+        )
+    fields = dict(
+        base_dim=base,
+        z_dim=z,
+        dim_mult=tuple(mult),
+        num_res_blocks=per_stage - 1,
+        temporal_downsample=tuple(temporal[::-1]),
+        image_channels=image_channels,
+    )
     if hints:
         _check_hints(hints, fields, where)
         for name in ("latents_mean", "latents_std"):
@@ -234,17 +263,27 @@ def _check_hints(hints: dict[str, Any], fields: dict[str, Any], where: str) -> N
     if cls is not None and cls != "AutoencoderKLWan":
         raise ConversionError(f"{where}: config.json describes a {cls!r}, not an AutoencoderKLWan (Wan VAE)")
     if hints.get("is_residual") or hints.get("patch_size") or hints.get("z_dim", 16) != 16:
-        raise ConversionError(f"{where}: config.json describes a Wan 2.2 VAE (is_residual="
-                              f"{hints.get('is_residual')}, patch_size={hints.get('patch_size')}, z_dim="
-                              f"{hints.get('z_dim')}); only the Wan 2.1 VAE is supported")
+        raise ConversionError(
+            f"{where}: config.json describes a Wan 2.2 VAE (is_residual="
+            f"{hints.get('is_residual')}, patch_size={hints.get('patch_size')}, z_dim="
+            f"{hints.get('z_dim')}); only the Wan 2.1 VAE is supported"
+        )
     if hints.get("attn_scales"):
-        raise ConversionError(f"{where}: attn_scales {hints['attn_scales']} (attention inside the stages) is not "
-                              f"part of the Wan 2.1 VAE and is not supported")
+        raise ConversionError(
+            f"{where}: attn_scales {hints['attn_scales']} (attention inside the stages) is not "
+            f"part of the Wan 2.1 VAE and is not supported"
+        )
     if hints.get("decoder_base_dim") not in (None, fields["base_dim"]):
-        raise ConversionError(f"{where}: decoder_base_dim {hints['decoder_base_dim']} differs from base_dim; not "
-                              f"supported")
-    pairs = {"base_dim": "base_dim", "z_dim": "z_dim", "dim_mult": "dim_mult", "num_res_blocks": "num_res_blocks",
-             "temperal_downsample": "temporal_downsample"}
+        raise ConversionError(
+            f"{where}: decoder_base_dim {hints['decoder_base_dim']} differs from base_dim; not supported"
+        )
+    pairs = {
+        "base_dim": "base_dim",
+        "z_dim": "z_dim",
+        "dim_mult": "dim_mult",
+        "num_res_blocks": "num_res_blocks",
+        "temperal_downsample": "temporal_downsample",
+    }
     wrong = []
     for hint, field in pairs.items():
         if hint in hints and hints[hint] is not None:
@@ -256,6 +295,7 @@ def _check_hints(hints: dict[str, Any], fields: dict[str, Any], where: str) -> N
 
 
 # --- plan and write ---------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class VAEPlan:
@@ -297,11 +337,15 @@ def _plan(source: Source) -> VAEPlan:
     naming = detect_vae_naming(source.shapes)
     if naming is None:
         if "patch_embedding.weight" in source.shapes or any(k.startswith("blocks.") for k in source.shapes):
-            raise ConversionError(f"{where} holds a Wan DiT (patch_embedding, blocks.N...), not a VAE; convert it "
-                                  f"with `jaxkv convert` as a DiT checkpoint")
-        raise ConversionError(f"{where} is not a Wan VAE checkpoint: expected the original keys (decoder.conv1, "
-                              f"decoder.upsamples.N..., conv2) or diffusers AutoencoderKLWan keys (decoder.conv_in, "
-                              f"post_quant_conv, ...); found {listing(sorted(source.shapes), 8)}")
+            raise ConversionError(
+                f"{where} holds a Wan DiT (patch_embedding, blocks.N...), not a VAE; convert it "
+                f"with `jaxkv convert` as a DiT checkpoint"
+            )
+        raise ConversionError(
+            f"{where} is not a Wan VAE checkpoint: expected the original keys (decoder.conv1, "
+            f"decoder.upsamples.N..., conv2) or diffusers AutoencoderKLWan keys (decoder.conv_in, "
+            f"post_quant_conv, ...); found {listing(sorted(source.shapes), 8)}"
+        )
     config = _infer_config(source.shapes, naming, source.hints, where)
     items = mapping(config, naming)
     shapes = flat_param_shapes(config)
@@ -321,39 +365,73 @@ def _plan(source: Source) -> VAEPlan:
         if source.dtypes.get(src_key) not in ("F32", "F16", "BF16", "F64"):
             problems.append(f"{src_key}: dtype {source.dtypes.get(src_key)} is not a floating-point weight")
     if problems:
-        raise ConversionError(f"{where} does not match the Wan 2.1 VAE ({naming} naming, base_dim "
-                              f"{config.base_dim}, dim_mult {list(config.dim_mult)}):\n  " + "\n  ".join(problems))
+        raise ConversionError(
+            f"{where} does not match the Wan 2.1 VAE ({naming} naming, base_dim "
+            f"{config.base_dim}, dim_mult {list(config.dim_mult)}):\n  " + "\n  ".join(problems)
+        )
     return VAEPlan(source, naming, config, items)
 
 
 def replace_problem(path: str) -> str | None:
     """None if ``path`` is a jaxkv VAE checkpoint directory that ``force`` may replace; otherwise why not."""
-    return files.directory_problem(path, required=(checkpoint.CONFIG_FILE, checkpoint.PARAMS_FILE),
-                                   formats=(checkpoint.FORMAT,))
+    return files.directory_problem(
+        path, required=(checkpoint.CONFIG_FILE, checkpoint.PARAMS_FILE), formats=(checkpoint.FORMAT,)
+    )
 
 
-def write_vae_checkpoint(plan: VAEPlan, dst: str, *, dtype: str = "f32", force: bool = False,
-                         progress: bool = False, allow_nonfinite: bool = False, log=None) -> WriteResult:
+def write_vae_checkpoint(
+    plan: VAEPlan,
+    dst: str,
+    *,
+    dtype: str = "f32",
+    force: bool = False,
+    progress: bool = False,
+    allow_nonfinite: bool = False,
+    log=None,
+) -> WriteResult:
     """Streams ``plan`` into the jaxkv VAE checkpoint directory ``dst`` (atomically), one tensor at a time, under
-    the rules of `converters.stream.write_tensor_directory` (destination checks, NaN/Inf refused by name unless
+    the rules of `jaxkv.convert.stream.write_tensor_directory` (destination checks, NaN/Inf refused by name unless
     ``allow_nonfinite``; ``force`` replaces only a jaxkv VAE directory). ``dtype``: 'f32' (default; the VAE is
     small) or 'bf16'. Returns what was written."""
     out = output_dtype(dtype)
     shapes = flat_param_shapes(plan.config)
     source = plan.source
-    tensors = [(key, shapes[key], [source_piece(source, src_key, functools.partial(apply, kind))])
-               for key, (src_key, kind) in plan.items.items()]
-    metadata = {"format": checkpoint.FORMAT, "format_version": str(checkpoint.FORMAT_VERSION),
-                "source": source.description, "source_naming": plan.naming}
+    tensors = [
+        (key, shapes[key], [source_piece(source, src_key, functools.partial(apply, kind))])
+        for key, (src_key, kind) in plan.items.items()
+    ]
+    metadata = {
+        "format": checkpoint.FORMAT,
+        "format_version": str(checkpoint.FORMAT_VERSION),
+        "source": source.description,
+        "source_naming": plan.naming,
+    }
     return write_tensor_directory(
-        dst, tensors, dtype=out, metadata=metadata,
-        extra_files={checkpoint.CONFIG_FILE: checkpoint.config_json(plan.config)}, replaceable=replace_problem,
-        force=force, sources=source.paths, allow_nonfinite=allow_nonfinite, progress=progress, log=log,
-        params_file=checkpoint.PARAMS_FILE, desc="convert vae")
+        dst,
+        tensors,
+        dtype=out,
+        metadata=metadata,
+        extra_files={checkpoint.CONFIG_FILE: checkpoint.config_json(plan.config)},
+        replaceable=replace_problem,
+        force=force,
+        sources=source.paths,
+        allow_nonfinite=allow_nonfinite,
+        progress=progress,
+        log=log,
+        params_file=checkpoint.PARAMS_FILE,
+        desc="convert vae",
+    )
 
 
-def convert_vae(src: str, dst: str, *, dtype: str = "f32", force: bool = False, progress: bool = False,
-                allow_nonfinite: bool = False) -> VAEPlan:
+def convert_vae(
+    src: str,
+    dst: str,
+    *,
+    dtype: str = "f32",
+    force: bool = False,
+    progress: bool = False,
+    allow_nonfinite: bool = False,
+) -> VAEPlan:
     """`plan_vae_conversion` + `write_vae_checkpoint`; returns the plan (its ``config`` is the output config)."""
     plan = plan_vae_conversion(src)
     try:

@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from converters.errors import ConversionError
+from jaxkv.convert.errors import ConversionError
 
 # Transform kinds.
 LINEAR = "linear"  # torch Linear weight [out, in] -> kernel [in, out]
@@ -107,7 +107,7 @@ def strip_prefixes(key: str) -> str:
         changed = False
         for lead in _LEADING:
             if key.startswith(lead):
-                key, changed = key[len(lead):], True
+                key, changed = key[len(lead) :], True
     return key
 
 
@@ -127,7 +127,8 @@ def detect_naming(keys) -> str:
         raise ConversionError(
             "unknown checkpoint format: the tensor names match neither the original Wan 2.1 naming "
             "(blocks.0.self_attn.q.weight, text_embedding.0.weight, ...) nor the diffusers WanTransformer3DModel "
-            f"naming (blocks.0.attn1.to_q.weight, condition_embedder.*, ...); first keys found: {sample}")
+            f"naming (blocks.0.attn1.to_q.weight, condition_embedder.*, ...); first keys found: {sample}"
+        )
     return best
 
 

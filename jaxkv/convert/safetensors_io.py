@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from converters.errors import ConversionError
 from jaxkv import safetensors_io as _io
+from jaxkv.convert.errors import ConversionError
 from jaxkv.safetensors_io import DTYPES, StreamWriter, TensorInfo
 
 __all__ = ["DTYPES", "StreamWriter", "TensorInfo", "dtype_name", "read_header", "read_tensor"]

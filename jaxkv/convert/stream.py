@@ -25,9 +25,9 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 import ml_dtypes
 import numpy as np
 
-from converters.errors import ConversionError, listing
-from converters.safetensors_io import StreamWriter
 from jaxkv import files
+from jaxkv.convert.errors import ConversionError, listing
+from jaxkv.convert.safetensors_io import StreamWriter
 
 _CHECK_BLOCK = 1 << 20  # elements per finiteness test: the boolean scratch stays at 1 MiB
 OUTPUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}  # what every family writes
@@ -53,11 +53,18 @@ class Piece(NamedTuple):
     release: Callable[[], None] | None = None
 
 
-def source_piece(source, key: str, transform: Callable[[np.ndarray], np.ndarray] | None = None, *,
-                 label: str | None = None, release: bool = True) -> Piece:
-    """A Piece of tensor ``key`` of the open `converters.sources.Source` ``source``: read (memory-mapped where the
+def source_piece(
+    source,
+    key: str,
+    transform: Callable[[np.ndarray], np.ndarray] | None = None,
+    *,
+    label: str | None = None,
+    release: bool = True,
+) -> Piece:
+    """A Piece of tensor ``key`` of the open `jaxkv.convert.sources.Source` ``source``: read (memory-mapped where the
     format allows), passed through ``transform`` (a layout change; a view where possible) and, with ``release``,
     released once written. ``label`` defaults to ``key``."""
+
     def read() -> np.ndarray:
         array = source.read(key)
         return array if transform is None else transform(array)
@@ -80,7 +87,7 @@ def nonfinite_summary(array: np.ndarray) -> str | None:
     flat = array.reshape(-1)
     counts = None
     for begin in range(0, flat.size, _CHECK_BLOCK):
-        block = flat[begin: begin + _CHECK_BLOCK]
+        block = flat[begin : begin + _CHECK_BLOCK]
         if np.isfinite(block).all():
             continue
         if counts is None:
@@ -96,14 +103,23 @@ def nonfinite_summary(array: np.ndarray) -> str | None:
 ExtraFiles = Mapping[str, str | bytes]  # file name -> text, or bytes written as they are
 
 
-def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...], Sequence[Piece]]], *,
-                           dtype, extra_files: ExtraFiles | Callable[[str], ExtraFiles],
-                           metadata: Mapping[str, str] | None = None,
-                           replaceable: Callable[[str], str | None], force: bool = False,
-                           sources: Iterable[str] = (), allow_nonfinite: bool = False, progress: bool = False,
-                           log: Callable[[str], None] | None = None, params_file: str = "params.safetensors",
-                           on_piece: Callable[[np.ndarray], None] | None = None,
-                           desc: str = "convert") -> WriteResult:
+def write_tensor_directory(
+    dst: str,
+    tensors: Sequence[tuple[str, tuple[int, ...], Sequence[Piece]]],
+    *,
+    dtype,
+    extra_files: ExtraFiles | Callable[[str], ExtraFiles],
+    metadata: Mapping[str, str] | None = None,
+    replaceable: Callable[[str], str | None],
+    force: bool = False,
+    sources: Iterable[str] = (),
+    allow_nonfinite: bool = False,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+    params_file: str = "params.safetensors",
+    on_piece: Callable[[np.ndarray], None] | None = None,
+    desc: str = "convert",
+) -> WriteResult:
     """Streams ``tensors`` [(output key, output shape, pieces)] into ``dst/params_file`` and writes
     ``extra_files`` beside it, all atomically.
 
@@ -134,8 +150,7 @@ def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...
             writer = StreamWriter(params_path, [(key, out, shape) for key, shape, _ in tensors], metadata)
             try:
                 total = sum(len(p) for _, _, p in tensors)
-                with tqdm(total=total, unit="tensor", desc=desc, disable=not progress,
-                          dynamic_ncols=True) as bar:
+                with tqdm(total=total, unit="tensor", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
                     for key, _, pieces in tensors:
                         for piece in pieces:
                             source = piece.read()
@@ -148,7 +163,8 @@ def write_tensor_directory(dst: str, tensors: Sequence[tuple[str, tuple[int, ...
                                     raise ConversionError(
                                         f"tensor {piece.label} holds non-finite values ({problem}); the "
                                         f"conversion stopped and nothing was written; pass --allow-nonfinite "
-                                        f"(allow_nonfinite=True) to convert it anyway")
+                                        f"(allow_nonfinite=True) to convert it anyway"
+                                    )
                                 bad.append(f"{piece.label}: {problem}")
                             if on_piece is not None:
                                 on_piece(values)

@@ -16,9 +16,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from converters.errors import ConversionError, listing
-from converters.layouts import strip_prefixes
-from converters.safetensors_io import TensorInfo, read_header, read_tensor
+from jaxkv.convert.errors import ConversionError, listing
+from jaxkv.convert.layouts import strip_prefixes
+from jaxkv.convert.safetensors_io import TensorInfo, read_header, read_tensor
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 # Entries of a training checkpoint that may hold the DiT's state dict, in order of preference.
@@ -59,15 +59,22 @@ def _strip_all(keys, where: str) -> dict[str, str]:
     for key in keys:
         short = strip_prefixes(key)
         if short in out:
-            raise ConversionError(f"{where}: keys {out[short]!r} and {key!r} both name tensor {short!r} once "
-                                  f"wrapper prefixes are removed")
+            raise ConversionError(
+                f"{where}: keys {out[short]!r} and {key!r} both name tensor {short!r} once wrapper prefixes are removed"
+            )
         out[short] = key
     return out
 
 
 class SafetensorsSource(Source):
-    def __init__(self, files: list[str], description: str, hints: dict[str, Any] | None = None,
-                 weight_map: dict[str, str] | None = None, extra_paths: list[str] = ()):
+    def __init__(
+        self,
+        files: list[str],
+        description: str,
+        hints: dict[str, Any] | None = None,
+        weight_map: dict[str, str] | None = None,
+        extra_paths: list[str] = (),
+    ):
         self.description, self.hints = description, hints or {}
         self.paths = [*files, *extra_paths]
         self._where: dict[str, tuple[str, TensorInfo]] = {}
@@ -101,8 +108,10 @@ class TorchSource(Source):
         try:
             import torch
         except ImportError:
-            raise ConversionError(f"{path} is a PyTorch checkpoint; reading it needs torch (pip install "
-                                  f"'jaxkv[torch]'), which is not installed") from None
+            raise ConversionError(
+                f"{path} is a PyTorch checkpoint; reading it needs torch (pip install "
+                f"'jaxkv[torch]'), which is not installed"
+            ) from None
         self._torch = torch
         self.paths = [path]
         obj = _torch_load(torch, path)
@@ -220,14 +229,18 @@ def _refusal(text: str) -> str:
 def _torch_load(torch, path: str):
     kind = _container(path)
     if kind == "legacy":
-        raise ConversionError(f"{path} uses the legacy (pre-1.6) torch.save format, which cannot be memory-mapped; "
-                              f"re-save it with a current torch.save")
+        raise ConversionError(
+            f"{path} uses the legacy (pre-1.6) torch.save format, which cannot be memory-mapped; "
+            f"re-save it with a current torch.save"
+        )
     if kind == "other":
         with open(path, "rb") as f:
             head = f.read(8)
-        raise ConversionError(f"{path} is not a PyTorch checkpoint: torch.save files are zip archives (or, before "
-                              f"torch 1.6, a pickle starting with torch's magic number), but this file starts with "
-                              f"bytes {head!r}")
+        raise ConversionError(
+            f"{path} is not a PyTorch checkpoint: torch.save files are zip archives (or, before "
+            f"torch 1.6, a pickle starting with torch's magic number), but this file starts with "
+            f"bytes {head!r}"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
@@ -235,7 +248,8 @@ def _torch_load(torch, path: str):
             f"{path} was refused by torch.load(weights_only=True): {_refusal(str(e))}. Loading it without "
             f"weights_only would import and call that object, i.e. execute code stored in the file, so jaxkv does "
             f"not; if you trust the file, re-save just the state dict (torch.save({{'generator': "
-            f"model.state_dict()}}, path)) from trusted code and convert that") from None
+            f"model.state_dict()}}, path)) from trusted code and convert that"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         msg = " ".join(str(e).split())
         msg = msg if len(msg) <= 200 else msg[:200] + "..."
@@ -247,8 +261,9 @@ def _select_state_dict(torch, obj, path: str, ema: bool | None) -> tuple[dict, s
     itself when it is a bare state dict. ``ema`` True/False demands generator_ema / the raw weights; None prefers
     generator_ema."""
     if not isinstance(obj, dict):
-        raise ConversionError(f"{path}: expected a dict (a state dict or a training checkpoint), found "
-                              f"{type(obj).__name__}")
+        raise ConversionError(
+            f"{path}: expected a dict (a state dict or a training checkpoint), found {type(obj).__name__}"
+        )
     if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         if ema:
             raise ConversionError(f"{path} is a bare state dict with no 'generator_ema' entry; drop --ema")
@@ -263,9 +278,11 @@ def _select_state_dict(torch, obj, path: str, ema: bool | None) -> tuple[dict, s
     for name in order:
         if isinstance(obj.get(name), dict):
             return obj[name], name
-    raise ConversionError(f"{path}: no {' / '.join(repr(n) for n in order)} entry to convert; the file holds "
-                          f"dict entries {available} and other entries "
-                          f"{sorted(k for k in obj if k not in available)}")
+    raise ConversionError(
+        f"{path}: no {' / '.join(repr(n) for n in order)} entry to convert; the file holds "
+        f"dict entries {available} and other entries "
+        f"{sorted(k for k in obj if k not in available)}"
+    )
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -296,20 +313,22 @@ def open_source(src: str, ema: bool | None = None) -> Source:
         if src.endswith(".safetensors"):
             hints_path = os.path.join(os.path.dirname(src) or ".", "config.json")
             hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
-            return SafetensorsSource([src], f"safetensors file {src}", hints,
-                                     extra_paths=[hints_path] if hints else [])
+            return SafetensorsSource([src], f"safetensors file {src}", hints, extra_paths=[hints_path] if hints else [])
         if src.endswith(".index.json"):
             return _sharded(src)
-        raise ConversionError(f"{src}: unknown checkpoint format; expected a .safetensors file, a "
-                              f"*.safetensors.index.json, a PyTorch .pt/.pth/.ckpt file or a directory holding one")
+        raise ConversionError(
+            f"{src}: unknown checkpoint format; expected a .safetensors file, a "
+            f"*.safetensors.index.json, a PyTorch .pt/.pth/.ckpt file or a directory holding one"
+        )
     if os.path.isdir(os.path.join(src, "transformer")) and not glob.glob(os.path.join(src, "*.safetensors")):
         src = os.path.join(src, "transformer")  # diffusers pipeline root: the DiT lives in transformer/
     indexes = sorted(glob.glob(os.path.join(src, "*.safetensors.index.json")))
     files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
     torch_files = sorted(f for f in glob.glob(os.path.join(src, "*")) if f.endswith(TORCH_SUFFIXES))
     if len(indexes) > 1:
-        raise ConversionError(f"{src} holds several shard indexes {[os.path.basename(i) for i in indexes]}; pass "
-                              f"the one to convert")
+        raise ConversionError(
+            f"{src} holds several shard indexes {[os.path.basename(i) for i in indexes]}; pass the one to convert"
+        )
     if indexes:
         return _sharded(indexes[0])
     if len(files) == 1:
@@ -317,12 +336,16 @@ def open_source(src: str, ema: bool | None = None) -> Source:
         hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
         return SafetensorsSource(files, f"safetensors file {files[0]}", hints, extra_paths=[src])
     if len(files) > 1:
-        raise ConversionError(f"{src} holds {len(files)} .safetensors files but no *.safetensors.index.json to say "
-                              f"how they fit together; pass the file to convert")
+        raise ConversionError(
+            f"{src} holds {len(files)} .safetensors files but no *.safetensors.index.json to say "
+            f"how they fit together; pass the file to convert"
+        )
     if len(torch_files) == 1:
         return TorchSource(torch_files[0], ema)
-    raise ConversionError(f"{src}: unknown checkpoint format; the directory holds no .safetensors file, shard index "
-                          f"or single .pt file (found {sorted(os.listdir(src))[:10]})")
+    raise ConversionError(
+        f"{src}: unknown checkpoint format; the directory holds no .safetensors file, shard index "
+        f"or single .pt file (found {sorted(os.listdir(src))[:10]})"
+    )
 
 
 def _sharded(index_path: str) -> Source:
@@ -337,6 +360,10 @@ def _sharded(index_path: str) -> Source:
         raise ConversionError(f"{index_path} names shard files that are missing: {listing(missing)}")
     hints_path = os.path.join(folder, "config.json")
     hints = _read_json(hints_path) if os.path.isfile(hints_path) else {}
-    return SafetensorsSource([os.path.join(folder, s) for s in shards],
-                             f"sharded safetensors ({len(shards)} shards, index {index_path})", hints, weight_map,
-                             extra_paths=[index_path, hints_path] if hints else [index_path])
+    return SafetensorsSource(
+        [os.path.join(folder, s) for s in shards],
+        f"sharded safetensors ({len(shards)} shards, index {index_path})",
+        hints,
+        weight_map,
+        extra_paths=[index_path, hints_path] if hints else [index_path],
+    )
