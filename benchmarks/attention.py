@@ -229,7 +229,7 @@ def gpu_checks(interpret: bool = False, block_sizes: BlockSizes | None = None, c
         row = {"part": "gpu_check", "head_dim": head_dim, "dtype": dtype, "mask": mask, "rope": style}
         try:
             got = jax.jit(
-                lambda *a: attend(*a, backend="pallas", rope=rope, interpret=interpret, block_sizes=block_sizes, **mask)
+                lambda *a: attend(*a, backend="pallas", rope=rope, interpret=interpret, block_sizes=block_sizes, **mask)  # noqa: B023 - called in the iteration that defines it
             )(*args)
             want = dense_attention(*args, rope=rope, **mask)
             row["max_abs_diff"] = _max_diff(got, want)

@@ -46,7 +46,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxkv.convert.safetensors_io import StreamWriter  # noqa: E402
+from jaxkv.convert.safetensors_io import StreamWriter
 
 
 def synthetic_shapes(
@@ -293,7 +293,7 @@ def _largest_stacked(shapes, layers: int) -> int:
 
 
 def _print_load(result) -> None:
-    mib = lambda b: f"{b / 2**20:8.1f}"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:8.1f}"
     print(
         f"weights: {mib(result['weights_f32_bytes'])} MiB float32 = {mib(result['weights_bf16_bytes'])} MiB "
         f"bfloat16 ({result['layers']} layers, dim {result['dim']}, ffn {result['ffn_dim']}); largest stacked "
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
                 json.dump(result, f, indent=2)
         return 0
     result = run(args.size_mb, args.dim, args.ffn_dim, pt=args.pt)
-    mib = lambda b: f"{b / 2**20:8.1f}"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:8.1f}"
     print(
         f"checkpoint: {mib(result['checkpoint_bytes'])} MiB float32 ({result['layers']} layers, dim "
         f"{result['dim']}, ffn {result['ffn_dim']}); largest tensor {mib(result['largest_tensor_bytes'])} MiB"

@@ -96,7 +96,8 @@ def check_correctness(s: dict, interpret: bool, cudnn_ok: bool) -> dict:
         )
         ref = jax.jit(
             lambda *a: dense_attention(
-                *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in a), **case["mask"]
+                *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in a),
+                **case["mask"],  # noqa: B023 - called in the iteration that defines it
             )
         )(q, k, v, qp, kp)
         for backend in ("pallas", "cudnn"):
@@ -104,7 +105,7 @@ def check_correctness(s: dict, interpret: bool, cudnn_ok: bool) -> dict:
                 out[f"{name}/{backend}"] = "skipped: cuDNN not available on this jaxlib"
                 continue
             kw = dict(interpret=True) if backend == "pallas" and interpret else {}
-            got = jax.jit(lambda *a: attend(*a, backend=backend, **case["mask"], **kw))(q, k, v, qp, kp)
+            got = jax.jit(lambda *a: attend(*a, backend=backend, **case["mask"], **kw))(q, k, v, qp, kp)  # noqa: B023 - called in the iteration that defines it
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
             out[f"{name}/{backend}"] = {"max_abs_err": err, "ok": err < 3e-2}
     return out
@@ -125,7 +126,7 @@ def time_attention(s: dict, interpret: bool, cudnn_ok: bool, reps: int) -> list[
         for name, fn in fns.items():
             try:
                 row[f"{name}_ms"] = _time(fn, q, k, v, qp, kp, reps=reps)
-            except Exception as e:  # report and go on: one failing path must not hide the others
+            except Exception as e:  # noqa: BLE001 - report and go on: one failing path must not hide the others
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if "pallas_ms" in row and "cudnn_ms" in row:
             row["cudnn/pallas"] = row["cudnn_ms"] / row["pallas_ms"]  # >= 0.9 is the target
@@ -194,7 +195,7 @@ def cudnn_available() -> bool:
         f = lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn")
         jax.block_until_ready(jax.jit(f)(jnp.zeros((1, 16, 1, 64), jnp.bfloat16)))
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure of the probe means cuDNN is not usable here
         return False
 
 
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             result[name] = fn()
-        except Exception:
+        except Exception:  # noqa: BLE001 - recorded in the JSON, the other parts still run
             result[name] = {"error": traceback.format_exc(limit=4)}
         result["meta"][f"{name}_s"] = time.perf_counter() - t0
     result["meta"]["total_s"] = time.perf_counter() - start

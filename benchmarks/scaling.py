@@ -26,14 +26,14 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxkv import parallel as PL  # noqa: E402
-from jaxkv import rollout as R  # noqa: E402
-from jaxkv.compilation import compile_count  # noqa: E402
-from jaxkv.models import wan  # noqa: E402
-from jaxkv.models.wan.config import WanConfig  # noqa: E402
+from jaxkv import parallel as PL
+from jaxkv import rollout as R
+from jaxkv.compilation import compile_count
+from jaxkv.models import wan
+from jaxkv.models.wan.config import WanConfig
 
 # 8 heads of 32 so model=8 still holds a whole head per device
 MODEL = WanConfig(dim=256, ffn_dim=1024, num_heads=8, num_layers=4, text_dim=64, text_len=16, freq_dim=64)

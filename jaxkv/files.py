@@ -312,7 +312,8 @@ def atomic_directory(
 
     ``path`` must not exist, unless ``replace`` is given: then an existing ``path`` is replaced (only after the new
     directory is complete) if it is empty or ``replace(path)`` returns None, and DestinationError with its reason
-    is raised before anything is created otherwise. SIGTERM / SIGHUP at their default disposition raise `Terminated` while
+    is raised before anything is created otherwise. SIGTERM / SIGHUP at their default disposition raise `Terminated`
+    while
     the block runs, so they clean up as Ctrl-C does. Stale temporaries of ``path`` left by killed writers are
     removed first, each action reported through ``log``. The yielded directory lies inside a hidden
     ``.NAME.tmp-*`` sibling that holds a `MARKER`; directories are created with the user's umask.

@@ -539,7 +539,7 @@ def _move(session: Session, move, what: str, delete: bool) -> Session:
                     f"leaf {i} came back as {y.dtype}{list(y.shape)} instead of {x.dtype}{list(x.shape)}"
                 )
             moved.append(y)
-    except Exception as e:  # noqa: BLE001 - any failure: keep the source, say so
+    except Exception as e:  # any failure: keep the source, say so
         raise OffloadError(
             f"{what} failed at array {len(moved)} of {len(leaves)} ({type(e).__name__}: {e}); the "
             f"session's arrays are where they were, untouched"

@@ -28,7 +28,7 @@ def to_uint8(frames) -> Any:
     if isinstance(frames, np.ndarray):
         xp = np
     else:
-        import jax.numpy as xp  # noqa: PLC0415
+        import jax.numpy as xp
     x = (xp.clip(frames.astype(xp.float32), -1.0, 1.0) + 1.0) * 127.5
     return xp.round(x).astype(xp.uint8)
 
@@ -47,7 +47,7 @@ class VideoWriter:
     """
 
     def __init__(self, path: str, fps: int = 16, *, crf: int = 18, max_pending: int = 4):
-        import av  # noqa: PLC0415
+        import av
 
         from jaxkv.validate import check_int
 
@@ -150,7 +150,7 @@ class VideoWriter:
 
 def read_video_info(path: str) -> dict[str, Any]:
     """{"frames", "height", "width", "fps"} of a video file, by decoding it with PyAV (for tests and checks)."""
-    import av  # noqa: PLC0415
+    import av
 
     with av.open(path) as container:
         stream = container.streams.video[0]

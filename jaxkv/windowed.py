@@ -163,7 +163,7 @@ def windowed_rollout(
     """The whole windowed generation: Rollout(latents float32 [batch, total_units, h, w, in_dim], final state).
     Arguments as `windows`."""
     parts, state = [], None
-    for _, latents, state in windows(
+    for _, latents, state in windows(  # noqa: B007 - the last state is returned
         params, config, rc, schedule, context, key=key, noise=noise, negative_context=negative_context
     ):
         parts.append(latents)

@@ -24,7 +24,7 @@ class ReferenceHistory:
             s["current"] = n
             s["next"] = n + 1
             s["chunks"][n] = None
-            keep = lambda i: i < self.sink_chunks or n - self.window_chunks < i <= n
+            keep = lambda i: i < self.sink_chunks or n - self.window_chunks < i <= n  # noqa: B023 - called in the iteration that defines it
             s["chunks"] = {i: c for i, c in s["chunks"].items() if keep(i)}
 
     def write(self, k, v, active=None):

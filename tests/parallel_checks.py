@@ -16,16 +16,16 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv import parallel as PL  # noqa: E402
-from jaxkv import rollout as R  # noqa: E402
-from jaxkv.compilation import compile_count  # noqa: E402
-from jaxkv.models.wan import config as C  # noqa: E402
+from jaxkv import parallel as PL
+from jaxkv import rollout as R
+from jaxkv.compilation import compile_count
+from jaxkv.models.wan import config as C
 from jaxkv.models.wan import model as M
-from jaxkv.schedule import Schedule  # noqa: E402
+from jaxkv.schedule import Schedule
 
 CONFIG = C.preset("tiny")  # 4 heads, ffn 128: model axes of 1, 2, 4 divide it
 PARAMS = M.init_params(CONFIG, jax.random.key(0))

@@ -25,15 +25,15 @@ jax.distributed.initialize(
     initialization_timeout=120,
 )
 
-import jax.experimental.multihost_utils  # noqa: E402
-import numpy as np  # noqa: E402
+import jax.experimental.multihost_utils
+import numpy as np
 
-from jaxkv import parallel as PL  # noqa: E402
-from jaxkv import rollout as R  # noqa: E402
-from jaxkv.models.wan import checkpoint  # noqa: E402
+from jaxkv import parallel as PL
+from jaxkv import rollout as R
+from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan import config as C
 from jaxkv.models.wan import model as M
-from jaxkv.schedule import Schedule  # noqa: E402
+from jaxkv.schedule import Schedule
 
 assert jax.process_count() == num_processes and len(jax.local_devices()) == 2 and len(jax.devices()) == 4
 
@@ -56,7 +56,7 @@ for n, (x, want) in enumerate(zip(stream, reference)):
     rows, local = PL.local_rows(x)
     assert rows == slice(process_id, process_id + 1), rows
     np.testing.assert_allclose(local, np.asarray(want)[rows], rtol=1e-5, atol=2e-5, err_msg=f"chunk {n}")
-from jaxkv.compilation import compile_count  # noqa: E402
+from jaxkv.compilation import compile_count
 
 assert compile_count(stream.step) == 1, compile_count(stream.step)
 jax.experimental.multihost_utils.sync_global_devices("done")

@@ -165,7 +165,7 @@ def test_kept_frames_sit_at_the_seed_slot():
     """bucket = (f + d - 1) // d, slot = bucket % buckets: read which ring slot holds each kept frame."""
     spec = DilatedSpec(tokens_per_frame=2, chunk_frames=3, dilation=2, buckets=4)
     cache = DilatedCache.init(spec, 1, 1, 1)
-    for n in range(9):
+    for _ in range(9):
         cache = cache.begin_chunk()
         cache = cache.write(jnp.zeros((1, 6, 1, 1)), jnp.zeros((1, 6, 1, 1)))
     cache = cache.begin_chunk()  # publishes chunk 8's frames 24, 26

@@ -131,7 +131,7 @@ def test_load_missing_directory(tmp_path):
 
 # ------------------------------------------------------------------ jaxkv.files: the rules every writer shares
 
-from jaxkv import files  # noqa: E402
+from jaxkv import files
 
 
 def _fake_stale(parent, name: str, pid: int, *, old: bool = False, start=None, host=None):

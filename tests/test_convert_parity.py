@@ -16,15 +16,15 @@ import pytest
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import save_file
 
-from jaxkv.convert.convert import convert_checkpoint  # noqa: E402
-from jaxkv.models.wan import checkpoint, forward  # noqa: E402
-from jaxkv.models.wan.config import WanConfig  # noqa: E402
+from jaxkv.convert.convert import convert_checkpoint
+from jaxkv.models.wan import checkpoint, forward
+from jaxkv.models.wan.config import WanConfig
 from tests.test_convert import (
     assert_params_equal,
     diffusers_name,
-    expected_params,  # noqa: E402
+    expected_params,
     original_wan_shapes,
 )
 

@@ -9,11 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxkv.convert import cli  # noqa: E402
-from jaxkv.convert.convert import convert_checkpoint, plan_conversion  # noqa: E402
-from jaxkv.convert.errors import ConversionError  # noqa: E402
-from jaxkv.models.wan import checkpoint  # noqa: E402
-from tests.test_convert import CFG, assert_params_equal, expected_params, leftovers, random_original  # noqa: E402
+from jaxkv.convert import cli
+from jaxkv.convert.convert import convert_checkpoint, plan_conversion
+from jaxkv.convert.errors import ConversionError
+from jaxkv.models.wan import checkpoint
+from tests.test_convert import CFG, assert_params_equal, expected_params, leftovers, random_original
 
 pytestmark = pytest.mark.torch
 

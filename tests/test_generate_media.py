@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("av")
 
-from jaxkv import generate as G  # noqa: E402
-from jaxkv.generate import inputs, loop  # noqa: E402
-from jaxkv.models import umt5, wan_vae  # noqa: E402
-from jaxkv.models.umt5.tokenizer import tiny_tokenizer_json  # noqa: E402
-from jaxkv.video import read_video_info, to_uint8  # noqa: E402
+from jaxkv import generate as G
+from jaxkv.generate import inputs, loop
+from jaxkv.models import umt5, wan_vae
+from jaxkv.models.umt5.tokenizer import tiny_tokenizer_json
+from jaxkv.video import read_video_info, to_uint8
 
 # 4x4 latents (32x32 video), 2 chunks of 3 latent frames: T = 6 latent frames -> 1 + 4 * 5 = 21 video frames.
 # The random-weight model with the tiny random VAE (the toy-world default's video: test_generate_toy.py).

@@ -96,10 +96,10 @@ def test_cross_kv_and_the_rollout_cache_follow_the_policy_and_mismatches_are_ref
     ctx = _context()
     for precision in (Precision.f32(), Precision.bf16(), Precision(cache_dtype="bfloat16")):
         params = _params(precision)
-        cross = jax.eval_shape(lambda p, c: wan.cross_kv(p, CFG, c, precision=precision), params, ctx)
+        cross = jax.eval_shape(lambda p, c: wan.cross_kv(p, CFG, c, precision=precision), params, ctx)  # noqa: B023 - called in the iteration that defines it
         assert cross.k.dtype == cross.v.dtype == jnp.dtype(precision.cache_dtype)
         rc = R.RolloutConfig(*HW, chunk_frames=1, window_frames=2, precision=precision)
-        state = jax.eval_shape(lambda p, c: R.init_state(p, CFG, rc, c), params, ctx)
+        state = jax.eval_shape(lambda p, c: R.init_state(p, CFG, rc, c), params, ctx)  # noqa: B023 - called in the iteration that defines it
         assert state.cache.k.dtype == state.cross.k.dtype == jnp.dtype(precision.cache_dtype)
     # bf16 params under a float32 policy, and caches of another dtype than the policy's, fail before running
     bf16 = _params(Precision.bf16())

@@ -23,12 +23,12 @@ def test_eviction_never_touches_the_prefix(cls):
     spec = jaxkv.RingSpec(chunk=2, window=6, sink=4)
     rng = np.random.default_rng(0)
     cache = cls.init(spec, 2, 2, 4)
-    for n in range(spec.sink_chunks):
+    for _ in range(spec.sink_chunks):
         x = _chunk(rng, spec, 2)
         cache = cache.begin_chunk().write(x, -x)
     pinned = (np.asarray(cache.k[:, :4]), np.asarray(cache.v[:, :4]), np.asarray(cache.positions[:, :4]))
     np.testing.assert_array_equal(pinned[2], [[0, 1, 2, 3]] * 2)
-    for n in range(25):  # eight wraps of the window
+    for _ in range(25):  # eight wraps of the window
         x = _chunk(rng, spec, 2)
         cache = cache.begin_chunk().write(x, -x)
         now = (np.asarray(cache.k[:, :4]), np.asarray(cache.v[:, :4]), np.asarray(cache.positions[:, :4]))
@@ -42,7 +42,7 @@ def test_rewrite_replaces_the_prefix_in_place_and_bumps_the_epoch(cls):
     rng = np.random.default_rng(1)
     cache = cls.init(spec, 3, 2, 4)
     ref = ReferenceHistory(spec.chunk, spec.window, spec.sink, 3)
-    for n in range(7):
+    for _ in range(7):
         x = np.asarray(_chunk(rng, spec, 3))
         cache = cache.begin_chunk().write(jnp.asarray(x), jnp.asarray(-x))
         ref.begin()

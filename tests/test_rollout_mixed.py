@@ -50,7 +50,7 @@ def layer_masks(rc, num_chunks):
     dense = dense_window_rows(frames, rc.chunk_frames, rc.window_frames, rc.sink_frames)
     dilated = dilated_rows(frames, rc.chunk_frames, rc.dilation, rc.buckets)
     k = rc.dilated_every
-    return np.stack([dilated if l % k == k - 1 else dense for l in range(CFG.num_layers)])
+    return np.stack([dilated if layer % k == k - 1 else dense for layer in range(CFG.num_layers)])
 
 
 @pytest.mark.slow  # each case compiles a rollout and ~20 reference forwards: minutes on 2 loaded cores
@@ -186,7 +186,7 @@ def test_registry_and_mixed_cache_layout():
     spec = C.MixedSpec(ring, dil, 2)
     cache = wan.init_cache(CFG, spec, 2, policy="rolling")
     assert type(cache.dense) is C.RollingCache and cache.dense.layers == 2 and cache.dilated.layers == 2
-    assert [cache.locate(l) for l in range(4)] == [("dense", 0), ("dilated", 0), ("dense", 1), ("dilated", 1)]
+    assert [cache.locate(layer) for layer in range(4)] == [("dense", 0), ("dilated", 0), ("dense", 1), ("dilated", 1)]
     assert cache.nbytes == cache.dense.nbytes + cache.dilated.nbytes
     cache = cache.begin_chunk().begin_chunk(jnp.array([True, False]))
     np.testing.assert_array_equal(cache.dense.chunk_start, cache.dilated.chunk_start)

@@ -173,7 +173,7 @@ def test_text_dropout_captions_clips_with_the_empty_prompt_and_changes_nothing_e
 
     tokenizer = text.tokenizer()
     empty_ids, empty_mask, _ = tokenizer([""], text.CONFIG.text_len)
-    draw = lambda dropout: T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5, dropout)  # noqa: E731
+    draw = lambda dropout: T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5, dropout)
     kept, default, gone, half = (
         draw(0.0),
         T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5),
@@ -217,7 +217,7 @@ def test_a_guided_toy_stream_at_scale_one_is_the_unguided_stream(fitted, tmp_pat
     toy = TM.load(out)
     prompts = ["a red circle, slow", "a green square and a blue triangle, fast"]
     plain = sample.video(toy, prompts, num_chunks=2)
-    at = lambda g: sample.video(toy, prompts, num_chunks=2, rc=sample.rollout_config(toy, guidance_scale=g))  # noqa
+    at = lambda g: sample.video(toy, prompts, num_chunks=2, rc=sample.rollout_config(toy, guidance_scale=g))
     assert np.abs(at(1.0).astype(int) - plain).max() <= 1
     guided_model = dataclasses.replace(toy, settings=dataclasses.replace(toy.settings, guidance_scale=3.0))
     guided = sample.video(guided_model, prompts, num_chunks=2)
@@ -330,8 +330,8 @@ def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted
     for row, scene in zip(objects, scenes):
         for r, thing in zip(row, scene.things):
             r[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
-    render = lambda scenes, start=0: np.stack([world.render(sc, 6, start) for sc in scenes])  # noqa: E731
-    error = lambda video, objects=objects: float(T.outline_error(fitted, fitted.encode(video), objects))  # noqa: E731
+    render = lambda scenes, start=0: np.stack([world.render(sc, 6, start) for sc in scenes])
+    error = lambda video, objects=objects: float(T.outline_error(fitted, fitted.encode(video), objects))
     truth = error(render(scenes))
     assert truth < 0.12
     assert abs(error(render(scenes, 40)) - truth) < 0.03
@@ -506,7 +506,7 @@ def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
         return {"stage": stage, "step": step, "train_config": {**dataclasses.asdict(T.TrainConfig()), **config}}
 
     here = T.TrainConfig(steps=5, refine_steps=7, sf_steps=9, remat=True)
-    names = lambda stage, step: [c[0] for c in T.resume_conflicts(position(stage, step), here)]  # noqa: E731
+    names = lambda stage, step: [c[0] for c in T.resume_conflicts(position(stage, step), here)]
     assert names(0, 0) == []  # nothing begun
     assert names(0, 1) == ["steps"]
     assert names(1, 0) == ["steps"]  # stage 2 done; stage 3's settings free
@@ -641,6 +641,6 @@ def test_a_run_with_another_dit_shape_trains_every_stage_and_writes_it(tmp_path)
     assert toy.config == tc.wan_config() != TM.WAN_CONFIG
     from jaxkv.models import wan
 
-    shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)  # noqa: E731
+    shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)
     assert shapes(toy.params) == shapes(wan.init_params(tc.wan_config(), jax.random.key(0)))
     assert record["train_config"]["dit_dim"] == 48

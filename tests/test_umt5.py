@@ -346,7 +346,7 @@ def test_tokenizer_must_fit_the_encoder(params):
 
 def wan_layout(params, cfg) -> dict[str, np.ndarray]:
     """Wan's original T5Encoder names for jaxkv params, spelled out by hand (PyTorch Linear weights are [out, in])."""
-    a = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    a = lambda x: np.asarray(x, np.float32)
     b = params["blocks"]
     out = {"token_embedding.weight": a(params["embedding"]), "norm.weight": a(params["final_norm"]["scale"])}
     for i in range(cfg.num_layers):

@@ -19,11 +19,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from jaxkv.convert.errors import ConversionError  # noqa: E402
-from jaxkv.convert.umt5 import convert_umt5, is_umt5_source, plan_umt5_conversion  # noqa: E402
-from jaxkv.models.umt5 import TextEncoder, UMT5Config, encode, encode_prompts, relative_buckets  # noqa: E402
-from jaxkv.models.umt5.params import unflatten  # noqa: E402
-from jaxkv.models.umt5.tokenizer import Tokenizer  # noqa: E402
+from jaxkv.convert.errors import ConversionError
+from jaxkv.convert.umt5 import convert_umt5, is_umt5_source, plan_umt5_conversion
+from jaxkv.models.umt5 import TextEncoder, UMT5Config, encode, encode_prompts, relative_buckets
+from jaxkv.models.umt5.params import unflatten
+from jaxkv.models.umt5.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.torch
 
@@ -70,8 +70,8 @@ def hf_model():
 def hf_to_jaxkv(sd: dict) -> dict:
     """The jaxkv layout from a Hugging Face state dict, written out by hand for the test."""
     L = CFG.num_layers
-    a = lambda k: sd[k].detach().numpy()  # noqa: E731
-    stack = lambda f: np.stack([f(i) for i in range(L)])  # noqa: E731
+    a = lambda k: sd[k].detach().numpy()
+    stack = lambda f: np.stack([f(i) for i in range(L)])
     blk = "encoder.block.{}.layer."
     flat = {
         "embedding": a("shared.weight"),
@@ -81,9 +81,9 @@ def hf_to_jaxkv(sd: dict) -> dict:
         "blocks.attn.rel_bias": stack(lambda i: a(blk.format(i) + "0.SelfAttention.relative_attention_bias.weight")),
     }
     for p in "qkvo":
-        flat[f"blocks.attn.{p}.kernel"] = stack(lambda i: a(blk.format(i) + f"0.SelfAttention.{p}.weight").T)
+        flat[f"blocks.attn.{p}.kernel"] = stack(lambda i: a(blk.format(i) + f"0.SelfAttention.{p}.weight").T)  # noqa: B023 - called in the iteration that defines it
     for ours, theirs in (("gate", "wi_0"), ("up", "wi_1"), ("down", "wo")):
-        flat[f"blocks.ffn.{ours}.kernel"] = stack(lambda i: a(blk.format(i) + f"1.DenseReluDense.{theirs}.weight").T)
+        flat[f"blocks.ffn.{ours}.kernel"] = stack(lambda i: a(blk.format(i) + f"1.DenseReluDense.{theirs}.weight").T)  # noqa: B023 - called in the iteration that defines it
     return unflatten(flat)
 
 
@@ -330,7 +330,7 @@ def test_convert_bf16_and_fingerprint(hf_model, tmp_path):
             .numpy()
         )
     valid = mask.astype(bool)
-    rel = lambda a: np.linalg.norm(a[valid] - ref[valid]) / np.linalg.norm(ref[valid])  # noqa: E731
+    rel = lambda a: np.linalg.norm(a[valid] - ref[valid]) / np.linalg.norm(ref[valid])
     assert 0 < rel(out) <= 1.25 * rel(ref_bf16), (rel(out), rel(ref_bf16))
 
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("av")
 
-from jaxkv.video import VideoWriter, read_video_info, to_uint8  # noqa: E402
+from jaxkv.video import VideoWriter, read_video_info, to_uint8
 
 
 def _frames(n, h=32, w=48, start=0):

@@ -102,7 +102,7 @@ def reference_forward(params, cfg, latents, timesteps, context, mask=None):
         e = _ref_linear(p["time_embedding"]["fc2"], _silu(_ref_linear(p["time_embedding"]["fc1"], sin_emb)))
         e0 = _ref_linear(p["time_projection"], _silu(e)).reshape(-1, 6, cfg.dim)
         for layer in range(cfg.num_layers):
-            bp = jax.tree.map(lambda a: a[layer], p["blocks"])
+            bp = jax.tree.map(lambda a: a[layer], p["blocks"])  # noqa: B023 - called in the iteration that defines it
             mod = bp["modulation"][None] + e0
             sa = bp["self_attn"]
             hin = _ref_layer_norm(x, cfg.eps) * (1 + mod[:, 1]) + mod[:, 0]
@@ -250,7 +250,7 @@ def to_diffusers_state_dict(params, cfg):
     put("condition_embedder.text_embedder.linear_1", lin(p["text_embedding"]["fc1"]))
     put("condition_embedder.text_embedder.linear_2", lin(p["text_embedding"]["fc2"]))
     for i in range(cfg.num_layers):
-        bp = jax.tree.map(lambda a: a[i], p["blocks"])
+        bp = jax.tree.map(lambda a: a[i], p["blocks"])  # noqa: B023 - called in the iteration that defines it
         for ours, theirs in (("self_attn", "attn1"), ("cross_attn", "attn2")):
             a = bp[ours]
             for q_, name in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0")):

@@ -225,7 +225,7 @@ def test_streaming_step_with_a_bf16_cache_lowers_for_cuda_with_the_pallas_kernel
     texts = {}
     for backend in ("pallas", "xla"):
         step = jax.jit(
-            lambda p, c, cr, x, t: wan.forward_chunk(p, cfg, c, cr, x, t, backend=backend, precision="bfloat16"),
+            lambda p, c, cr, x, t: wan.forward_chunk(p, cfg, c, cr, x, t, backend=backend, precision="bfloat16"),  # noqa: B023 - called in the iteration that defines it
             donate_argnums=1,
         )
         texts[backend] = step.trace(params, cache, cross, x, t).lower(lowering_platforms=("cuda",)).as_text()

@@ -13,12 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from jaxkv.convert.errors import ConversionError  # noqa: E402
-from jaxkv.convert.wan_vae import convert_vae, is_vae_source, load, plan_vae_conversion  # noqa: E402
-from jaxkv.models.wan_vae import decode, decode_chunk, encode, init_decoder_state, preset  # noqa: E402
+from jaxkv.convert.errors import ConversionError
+from jaxkv.convert.wan_vae import convert_vae, is_vae_source, load, plan_vae_conversion
+from jaxkv.models.wan_vae import decode, decode_chunk, encode, init_decoder_state, preset
 
 pytestmark = pytest.mark.torch
 

@@ -6,7 +6,8 @@ cached positions below its own, so a query attending to its own key sees distanc
 position beyond the cache size, however long the stream runs.
 
 Ranks are computed from the position array alone — sort the int positions once per batch row (`rope_ranks` gives
-the query and key ranks from that one sort), then a binary search per slot — so the cache's K/V are never gathered into chronological order: they are rotated where they lie.
+the query and key ranks from that one sort), then a binary search per slot — so the cache's K/V are never gathered into
+chronological order: they are rotated where they lie.
 """
 
 from __future__ import annotations

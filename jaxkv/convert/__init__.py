@@ -7,7 +7,8 @@
 every problem is a `ConversionError`. Converters of other model families reuse `write_tensor_directory` /
 `Piece` (jaxkv/convert/stream.py: plan -> stream -> atomic write, with the destination and NaN/Inf rules) and
 `open_source`. `detect_family` tells a DiT, a VAE and a umT5 source apart; `convert_release` turns a whole Wan
-release into ``DST/{dit,vae,text_encoder}/`` (jaxkv/convert/release.py). Names load lazily, so `jaxkv convert --help` does not import JAX.
+release into ``DST/{dit,vae,text_encoder}/`` (jaxkv/convert/release.py). Names load lazily, so `jaxkv convert --help`
+does not import JAX.
 """
 
 _API = {

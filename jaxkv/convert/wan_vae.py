@@ -4,7 +4,8 @@ Two layouts are read, told apart by their key names:
 
 * ``wan`` — the original ``Wan2.1_VAE.pth`` (a plain torch state dict, read with ``torch.load(weights_only=True)``
   only): ``encoder.conv1``, ``encoder.downsamples.{k}`` / ``decoder.upsamples.{k}`` (one flat ``nn.Sequential`` of
-  residual blocks and resamplers per side), residual blocks as ``residual.{0,2,3,6}`` + ``shortcut``, ``middle.{0,1,2}``,
+  residual blocks and resamplers per side), residual blocks as ``residual.{0,2,3,6}`` + ``shortcut``,
+  ``middle.{0,1,2}``,
   ``head.{0,2}``, and the quant convs ``conv1`` / ``conv2``;
 * ``diffusers`` — ``AutoencoderKLWan`` (``config.json`` + safetensors, or a pipeline root's ``vae/``):
   ``conv_in``, ``down_blocks.{k}`` / ``up_blocks.{i}.resnets.{j}`` + ``up_blocks.{i}.upsamplers.0``, residual
@@ -138,7 +139,7 @@ def _mid(dst: str, src: str, naming: str) -> dict:
 def mapping(config: WanVAEConfig, naming: str) -> dict[str, tuple[str, str]]:
     """{jaxkv flat key: (source key, transform kind)} for every parameter of ``config`` in ``naming``."""
     shapes = flat_param_shapes(config)
-    has = lambda key: key in shapes  # noqa: E731
+    has = lambda key: key in shapes
     nrb, stages = config.num_res_blocks, len(config.dim_mult)
     wan = naming == "wan"
     t: dict[str, tuple[str, str]] = {}

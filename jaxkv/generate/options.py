@@ -60,7 +60,7 @@ def _parse_steps(text: str) -> tuple[int, ...]:
     try:
         steps = tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints like 1000,750,500,250, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints like 1000,750,500,250, got {text!r}") from None
     if not steps:
         raise argparse.ArgumentTypeError("expected at least one denoising step")
     return steps

@@ -184,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{quality.TRACK_RADIUS:g} px of where the world puts them (not part of the bar)"
         )
         step = quality.next_chunk(toy)
-        px = lambda errors: " / ".join(f"{e:.2f}" for e in errors)  # noqa: E731
+        px = lambda errors: " / ".join(f"{e:.2f}" for e in errors)
         print(
             f"next chunk from the world's own frames ({quality.NEXT_CLIPS} clips; median px from the true centre "
             f"per frame): model {px(step.model)}, the last frame held still {px(step.still)}, the world's own "
             f"chunk {px(step.world)}"
         )
         levels = quality.denoising_errors(toy)
-        mse = lambda errors: "/".join(f"{e:.3f}" for e in errors)  # noqa: E731
+        mse = lambda errors: "/".join(f"{e:.3f}" for e in errors)
         print(
             "denoising that chunk once at each noise level (x0 squared error per frame, latent units): "
             + ", ".join(f"level {s:g}: {mse(e)}" for s, e in zip(levels.sigmas, levels.model))
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.long:
             run = quality.long_streams(toy)
-            row = lambda values: " ".join(f"{v:.2f}" for v in values)  # noqa: E731
+            row = lambda values: " ".join(f"{v:.2f}" for v in values)
             print(
                 f"long streams ({len(quality.PROMPTS)} prompts x {quality.LONG_FRAMES} frames), per "
                 f"{run.window_frames} frames: overall {row(run.overall)}; continuity {row(run.continuity)}; "

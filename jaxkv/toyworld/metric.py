@@ -512,7 +512,7 @@ def _steps(
         ok[sel] &= ~(checked & bad)
 
     if frames >= STOP_FRAMES:  # transitions into frames STOP_FRAMES - 1 on
-        windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, STOP_FRAMES, axis=0)  # noqa: E731
+        windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, STOP_FRAMES, axis=0)
         hi = windows(np.where(present[:, None], centre, -np.inf)).max(-1)  # [T - STOP_FRAMES + 1, 2]
         lo = windows(np.where(present[:, None], centre, np.inf)).min(-1)
         judged = windows(present).sum(-1) >= STOP_SEEN

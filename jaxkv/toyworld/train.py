@@ -687,7 +687,7 @@ def train(
 
         def seconds():
             now = time.perf_counter()
-            return before + now - started, stage_before + now - t0
+            return before + now - started, stage_before + now - t0  # noqa: B023 - called in the iteration that defines it
 
         bar = tqdm(
             range(first_step, steps), desc=name, disable=not progress, file=sys.stderr, initial=first_step, total=steps

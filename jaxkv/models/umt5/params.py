@@ -36,7 +36,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # noqa: F401  (flatten re-exported)
+from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # flatten re-exported
 from jaxkv.models.umt5.config import UMT5Config
 from jaxkv.validate import check_int
 

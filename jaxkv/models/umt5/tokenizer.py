@@ -8,7 +8,8 @@ and right-pads with ``<pad>`` (attention mask 0).
 ftfy is an optional dependency (``pip install 'jaxkv[text]'``): when it is installed `clean_text` calls
 ``ftfy.fix_text`` itself, exactly as Wan does. Without it, `fix_text_subset` applies the parts of ftfy's default
 pipeline that change real prompts: curly quotes to straight ones, Latin ligatures, full-width forms, ANSI escapes,
-control characters, NFC, one HTML unescape (unless the text holds '<'), and the commonest mojibake (UTF-8 read as Windows-1252 or Latin-1, repaired once).
+control characters, NFC, one HTML unescape (unless the text holds '<'), and the commonest mojibake (UTF-8 read as
+Windows-1252 or Latin-1, repaired once).
 `tests/test_umt5_tokenizer.py` checks the subset against ftfy on those cases; rarer repairs (nested or partial
 mojibake, lossy sequences) are only done by ftfy.
 
@@ -232,7 +233,7 @@ class Tokenizer:
                 raw = f.read()
             try:
                 tok = HFTokenizer.from_str(raw.decode("utf-8"))
-            except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for malformed files
                 raise ValueError(f"{path} is not a valid tokenizers tokenizer.json ({e})") from None
             return cls.from_tokenizers(tok, source=path, digest=hashlib.sha256(raw).hexdigest(), **kw)
         with open(path, "rb") as f:

@@ -23,7 +23,8 @@ Dtypes follow a `jaxkv.precision.Precision` passed as ``precision=`` (default fl
 is the one place that casts weights for their matmuls (the large projections to ``compute_dtype``; the time
 embedding, time projection and head to float32, as Wan runs them), `cross_kv` stores the text K/V in the policy's
 ``cache_dtype``, and every attention reads q, k, v in ``cache_dtype`` (the whole-sequence forwards cast to it as the
-cache would hold them, so a stream and the block-causal forward attend alike). The layers themselves never choose a dtype (`jaxkv.models.wan.layers`: float32 out of every
+cache would hold them, so a stream and the block-causal forward attend alike). The layers themselves never choose a
+dtype (`jaxkv.models.wan.layers`: float32 out of every
 matmul, float32 norms and modulation).
 
 Conventions: latents are channels-last ``[batch, frames, height, width, channels]`` on the latent grid; timesteps
