@@ -183,6 +183,20 @@ def main(argv: list[str] | None = None) -> int:
             f"tracking {report.tracking:.3f}: the share of frames and named shapes drawn within "
             f"{quality.TRACK_RADIUS:g} px of where the world puts them (not part of the bar)"
         )
+        moved = quality.travel(toy)
+        print(
+            f"travel per {quality.metric.TRAVEL_FRAMES} frames over {quality.TRAVEL_FRAMES}-frame streams (median px "
+            f"of each named shape, model / the world's own clip of the prompt):"
+        )
+        for row in moved.rows:
+            print(
+                f"  {row['prompt']:<42} {row['shape']:<15} {row['model_px']:5.1f} / {row['world_px']:5.1f} "
+                f"= {row['ratio']:.2f}"
+            )
+        print(
+            f"travel {'passes' if moved.passed else 'FAILS'}: every named shape must reach "
+            f"{quality.TRAVEL_RATIO:g}x the world's travel (least {moved.ratio:.2f}; not yet part of the exit code)"
+        )
         step = quality.next_chunk(toy)
         px = lambda errors: " / ".join(f"{e:.2f}" for e in errors)
         print(

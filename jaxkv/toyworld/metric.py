@@ -236,6 +236,36 @@ STOP_SEEN = 15
 STOP_SPAN = 6.0
 
 
+# What a viewer sees of motion (`travel`): per named shape, how far its centre gets within `TRAVEL_FRAMES` frames
+# (a second at 30 fps), median over the stream. The travel check above only asks that a shape has not stopped; this
+# reading says how far it goes, to be compared with the world's own clips of the same prompt (`quality.travel`).
+TRAVEL_FRAMES = 30
+
+
+def travel(detections: Detections, prompt: str, *, frames: int = TRAVEL_FRAMES) -> np.ndarray:
+    """float64 [N]: per named object of ``prompt`` (prompt order), the median over every window of ``frames``
+    consecutive frames in which the object is present in at least half of them, of the diagonal of the box its
+    detected centre covers there (px: a shape moving straight at v px per frame spans ``(frames - 1) * v``,
+    less where it bounces). NaN for an object with no such window (never seen, or the stream shorter than
+    ``frames``). Frames where it is absent are left out of a window's box, not counted as standing still."""
+    frames = check_int("frames", frames, minimum=2)
+    colours, _, _ = _objects(prompt)
+    centre = detections.centroid[:, colours]  # [T, N, 2], NaN where absent
+    present = detections.present[:, colours]  # [T, N]
+    if len(present) < frames:
+        return np.full(len(colours), np.nan)
+    windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, frames, axis=0)  # noqa: E731 - [W, N, (2,) F]
+    hi = windows(np.where(present[..., None], centre, -np.inf)).max(-1)  # [W, N, 2]
+    lo = windows(np.where(present[..., None], centre, np.inf)).min(-1)
+    judged = windows(present).sum(-1) * 2 >= frames  # [W, N]
+    span = np.where(judged, np.linalg.norm(np.where(judged[..., None], hi - lo, 0.0), axis=-1), np.nan)
+    out = np.full(len(colours), np.nan)
+    for n in range(len(colours)):
+        if judged[:, n].any():
+            out[n] = float(np.nanmedian(span[:, n]))
+    return out
+
+
 class Scores(NamedTuple):
     """What `score` returns; every score is in [0, 1], 1 = perfect.
 

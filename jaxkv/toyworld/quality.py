@@ -219,6 +219,44 @@ def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, can
     return np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(clips)))
 
 
+TRAVEL_FRAMES = 300  # `travel`: frames per prompt (100 chunks of the shipped model)
+TRAVEL_RATIO = 0.6  # the least share of the world's travel each named shape must reach
+
+
+class Travel(NamedTuple):
+    """`travel`'s reading: how far each named shape gets per `metric.TRAVEL_FRAMES` frames (median over the stream,
+    `metric.travel`), in the model's stream and in the world's canonical scene of the same prompt through the
+    model's latent map, one row per (prompt, named shape)."""
+
+    rows: tuple[dict, ...]  # {"prompt", "shape", "model_px", "world_px", "ratio"}
+    ratio: float  # the least ratio over the rows (NaN counts as 0: a shape never seen does not travel)
+    passed: bool  # every row's ratio >= TRAVEL_RATIO
+
+
+def travel_scores(videos: np.ndarray, truth: np.ndarray, prompts) -> Travel:
+    """`Travel` of ``videos`` against ``truth``, both uint8 [len(prompts), T, 64, 64, 3] (one per prompt)."""
+    rows = []
+    for video, clip, prompt in zip(videos, truth, prompts):
+        mine, theirs = metric.travel(metric.detect(video), prompt), metric.travel(metric.detect(clip), prompt)
+        for (colour, shape), m, w in zip(world.parse_prompt(prompt)[0], mine, theirs):
+            ratio = float(np.nan_to_num(m / w, nan=0.0))
+            rows.append({"prompt": prompt, "shape": f"{colour} {shape}", "model_px": m, "world_px": w, "ratio": ratio})
+    least = min(r["ratio"] for r in rows)
+    return Travel(tuple(rows), least, least >= TRAVEL_RATIO)
+
+
+def travel(model: ToyModel, *, frames: int = TRAVEL_FRAMES, seed: int = SEED) -> Travel:
+    """Streams `PROMPTS` for ``frames`` frames and compares each named shape's travel with the world's own clip
+    of the prompt (`world_videos` with ``canonical``): a viewer's reading of motion, stricter than the metric's
+    travel check (which only asks that a shape has not stopped: shapes circling on the spot pass it)."""
+    chunk_frames = model.settings.chunk_frames
+    frames = check_int("frames", frames, minimum=metric.TRAVEL_FRAMES)
+    if frames % chunk_frames:
+        raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
+    videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
+    return travel_scores(videos, world_videos(model, frames=frames, seed=seed, canonical=True), PROMPTS)
+
+
 class NextChunk(NamedTuple):
     """`next_chunk`'s reading: per frame of the generated chunk, the median over (clip, named shape) of the distance
     (px) from the shape's detected centre to the world's (inf where it is not detected)."""

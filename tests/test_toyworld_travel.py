@@ -1,0 +1,92 @@
+"""What a viewer sees of motion: `metric.travel` (how far a named shape's centre gets per 30 frames, median over the
+stream) and `quality.travel` (that, against the world's own clip of the prompt). The metric's travel check only asks
+that a shape has not stopped; shapes circling on the spot at the right speed pass it, and fail this reading."""
+
+import numpy as np
+import pytest
+
+from jaxkv.toyworld import metric, quality, world
+from jaxkv.toyworld import model as toy_model
+
+
+def _draw(prompt: str, centres: np.ndarray) -> np.ndarray:
+    """uint8 [T, 64, 64, 3]: the prompt's shapes drawn at ``centres`` float [T, N, 2] (later-named on top)."""
+    video = world.empty_frames(len(centres))
+    for n, (colour, shape) in enumerate(world.parse_prompt(prompt)[0]):
+        video[world.shape_mask(shape, centres[:, n])] = world.COLOURS[colour]
+    return video
+
+
+def _orbit(start: np.ndarray, radius: float, speed: float, frames: int, turn: float = -1.0) -> np.ndarray:
+    """float [frames, 2]: a centre going round a circle of ``radius`` px through ``start`` at ``speed`` px a frame."""
+    angle = turn * speed / radius * np.arange(frames)
+    centre = start - np.array([radius, 0.0])
+    return centre + radius * np.stack([np.cos(angle), np.sin(angle)], axis=-1)
+
+
+def test_a_straight_path_travels_its_length_per_window():
+    prompt = "a red circle, slow"
+    frames = 30
+    path = (
+        np.stack([np.full(frames, 20.0), np.full(frames, 30.0)], -1) + np.array([1.0, 0.0]) * np.arange(frames)[:, None]
+    )
+    span = metric.travel(metric.detect(_draw(prompt, path[:, None])), prompt)
+    assert span.shape == (1,)
+    assert span[0] == pytest.approx(frames - 1, abs=2 * metric.CENTROID_ERROR)
+
+
+def test_a_shape_circling_at_the_right_speed_passes_the_stop_check_and_fails_travel():
+    # the default prompt's shapes going round circles of 3.25 px at 1 px a frame: what the shipped model's default
+    # stream does (benchmarks/motion.py), and what a viewer sees as two blobs standing still
+    prompt = "a red circle and a blue square, slow"
+    frames = 300
+    starts = np.array([t.position for t in world.canonical_scene(prompt).things])
+    centres = np.stack([_orbit(s, 3.25, 1.0, frames) for s in starts], axis=1)  # [T, 2, 2]
+    video = _draw(prompt, centres)
+    found = metric.detect(video)
+    # the metric's stop check: every 30-frame window spans more than STOP_SPAN px along x or y
+    for colour in ("red", "blue"):
+        c = found.centroid[:, metric.COLOUR_NAMES.index(colour)]
+        windows = np.lib.stride_tricks.sliding_window_view(c, metric.STOP_FRAMES, axis=0)
+        assert ((windows.max(-1) - windows.min(-1)).max(-1) >= metric.STOP_SPAN).all()
+    spans = metric.travel(found, prompt)
+    assert (spans < 2 * 3.25 * np.sqrt(2) + 1).all()  # within the circle's bounding box
+    truth = np.stack([world.render(world.canonical_scene(prompt), frames)])
+    report = quality.travel_scores(video[None], truth, [prompt])
+    assert not report.passed and report.ratio < quality.TRAVEL_RATIO
+    assert [r["shape"] for r in report.rows] == ["red circle", "blue square"]
+
+
+def test_the_worlds_clips_pass_frozen_and_missing_shapes_fail():
+    frames = 150
+    truth = np.stack([world.render(world.canonical_scene(p), frames) for p in quality.PROMPTS])
+    rng = np.random.default_rng(3)
+    others = np.stack([world.render(world.sample_scene(rng, p), frames) for p in quality.PROMPTS])
+    assert quality.travel_scores(truth, truth, quality.PROMPTS).ratio == pytest.approx(1.0)
+    # the same prompts in other layouts and headings travel like the world (bounces make them differ a little)
+    assert quality.travel_scores(others, truth, quality.PROMPTS).passed
+    frozen = np.repeat(truth[:, :1], frames, axis=1)
+    held = quality.travel_scores(frozen, truth, quality.PROMPTS)
+    assert not held.passed and max(r["ratio"] for r in held.rows) < 0.1
+    empty = np.stack([world.empty_frames(frames)] * len(quality.PROMPTS))
+    gone = quality.travel_scores(empty, truth, quality.PROMPTS)
+    assert gone.ratio == 0.0 and all(np.isnan(r["model_px"]) for r in gone.rows)
+
+
+def test_travel_needs_a_whole_window():
+    prompt = "a blue circle, fast"
+    video = world.render(world.canonical_scene(prompt), metric.TRAVEL_FRAMES - 1)
+    assert np.isnan(metric.travel(metric.detect(video), prompt)).all()
+    with pytest.raises(ValueError, match="frames"):
+        metric.travel(metric.detect(video), prompt, frames=1)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="the shipped model's shapes circle on the spot in slow prompts (default prompt: 7 px per 30 frames "
+    "against the world's 16-19, benchmarks/motion.py); this turns into a pass when a retrained release travels",
+)
+def test_the_shipped_models_shapes_travel_like_the_worlds():
+    report = quality.travel(toy_model.load())
+    assert report.passed, report.rows
