@@ -254,7 +254,7 @@ def travel(detections: Detections, prompt: str, *, frames: int = TRAVEL_FRAMES) 
     present = detections.present[:, colours]  # [T, N]
     if len(present) < frames:
         return np.full(len(colours), np.nan)
-    windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, frames, axis=0)  # noqa: E731 - [W, N, (2,) F]
+    windows = lambda x: np.lib.stride_tricks.sliding_window_view(x, frames, axis=0)  # [W, N, (2,) F]
     hi = windows(np.where(present[..., None], centre, -np.inf)).max(-1)  # [W, N, 2]
     lo = windows(np.where(present[..., None], centre, np.inf)).min(-1)
     judged = windows(present).sum(-1) * 2 >= frames  # [W, N]
