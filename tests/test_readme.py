@@ -27,8 +27,6 @@ def test_readme_opens_with_the_two_commands():
 
 def test_cache_example_runs_and_streams_past_the_window():
     block = next(b for b in _python_blocks() if "RingSpec.from_frames" in b)
-    # Same code at a smaller scale: 16 tokens per frame instead of 1560.
-    block = block.replace("tokens_per_frame=1560", "tokens_per_frame=16")
     scope: dict = {}
     exec(compile(block, "README.md", "exec"), scope)
     cache, step, spec = scope["cache"], scope["step"], scope["spec"]
