@@ -1,6 +1,6 @@
 """Per-chunk latency of the Wan streaming rollout on 1, 2, 4 and 8 simulated CPU devices: a sanity figure that the
 mesh step runs, compiles once and stays equal to one device, not a speed claim (the "devices" are threads of one
-shared CPU, so more of them cannot be faster; on GPUs see the README's Scaling plan).
+shared CPU, so more of them cannot be faster; on GPUs see docs/scaling.md's plan).
 
 One process with 8 host devices (set before JAX initialises). For each device count n the same model, weights,
 context and key run on a ``model=n`` mesh (tensor parallel, batch 1) and a ``data=n`` mesh (n sessions, one per
@@ -9,7 +9,7 @@ waited for one by one and the table shows the median. Every chunk is the whole S
 passes + the context pass). "max |diff|" is the largest difference of the mesh's latents from the single-device ones.
 
     python benchmarks/scaling.py [--quick] [--chunks N] [--json PATH]
-    python benchmarks/scaling.py --plan      # the README's arithmetic plan for Wan 1.3B / 14B on 1, 4, 8 GPUs
+    python benchmarks/scaling.py --plan      # the arithmetic plan of docs/scaling.md for Wan 1.3B / 14B on 1, 4, 8 GPUs
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ TINY = WanConfig(dim=64, ffn_dim=128, num_heads=8, num_layers=2, text_dim=32, te
 
 
 # ------------------------------------------------------------------------------------------------ the GPU plan
-# Assumptions of the plan (README, Scaling): bf16 weights and KV ring, float32 activations and cross K/V (as jaxkv
+# Assumptions of the plan (docs/scaling.md): bf16 weights and KV ring, float32 activations and cross K/V (as jaxkv
 # holds them), 480x832 video (1,560 tokens per latent frame), 3-frame chunks (4,680 tokens), a 21-frame window
 # (Self-Forcing), 5 forwards per chunk (4 steps + the context pass), a flash-style attention kernel (no
 # [heads, queries, keys] logits in memory), bf16 matmul 790 TFLOP/s (measured on the lent H200, DESIGN.md) and

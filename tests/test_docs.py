@@ -67,3 +67,19 @@ def test_docs_build_strict(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_the_changelogs_latest_release_is_the_package_version():
+    import jaxkv
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", text, flags=re.M)
+    assert releases, "CHANGELOG.md lists no release"
+    assert releases[0] == jaxkv.__version__
+    assert "## [Unreleased]" in text and text.index("## [Unreleased]") < text.index(f"## [{releases[0]}]")
+
+
+def test_the_version_has_one_source():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'attr = "jaxkv.__version__"' in pyproject
+    assert not re.search(r"^version\s*=", pyproject, flags=re.M)

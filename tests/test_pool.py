@@ -103,14 +103,14 @@ def test_pool_refuses_bad_rows_and_contexts():
 
 
 @pytest.mark.slow  # compiles the tiny preset's step, switch and pool step
-def test_readme_sessions_example_runs():
+def test_docs_switching_and_pool_example_runs():
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "streaming.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "StreamPool" in b)
     scope: dict = {}
-    exec(compile(block, "README.md", "exec"), scope)
+    exec(compile(block, "docs/streaming.md", "exec"), scope)
     assert len(scope["chunks"]) == 8 and all(bool(np.isfinite(c).all()) for c in scope["chunks"])
     assert sorted(scope["out"]) == [scope["a"], scope["b"]] and scope["out"][scope["a"]].shape == (3, 16, 16, 16)
     assert scope["pool"].free_rows == [0, 2, 3]

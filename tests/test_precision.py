@@ -1,5 +1,5 @@
 """The precision policy: `jaxkv.precision.Precision`, how the model and the rollout follow it, and how far its
-bfloat16 mode lands from float32 (bounds from `benchmarks/precision.py`, see the README)."""
+bfloat16 mode lands from float32 (bounds from `benchmarks/precision.py`, see docs/precision.md)."""
 
 import dataclasses
 import functools

@@ -397,15 +397,15 @@ def test_convert_single_file_with_embedded_sentencepiece(tmp_path, monkeypatch):
         convert_umt5(str(tmp_path / "umt5.safetensors"), str(tmp_path / "out"))
 
 
-def test_readme_text_encoder_example_runs(tmp_path, monkeypatch):
+def test_docs_text_encoder_example_runs(tmp_path, monkeypatch):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "wan.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "TextEncoder.tiny(" in b)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(block, "README.md", "exec"), scope)
+    exec(compile(block, "docs/wan.md", "exec"), scope)
     assert scope["context"].shape == (2, 16, 32) and scope["enc"].released
     np.testing.assert_array_equal(np.load(tmp_path / "prompt_embeds.npy"), scope["context"][0])
     assert len(os.listdir(tmp_path / "embeddings-cache")) == 2

@@ -132,7 +132,7 @@ def _mesh(args, config, rc):
     if jax.process_count() > 1:
         raise UsageError(
             "--mesh: jaxkv generate writes its files from one process; a multi-process job runs "
-            "jaxkv.parallel.MeshStream from Python (README, Scaling)"
+            "jaxkv.parallel.MeshStream from Python (docs/scaling.md)"
         )
     try:
         mesh = PL.make_mesh(**args.mesh)

@@ -16,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="train the toy model from scratch (the shipped recipe: about 2.7 hours on 2 CPU "
-        "cores, most of it in self-forcing; README 'The toy world')",
+        "cores, most of it in self-forcing; docs/toyworld.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     t.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")

@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 # each, and at base 10,000 their frequencies barely vary over the 8x8 token grid, so the first sampler step (pure
 # noise in: position is all a query has) could not address "the same place a frame back" and drew a smeared copy of
 # the last frame; at base 100 a model trained on the sampler's 4 levels guessed the next chunk better than holding
-# the last frame still (README, "The toy world").
+# the last frame still (docs/toyworld.md).
 #
 # This is the default shape of a training run (`train.TrainConfig.dit_*`, release 6's); the shipped release 8 (like
 # release 7) is twice as wide (dim 192, ffn 512, 6 heads of the same 32 channels: its dit/config.json), and a loaded

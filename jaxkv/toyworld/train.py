@@ -8,7 +8,7 @@
    after the clean chunks before it, each chunk at its own noise level (`noise_levels`: every level in [0, 1),
    drawn with the shift the sampler's steps are warped by, `Settings.shift`, so the sampler's steps are a setting
    and not baked into the weights; an earlier recipe trained on the 4 sampler levels alone scored lower on the quality
-   survey, README "The toy world"). Loss: the flow ``eps - x0``
+   survey, docs/toyworld.md). Loss: the flow ``eps - x0``
    (rectified flow, Wan's parameterisation) on every chunk but those whose answer the clip does not fix: a window
    chunk that does not follow the sink, seen after fewer than `CONTEXT_FRAMES` frames of its own path, cannot know
    which way the shapes go. The text encoder trains with the DiT. The DiT starts from `init_dit`: Wan's random init
@@ -19,7 +19,7 @@
    learning rate (``refine_lr``), with a quarter of the chunks at noise level 1 exactly (``refine_pure_noise_share``),
    where the sampler's first step decides from the context alone where the shapes go. From scratch, that share
    taught the one-step motion but loosened the shapes' outlines (their budget moved away from the low levels); after
-   stage 2 has spent its steps on every level, it lifts the quality survey (README "The toy world").
+   stage 2 has spent its steps on every level, it lifts the quality survey (docs/toyworld.md).
 4. **Self-forcing through the ring, past the cache** (``sf_steps``). A clip is the sink and `context_chunks`
    window chunks (committed to an empty cache as generation commits chunks) followed by ``sf_chunks`` more chunks
    of the same scene (`batch` with ``after_sink``); `jaxkv.rollout.rollout` samples those with the model's own
@@ -35,10 +35,11 @@
    with a DiT twice as wide (``dit_*``, release 7 with 300 steps, release 8 with 1,000) they keep moving. The outline
    term (off in the shipped recipe, ``sf_outline_weight`` 0), also blind to place, holds each named colour's mask
    to its own shape, whole and sharp, wherever the rollout draws it (the squared error rewards a blob spread over
-   the shape's possible places, and the metric needs the shape's outline to tell it); README "The outline term".
+   the shape's possible places, and the metric needs the shape's outline to tell it); docs/toyworld-experiments.md, "The
+   outline term".
 
-Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, README "The toy
-world"): ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
+Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, docs/toyworld.md):
+``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
 classifier-free guidance (`Settings.guidance_scale`); ``pure_noise_share`` trains a share of the chunks at level 1
 exactly (stage 3's ``refine_pure_noise_share`` from the start).
 
@@ -91,7 +92,8 @@ class TrainConfig:
     sf_batch: int = 4
     sf_lr: float = 1e-4
     sf_colour_weight: float = 0.1  # weight of stage 4's colour-share term (`colour_share_error`)
-    # weight of stage 4's outline term (`outline_error`); 0 in the shipped recipe so far (README "The outline term")
+    # weight of stage 4's outline term (`outline_error`); 0 in the shipped recipe so far (docs/toyworld-experiments.md,
+    # "The outline term")
     sf_outline_weight: float = 0.0
     fit_frames: int = 2048  # frames the latent map is fitted on
     snapshot_every: int = 250
@@ -327,7 +329,7 @@ def colour_share_error(latent_map: latents.LatentMap, x, target) -> jax.Array:
     """The mean over frames and shape colours of the squared difference of `colour_shares` (percentage points
     squared) between latents x and target [..., F, h, w, 16]. Blind to where a shape is, so it does not reward what
     the squared error of a rollout rewards where the model is unsure of a shape's place: the mean of its possible
-    places, a fainter, wider shape (README "The toy world": self-forcing faded the shapes without it)."""
+    places, a fainter, wider shape (docs/toyworld.md: self-forcing faded the shapes without it)."""
     return jnp.mean(
         (colour_shares(latent_map, x)[..., SHAPE_COLOURS] - colour_shares(latent_map, target)[..., SHAPE_COLOURS]) ** 2
     )
