@@ -80,6 +80,9 @@ def test_the_changelogs_latest_release_is_the_package_version():
 
 
 def test_the_version_has_one_source():
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'dynamic = ["version"]' in pyproject and 'attr = "jaxkv.__version__"' in pyproject
-    assert not re.search(r"^version\s*=", pyproject, flags=re.M)
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        pyproject = tomllib.load(f)
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "jaxkv.__version__"}
