@@ -17,7 +17,7 @@ from jaxkv.attention import CacheRope, MaskSpec, attend, dense_attention, xla_cp
 from jaxkv.attention.dispatch import resolve_backend
 from jaxkv.attention.xla_cpu import HIDDEN, MASKED, OPEN, key_blocks
 from jaxkv.compilation import count_compiles
-from tests.test_attention import (
+from tests.helpers.attention_cases import (
     MASKS,
     brute_visible,
     make_case,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import jaxkv
 from jaxkv.attention import dense_attention
 from jaxkv.compilation import compile_count
-from tests.cache_reference import ReferenceHistory
+from tests.helpers.cache_reference import ReferenceHistory
 
 POLICIES = [jaxkv.RingCache, jaxkv.RollingCache]
 HEADS, HEAD_DIM = 2, 3

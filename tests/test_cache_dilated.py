@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import jaxkv
 from jaxkv.attention import dense_attention
 from jaxkv.cache.dilated import DilatedCache, DilatedSpec
-from tests.dilated_reference import DilatedHistory, SeedUpsert
+from tests.helpers.dilated_reference import DilatedHistory, SeedUpsert
 
 HEADS, HEAD_DIM = 2, 3
 

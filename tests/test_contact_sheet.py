@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxkv.generate.contact_sheet import ContactSheet
-from tests.test_generate import read_png
+from tests.helpers.images import read_png
 
 
 def _numbered(first, n, batch=1, size=4):

@@ -24,12 +24,18 @@ from jaxkv.models.wan import checkpoint as dit_checkpoint
 from jaxkv.models.wan_vae import checkpoint as vae_checkpoint
 from jaxkv.models.wan_vae import init_params as vae_init
 from jaxkv.models.wan_vae.params import flatten as vae_flatten
-from tests.test_convert import CFG as DIT_CFG
-from tests.test_convert import assert_params_equal, diffusers_name, expected_params, leftovers, random_original
-from tests.test_umt5 import CFG as T5_BASE
-from tests.test_umt5 import sentencepiece_model, wan_layout
-from tests.test_wan_vae_convert import CONFIG as VAE_CFG
-from tests.test_wan_vae_convert import _torch_layout
+from tests.helpers.umt5_checkpoints import CFG as T5_BASE
+from tests.helpers.umt5_checkpoints import sentencepiece_model, wan_layout
+from tests.helpers.vae_checkpoints import CONFIG as VAE_CFG
+from tests.helpers.vae_checkpoints import torch_layout
+from tests.helpers.wan_checkpoints import CFG as DIT_CFG
+from tests.helpers.wan_checkpoints import (
+    assert_params_equal,
+    diffusers_name,
+    expected_params,
+    leftovers,
+    random_original,
+)
 
 # The sentencepiece fixture has 40 pieces; Wan's layout does not store max_distance (128) or text_len (512).
 T5_CFG = UMT5Config(**{**T5_BASE.to_dict(), "vocab_size": 40, "max_distance": 128, "text_len": 512})
@@ -121,7 +127,7 @@ def write_diffusers_release(root, dit_sd, vae_flat, t5_params, spiece):
     (root / "transformer" / "config.json").write_text(
         json.dumps({"_class_name": "WanTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 16})
     )
-    save_file(_torch_layout(vae_flat, "diffusers"), str(root / "vae" / "diffusion_pytorch_model.safetensors"))
+    save_file(torch_layout(vae_flat, "diffusers"), str(root / "vae" / "diffusion_pytorch_model.safetensors"))
     (root / "vae" / "config.json").write_text(json.dumps(VAE_DIFFUSERS_CONFIG))
     save_file(hf_t5_layout(t5_params, T5_CFG), str(root / "text_encoder" / "model.safetensors"))
     (root / "text_encoder" / "config.json").write_text(json.dumps(hf_t5_config(T5_CFG)))
@@ -243,7 +249,7 @@ def test_none_and_ambiguous_sources_list_what_was_looked_for(tmp_path, capsys, d
         assert what in err
     assert "\n" not in err.strip() and not (tmp_path / "out").exists()
     # DiT and VAE tensors in one file: both fit, so the user must choose.
-    mixed = {**dit_sd, **_torch_layout(vae_flat, "diffusers")}
+    mixed = {**dit_sd, **torch_layout(vae_flat, "diffusers")}
     save_file(mixed, str(tmp_path / "mixed.safetensors"))
     with pytest.raises(ConversionError, match=r"ambiguous.*dit and vae.*--family dit\|vae"):
         release.detect_family(str(tmp_path / "mixed.safetensors"))
@@ -332,7 +338,7 @@ def test_original_release_converts_as_one_unit(tmp_path, capsys, dit_sd, vae_fla
     (root / "google" / "umt5-xxl").mkdir(parents=True)
     save_file(dit_sd, str(root / "diffusion_pytorch_model.safetensors"))
     torch.save(
-        {k: torch.from_numpy(v.copy()) for k, v in _torch_layout(vae_flat, "wan").items()}, root / "Wan2.1_VAE.pth"
+        {k: torch.from_numpy(v.copy()) for k, v in torch_layout(vae_flat, "wan").items()}, root / "Wan2.1_VAE.pth"
     )
     torch.save(
         {k: torch.from_numpy(v.copy()) for k, v in wan_layout(t5_params, T5_CFG).items()},
@@ -388,7 +394,7 @@ def test_tokenizer_option(tmp_path, capsys, dit_sd, vae_flat, t5_params, spiece)
 
 def _poison_release(root, vae_flat, t5_params):
     """The release's VAE gets one NaN (decoder.conv_in.weight) and its text encoder two +Inf (layer 1's wo)."""
-    vae = {k: v.copy() for k, v in _torch_layout(vae_flat, "diffusers").items()}
+    vae = {k: v.copy() for k, v in torch_layout(vae_flat, "diffusers").items()}
     vae["decoder.conv_in.weight"].reshape(-1)[3] = np.nan
     save_file(vae, str(root / "vae" / "diffusion_pytorch_model.safetensors"))
     t5 = {k: v.copy() for k, v in hf_t5_layout(t5_params, T5_CFG).items()}

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from jaxkv.convert.convert import convert_checkpoint
 from jaxkv.models.wan import checkpoint, forward
 from jaxkv.models.wan.config import WanConfig
-from tests.test_convert import (
+from tests.helpers.wan_checkpoints import (
     assert_params_equal,
     diffusers_name,
     expected_params,

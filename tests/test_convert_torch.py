@@ -13,7 +13,7 @@ from jaxkv.convert import cli
 from jaxkv.convert.convert import convert_checkpoint, plan_conversion
 from jaxkv.convert.errors import ConversionError
 from jaxkv.models.wan import checkpoint
-from tests.test_convert import CFG, assert_params_equal, expected_params, leftovers, random_original
+from tests.helpers.wan_checkpoints import CFG, assert_params_equal, expected_params, leftovers, random_original
 
 pytestmark = pytest.mark.torch
 

@@ -14,7 +14,7 @@ import jaxkv
 from jaxkv.attention import CacheRope, MaskSpec, attend, cudnn, dense_attention, visible
 from jaxkv.attention.dispatch import resolve_backend
 from jaxkv.models.wan.model import init_cache
-from tests.test_attention import make_case, permuted, physical
+from tests.helpers.attention_cases import make_case, permuted, physical
 
 lengths_if_exact = jax.jit(cudnn.lengths_if_exact, static_argnums=2)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-import zlib
 
 import jax
 import numpy as np
@@ -14,31 +12,10 @@ import pytest
 
 from jaxkv import generate as G
 from jaxkv.models import wan
+from tests.helpers.images import read_png
 
 FAST = ["--num-chunks", "3", "--no-progress", "--no-video"]  # the mp4 path: test_generate_media.py
 RANDOM = ["--preset", "tiny", "--random-weights"]  # the random-weight model (the default: test_generate_toy.py)
-
-
-def read_png(path):
-    """Minimal independent PNG reader for 8-bit RGB, filter 0 (checks signature, CRCs and IHDR)."""
-    data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, header = 8, b"", None
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    w, h, depth, color = header[:4]
-    assert (depth, color) == (8, 2)
-    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
-    assert (raw[:, 0] == 0).all()
-    return raw[:, 1:].reshape(h, w, 3)
 
 
 @pytest.mark.slow

@@ -79,7 +79,7 @@ def test_mp4_sink_streams_chunks_into_a_playable_mp4(tmp_path):
     frames = np.concatenate([np.load(tmp_path / "frames" / f"chunk_{i:06d}.npy") for i in range(3)], axis=1)
     assert np.abs(frames.astype(int) - whole_decode(params, config, latents)).max() <= 1
     # the contact sheet: all 9 frames (fewer than its 32 slots), 8 to a row, 1-pixel gaps
-    from tests.test_generate import read_png
+    from tests.helpers.images import read_png
 
     assert summary["contact_sheet_frames"] == list(range(9))
     sheet = read_png(tmp_path / "contact_sheet.png")
@@ -104,7 +104,7 @@ def test_vae_dir_fps_and_png_frames(tmp_path):
     out = tmp_path / "o"
     assert G.main(["--out", str(out), "--vae", str(tmp_path / "vae"), "--fps", "8", "--frames", "png", *SMALL]) == 0
     assert read_video_info(str(out / "video.mp4")) == {"frames": 21, "height": 32, "width": 32, "fps": 8.0}
-    from tests.test_generate import read_png
+    from tests.helpers.images import read_png
 
     names = sorted(os.listdir(out / "frames"))
     assert names == [f"frame_0_{i:06d}.png" for i in range(21)]

@@ -165,7 +165,7 @@ def test_preview_is_bounded_and_shows_first_and_last_frames(tmp_path):
     assert info["preview_frames"] == [0, 1, 2, 3, 4, 145, 146, 147, 148, 149]
     allframes = np.concatenate(chunks, axis=1)
     want = G.preview_image(allframes[:, info["preview_frames"]], 2, columns=5)
-    from tests.test_generate import read_png
+    from tests.helpers.images import read_png
 
     np.testing.assert_array_equal(read_png(tmp_path / "p.png"), want)
     # the size does not depend on the number of frames: 2 videos x 2 rows of 5 tiles of 8 px, 1 px gaps

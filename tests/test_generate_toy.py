@@ -286,7 +286,7 @@ def test_a_toy_run_is_the_toy_models_own_stream_decoded_by_its_latent_map(runs):
         settings["sink_frames"],
     )
     # the contact sheet: every frame of so short a stream, up to 8 to a row
-    from tests.test_generate import read_png
+    from tests.helpers.images import read_png
 
     assert s["contact_sheet"] == str(out / "contact_sheet.png") and s["contact_sheet_frames"] == list(range(n))
     sheet = read_png(out / "contact_sheet.png")

@@ -15,7 +15,7 @@ import pytest
 
 from jaxkv.attention import BlockSizes, CacheRope, MaskSpec, attend, dense_attention, pallas_attention, visible
 from jaxkv.attention.pallas_gpu import visit_lists
-from tests.test_attention import make_case, permuted, physical
+from tests.helpers.attention_cases import make_case, permuted, physical
 
 SMALL = BlockSizes(block_q=16, block_k=16)
 

@@ -9,7 +9,7 @@ import pytest
 
 import jaxkv
 from jaxkv.cache.prefix import PrefixEpoch, prefix_complete, rewrite_prefix
-from tests.cache_reference import ReferenceHistory
+from tests.helpers.cache_reference import ReferenceHistory
 
 POLICIES = [jaxkv.RingCache, jaxkv.RollingCache]
 

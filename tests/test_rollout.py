@@ -293,7 +293,7 @@ def test_remat_gives_the_gradient_of_the_rollout_without_it(extra):
     cache-relative and the mixed dense/dilated layer scans; and it is not part of a session's fingerprint (it
     changes nothing a stream holds)."""
     from jaxkv import session
-    from tests.test_wan_streaming import remat_gradients_agree
+    from tests.helpers.gradients import remat_gradients_agree
 
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)), **extra)
     params, ctx = _params(21), _ctx(22)

@@ -1,6 +1,7 @@
 """Wan rollouts with mixed dense / dilated layers (`RolloutConfig.dilated_every`) against a cache-free reference
-whose per-layer visibility comes from the chronological dilated model (tests/dilated_reference.py), the all-dense
-configuration against today's rollout, one compilation, a flat compiled memory, and the configuration checks."""
+whose per-layer visibility comes from the chronological dilated model (tests/helpers/dilated_reference.py), the
+all-dense configuration against today's rollout, one compilation, a flat compiled memory, and the configuration
+checks."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
-from tests.dilated_reference import DilatedHistory
-from tests.masked_reference import chunk_rows, dense_window_rows, reference_rollout
+from tests.helpers.dilated_reference import DilatedHistory
+from tests.helpers.masked_reference import chunk_rows, dense_window_rows, reference_rollout
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=4, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame

@@ -64,6 +64,7 @@ def reports(shipped):
     return quality.check(random), quality.check(shipped)
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 def test_random_weights_fail_and_the_shipped_model_moves_the_prompts_shapes(reports, shipped):
     low, report = reports
@@ -77,6 +78,7 @@ def test_random_weights_fail_and_the_shipped_model_moves_the_prompts_shapes(repo
     assert report.tracking > 2 * np.mean([quality.tracking(v, p) for v, p in zip(held, quality.PROMPTS)])
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 def test_the_shipped_model_clears_the_bar(reports):
     assert reports[1].passed, reports[1]
@@ -124,6 +126,7 @@ def test_check_cli_refuses_a_directory_that_is_not_a_release(tmp_path, capsys):
     assert "not a toy-world release" in capsys.readouterr().err
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports, shipped, capsys):
     from jaxkv.toyworld import cli
@@ -202,6 +205,7 @@ def test_survey_prompts_are_the_checks_then_distinct_valid_ones():
             quality.survey_prompts(bad)
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 def test_survey_of_the_checks_prompts_and_seed_is_the_check(reports, shipped):
     one = quality.survey(shipped, prompts=len(quality.PROMPTS), seeds=1)

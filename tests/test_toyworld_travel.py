@@ -81,6 +81,7 @@ def test_travel_needs_a_whole_window():
         metric.travel(metric.detect(video), prompt, frames=1)
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,

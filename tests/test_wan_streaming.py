@@ -13,6 +13,7 @@ import jaxkv
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
+from tests.helpers.gradients import remat_gradients_agree
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # latent grid -> 1 x 2 patches = 2 tokens per frame
@@ -231,22 +232,6 @@ def test_streaming_step_with_a_bf16_cache_lowers_for_cuda_with_the_pallas_kernel
         texts[backend] = step.trace(params, cache, cross, x, t).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in texts["pallas"]
     assert "triton" not in texts["xla"]
-
-
-def remat_gradients_agree(make_loss, params):
-    """``make_loss(remat) -> loss(params)``: with ``remat`` the gradient's program holds a ``remat2`` equation
-    (without it none), and the loss and gradient equal those without it up to float rounding."""
-    results = {}
-    for remat in (False, True):
-        grad = jax.value_and_grad(make_loss(remat))
-        assert ("remat2" in str(jax.make_jaxpr(grad)(params))) == remat
-        results[remat] = jax.jit(grad)(params)
-    (v0, g0), (v1, g1) = results[False], results[True]
-    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
-    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
-    assert scale > 0
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0)
 
 
 def test_teacher_forcing_with_remat_gives_the_same_gradient():

@@ -11,37 +11,15 @@ from safetensors.numpy import save_file
 
 from jaxkv.convert.errors import ConversionError
 from jaxkv.convert.wan_vae import (
-    _source_shape,
     convert_vae,
     detect_vae_naming,
     is_vae_source,
     load,
-    mapping,
     plan_vae_conversion,
 )
-from jaxkv.models.wan_vae import init_params, preset
+from jaxkv.models.wan_vae import init_params
 from jaxkv.models.wan_vae.params import flatten
-
-CONFIG = preset("tiny")
-
-
-def _torch_layout(flat: dict, naming: str) -> dict:
-    """jaxkv params -> source tensors, by undoing each transform with plain numpy (the parity tests check the
-    names against diffusers and the original code independently)."""
-    out = {}
-    for key, (src, kind) in mapping(CONFIG, naming).items():
-        a = np.asarray(flat[key])
-        if kind == "conv3d":
-            a = a.transpose(4, 3, 0, 1, 2)
-        elif kind == "conv2d":
-            a = a.transpose(3, 2, 0, 1)
-        elif kind in ("dense3", "dense2"):
-            a = a.T.reshape(_source_shape(kind, a.shape))
-        elif kind in ("norm3", "norm2"):
-            a = a.reshape(_source_shape(kind, a.shape))
-        assert a.shape == _source_shape(kind, flat[key].shape)
-        out[src] = np.ascontiguousarray(a)
-    return out
+from tests.helpers.vae_checkpoints import CONFIG, torch_layout
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +39,7 @@ def _write(tmp_path, tensors, config=None, name="src"):
 def test_round_trip_through_the_diffusers_layout(tmp_path, flat):
     src = _write(
         tmp_path,
-        _torch_layout(flat, "diffusers"),
+        torch_layout(flat, "diffusers"),
         {
             "_class_name": "AutoencoderKLWan",
             "base_dim": 8,
@@ -90,7 +68,7 @@ def test_round_trip_through_the_diffusers_layout(tmp_path, flat):
 
 
 def test_bf16_output(tmp_path, flat):
-    src = _write(tmp_path, _torch_layout(flat, "wan"))
+    src = _write(tmp_path, torch_layout(flat, "wan"))
     with pytest.raises(ConversionError, match="output dtype 'f16' is not supported"):
         convert_vae(str(src), str(tmp_path / "out"), dtype="f16")
     assert not (tmp_path / "out").exists()
@@ -100,7 +78,7 @@ def test_bf16_output(tmp_path, flat):
 
 
 def test_refusals_write_nothing(tmp_path, flat):
-    tensors = _torch_layout(flat, "diffusers")
+    tensors = torch_layout(flat, "diffusers")
     dit = _write(
         tmp_path,
         {

@@ -1,0 +1,33 @@
+"""A tiny Wan VAE in PyTorch layouts: its config (`CONFIG`) and `torch_layout`, jaxkv params written back as the
+original or diffusers tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.convert.wan_vae import (
+    _source_shape,
+    mapping,
+)
+from jaxkv.models.wan_vae import preset
+
+CONFIG = preset("tiny")
+
+
+def torch_layout(flat: dict, naming: str) -> dict:
+    """jaxkv params -> source tensors, by undoing each transform with plain numpy (the parity tests check the
+    names against diffusers and the original code independently)."""
+    out = {}
+    for key, (src, kind) in mapping(CONFIG, naming).items():
+        a = np.asarray(flat[key])
+        if kind == "conv3d":
+            a = a.transpose(4, 3, 0, 1, 2)
+        elif kind == "conv2d":
+            a = a.transpose(3, 2, 0, 1)
+        elif kind in ("dense3", "dense2"):
+            a = a.T.reshape(_source_shape(kind, a.shape))
+        elif kind in ("norm3", "norm2"):
+            a = a.reshape(_source_shape(kind, a.shape))
+        assert a.shape == _source_shape(kind, flat[key].shape)
+        out[src] = np.ascontiguousarray(a)
+    return out
