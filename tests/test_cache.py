@@ -440,3 +440,13 @@ def test_begin_chunk_refuses_to_pass_the_int32_position_limit(cls):
     assert int(moved.chunk_start[0]) == last * 4 and int(moved.chunk_start[1]) == 8
     # Reset starts the session again from position 0.
     assert int(near.reset().begin_chunk().chunk_start[0]) == 0
+
+
+def test_write_of_a_list_names_the_expected_shape():
+    spec = jaxkv.RingSpec.from_frames(tokens_per_frame=2, chunk_frames=1, window_frames=2, sink_frames=1)
+    cache = jaxkv.RingCache.init(spec, batch=1, heads=1, head_dim=2).begin_chunk()
+    rows = [[[[1.0, 2.0]]] * spec.chunk]
+    with pytest.raises(
+        ValueError, match=r"k must be an array of shape \[batch, chunk, heads, head_dim\] = \[1, 2, 1, 2\], got list"
+    ):
+        cache.write(rows, rows)

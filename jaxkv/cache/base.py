@@ -233,6 +233,11 @@ class ChunkCache:
         """Trace-time checks of `write`'s arguments (shared by every policy); returns ``active`` checked."""
         expected = (self.batch, self.spec.chunk, self.heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise ValueError(
+                    f"write: {name} must be an array of shape [batch, chunk, heads, head_dim] = {list(expected)}, "
+                    f"got {type(x).__name__}"
+                )
             if tuple(x.shape) != expected:
                 raise ValueError(
                     f"write: {name} must have shape [batch, chunk, heads, head_dim] = {list(expected)}, "
@@ -303,7 +308,8 @@ class ChunkCache:
 
     def _check_layer(self, where: str, layer) -> None:
         """An int or integer scalar; when its value is known (not traced), within [0, layers). A traced layer
-        cannot be checked here: keep it in range (a scan over ``arange(layers)`` does)."""
+        cannot be checked here, and ``dynamic_update_slice`` / ``dynamic_slice`` clamp it onto the first or last
+        layer: keep it in range (a scan over ``arange(layers)`` does)."""
         if not is_int(layer) and not (
             hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer) and jnp.ndim(layer) == 0
         ):
