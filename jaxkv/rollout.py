@@ -581,6 +581,18 @@ def _stream_noise(config: WanConfig, rc: RolloutConfig, batch: int, noise, num_c
     return noise, num_chunks
 
 
+def _check_finite(name: str, x) -> None:
+    """ValueError when the concrete array ``x`` (None and traced values pass) holds NaN or Inf: a stream of it would
+    return NaN latents for every chunk."""
+    if x is None or not is_concrete(x):
+        return
+    bad = int(jnp.size(x) - jnp.count_nonzero(jnp.isfinite(jnp.asarray(x))))
+    if bad:
+        raise ValueError(
+            f"{name} holds {bad} non-finite value(s) (NaN or Inf) of {jnp.size(x)}: every chunk would be NaN"
+        )
+
+
 class Stream:
     """Iterator over chunks of a streaming rollout: each ``next()`` runs one jitted, cache-donating step and returns
     that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
@@ -614,6 +626,8 @@ class Stream:
         noise, num_chunks = _stream_noise(config, rc, jnp.shape(context)[0], noise, num_chunks)
         if num_chunks is not None:
             check_position_room(config, rc, int(num_chunks))
+        for name, x in (("context", context), ("negative_context", negative_context)):
+            _check_finite(name, x)
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
         self.state = self._init_state(context, negative_context)
@@ -637,6 +651,11 @@ class Stream:
         session.check(config, rc)
         if session.on_host:
             raise S.SessionError("the session's caches are offloaded; jaxkv.session.reload() it first")
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(session.state)):
+            raise S.SessionError(
+                "the session was consumed: an earlier Stream.from_session donated its buffers to its first step; "
+                "continue from session.fork() to keep a session for more than one stream"
+            )
         if (session.key is None) == (noise is None):
             raise ValueError(
                 "a session with a noise key continues from its key (pass no noise=); one without "

@@ -404,3 +404,35 @@ def test_bad_arguments():
         S.reload(st.session())
     with pytest.raises(S.SessionError, match="memory_kind"):
         S.offload(st.session(), memory_kind="device")
+
+
+def test_a_consumed_session_is_named_as_consumed_not_as_a_deleted_buffer():
+    stream = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=jax.random.key(2))
+    _chunks(stream)
+    session = stream.session()
+    kept = session.fork()
+    next(R.Stream.from_session(PARAMS, CFG, RC, session, num_chunks=1))  # donates the session's buffers
+    with pytest.raises(S.SessionError, match="the session was consumed.*session.fork"):
+        R.Stream.from_session(PARAMS, CFG, RC, session, num_chunks=1)
+    assert next(R.Stream.from_session(PARAMS, CFG, RC, kept, num_chunks=1)).shape[0] == 1  # a fork is its own
+
+
+@pytest.mark.parametrize("which", ["context", "negative_context"])
+def test_a_stream_refuses_a_non_finite_context_before_any_step(which):
+    bad = CTX.at[0, 1, 2].set(jnp.nan)
+    kw = {"context": bad} if which == "context" else {"context": CTX, "negative_context": bad.at[0, 0, 0].set(jnp.inf)}
+    rc = (
+        RC
+        if which == "context"
+        else R.RolloutConfig(
+            H,
+            W,
+            chunk_frames=1,
+            window_frames=2,
+            sink_frames=1,
+            schedule=Schedule(steps=(1000, 500)),
+            guidance_scale=3.0,
+        )
+    )
+    with pytest.raises(ValueError, match=f"{which} holds \\d non-finite value"):
+        R.Stream(PARAMS, CFG, rc, num_chunks=1, key=jax.random.key(2), **kw)
