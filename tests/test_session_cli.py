@@ -273,3 +273,18 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     cli("--resume", "S", "--out", "b", "--num-chunks", "3", "--no-progress")
     joined = np.concatenate([G.load_latents(str(tmp_path / "a")), G.load_latents(str(tmp_path / "b"))], axis=1)
     assert joined.tobytes() == G.load_latents(str(tmp_path / "full")).tobytes()
+
+
+def test_resume_refuses_another_fps_for_the_continued_video(tmp_path, capsys):
+    """Part 2's mp4 at another frame rate than part 1's would not play on as one video: --fps is a session setting
+    like every other (the default toy world, with video)."""
+    session = tmp_path / "S"
+    first = ["--out", str(tmp_path / "a"), "--num-chunks", "2", "--save-state", str(session), "--no-progress"]
+    assert G.main(first) == 0
+    capsys.readouterr()
+    resumed = ["--resume", str(session), "--num-chunks", "1", "--no-progress"]
+    assert G.main([*resumed, "--out", str(tmp_path / "b"), "--fps", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "--fps 30 (the session's: 16)" in err
+    assert not (tmp_path / "b").exists()
+    assert G.main([*resumed, "--out", str(tmp_path / "c"), "--fps", "16"]) == 0  # the session's own rate

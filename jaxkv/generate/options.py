@@ -372,7 +372,10 @@ SESSION_SETTINGS = (
     "seed",
     "vae",
     "no_video",
+    "fps",
 )
+# Settings a session saved before they were recorded may lack (taken as not passed: their defaults).
+LATER_SESSION_SETTINGS = ("fps",)
 
 
 def explicit_flags(argv: list[str]) -> set[str]:

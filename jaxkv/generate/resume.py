@@ -36,6 +36,13 @@ def _norm(dest: str, value):
     return value
 
 
+def _effective(dest: str, value):
+    """A setting as the run uses it: a flag left at None means its default (the mp4's --fps)."""
+    if value is None and dest in options.DEFAULTS:
+        return options.DEFAULTS[dest]
+    return value
+
+
 def recorded_settings(args) -> dict:
     """The settings a session of this run continues under (JSON-able). The checkpoint is the directory the run
     was given: a release's root (``args.release``, set by `inputs.pick_up_release`), not its dit/ part, so that a
@@ -57,6 +64,8 @@ def apply_resume(args) -> dict | None:
     except S.SessionError as e:
         raise UsageError(f"--resume: {e}") from None
     recorded = manifest.get("metadata", {}).get("generate")
+    if isinstance(recorded, dict):
+        recorded = {**dict.fromkeys(options.LATER_SESSION_SETTINGS), **recorded}
     if not isinstance(recorded, dict) or set(recorded) != set(options.SESSION_SETTINGS):
         raise UsageError(
             f"--resume {args.resume} is a jaxkv session but not one saved by this jaxkv generate (its "
@@ -67,8 +76,8 @@ def apply_resume(args) -> dict | None:
     conflicts = []
     for dest in options.SESSION_SETTINGS:
         saved, now = recorded[dest], _norm(dest, getattr(args, dest))
-        if dest in explicit and now != saved:
-            conflicts.append(f"{options.flag_name(dest)} {now!r} (the session's: {saved!r})")
+        if dest in explicit and _effective(dest, now) != _effective(dest, saved):
+            conflicts.append(f"{options.flag_name(dest)} {now!r} (the session's: {_effective(dest, saved)!r})")
         setattr(args, dest, tuple(saved) if dest == "steps" else saved)
     if conflicts:
         raise UsageError(
