@@ -34,3 +34,22 @@ def is_concrete(x) -> bool:
 def is_real(value) -> bool:
     """True for Python / NumPy real numbers, integers included (not bools); finiteness is the caller's check."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """``repr`` of ``text`` for a message: whole up to ``limit`` characters, else its first ``limit`` characters and
+    its length (a 10,000-character prompt must not become a 20 KB error line)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def utf8_problem(text: str) -> str | None:
+    """None if ``text`` encodes as UTF-8; else where it does not. Python decodes command-line bytes that are not
+    UTF-8 into lone surrogates (U+DC80..U+DCFF for byte 0x80..0xFF), which no file or JSON can hold."""
+    for i, ch in enumerate(text):
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            byte = ord(ch) - 0xDC00
+            what = f"byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else f"a lone surrogate U+{ord(ch):04X}"
+            return f"{what} at character {i} is not valid UTF-8"
+    return None

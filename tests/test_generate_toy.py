@@ -361,3 +361,25 @@ def test_preset_tiny_random_weights_is_the_old_default_path(tmp_path):
     want = np.concatenate([np.asarray(c) for c in stream], axis=1)
     np.testing.assert_allclose(G.load_latents(str(out)), want, rtol=1e-5, atol=1e-5)
     assert _summary(out)["model"] == "preset 'tiny' with random weights (seed 0)"
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, capsys):
+    # what Python makes of the argv bytes b"a red circle\xff, slow" (surrogateescape): a lone surrogate
+    prompt = b"a red circle\xff, slow".decode("utf-8", "surrogateescape")
+    out = tmp_path / "o"
+    assert G.main(["--prompt", prompt, "--out", str(out), "--num-chunks", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt" in err and "byte 0xff at character 12 is not valid UTF-8" in err
+    assert not out.exists()
+    schedule = tmp_path / "s.json"
+    schedule.write_text('[{"chunk": 0, "prompt": "a red circle\\udcff, slow"}]')
+    assert G.main(["--prompt-schedule", str(schedule), "--out", str(out), "--num-chunks", "1", "--no-progress"]) == 2
+    assert "entry 0: prompt: byte 0xff at character 12 is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_a_long_prompt_is_shortened_in_messages(tmp_path, capsys):
+    prompt = "a red circle " * 800  # 10,400 characters, not a toy-world prompt
+    assert G.main(["--prompt", prompt, "--out", str(tmp_path / "o"), "--num-chunks", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"({len(prompt)} characters)" in err
+    assert len(err) < 1000, len(err)

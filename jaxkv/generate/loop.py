@@ -170,6 +170,7 @@ def run(args, stop: Stop | None = None) -> dict:
     non-finite (the chunks before it are written and the files finished), OSError for I/O failures.
     """
     stop = stop or Stop()
+    options.check_text(args)
     if args.mesh is not None and (args.resume or args.save_state or args.prompt_schedule):
         raise UsageError(
             "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"

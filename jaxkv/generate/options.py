@@ -12,6 +12,7 @@ import os
 from jaxkv.cache import WINDOW_POLICIES
 from jaxkv.models.wan.model import ROPE_MODES  # "absolute", "cache-relative"
 from jaxkv.precision import PRESETS as PRECISION_PRESETS
+from jaxkv.validate import shorten, utf8_problem
 
 POLICIES = WINDOW_POLICIES  # the cache layer's sink + window policies (dilated layers: --dilated-every)
 PRECISIONS = tuple(PRECISION_PRESETS)  # jaxkv.precision presets: "float32", "bfloat16"
@@ -394,6 +395,15 @@ def explicit(args: argparse.Namespace) -> set[str]:
         return set(given)
     defaults = vars(build_parser().parse_args([]))
     return {k for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+def check_text(args: argparse.Namespace) -> None:
+    """UsageError for a --prompt / --negative-prompt that is not valid UTF-8 (bytes Python could not decode from
+    the command line): checked first, so no message or file ever carries the undecodable characters."""
+    for flag, text in (("--prompt", args.prompt), ("--negative-prompt", args.negative_prompt)):
+        problem = None if text is None else utf8_problem(text)
+        if problem:
+            raise UsageError(f"{flag} {shorten(text.encode('utf-8', 'replace').decode())}: {problem}")
 
 
 def check_model(args: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxkv.generate import inputs
 from jaxkv.generate.options import UsageError
-from jaxkv.validate import is_int
+from jaxkv.validate import is_int, shorten, utf8_problem
 
 
 class Entry(NamedTuple):
@@ -63,7 +63,9 @@ def read_schedule(path: str, num_chunks: int) -> list[Entry]:
         if ("prompt" in item) == ("context" in item):
             raise UsageError(f'{where} must give exactly one of "prompt" and "context"')
         if "prompt" in item and not isinstance(item["prompt"], str):
-            raise UsageError(f"{where}: prompt must be a string, got {item['prompt']!r}")
+            raise UsageError(f"{where}: prompt must be a string, got {shorten(repr(item['prompt']))}")
+        if "prompt" in item and utf8_problem(item["prompt"]):
+            raise UsageError(f"{where}: prompt: {utf8_problem(item['prompt'])}")
         if "context" in item and not (isinstance(item["context"], str) and item["context"]):
             raise UsageError(f"{where}: context must be a file path, got {item['context']!r}")
         if not entries and chunk != 0:

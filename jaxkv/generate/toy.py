@@ -26,6 +26,7 @@ import os
 from jaxkv.generate import options
 from jaxkv.generate.options import UsageError
 from jaxkv.toyworld import model, world
+from jaxkv.validate import shorten
 
 
 def _geometry(settings: model.Settings) -> dict:
@@ -95,7 +96,7 @@ def check_prompt(text: str, where: str) -> None:
         world.parse_prompt(text)
     except ValueError as e:
         raise UsageError(
-            f"{where} {text!r} is not a toy-world prompt: {e}. The toy world's words are "
+            f"{where} {shorten(text)} is not a toy-world prompt: {e}. The toy world's words are "
             f"{', '.join(world.VOCABULARY)}; a prompt names 1..{world.MAX_OBJECTS} shapes of distinct "
             f"colours and a speed, e.g. 'a red circle and a blue square, fast'"
         ) from None

@@ -25,6 +25,8 @@ import re
 
 import numpy as np
 
+from jaxkv.validate import shorten
+
 SIZE = 64  # frames are SIZE x SIZE RGB
 BACKGROUND = (16, 16, 24)
 WALL = (110, 110, 120)  # the border; far from every shape colour (see jaxkv.toyworld.metric)
@@ -85,7 +87,7 @@ def parse_prompt(prompt: str) -> tuple[list[tuple[str, str]], str]:
     match = re.fullmatch(rf"(.+?),?\s+({speed_words})", text)
     if not match:
         raise ValueError(
-            f"toy-world prompt {prompt!r} must end with a speed ({', '.join(SPEEDS)}), like "
+            f"toy-world prompt {shorten(prompt)} must end with a speed ({', '.join(SPEEDS)}), like "
             f"'a red circle and a blue square, fast'"
         )
     objects = []
@@ -93,7 +95,7 @@ def parse_prompt(prompt: str) -> tuple[list[tuple[str, str]], str]:
         words = part.split()
         if len(words) != 3 or words[0] != "a" or words[1] not in COLOURS or words[2] not in SHAPES:
             raise ValueError(
-                f"toy-world prompt {prompt!r}: {part!r} is not 'a <colour> <shape>' (colours "
+                f"toy-world prompt {shorten(prompt)}: {shorten(part)} is not 'a <colour> <shape>' (colours "
                 f"{', '.join(COLOURS)}; shapes {', '.join(SHAPES)})"
             )
         objects.append((words[1], words[2]))
