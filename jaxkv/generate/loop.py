@@ -14,6 +14,7 @@ many chunks run.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -315,8 +316,8 @@ def run(args, stop: Stop | None = None) -> dict:
         progress = tqdm(total=args.num_chunks, unit="chunk", desc="generate", file=sys.stderr)
     recent = collections.deque(maxlen=LATENCY_WINDOW)
     first_s, total_s, steady_n, status, reason = None, 0.0, 0, "complete", None
-    # Host time spent in the sinks per chunk: taken out of the next chunk's latency for the denoise-only rate.
-    denoise_s, last_write, loop_start = 0.0, 0.0, None
+    # Device time of the chunks after the first (`DeviceClock`), for the denoise-only rate.
+    denoise_s, loop_start, clock = 0.0, None, DeviceClock()
     try:
         if video is not None:  # inside the try: a failure here still finalises the files
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
@@ -327,13 +328,14 @@ def run(args, stop: Stop | None = None) -> dict:
         with count_compiles(stream.step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
             start = time.perf_counter()
             pending = advance()
-            pending = (pending, _chunk_finite(pending))
+            pending = (pending, _chunk_finite(pending), clock.watch(pending))
             for index in range(args.num_chunks):
-                x, finite = pending
+                x, finite, watched = pending
                 if index + 1 < args.num_chunks and stop.signum is None:
                     nxt = advance()  # dispatched now: the device computes it while this chunk is written
-                    pending = (nxt, _chunk_finite(nxt))
+                    pending = (nxt, _chunk_finite(nxt), clock.watch(nxt))
                 x, finite = jax.device_get((x, finite))
+                device_s = clock.device_time(watched)
                 now = time.perf_counter()
                 latency, start = now - start, now
                 if first_s is None:
@@ -341,7 +343,7 @@ def run(args, stop: Stop | None = None) -> dict:
                 else:
                     recent.append(latency)
                     total_s, steady_n = total_s + latency, steady_n + 1
-                    denoise_s += latency - last_write
+                    denoise_s += device_s
                 if not finite:
                     status = "failed"
                     reason = (
@@ -353,7 +355,6 @@ def run(args, stop: Stop | None = None) -> dict:
                     )
                     break
                 files.write_chunk(index, x)
-                last_write = time.perf_counter() - start
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(f"{latency * 1e3:.0f} ms")
@@ -372,6 +373,7 @@ def run(args, stop: Stop | None = None) -> dict:
         )
         raise
     finally:
+        clock.close()
         if progress is not None:
             progress.close()
     steady = bool(steady_n)
@@ -395,6 +397,36 @@ def run(args, stop: Stop | None = None) -> dict:
     return summary
 
 
+class DeviceClock:
+    """When each dispatched chunk is done on the device, seen by a thread that blocks on it while the host loop goes
+    on writing the previous one. The device runs chunks in order, so a chunk's device time is its completion
+    minus the later of its dispatch and the previous chunk's completion: host time spent writing, decoding or
+    encoding the mp4 is never counted as denoising, and never subtracted from it."""
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-device-clock")
+        self._last_done = None
+
+    def watch(self, x):
+        """Starts watching the just-dispatched array ``x``: (dispatch time, future of its completion time)."""
+        return time.perf_counter(), self._pool.submit(_done_at, x)
+
+    def device_time(self, watched) -> float:
+        """Seconds the device spent on a watched chunk; call once per chunk, in dispatch order."""
+        dispatched, done = watched[0], watched[1].result()
+        start = dispatched if self._last_done is None else max(dispatched, self._last_done)
+        self._last_done = done
+        return max(done - start, 0.0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _done_at(x) -> float:
+    jax.block_until_ready(x)
+    return time.perf_counter()
+
+
 def _decoder_name(args, toy_dir) -> str | None:
     """What decodes the mp4, for the summary (None without video)."""
     if args.no_video:
@@ -406,8 +438,8 @@ def _decoder_name(args, toy_dir) -> str | None:
 
 def _rates(summary: dict, chunk_frames: int, steady_n: int, denoise_s: float, loop_start: float | None, video) -> None:
     """Adds the two throughputs to ``summary``: denoise-only (latent frames per second over the chunks after the
-    first, the host's sink time taken out) and end to end (from the first dispatch until every file is closed,
-    compilation included; latent frames, and decoded video frames when an mp4 is written)."""
+    first, from their time on the device, `DeviceClock`) and end to end (from the first dispatch until every file
+    is closed, compilation included; latent frames, and decoded video frames when an mp4 is written)."""
     summary["denoise_latent_frames_per_s"] = steady_n * chunk_frames / denoise_s if steady_n and denoise_s > 0 else None
     latent = summary.get("latents_shape", [0, 0])[1]
     end = video.closed_at if video is not None and video.closed_at is not None else time.perf_counter()
