@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxkv.argparsing import Parser
+
 _EPILOG = """\
 SRC may be:
   a directory or .safetensors file in the original Wan 2.1 layout (diffusion_pytorch_model.safetensors, or shards
@@ -34,7 +36,7 @@ DST may never be, contain or lie inside SRC.
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="jaxkv convert",
         epilog=_EPILOG,
         description="Convert a Wan 2.1 PyTorch / safetensors checkpoint (DiT, VAE, umT5 text "

@@ -136,6 +136,11 @@ def load_context(path: str, text_dim: int, text_len: int, flag: str = "--context
         try:
             array = np.load(path, allow_pickle=False)
         except (ValueError, OSError) as e:
+            if "pickled" in str(e):  # numpy's reading of anything without an array header, a text file included
+                raise UsageError(
+                    f"{flag} file {path!r} is not a .npy array file (no NumPy array header; NumPy would read it as "
+                    f"pickled objects, which are never loaded)"
+                ) from None
             raise UsageError(f"cannot read {path!r} as .npy ({e})") from None
     elif path.endswith(".safetensors"):
         from safetensors import SafetensorError

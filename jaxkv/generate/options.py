@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from jaxkv.argparsing import Parser
 from jaxkv.cache import WINDOW_POLICIES
 from jaxkv.models.wan.model import ROPE_MODES  # "absolute", "cache-relative"
 from jaxkv.precision import PRESETS as PRECISION_PRESETS
@@ -107,7 +108,7 @@ _mesh.__name__ = "mesh"
 
 def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="jaxkv generate",
         description="Stream video chunk by chunk with causal Wan 2.1 on a ring KV cache (Self-Forcing sampler), "
         "writing each chunk to --out as it finishes. With no arguments: the toy world shipped in the "
@@ -217,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     toy_note = (
         "the defaults shown are those of --random-weights and Wan checkpoints; a toy-world model's settings "
-        "replace those of --height, --width, --chunk-frames, --window-frames, --sink-frames, --steps and "
-        "--shift for each one not passed"
+        "replace those of --height, --width, --chunk-frames, --window-frames, --sink-frames, --rope, --steps "
+        "and --shift for each one not passed (the shipped toy world: 8x8, 3, 6, 3, cache-relative, "
+        "1000,750,500,250, 3.0)"
     )
     v = p.add_argument_group("video and cache (frames are latent frames)", toy_note)
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
@@ -487,5 +489,9 @@ def check(args: argparse.Namespace) -> None:
         for flag, value in (("--vae", args.vae), ("--fps", args.fps), ("--frames", args.frames)):
             if value is not None:
                 raise UsageError(f"{flag} has no effect with --no-video")
+    if args.save_state and os.path.abspath(args.save_state) == os.path.abspath(args.out):
+        raise UsageError(
+            f"--save-state {args.save_state} is the --out directory; the session goes in a directory of its own"
+        )
     if args.save_state and args.resume and os.path.abspath(args.save_state) == os.path.abspath(args.resume):
         raise UsageError("--save-state is the --resume directory; save the continued session to another directory")

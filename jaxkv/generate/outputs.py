@@ -98,7 +98,12 @@ def prepare_output_dir(path: str, *, overwrite: bool, create: bool, sources=()) 
     right before writing).
     """
     path = os.path.abspath(path)
-    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+    if os.path.islink(path):
+        raise UsageError(
+            f"--out {path} is a symbolic link (to {os.path.realpath(path)}); outputs are written only into a "
+            f"directory named by its own path: pass the target itself, or another --out"
+        )
+    if os.path.lexists(path) and not os.path.isdir(path):
         raise UsageError(f"--out {path} exists and is not a directory; choose another --out")
     exists = os.path.isdir(path) and bool(os.listdir(path))
     try:

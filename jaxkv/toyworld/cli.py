@@ -6,12 +6,14 @@ import argparse
 import dataclasses
 import sys
 
+from jaxkv.argparsing import Parser
+
 
 def _parser() -> argparse.ArgumentParser:
     from jaxkv.toyworld.train import TrainConfig
 
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="jaxkv toyworld", description=__doc__)
+    p = Parser(prog="jaxkv toyworld", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
@@ -146,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
             record = train(
                 args.out, tc, resume=args.resume, progress=not args.no_progress, command=command, force=args.overwrite
             )
-        except (FileExistsError, FileNotFoundError, ValueError) as e:
+        except FileExistsError:
+            print(
+                f"jaxkv toyworld train: {args.out} exists; pass --overwrite to replace a toy-world release there",
+                file=sys.stderr,
+            )
+            return 2
+        except (FileNotFoundError, ValueError) as e:
             print(f"jaxkv toyworld train: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
