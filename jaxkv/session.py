@@ -24,7 +24,9 @@ directory that loads):
 
   session.json        {"format": "jaxkv-session", "format_version": 1, "fingerprint": {...}, "cache_class",
                       "next_chunk", "key_impl" (null: raw or no key), "has_key", "tensors": {name: {dtype,
-                      shape}}, "metadata": {...} (the caller's, e.g. the generate command's settings)}
+                      shape, sha256}}, "metadata": {...} (the caller's, e.g. the generate command's settings),
+                      "manifest_sha256": the checksum of all the rest}: `load` refuses a tensor whose bytes, or a
+                      manifest whose entries, changed after saving
   arrays.safetensors  one tensor per leaf: "cache/k", "cache/v", "cache/positions", "cache/chunk_start",
                       "cross/k", "cross/v", "key" (the key's uint32 data), "next_chunk", "extras/NAME/SUB/..."
 
@@ -50,6 +52,7 @@ that fails raises `OffloadError` and leaves the device copy as it was.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any
@@ -325,9 +328,11 @@ def save(path: str, session: Session, *, force: bool = False, metadata: dict | N
         "next_chunk": int(host["next_chunk"]),
         "has_key": session.key is not None,
         "key_impl": impl,
-        "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape)} for n, a in host.items()},
+        "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape), "sha256": _digest(a)} for n, a in host.items()},
         "metadata": meta,
     }
+    manifest = json.loads(json.dumps(manifest))  # as it will read back (tuples become lists)
+    manifest[MANIFEST_DIGEST] = _manifest_digest(manifest)
     path = os.path.abspath(path)
     if os.path.lexists(path) and not force:
         raise SessionError(f"{path} already exists; pass force=True to replace a previous session there")
@@ -339,6 +344,19 @@ def save(path: str, session: Session, *, force: bool = False, metadata: dict | N
     return path
 
 
+MANIFEST_DIGEST = "manifest_sha256"  # the manifest's own checksum, over every other entry
+
+
+def _digest(a: np.ndarray) -> str:
+    """sha256 of an array's bytes (C order)."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def read_manifest(path: str) -> dict[str, Any]:
     """The manifest of the session directory ``path`` (checked: format marker, version, both files present)."""
     problem = _is_session_dir(path)
@@ -346,6 +364,11 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise SessionError(f"{path} is not a complete jaxkv session: {problem}")
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
+    if MANIFEST_DIGEST in manifest and manifest[MANIFEST_DIGEST] != _manifest_digest(manifest):
+        raise SessionError(
+            f"{os.path.join(path, MANIFEST)} was changed after the session was saved (its checksum does not match "
+            f"its content): next_chunk, the seed and the settings are read from it, so an edited copy is refused"
+        )
     if manifest.get("format_version") != FORMAT_VERSION:
         raise SessionError(
             f"{os.path.join(path, MANIFEST)} has format_version {manifest.get('format_version')!r}; "
@@ -411,6 +434,11 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
         raise SessionError(f"{file} is truncated or corrupt ({type(e).__name__}: {e})") from None
     for name, a in arrays.items():
         listed = tensors[name]
+        if "sha256" in listed and _digest(a) != listed["sha256"]:
+            raise SessionError(
+                f"{file}: tensor {name} does not match the checksum saved with it: the file was corrupted or "
+                f"changed after saving"
+            )
         if a.dtype.name != listed["dtype"] or list(a.shape) != listed["shape"]:
             raise SessionError(
                 f"{file}: tensor {name} is {a.dtype.name}{list(a.shape)}, the manifest says "
@@ -433,6 +461,11 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
     nxt = arrays["next_chunk"]
     if nxt.shape != () or nxt.dtype != np.int32 or int(nxt) < 0:
         raise SessionError(f"{file}: next_chunk must be a non-negative int32 scalar, got {nxt.dtype}{list(nxt.shape)}")
+    if manifest.get("next_chunk") != int(nxt):
+        raise SessionError(
+            f"{path}/{MANIFEST} says next_chunk {manifest.get('next_chunk')!r} but the saved state is before chunk "
+            f"{int(nxt)}; the snapshot is inconsistent"
+        )
     dev = {n: jnp.asarray(a) for n, a in arrays.items()}
     cache_obj = type(cache)(**{f: dev[f"cache/{f}"] for f in _CACHE_FIELDS}, spec=cache.spec)
     reserved = int(jnp.max(cache_obj.next_chunk_index()))

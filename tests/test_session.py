@@ -233,7 +233,9 @@ def test_manifest_and_files(tmp_path):
     manifest = json.loads(open(os.path.join(path, S.MANIFEST)).read())
     assert manifest["format"] == S.FORMAT and manifest["next_chunk"] == 2 and manifest["key_impl"] == "threefry2x32"
     assert manifest["metadata"] == {"note": "x"} and S.read_metadata(path) == {"note": "x"}
-    assert manifest["tensors"]["cache/positions"] == {"dtype": "int32", "shape": [1, RC.spec(CFG).capacity]}
+    positions = manifest["tensors"]["cache/positions"]
+    assert {k: positions[k] for k in ("dtype", "shape")} == {"dtype": "int32", "shape": [1, RC.spec(CFG).capacity]}
+    assert len(positions["sha256"]) == 64 and len(manifest[S.MANIFEST_DIGEST]) == 64
     # the key round-trips as a typed key that draws the same noise
     loaded = S.load(path, CFG, RC)
     assert jnp.array_equal(jax.random.key_data(loaded.key), jax.random.key_data(KEY))
@@ -436,3 +438,35 @@ def test_a_stream_refuses_a_non_finite_context_before_any_step(which):
     )
     with pytest.raises(ValueError, match=f"{which} holds \\d non-finite value"):
         R.Stream(PARAMS, CFG, rc, num_chunks=1, key=jax.random.key(2), **kw)
+
+
+def test_corrupted_tensor_bytes_are_refused_naming_the_tensor(tmp_path):
+    """A flipped byte in the cache's data resumed silently before the manifest held checksums."""
+    from safetensors.numpy import load_file, save_file
+
+    _, path = _saved(tmp_path)
+    file = os.path.join(path, S.ARRAYS)
+    arrays = load_file(file)
+    arrays["cache/k"] = arrays["cache/k"].copy()
+    arrays["cache/k"].reshape(-1)[7] += 1.0  # same dtype and shape: only the checksum can tell
+    save_file(arrays, file, metadata={"format": S.FORMAT})
+    with pytest.raises(S.SessionError, match="tensor cache/k does not match the checksum"):
+        S.load(path, CFG, RC)
+
+
+@pytest.mark.parametrize("edit", ["next_chunk", "seed"])
+def test_an_edited_manifest_is_refused(tmp_path, edit):
+    """An edited next_chunk was ignored and an edited seed copied into the summary: the manifest is checksummed."""
+    _, path = _saved(tmp_path)
+    file = os.path.join(path, S.MANIFEST)
+    manifest = json.loads(open(file).read())
+    if edit == "next_chunk":
+        manifest["next_chunk"] = 5
+    else:
+        manifest["metadata"]["seed"] = 7
+    with open(file, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(S.SessionError, match="was changed after the session was saved"):
+        S.load(path, CFG, RC)
+    with pytest.raises(S.SessionError, match="was changed after the session was saved"):
+        S.read_metadata(path)
