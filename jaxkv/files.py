@@ -244,6 +244,9 @@ def _writer_alive(info: dict) -> bool:
     return start is None or _process_start(pid) in (None, start)
 
 
+_UNREADABLE_MARKER_AGE_S = 60.0
+
+
 def remove_stale(path: str) -> list[str]:
     """Removes the temporary directories an interrupted (killed) `atomic_directory` for ``path`` left beside it.
 
@@ -262,14 +265,24 @@ def remove_stale(path: str) -> list[str]:
         tmp = os.path.join(parent, name)
         if not name.startswith(prefix) or os.path.islink(tmp) or not os.path.isdir(tmp):
             continue
+        marker = os.path.join(tmp, MARKER)
         try:
-            with open(os.path.join(tmp, MARKER)) as f:
+            with open(marker) as f:
                 info = json.load(f)
             if not isinstance(info, dict):
                 continue
-        except (OSError, ValueError):
+        except ValueError:
+            # our marker by name but unreadable (a write cut short by a kill, before markers were written
+            # atomically): stale once older than any live writer needs to finish writing it
+            try:
+                if time.time() - os.path.getmtime(marker) < _UNREADABLE_MARKER_AGE_S:
+                    continue
+            except OSError:
+                continue
+            info = {}
+        except OSError:
             continue  # not recognisably ours: leave it
-        if _writer_alive(info):
+        if info and _writer_alive(info):
             continue
         old = os.path.join(tmp, _OLD)
         if os.path.isdir(old) and not os.path.lexists(path):
@@ -335,7 +348,8 @@ def atomic_directory(
         try:
             with _deferred_signals():  # the marker must exist as soon as the directory does
                 tmp = _mkdir_unique(parent, _prefix(path))
-                with open(os.path.join(tmp, MARKER), "w") as f:
+                marker = os.path.join(tmp, MARKER)
+                with open(marker + ".partial", "w") as f:
                     json.dump(
                         {
                             "pid": os.getpid(),
@@ -346,6 +360,7 @@ def atomic_directory(
                         },
                         f,
                     )
+                os.replace(marker + ".partial", marker)  # a kill never leaves a partial marker under its name
                 new = os.path.join(tmp, _NEW)
                 os.mkdir(new, 0o777)
             yield new

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -263,3 +264,25 @@ def test_read_array_casts_in_blocks_exactly_like_numpy(tmp_path):
             ref = want if dtype is None else want.astype(dtype)
             assert got.dtype == ref.dtype and got.shape == ref.shape
             np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8), err_msg=f"{key} {dtype}")
+
+
+def test_remove_stale_removes_an_old_unreadable_marker_of_ours_and_keeps_a_fresh_one(tmp_path):
+    # A kill while the marker was written used to leave a 0-byte marker that no later write could clean up.
+    old = tmp_path / ".ck.tmp-0badf00d"
+    old.mkdir()
+    (old / files.MARKER).write_text("")
+    past = time.time() - 2 * files._UNREADABLE_MARKER_AGE_S
+    os.utime(old / files.MARKER, (past, past))
+    fresh = tmp_path / ".ck.tmp-0badbeef"  # may be a writer still writing it: kept
+    fresh.mkdir()
+    (fresh / files.MARKER).write_text('{"pid"')
+    messages = files.remove_stale(str(tmp_path / "ck"))
+    assert messages == [f"removed {old}, left by an interrupted write (pid None)"]
+    assert not old.exists() and fresh.exists()
+
+
+def test_atomic_directory_writes_its_marker_under_its_name_only_when_complete(tmp_path):
+    with files.atomic_directory(str(tmp_path / "out")) as new:
+        tmp = os.path.dirname(new)
+        assert sorted(os.listdir(tmp)) == sorted([files.MARKER, os.path.basename(new)])
+        assert json.loads(open(os.path.join(tmp, files.MARKER)).read())["pid"] == os.getpid()
