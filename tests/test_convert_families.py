@@ -27,6 +27,7 @@ from jaxkv.models.wan_vae.params import flatten as vae_flatten
 from tests.helpers.umt5_checkpoints import CFG as T5_BASE
 from tests.helpers.umt5_checkpoints import sentencepiece_model, wan_layout
 from tests.helpers.vae_checkpoints import CONFIG as VAE_CFG
+from tests.helpers.vae_checkpoints import DIFFUSERS_CONFIG as VAE_DIFFUSERS_CONFIG
 from tests.helpers.vae_checkpoints import torch_layout
 from tests.helpers.wan_checkpoints import CFG as DIT_CFG
 from tests.helpers.wan_checkpoints import (
@@ -39,16 +40,6 @@ from tests.helpers.wan_checkpoints import (
 
 # The sentencepiece fixture has 40 pieces; Wan's layout does not store max_distance (128) or text_len (512).
 T5_CFG = UMT5Config(**{**T5_BASE.to_dict(), "vocab_size": 40, "max_distance": 128, "text_len": 512})
-VAE_DIFFUSERS_CONFIG = {
-    "_class_name": "AutoencoderKLWan",
-    "base_dim": 8,
-    "z_dim": 16,
-    "dim_mult": [1, 2, 2, 2],
-    "num_res_blocks": 1,
-    "temperal_downsample": [False, True, True],
-    "attn_scales": [],
-    "is_residual": False,
-}
 
 
 # ------------------------------------------------------------------------------------------------ fixtures

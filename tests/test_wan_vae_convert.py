@@ -19,7 +19,7 @@ from jaxkv.convert.wan_vae import (
 )
 from jaxkv.models.wan_vae import init_params
 from jaxkv.models.wan_vae.params import flatten
-from tests.helpers.vae_checkpoints import CONFIG, torch_layout
+from tests.helpers.vae_checkpoints import CONFIG, DIFFUSERS_CONFIG, torch_layout
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +40,7 @@ def test_round_trip_through_the_diffusers_layout(tmp_path, flat):
     src = _write(
         tmp_path,
         torch_layout(flat, "diffusers"),
-        {
-            "_class_name": "AutoencoderKLWan",
-            "base_dim": 8,
-            "z_dim": 16,
-            "dim_mult": [1, 2, 2, 2],
-            "num_res_blocks": 1,
-            "temperal_downsample": [False, True, True],
-            "attn_scales": [],
-            "is_residual": False,
-        },
+        DIFFUSERS_CONFIG,
     )
     pipeline = tmp_path / "pipeline"
     pipeline.mkdir()

@@ -1,5 +1,5 @@
-"""A tiny Wan VAE in PyTorch layouts: its config (`CONFIG`) and `torch_layout`, jaxkv params written back as the
-original or diffusers tensors."""
+"""A tiny Wan VAE in PyTorch layouts: its config (`CONFIG`), the same config as diffusers writes it to config.json
+(`DIFFUSERS_CONFIG`), and `torch_layout`, jaxkv params written back as the original or diffusers tensors."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ from jaxkv.convert.wan_vae import (
 from jaxkv.models.wan_vae import preset
 
 CONFIG = preset("tiny")
+
+# CONFIG in the keys of diffusers' AutoencoderKLWan config.json (its spelling "temperal" included).
+DIFFUSERS_CONFIG = {
+    "_class_name": "AutoencoderKLWan",
+    "base_dim": 8,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 2, 2],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True],
+    "attn_scales": [],
+    "is_residual": False,
+}
 
 
 def torch_layout(flat: dict, naming: str) -> dict:
