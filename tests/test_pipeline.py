@@ -120,7 +120,16 @@ def test_a_generate_session_resumes_in_the_pipeline(pipe, tmp_path):
     assert r.chunk_index == 2 and r.prompt == P0 and r.seed == 5
     s = pipe.start(P0, seed=5)
     s.step(), s.step()
-    np.testing.assert_array_equal(r.step(), s.step())
+    want = s.step()
+    np.testing.assert_array_equal(r.step(), want)
+    # on the class: the model and the settings come from the command's recorded flags
+    r2 = Pipeline.resume(state)
+    assert r2.pipeline.rc == pipe.rc and r2.pipeline.model is None
+    np.testing.assert_array_equal(r2.step(), want)
+    # it holds no latent ring: a switch before the retained chunks were generated here is refused, untouched
+    with pytest.raises(ValueError, match="latent ring lacks chunk"):
+        r2.switch_prompt(P1)
+    assert r2.prompt == P0 and r2.chunk_index == 3
 
 
 def test_forks_are_independent(pipe):
