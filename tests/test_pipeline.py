@@ -173,3 +173,60 @@ def test_bad_input_is_refused_before_the_stream_changes(pipe, tmp_path):
         Pipeline.from_pretrained(precision="float8")
     with pytest.raises(ValueError, match="not a complete jaxkv session"):
         pipe.resume(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ a Wan release
+
+WAN_PROMPT = "a red fox, snow"
+
+
+@pytest.fixture(scope="module")
+def wan_release(tmp_path_factory):
+    """A converted release of tiny random parts (dit/, vae/, text_encoder/)."""
+    import jax
+
+    from jaxkv.models import umt5, wan, wan_vae
+    from jaxkv.models.release import PARTS
+    from jaxkv.models.umt5.tokenizer import tiny_tokenizer_json
+    from jaxkv.models.wan import checkpoint as dit_checkpoint
+
+    root = tmp_path_factory.mktemp("release")
+    config = wan.preset("tiny")
+    dit_checkpoint.save(str(root / PARTS["dit"]), config, wan.init_params(config, jax.random.key(7)))
+    vae = wan_vae.preset("tiny")
+    wan_vae.checkpoint.save(str(root / PARTS["vae"]), vae, wan_vae.init_params(5, vae))
+    text = umt5.preset("tiny")
+    umt5.save(
+        str(root / PARTS["umt5"]),
+        text,
+        umt5.init_params(text, 5),
+        tokenizer_files={"tokenizer.json": tiny_tokenizer_json().encode()},
+    )
+    return root
+
+
+def test_a_wan_release_streams_its_vae_frames_and_resumes_them(wan_release, tmp_path):
+    """A converted Wan release: the VAE's frames (9 for the first 3-frame chunk, 12 after) equal what
+    ``jaxkv generate --checkpoint`` writes, and a resumed stream continues the VAE decoder's caches."""
+    out = tmp_path / "cli"
+    small = ["--height", "4", "--width", "4"]
+    _generate(
+        ["--checkpoint", str(wan_release), "--prompt", WAN_PROMPT, *small, "--num-chunks", "3", "--out", str(out)]
+    )
+    want = _cli_frames(out, 3)
+    pipe = Pipeline.from_pretrained(wan_release, height=4, width=4)
+    assert not pipe.toy and pipe.model == str(wan_release) and pipe.frame_shape == (32, 32, 3)
+    s = pipe.start(WAN_PROMPT, seed=0)
+    assert s.frames_per_chunk == 9
+    first = s.step()
+    assert first.shape == (9, 32, 32, 3) and s.frames_per_chunk == 12
+    np.testing.assert_array_equal(first, want[0])
+    path = s.save(tmp_path / "sess")
+    np.testing.assert_array_equal(s.step(), want[1])
+    np.testing.assert_array_equal(s.step(), want[2])
+    r = Pipeline.resume(path)  # the release and its settings from the session
+    assert r.pipeline.model == str(wan_release) and r.frames_per_chunk == 12
+    np.testing.assert_array_equal(r.step(), want[1])
+    f = r.fork()
+    np.testing.assert_array_equal(f.step(), want[2])
+    np.testing.assert_array_equal(r.step(), want[2])
