@@ -155,6 +155,9 @@ class Pipeline:
         if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
             raise ValueError(f"Pipeline.from_pretrained: {args.checkpoint} is not a directory")
         given = {k: v for k, v in settings.items() if v is not None}
+        for dest in ("text_encoder", "vae"):  # recorded in saved sessions: absolute, to resume from anywhere
+            if dest in given:
+                given[dest] = os.path.abspath(os.fspath(given[dest]))
         for dest, value in given.items():
             setattr(args, dest, tuple(value) if dest == "steps" else value)
         args.explicit_flags = {"precision", *given, *(["checkpoint"] if path is not None else [])}

@@ -383,12 +383,14 @@ def test_save_fork_and_resume_continue_the_same_video(srv):
     at = c.expect("switched")["chunk"]
     c.send(type="save", name="mine")
     saved = c.expect("saved")
-    assert saved["name"] == "mine" and os.path.isdir(saved["path"]) and saved["chunk"] >= at
+    assert saved["name"] == "mine" and saved["chunk"] >= at
+    assert S.read_manifest(saved["path"])["next_chunk"] == saved["chunk"]  # the chunk it continues with
     c.send(type="save", name="mine")
     assert c.expect("error")["code"] == "exists"
     c.send(type="fork")
     forked = c.expect("forked")
     assert forked["url"] == f"/?resume={forked['name']}"
+    assert S.read_manifest(forked["path"])["next_chunk"] == forked["chunk"] >= saved["chunk"]
     c.chunks_until(saved["chunk"] + 3)
     c.close()
 

@@ -260,11 +260,17 @@ class LiveSession:
         self.paused = paused
         self.wake.set()
 
-    async def save(self, name: str, *, overwrite: bool = False) -> str:
+    async def save(self, name: str, *, overwrite: bool = False) -> tuple[str, int]:
+        """Saves the stream under ``sessions_dir/name`` on the worker, between two chunks: (path, the index of the
+        chunk the saved session continues with)."""
         os.makedirs(self.hub.config.sessions_dir, exist_ok=True)
-        path = await self.hub.run(lambda: self.stream.save(self.hub.path_of(name), overwrite=overwrite))
+
+        def save():
+            return self.stream.save(self.hub.path_of(name), overwrite=overwrite), self.stream.chunk_index
+
+        path, chunk = await self.hub.run(save)
         self.generated_since_save = 0
-        return path
+        return path, chunk
 
     async def end(self, *, autosave: bool) -> str | None:
         """Stops the stream (waiting for a chunk being generated), saves it as ``ID-autosave`` when asked and it
@@ -281,7 +287,7 @@ class LiveSession:
         path = None
         if autosave and self.generated_since_save and self.ended != "failed":
             try:
-                path = await self.save(f"{self.id}-autosave", overwrite=True)
+                path, _ = await self.save(f"{self.id}-autosave", overwrite=True)
                 log.info("session %s saved to %s", self.id, path)
             except Exception:  # a failed autosave is logged; the shutdown goes on
                 log.exception("session %s: autosave failed", self.id)
@@ -388,17 +394,15 @@ class Client:
             name = m["name"] or default
             if os.path.lexists(self.hub.path_of(name)):
                 raise ProtocolError("exists", f"{kind}: a session named {name!r} exists already; choose another", kind)
-            chunk = live.stream.chunk_index
-            path = await live.save(name)
+            path, chunk = await live.save(name)
             reply = {"type": "saved" if kind == "save" else "forked", "name": name, "path": path, "chunk": chunk}
             if kind == "fork":
                 reply["url"] = f"/?resume={name}"
             return reply
         if kind == "stop":
             self.live = None
-            chunk = live.stream.chunk_index
             await live.end(autosave=False)
-            return {"type": "stopped", "chunk": chunk}
+            return {"type": "stopped", "chunk": live.stream.chunk_index}
         raise AssertionError(kind)  # protocol.parse admits only the types above
 
     async def _start(self, m: dict) -> dict:
