@@ -1,5 +1,5 @@
-"""The ``jaxkv`` command: ``jaxkv generate``, ``jaxkv convert`` and ``jaxkv toyworld`` (benchmarks run as scripts
-from ``benchmarks/``).
+"""The ``jaxkv`` command: ``jaxkv generate``, ``jaxkv convert``, ``jaxkv toyworld`` and ``jaxkv serve`` (benchmarks
+run as scripts from ``benchmarks/``).
 
 Each subcommand lives in its own module and is imported only when used, so ``jaxkv convert`` does not pay for
 importing the model and ``jaxkv generate`` does not need the converters.
@@ -22,6 +22,12 @@ def _convert(argv: list[str]) -> int:
     return cli.main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from jaxkv.serve import cli
+
+    return cli.main(argv)
+
+
 def _toyworld(argv: list[str]) -> int:
     from jaxkv.toyworld import cli
 
@@ -32,6 +38,7 @@ _COMMANDS = {
     "generate": (_generate, "streaming video-latent generation on ring caches (Wan 2.1, causal)"),
     "convert": (_convert, "convert a PyTorch/safetensors Wan 2.1 checkpoint to jaxkv params"),
     "toyworld": (_toyworld, "train the toy world's model from scratch; check a release's quality"),
+    "serve": (_serve, "a live, steerable video stream in the browser (WebSocket server and page)"),
 }
 
 
