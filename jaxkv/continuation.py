@@ -48,6 +48,7 @@ from jaxkv.validate import check_int
 __all__ = [
     "Context",
     "ContinuationError",
+    "Frames",
     "ToyEncoder",
     "WanEncoder",
     "context_from_file",
