@@ -131,6 +131,8 @@ def read_frames(path: str, height: int, width: int, *, image: bool = False) -> F
         raise ContinuationError(f"{path} is a directory, not an {what} file")
     if not os.access(path, os.R_OK):
         raise ContinuationError(f"{path}: permission denied (not readable)")
+    if os.path.getsize(path) == 0:
+        raise ContinuationError(f"{path} is empty (0 bytes)")
     frames, size = [], None
     try:
         with av.open(path) as container:
@@ -145,8 +147,9 @@ def read_frames(path: str, height: int, width: int, *, image: bool = False) -> F
     except ContinuationError:
         raise
     except (av.FFmpegError, OSError, ValueError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
         raise ContinuationError(
-            f"{path} is not an {what} that can be decoded ({type(e).__name__}: {e})"
+            f"{path} is not {'an image' if image else 'a video'} that can be decoded ({type(e).__name__}: {reason})"
             + (f"; {len(frames)} frame(s) were read before the failure" if frames else "")
         ) from None
     if not frames:

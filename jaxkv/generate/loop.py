@@ -172,6 +172,7 @@ def run(args, stop: Stop | None = None) -> dict:
     """
     stop = stop or Stop()
     options.check_text(args)
+    given.check(args)  # --image / --video: their combinations (the file is read below)
     if args.mesh is not None and (args.resume or args.save_state or args.prompt_schedule):
         raise UsageError(
             "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"
@@ -185,7 +186,6 @@ def run(args, stop: Stop | None = None) -> dict:
     options.check_model(args)
     toy_dir = toy.prepare(args, fill=resumed is None)  # the toy world (the default): its settings fill the flags
     options.check(args)
-    given.check(args)  # --image / --video
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
     vae_config = None if toy_dir else inputs.resolve_vae(args, config)
