@@ -185,7 +185,15 @@ def test_a_continued_stream_commits_what_a_generating_stream_holds():
     ours = jnp.concatenate(list(continued), axis=1)
     theirs = jnp.concatenate(list(first), axis=1)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5)
-    # a switchable continued stream holds the given chunks in its latent ring, as one that generated them
+
+
+@pytest.mark.slow  # ~40 s on 2 loaded cores: the prompt switch compiles a re-cache
+def test_a_continued_switchable_stream_recaches_the_given_chunks():
+    # a switchable continued stream holds the given chunks in its latent ring, as one that generated them, so a
+    # prompt switch re-caches them alike
+    params, ctx, key = _params(20), _ctx(21, batch=2), jax.random.key(22)
+    first = R.Stream(params, CFG, RC, ctx, num_chunks=4, key=key)
+    latents = jnp.concatenate(list(first), axis=1)
     gen = recache.SwitchableStream(R.Stream(params, CFG, RC, ctx, num_chunks=5, key=key))
     for _ in range(4):
         next(gen)
@@ -217,6 +225,7 @@ def test_commit_checks_before_touching_the_cache():
         stream.commit(latents)
 
 
+@pytest.mark.slow  # ~20 s on 2 loaded cores
 def test_a_continued_stream_saves_and_resumes(tmp_path):
     params, ctx, key = _params(30), _ctx(31), jax.random.key(32)
     latents = jax.random.normal(jax.random.key(33), (1, 3, 2, 4, 4))
@@ -253,6 +262,7 @@ def test_toy_encoder_context_is_the_latent_map_of_the_counted_frames():
         C.context_from_frames(clip[:, :32], C.ToyEncoder(latent_map), rc)
 
 
+@pytest.mark.slow  # ~30 s on 2 loaded cores: the tiny VAE's encoder and decoder compile
 def test_wan_encoder_and_the_decoder_carrying_on():
     from jaxkv.models import wan_vae
 
