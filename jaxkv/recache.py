@@ -277,6 +277,16 @@ class SwitchableStream:
         self.ring = _push(self.ring, x, cache.chunk_start, cache.spec.chunk)
         return x
 
+    def commit(self, latents) -> None:
+        """`jaxkv.rollout.Stream.commit` (given clean latents [batch, n * chunk_frames, h, w, in_dim] as the
+        stream's first n chunks), keeping each committed chunk in the ring, so that a later switch re-caches the
+        given frames the cache retains as it re-caches generated ones."""
+        self.stream.commit(latents)
+        latents = jnp.asarray(latents, jnp.float32)
+        cf = self.stream.rc.chunk_frames
+        for c in range(latents.shape[1] // cf):  # committed at a fresh stream's start: chunk c is stream chunk c
+            self.ring = self.ring.push(latents[:, c * cf : (c + 1) * cf], jnp.full((self.ring.batch,), c, jnp.int32))
+
     def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
         """Switches to a new context [batch, text_tokens, text_dim] before the next chunk (re-caching the
         retained frames). Checks everything first; the stream's state is only replaced once the switch has run."""

@@ -454,6 +454,9 @@ def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, la
 jit_commit = jax.jit(commit, static_argnums=(1, 2))
 jit_commit.__doc__ = "`commit` under jax.jit (config and rc static)."
 
+# One chunk at a time, the cache donated: `Stream.commit` runs one program however many chunks it is given.
+commit_step = jax.jit(commit, static_argnums=(1, 2), donate_argnames=("state",))
+
 
 # ------------------------------------------------------------------------------------------------ whole rollout
 
@@ -671,6 +674,48 @@ class Stream:
         self.state = session.state
         self.index = self.start = int(session.next_chunk)
         return self
+
+    def commit(self, latents) -> None:
+        """Commits given clean latents float32 [batch, n * chunk_frames, h, w, in_dim] as the stream's first ``n``
+        chunks, before it generates any: each chunk goes through the pass at ``rc.schedule.context_noise`` that
+        commits a generated chunk (`commit`, one chunk per call of one compiled program, the cache donated), so
+        the cache holds what a stream that had generated these latents would hold. The stream then continues
+        them: ``index`` and ``start`` become ``n`` (the key's noise of its first chunk is chunk n's, a session
+        taken later resumes at the right chunk) and ``num_chunks`` still counts the chunks it generates.
+
+        ValueError, before the cache is touched, when the stream has already started (generated, committed or
+        resumed: ``index`` > 0), the latents are not whole chunks of the stream's shape, hold NaN/Inf, or would
+        leave no int32 position room for ``num_chunks`` more chunks."""
+        if self.index != 0:
+            raise ValueError(
+                f"commit gives a stream its first chunks; this one is already at chunk {self.index} "
+                f"(commit before the first next(), on a fresh Stream)"
+            )
+        if hasattr(self, "mesh"):
+            raise NotImplementedError("committing given latents to a stream on a mesh is not supported yet")
+        latents = jnp.asarray(latents, jnp.float32)
+        cf = self.rc.chunk_frames
+        batch = self.state.cache.batch // (2 if self.rc.guidance_scale is not None else 1)
+        frame = self.rc.chunk_shape(self.config, batch)[2:]
+        if latents.ndim != 5 or latents.shape[0] != batch or latents.shape[1] % cf or latents.shape[1] == 0:
+            raise ValueError(
+                f"commit needs latents [batch, n * chunk_frames, h, w, in_dim] = [{batch}, n * {cf}, "
+                f"{', '.join(map(str, frame))}] (whole chunks, n >= 1), got {list(latents.shape)}"
+            )
+        if tuple(latents.shape[2:]) != tuple(frame):
+            raise ValueError(
+                f"commit needs latent frames [h, w, in_dim] = {list(frame)} (the stream's), got "
+                f"{list(latents.shape[2:])}"
+            )
+        _check_finite("latents", latents)
+        n = latents.shape[1] // cf
+        check_position_room(self.config, self.rc, n + (self.num_chunks or 0), self.state.cache)
+        for c in range(n):
+            self.state = self._commit_chunk(latents[:, c * cf : (c + 1) * cf])
+        self.index = self.start = n
+
+    def _commit_chunk(self, chunk) -> RolloutState:
+        return commit_step(self.params, self.config, self.rc, self.state, chunk)
 
     def session(self, *, copy: bool = True, extras: dict | None = None):
         """The stream's state before its next chunk as a `jaxkv.session.Session` (with ``extras``, e.g. the VAE

@@ -15,6 +15,7 @@ Modules, one concern each:
   options        the command line and the checks that need no model (`build_parser`, `DEFAULTS`, `UsageError`)
   toy            the toy-world default: the model choice, its settings as flag defaults, its prompts and decoder
   inputs         the model config and params, the text context; shapes and finiteness checked
+  given          --image / --video: the frames a stream continues (`jaxkv.continuation`), read before anything runs
   outputs        the output directory: safety checks, per-chunk sinks, the manifest, `load_latents`
   preview        the latent-to-RGB projection and the bounded latent preview (`PreviewSink`); png: the PNG writer
   video          the decode of each chunk into the mp4 (`Mp4Sink`, any `StreamDecoder`-like decoder)

@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import continuation, recache
 from jaxkv import parallel as PL
-from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
-from jaxkv.generate import inputs, options, outputs, prompts, resume, toy
+from jaxkv.generate import given, inputs, options, outputs, prompts, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
@@ -172,6 +172,7 @@ def run(args, stop: Stop | None = None) -> dict:
     """
     stop = stop or Stop()
     options.check_text(args)
+    given.check(args)  # --image / --video: their combinations (the file is read below)
     if args.mesh is not None and (args.resume or args.save_state or args.prompt_schedule):
         raise UsageError(
             "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"
@@ -188,6 +189,8 @@ def run(args, stop: Stop | None = None) -> dict:
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
     vae_config = None if toy_dir else inputs.resolve_vae(args, config)
+    given_vae = given.vae_config(args, config, toy_dir, vae_config)
+    given_frames = given.read(args, rc, toy_dir, given_vae)  # read and checked before anything is written
     entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
     if toy_dir and entries:
         toy.check_schedule(entries)
@@ -208,6 +211,7 @@ def run(args, stop: Stop | None = None) -> dict:
         if p
     ]
     sources += [e.context for e in entries or () if e.context]
+    sources += [p for p in (args.image, args.video) if p]
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
     resume.check_save_state(args, sources)
     mesh = _mesh(args, config, rc)
@@ -252,6 +256,11 @@ def run(args, stop: Stop | None = None) -> dict:
             )
     if entries is not None:
         stream = recache.SwitchableStream(stream)
+    given_context = given_info = None
+    if given_frames is not None:  # the given frames become the stream's first chunks; the schedule counts after them
+        frame_encoder = given.encoder(args, toy_dir, given_vae, vae_params)
+        given_context, given_info = given.commit(args, stream, given_frames, frame_encoder, rc)
+        switches = {chunk + stream.start: c for chunk, c in switches.items()}
     keep_sink = getattr(args, "switch_sink", "keep") == "keep"
 
     def advance():
@@ -309,6 +318,8 @@ def run(args, stop: Stop | None = None) -> dict:
         "first_chunk": stream.start,
         "resumed_from": None if session is None else os.path.abspath(args.resume),
     }
+    if given_info is not None:
+        summary["given"] = given_info
     progress = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -323,6 +334,8 @@ def run(args, stop: Stop | None = None) -> dict:
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
             if session is not None:
                 resume.restore_video(video, session)
+            if given_context is not None:  # the decoder carries on from the given frames (not written)
+                continuation.prime_decoder(video.decoder, given_context.latents)
         if entries is not None:
             summary["switch_sink"] = "keep" if keep_sink else "recompute"
         with count_compiles(stream.step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
@@ -500,6 +513,13 @@ def print_summary(s: dict) -> None:
             + (" (released before the rollout)" if s.get("text_encoder_released") else "")
         )
     print_written(s)
+    if s.get("given"):
+        g = s["given"]
+        print(
+            f"given        {g['path']} ({g['kind']}, {g['source_frames']} frame(s) of {g['source_size'][0]}x"
+            f"{g['source_size'][1]}): {g['frames_used']} frames, {g['padded']} repeated in front, {g['dropped']} "
+            f"oldest dropped, committed as chunks 0..{g['chunks'] - 1}; generated from chunk {s['first_chunk']}"
+        )
     if s.get("resumed_from"):
         print(f"resumed      {s['resumed_from']} at stream chunk {s['first_chunk']}")
     if s.get("session"):

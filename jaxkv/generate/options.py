@@ -326,6 +326,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--no-video", action="store_true", help="no mp4 and no contact sheet (latents and preview only)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("continuation (jaxkv.continuation)")
+    g.add_argument(
+        "--image",
+        metavar="PATH",
+        help="start from a picture (PNG, JPEG, ...): it is scaled to cover the stream's frame size and "
+        "centre-cropped, repeated to one chunk, encoded (the toy world's latent map or the Wan VAE) and committed "
+        "as the stream's first chunk, which the generated chunks continue (image-to-video)",
+    )
+    g.add_argument(
+        "--video",
+        metavar="PATH",
+        help="continue a video (any file PyAV reads): its frames are mapped like --image's, the latest that make "
+        "whole chunks kept (the first repeated in front when fewer than one chunk), encoded and committed as the "
+        "stream's first chunks; --out gets the frames after them (video extension)",
+    )
     r = p.add_argument_group("session (jaxkv.session)")
     r.add_argument(
         "--save-state",
