@@ -245,10 +245,23 @@ class Pipeline:
         seed: int = 0,
         negative_prompt: str | None = None,
         num_chunks: int | None = None,
+        image=None,
+        video=None,
     ) -> "PipelineStream":
         """A new stream of ``prompt`` (default: the model's default prompt) drawn from ``seed``; ``num_chunks``
         None streams forever. ``negative_prompt`` only with guidance (default: the model's). Nothing is computed
-        until `PipelineStream.step` but the text contexts and the stream's empty state."""
+        until `PipelineStream.step` but the text contexts and the stream's empty state.
+
+        ``image`` / ``video`` (one of them; ``jaxkv generate --image`` / ``--video``): the stream continues these
+        frames instead of starting from noise. Either a file path (anything PyAV decodes) or uint8 RGB frames
+        (``image`` [H, W, 3], ``video`` [T, H, W, 3]) of any size: they are mapped to the stream's frame size, cut
+        or padded to whole chunks, encoded and committed as the stream's first chunks (`jaxkv.continuation`), so
+        ``chunk_index`` starts after them and the first `step` returns the frames that follow. ValueError
+        (`jaxkv.continuation.ContinuationError`) naming the problem, before any model work, for frames that
+        cannot be read or mapped."""
+        if image is not None and video is not None:
+            raise ValueError("start: image and video both give the frames to continue; pass one")
+        given = self._given_frames(image, video)  # read and checked before the prompt is encoded
         prompt = self.check_prompt(self.default_prompt if prompt is None else prompt)
         seed = check_int("seed", seed, minimum=0)
         if num_chunks is not None:
@@ -272,7 +285,62 @@ class Pipeline:
             )
         except ValueError as e:
             raise ValueError(f"start: {e}") from None
-        return PipelineStream(self, recache.SwitchableStream(stream), self._new_decoder(), prompt, negative, seed)
+        switchable, decoder = recache.SwitchableStream(stream), self._new_decoder()
+        info = None
+        if given is not None:
+            info = self._commit_given(switchable, decoder, *given)
+        out = PipelineStream(self, switchable, decoder, prompt, negative, seed)
+        out.given = info
+        return out
+
+    def frame_encoder(self):
+        """The encoder that turns frames into this model's latents (`jaxkv.continuation`): the toy world's latent
+        map, or the Wan VAE's encoder (ContinuationError for a VAE loaded without one)."""
+        from jaxkv import continuation as C
+
+        if self._vae is None:
+            return C.ToyEncoder(self._decoder.latent_map)
+        return C.WanEncoder(*self._vae)
+
+    def _given_frames(self, image, video):
+        """(kind, uint8 frames [T, H, W, 3] at the stream's frame size, source (path or None), source size) for
+        ``start``'s image / video, or None. ContinuationError naming the problem."""
+        from jaxkv import continuation as C
+
+        if image is None and video is None:
+            return None
+        kind, given = ("image", image) if image is not None else ("video", video)
+        height, width = self.frame_shape[:2]
+        if isinstance(given, (str, os.PathLike)):
+            path = os.fspath(given)
+            read = C.read_frames(path, height, width, image=kind == "image")
+            return kind, read.frames, os.path.abspath(path), read.source_size
+        frames = np.asarray(given)
+        if kind == "image" and frames.ndim != 3:
+            raise C.ContinuationError(f"image must be one uint8 RGB frame [H, W, 3], got {list(frames.shape)}")
+        if kind == "video" and frames.ndim != 4:
+            raise C.ContinuationError(f"video must be uint8 RGB frames [T, H, W, 3], got {list(frames.shape)}")
+        size = tuple(int(x) for x in frames.shape[-3:-1])
+        return kind, C.fit_frames(frames, height, width), None, size
+
+    def _commit_given(self, stream, decoder, kind, frames, path, source_size) -> dict:
+        """Encodes the given frames, commits them as the stream's first chunks and runs the decoder over them (a
+        Wan VAE's caches then continue them); returns what the stream records of them."""
+        from jaxkv import continuation as C
+
+        context = C.context_from_frames(frames, self.frame_encoder(), self.rc)
+        stream.commit(context.latents)
+        C.prime_decoder(decoder, context.latents)
+        return {
+            "kind": kind,
+            "path": path,
+            "source_size": list(source_size),
+            "source_frames": int(frames.shape[0]),
+            "frames_used": int(context.frames.shape[1]),
+            "padded": context.padded,
+            "dropped": context.dropped,
+            "chunks": context.chunks,
+        }
 
     def stream(
         self,
@@ -281,9 +349,14 @@ class Pipeline:
         *,
         seed: int = 0,
         negative_prompt: str | None = None,
+        image=None,
+        video=None,
     ) -> Iterator[np.ndarray]:
-        """Yields each chunk's decoded frames uint8 [frames, H, W, 3] (``num_chunks`` chunks; None: forever)."""
-        s = self.start(prompt, seed=seed, negative_prompt=negative_prompt, num_chunks=num_chunks)
+        """Yields each chunk's decoded frames uint8 [frames, H, W, 3] (``num_chunks`` chunks; None: forever);
+        ``image`` / ``video`` as in `start`."""
+        s = self.start(
+            prompt, seed=seed, negative_prompt=negative_prompt, num_chunks=num_chunks, image=image, video=video
+        )
         yield from s
 
     @_ClassOrInstanceMethod
@@ -337,6 +410,7 @@ class Pipeline:
             stream.ring = stream.ring.replace(latents=ring_extra["latents"], chunks=ring_extra["chunks"])
         s = PipelineStream(pipe, stream, decoder, recorded["prompt"], recorded["negative_prompt"], recorded["seed"])
         s.switches = [tuple(x) for x in recorded["switches"]] or [(int(session.next_chunk), recorded["prompt"])]
+        s.given = recorded.get("given")
         return s
 
 
@@ -373,13 +447,16 @@ class PipelineStream:
 
     Properties: ``chunk_index`` (the index of the next chunk, counted from the stream's start), ``prompt`` (the
     prompt the next chunk is drawn under), ``switches`` (list of (chunk index, prompt): where each prompt took
-    effect), ``seed``, ``fps``, ``frame_shape`` (H, W, 3). Iterating yields `step` until ``num_chunks`` are done.
+    effect), ``seed``, ``fps``, ``frame_shape`` (H, W, 3), ``given`` (a stream started from an image or video: how
+    its frames were used, the committed chunks included; else None). Iterating yields `step` until ``num_chunks``
+    are done.
     """
 
     def __init__(self, pipeline: Pipeline, stream: recache.SwitchableStream, decoder, prompt, negative, seed):
         self.pipeline, self._stream, self._decoder = pipeline, stream, decoder
         self.prompt, self.negative_prompt, self.seed = prompt, negative, seed
         self.switches: list[tuple[int, str]] = [(stream.index, prompt)]
+        self.given: dict | None = None  # what `Pipeline.start` committed from an image / video (None: from noise)
 
     @property
     def chunk_index(self) -> int:
@@ -467,6 +544,7 @@ class PipelineStream:
             "seed": self.seed,
             "switches": [list(x) for x in self.switches],
             "fps": p.fps,
+            "given": self.given,
         }
 
     def save(self, path: str, *, overwrite: bool = False) -> str:
@@ -491,6 +569,7 @@ class PipelineStream:
             decoder.first = self._decoder.first
         out = PipelineStream(self.pipeline, twin, decoder, self.prompt, self.negative_prompt, self.seed)
         out.switches = list(self.switches)
+        out.given = self.given
         return out
 
 

@@ -230,3 +230,61 @@ def test_a_wan_release_streams_its_vae_frames_and_resumes_them(wan_release, tmp_
     f = r.fork()
     np.testing.assert_array_equal(f.step(), want[2])
     np.testing.assert_array_equal(r.step(), want[2])
+
+
+def test_a_stream_continues_a_video_as_jaxkv_generate_does(pipe, tmp_path):
+    # start(video=PATH) against jaxkv generate --video PATH: the same committed chunks and the same frames after
+    from jaxkv.toyworld import world
+    from jaxkv.video import VideoWriter
+
+    clip = world.render(world.canonical_scene(P0), 10, 3)  # 10 frames: the latest 9 make 3 chunks, 1 dropped
+    path = str(tmp_path / "clip.mp4")
+    with VideoWriter(path, 16, crf=0) as writer:
+        writer.append(clip)
+    _generate(["--video", path, "--num-chunks", "2", "--out", str(tmp_path / "cli")])
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    s = pipe.start(video=path, num_chunks=2)
+    assert s.chunk_index == summary["first_chunk"] == 3 and s.switches == [(3, P0)]
+    assert {k: s.given[k] for k in ("chunks", "dropped", "padded", "frames_used")} == {
+        "chunks": 3,
+        "dropped": 1,
+        "padded": 0,
+        "frames_used": 9,
+    }
+    assert s.given["kind"] == "video" and s.given["path"] == path and s.given["source_frames"] == 10
+    for got, want in zip(list(s), _cli_frames(tmp_path / "cli", 2), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_picture_of_any_size_starts_a_stream_that_saves_and_resumes(pipe, tmp_path):
+    from jaxkv import continuation as C
+    from jaxkv.toyworld import world
+
+    frame = world.render(world.canonical_scene(P0), 1, 5)[0]
+    big = np.repeat(np.repeat(frame, 2, axis=0), 3, axis=1)  # 128x192: mapped back by cover-and-crop
+    a = pipe.start(image=big, seed=4, num_chunks=3)
+    assert a.chunk_index == 1 and a.given["padded"] == 2 and a.given["source_size"] == [128, 192]
+    assert a.given["path"] is None
+    fitted = C.fit_frames(big, 64, 64)
+    b = pipe.start(image=fitted[0], seed=4, num_chunks=3)  # the mapped picture given directly: the same stream
+    first = a.step()
+    np.testing.assert_array_equal(first, b.step())
+    a.save(str(tmp_path / "s"))
+    r = Pipeline.resume(str(tmp_path / "s"), num_chunks=2)
+    assert r.given == a.given and r.chunk_index == 2
+    for got, want in zip(list(r), list(a), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_bad_given_frames_are_refused_before_anything_runs(pipe, tmp_path):
+    (tmp_path / "notes.png").write_text("not a picture")
+    for kwargs, message in [
+        ({"image": np.zeros((2, 64, 64, 3), np.uint8)}, "one uint8 RGB frame"),
+        ({"video": np.zeros((64, 64, 3), np.uint8)}, r"frames \[T, H, W, 3\]"),
+        ({"video": np.zeros((4, 64, 64, 3), np.float32)}, "uint8"),
+        ({"image": str(tmp_path / "missing.png")}, "no such file"),
+        ({"image": str(tmp_path / "notes.png")}, "not an image that can be decoded"),
+        ({"image": np.zeros((64, 64, 3), np.uint8), "video": np.zeros((3, 64, 64, 3), np.uint8)}, "pass one"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            pipe.start(**kwargs)

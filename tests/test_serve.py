@@ -68,6 +68,9 @@ MAX_SESSIONS = 3
         ('{"type": "start", "seed": 1.5}', "bad_field"),
         ('{"type": "start", "num_chunks": 0}', "bad_field"),
         ('{"type": "start", "resume": "x", "seed": 1}', "bad_field"),
+        ('{"type": "start", "resume": "x", "image": "u0123456789abcdef"}', "bad_field"),
+        ('{"type": "start", "image": "u0123456789abcdef", "video": "u0123456789abcdef"}', "bad_field"),
+        ('{"type": "start", "image": "../x.png"}', "bad_field"),
         ('{"type": "ack", "chunk": -1}', "bad_field"),
         ('{"type": "save", "name": "../etc"}', "bad_field"),
         ('{"type": "save", "name": ".hidden"}', "bad_field"),
@@ -90,6 +93,8 @@ def test_protocol_fills_defaults():
         "seed": None,
         "num_chunks": None,
         "resume": None,
+        "image": None,
+        "video": None,
     }
     assert P.parse('{"type": "ack", "chunk": 4}', max_bytes=256, max_prompt_chars=60) == {"type": "ack", "chunk": 4}
 
@@ -442,6 +447,58 @@ def test_token_and_origin(pipe, tmp_path):
             assert ws.receive_json()["type"] == "hello"
 
 
+def _png_bytes(frame: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_a_stream_starts_from_an_uploaded_picture(srv, pipe, tmp_path):
+    import httpx
+
+    from jaxkv.toyworld import world
+
+    frame = world.render(world.canonical_scene(P0), 1, 6)[0]
+    reply = httpx.post(srv.url + "api/uploads", content=_png_bytes(frame), timeout=10).json()
+    garbage = httpx.post(srv.url + "api/uploads", content=b"no picture here", timeout=10).json()
+    c = Client(srv)
+    c.send(type="start", prompt=P0, seed=2, image=garbage["upload"])
+    e = c.expect("error")
+    assert e["code"] == "bad_frames" and garbage["upload"] in e["message"] and srv.hub.uploads_dir not in e["message"]
+    c.send(type="start", prompt=P0, image="u" + "0" * 16)
+    assert c.expect("error")["code"] == "not_found"
+    c.send(type="start", prompt=P0, seed=2, image=reply["upload"])
+    started = c.expect("started")
+    assert started["chunk"] == 1 and started["given"]["chunks"] == 1 and started["given"]["kind"] == "image"
+    assert started["given"]["padded"] == 2 and "path" not in started["given"]
+    c.chunks_until(2)
+    assert [h["chunk"] for h in c.chunks[:2]] == [1, 2]
+    c.close()
+    png = tmp_path / "frame.png"
+    png.write_bytes(_png_bytes(frame))
+    ref = pipe.start(P0, seed=2, image=str(png))
+    for i in range(2):
+        _close_to(c.chunks[i]["jpegs"], ref.step())
+
+
+def test_upload_limits(pipe, tmp_path):
+    config = A.ServeConfig(sessions_dir=str(tmp_path), token="s3cret-token", max_upload_bytes=100, max_uploads=2)
+    app = A.create_app(pipe, config)
+    hub = app.state.hub
+    with TestClient(app) as http:
+        url = "/api/uploads?token=s3cret-token"
+        assert http.post("/api/uploads", content=b"x").status_code == 401
+        assert http.post(url, content=b"x" * 101).status_code == 413
+        assert "empty" in http.post(url, content=b"").json()["error"]
+        assert http.post(url, content=b"x", headers={"origin": "http://evil.example"}).status_code == 403
+        names = [http.post(url, content=bytes([i]) * 10).json()["upload"] for i in range(3)]
+        assert list(hub.uploads) == names[1:]  # the oldest dropped, its file removed
+        assert sorted(os.listdir(hub.uploads_dir)) == sorted(names[1:])
+        assert open(hub.uploads[names[2]], "rb").read() == bytes([2]) * 10
+        uploads_dir = hub.uploads_dir
+    assert not os.path.exists(uploads_dir)  # removed at shutdown
+
+
 @pytest.mark.slow
 def test_load_four_clients(server, pipe):
     """4 clients streaming at once for a few seconds: every client gets every chunk in order, whole; the rates
@@ -540,12 +597,17 @@ def test_sigterm_saves_live_sessions_and_exits_cleanly(tmp_path):
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 
+# CI installs the browser and sets JAXKV_REQUIRE_BROWSER=1: there a missing browser fails the test, not skips it.
+BROWSER_MISSING = not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+    BROWSER_MISSING and not os.environ.get("JAXKV_REQUIRE_BROWSER"),
     reason="needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)",
 )
-def test_the_page_in_a_headless_browser(srv):
+def test_the_page_in_a_headless_browser(srv, tmp_path):
+    assert not BROWSER_MISSING, f"JAXKV_REQUIRE_BROWSER is set but {CHROMIUM} or {CHROMEDRIVER} is missing"
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
@@ -590,5 +652,19 @@ def test_the_page_in_a_headless_browser(srv):
         assert state("errors") == []
         driver.find_element(By.ID, "stop").click()
         wait.until(lambda d: any(t.startswith("stream stopped") for t in state("log")))
+        # start again from a picture chosen in the page's file input: it is uploaded, then continued
+        from jaxkv.toyworld import world
+
+        png = tmp_path / "start.png"
+        png.write_bytes(_png_bytes(world.render(world.canonical_scene(P1), 1, 4)[0]))
+        driver.find_element(By.ID, "given").send_keys(str(png))
+        driver.find_element(By.ID, "start").click()
+        wait.until(lambda d: any("from the image" in t for t in state("log")))
+        shown = state("framesShown")
+        wait.until(lambda d: state("framesShown") >= shown + 3)
+        assert state("session.given.chunks") == 1 and state("session.chunk") == 1
+        assert state("errors") == []
+        driver.find_element(By.ID, "stop").click()
+        wait.until(lambda d: sum(t.startswith("stream stopped") for t in state("log")) == 2)
     finally:
         driver.quit()

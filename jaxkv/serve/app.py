@@ -13,14 +13,16 @@ messages wait in a queue of ``ahead_chunks + CONTROL_SLOTS`` entries, and the se
 messages while that queue is full. A client that disconnects (or a server that stops: SIGTERM) has its session
 saved to ``sessions_dir`` as ``ID-autosave`` when it generated anything since its last save.
 
-Security: the server binds 127.0.0.1 unless told otherwise (`jaxkv.serve.cli`); with a token every WebSocket and
-``/api/sessions`` request must carry ``?token=...``; a WebSocket whose Origin is another site is refused (a page
+Security: the server binds 127.0.0.1 unless told otherwise (`jaxkv.serve.cli`); with a token every WebSocket,
+``/api/sessions`` and ``/api/uploads`` request must carry ``?token=...``; a WebSocket or upload whose Origin is
+another site is refused (a page
 elsewhere cannot drive a local server); messages, prompts and sessions are bounded (`ServeConfig`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -30,6 +32,8 @@ import json
 import logging
 import os
 import secrets
+import shutil
+import tempfile
 import time
 from urllib.parse import urlsplit
 
@@ -40,6 +44,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketState
 
+from jaxkv.continuation import ContinuationError
 from jaxkv.serve import protocol
 from jaxkv.serve.protocol import ProtocolError
 
@@ -60,6 +65,8 @@ class ServeConfig:
     ahead_chunks: chunks a stream may generate past the last one its client acknowledged (>= 1).
     jpeg_quality: quality of the JPEG frames (1..95).
     token: required on every WebSocket and API request when set.
+    max_upload_bytes: largest picture or video accepted by ``POST /api/uploads`` (a stream's start frames).
+    max_uploads: uploads kept at once (the oldest is dropped past it; default 2 * max_sessions).
     """
 
     sessions_dir: str
@@ -70,14 +77,25 @@ class ServeConfig:
     ahead_chunks: int = 2
     jpeg_quality: int = 90
     token: str | None = None
+    max_upload_bytes: int = 32 * 2**20
+    max_uploads: int | None = None
 
     def __post_init__(self):
-        for name, low in (("max_sessions", 1), ("max_prompt_chars", 1), ("max_message_bytes", 64), ("ahead_chunks", 1)):
+        if self.max_connections is None:
+            object.__setattr__(self, "max_connections", 4 * self.max_sessions)
+        if self.max_uploads is None:
+            object.__setattr__(self, "max_uploads", 2 * self.max_sessions)
+        for name, low in (
+            ("max_sessions", 1),
+            ("max_prompt_chars", 1),
+            ("max_message_bytes", 64),
+            ("ahead_chunks", 1),
+            ("max_upload_bytes", 1),
+            ("max_uploads", 1),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"ServeConfig.{name} must be an int >= {low}, got {value!r}")
-        if self.max_connections is None:
-            object.__setattr__(self, "max_connections", 4 * self.max_sessions)
         if not 1 <= self.jpeg_quality <= 95:
             raise ValueError(f"ServeConfig.jpeg_quality must be in [1, 95], got {self.jpeg_quality!r}")
         if self.token is not None and not self.token:
@@ -104,6 +122,23 @@ class Hub:
         self.connections = 0
         self.started_at = time.time()
         self.closing = False
+        # Uploaded start frames (POST /api/uploads): name -> file, in a directory of the server's own that
+        # `close` removes; at most config.max_uploads, the oldest dropped first.
+        self.uploads_dir = tempfile.mkdtemp(prefix="jaxkv-serve-uploads-")
+        self.uploads: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def add_upload(self, data: bytes) -> str:
+        """Keeps an uploaded file; returns its name (`protocol.UPLOAD`)."""
+        name = "u" + secrets.token_hex(8)
+        path = os.path.join(self.uploads_dir, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        self.uploads[name] = path
+        while len(self.uploads) > self.config.max_uploads:
+            _, old = self.uploads.popitem(last=False)
+            with contextlib.suppress(OSError):
+                os.remove(old)
+        return name
 
     async def run(self, fn, *args):
         """``fn(*args)`` on the model's worker thread (FIFO with every other model call)."""
@@ -147,6 +182,7 @@ class Hub:
         for live in list(self.sessions.values()):
             await live.end(autosave=True)
         await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
+        shutil.rmtree(self.uploads_dir, ignore_errors=True)
 
 
 def _vocabulary() -> list[str]:
@@ -432,10 +468,23 @@ class Client:
                 except ValueError as e:  # SessionError included
                     raise ProtocolError("resume_failed", f"start: {e}", "start") from None
             else:
+                given = {}
+                for kind in ("image", "video"):
+                    if m[kind] is not None:
+                        if m[kind] not in hub.uploads:
+                            raise ProtocolError(
+                                "not_found", f"start: no upload named {m[kind]!r} (POST /api/uploads first)", "start"
+                            )
+                        given[kind] = hub.uploads[m[kind]]
                 try:
                     stream = await hub.run(
-                        lambda: hub.pipeline.start(m["prompt"], seed=m["seed"] or 0, num_chunks=m["num_chunks"])
+                        lambda: hub.pipeline.start(
+                            m["prompt"], seed=m["seed"] or 0, num_chunks=m["num_chunks"], **given
+                        )
                     )
+                except ContinuationError as e:
+                    shown = str(e).replace(hub.uploads_dir + os.sep, "")  # the upload's name, not the server's path
+                    raise ProtocolError("bad_frames", f"start: {shown}", "start") from None
                 except ValueError as e:
                     raise ProtocolError("bad_prompt", f"start: {e}", "start") from None
             session_id = "s" + secrets.token_hex(4)
@@ -445,8 +494,10 @@ class Client:
         finally:
             hub.reserved -= 1
         log.info("session %s started (%s)", session_id, f"resumed {m['resume']}" if m["resume"] else "new")
+        given = None if stream.given is None else {k: v for k, v in stream.given.items() if k != "path"}
         return {
             "type": "started",
+            "given": given,
             "frames_per_chunk": stream.frames_per_chunk,
             "fps": stream.fps,
             "frame_shape": list(stream.frame_shape),
@@ -454,13 +505,13 @@ class Client:
         }
 
 
-def _origin_ok(ws: WebSocket) -> bool:
+def _same_origin(headers) -> bool:
     """A browser names the page's origin: it must be this server (a page elsewhere may not drive it). Clients that
     send no Origin (scripts) pass."""
-    origin = ws.headers.get("origin")
+    origin = headers.get("origin")
     if origin is None:
         return True
-    return urlsplit(origin).netloc.lower() == (ws.headers.get("host") or "").lower()
+    return urlsplit(origin).netloc.lower() == (headers.get("host") or "").lower()
 
 
 def create_app(pipeline, config: ServeConfig) -> Starlette:
@@ -490,11 +541,34 @@ def create_app(pipeline, config: ServeConfig) -> Starlette:
             {"live": [s.status() for s in list(hub.sessions.values())], "saved": hub.saved(), **hub.describe()}
         )
 
+    async def upload(request: Request):
+        """A picture or video a stream may start from: the body's bytes, kept under a fresh name that ``start``'s
+        ``image`` / ``video`` field names. Decoded (and refused if it cannot be) when a stream starts from it."""
+        if not hub.authorized(request.query_params.get("token")):
+            return JSONResponse({"error": "a valid ?token= is required"}, status_code=401)
+        if not _same_origin(request.headers):
+            return JSONResponse({"error": "cross-origin upload refused"}, status_code=403)
+        if hub.closing:
+            return JSONResponse({"error": "the server is shutting down"}, status_code=503)
+        limit = config.max_upload_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return JSONResponse({"error": f"the upload has {declared} bytes; this server takes at most {limit}"}, 413)
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                return JSONResponse({"error": f"the upload is over {limit} bytes, the most this server takes"}, 413)
+        if not body:
+            return JSONResponse({"error": "the upload is empty: send the file's bytes as the request body"}, 400)
+        name = await asyncio.get_running_loop().run_in_executor(None, hub.add_upload, bytes(body))
+        return JSONResponse({"upload": name, "bytes": len(body)})
+
     async def websocket(ws: WebSocket):
         if not hub.authorized(ws.query_params.get("token")):
             await ws.close(code=1008, reason="a valid ?token= is required")
             return
-        if not _origin_ok(ws):
+        if not _same_origin(ws.headers):
             await ws.close(code=1008, reason="cross-origin WebSocket refused")
             return
         if hub.connections >= config.max_connections or hub.closing:
@@ -531,6 +605,7 @@ def create_app(pipeline, config: ServeConfig) -> Starlette:
             Route("/", index),
             Route("/health", health),
             Route("/api/sessions", sessions),
+            Route("/api/uploads", upload, methods=["POST"]),
             WebSocketRoute("/ws", websocket),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ],

@@ -16,17 +16,22 @@ SEED_MAX = 2**63 - 1
 NUM_CHUNKS_MAX = 10**9
 # A saved session's name: a directory under --sessions-dir (no separators, no leading dot).
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# An uploaded file's name, as ``POST /api/uploads`` answers it.
+UPLOAD = re.compile(r"u[0-9a-f]{16}")
 
 # Field kinds: "prompt" (a string, at most the server's max_prompt_chars), "seed" (int in [0, 2**63 - 1]),
-# "count" (int in [1, 10**9]), "index" (int >= 0), "name" (`NAME`).
+# "count" (int in [1, 10**9]), "index" (int >= 0), "name" (`NAME`), "upload" (`UPLOAD`).
 MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
     # a new stream (prompt: default the model's; seed default 0; num_chunks default endless), or with "resume" a
-    # saved session continued (then prompt and seed are the session's)
+    # saved session continued (then prompt and seed are the session's); "image" / "video": an upload
+    # (POST /api/uploads) the new stream continues instead of starting from noise
     "start": {
         "prompt": ("prompt", False),
         "seed": ("seed", False),
         "num_chunks": ("count", False),
         "resume": ("name", False),
+        "image": ("upload", False),
+        "video": ("upload", False),
     },  # fmt: skip
     "prompt": {"prompt": ("prompt", True)},  # switch the prompt from the next chunk on (KV re-cache)
     "pause": {},  # stop generating after the current chunk
@@ -81,6 +86,9 @@ def _check(kind: str, name: str, value, where: str, max_prompt_chars: int):
     elif kind == "name":
         if not isinstance(value, str) or not NAME.fullmatch(value):
             raise bad("a session name: 1-64 letters, digits, '.', '_' or '-', not starting with '.', '_' or '-'")
+    elif kind == "upload":
+        if not isinstance(value, str) or not UPLOAD.fullmatch(value):
+            raise bad("an upload name as POST /api/uploads answers it ('u' and 16 hex digits)")
     return value
 
 
@@ -119,8 +127,15 @@ def parse(text, *, max_bytes: int, max_prompt_chars: int) -> dict:
             out[name] = None
             continue
         out[name] = _check(field_kind, name, message[name], kind, max_prompt_chars)
-    if kind == "start" and out["resume"] is not None and (out["prompt"] is not None or out["seed"] is not None):
-        raise ProtocolError(
-            "bad_field", "start: a resumed session continues its own prompt and seed; send resume alone", kind
-        )
+    if kind == "start" and out["resume"] is not None:
+        extra = [f for f in ("prompt", "seed", "image", "video") if out[f] is not None]
+        if extra:
+            raise ProtocolError(
+                "bad_field",
+                f"start: a resumed session continues its own past, prompt and seed; send resume without "
+                f"{', '.join(extra)}",
+                kind,
+            )
+    if kind == "start" and out["image"] is not None and out["video"] is not None:
+        raise ProtocolError("bad_field", "start: image and video both give the frames to continue; send one", kind)
     return out

@@ -127,7 +127,8 @@
           progress.value = 0;
         }
         setRunning(true);
-        note(`stream ${m.session} started at chunk ${m.chunk}` + (m.resumed_from ? ` (resumed ${m.resumed_from})` : ""));
+        const given = m.given ? ` after ${m.given.chunks} chunk(s) from the ${m.given.kind}` : "";
+        note(`stream ${m.session} started at chunk ${m.chunk}${given}` + (m.resumed_from ? ` (resumed ${m.resumed_from})` : ""));
         break;
       }
       case "chunk": {
@@ -163,6 +164,9 @@
         break;
       }
       case "stopped":
+        state.queue = []; // the user stopped the stream: frames not yet shown are dropped (and never acknowledged)
+        state.pending = null;
+      // falls through
       case "ended":
         setRunning(false);
         note(`stream ${m.type} at chunk ${m.chunk}`);
@@ -171,6 +175,7 @@
         break;
       case "error":
         note(`error (${m.code}): ${m.message}`, true);
+        if (m.request === "start" && m.code !== "already_started") setRunning(false); // a refused start: try again
         break;
       default:
         note(`unknown message ${m.type}`, true);
@@ -208,9 +213,30 @@
     }
   }
 
-  $("start").onclick = () => {
-    const seed = Number($("seed").value) || 0;
-    send({ type: "start", prompt: $("prompt").value, seed: seed });
+  // A picture or video to continue goes up first (POST /api/uploads); start then names the upload.
+  async function upload(file) {
+    const query = token ? `?token=${encodeURIComponent(token)}` : "";
+    const response = await fetch(`/api/uploads${query}`, { method: "POST", body: file });
+    const reply = await response.json();
+    if (!response.ok) throw new Error(reply.error || `upload failed (${response.status})`);
+    return reply.upload;
+  }
+
+  $("start").onclick = async () => {
+    const message = { type: "start", prompt: $("prompt").value, seed: Number($("seed").value) || 0 };
+    const file = $("given").files[0];
+    if (file) {
+      $("start").disabled = true;
+      try {
+        message[file.type.startsWith("video/") ? "video" : "image"] = await upload(file);
+        note(`uploaded ${file.name} (${file.size} bytes)`);
+      } catch (error) {
+        note(`${file.name}: ${error.message}`, true);
+        $("start").disabled = false;
+        return;
+      }
+    }
+    send(message);
   };
   $("switch").onclick = () => send({ type: "prompt", prompt: $("prompt").value });
   $("prompt").addEventListener("keydown", (event) => {
