@@ -450,3 +450,83 @@ def test_write_of_a_list_names_the_expected_shape():
         ValueError, match=r"k must be an array of shape \[batch, chunk, heads, head_dim\] = \[1, 2, 1, 2\], got list"
     ):
         cache.write(rows, rows)
+
+
+# ------------------------------------------------------------------ out-of-range layers
+
+
+def _stacked_after_one_write(cls, layers=3):
+    """A 3-layer stack with one chunk written to every layer (k = v = layer + 1), then chunk 1 reserved."""
+    spec = jaxkv.RingSpec(chunk=2, window=4, sink=2)
+    cache = cls.init(spec, 2, 1, 1, layers=layers).begin_chunk()
+    for layer in range(layers):
+        x = jnp.full((2, 2, 1, 1), float(layer + 1))
+        cache = cache.write(x, x, layer=layer)
+    return cache.begin_chunk()
+
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("layer", [7, 3, -1])
+def test_a_traced_out_of_range_layer_writes_nothing_and_checkify_names_it(cls, layer):
+    """Outside jit an out-of-range layer is a ValueError; inside jit (traced) nothing is written, never the first
+    or last layer (XLA's dynamic_update_slice would clamp), and a checkified program reports the layer."""
+    from jax.experimental import checkify
+
+    cache = _stacked_after_one_write(cls)
+    x = jnp.full((2, 2, 1, 1), 9.0)
+    with pytest.raises(ValueError, match=rf"write: layer {layer} out of range \[0, 3\)"):
+        cache.write(x, x, layer=layer)
+
+    write = jax.jit(lambda c, layer: c.write(x, x, layer=layer))
+    out = write(cache, jnp.int32(layer))
+    for name in ("k", "v", "positions", "chunk_start"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(cache, name), err_msg=name)
+    # The same program with an index in range writes that layer and only it (the guard is not a no-op).
+    wrote = write(cache, jnp.int32(1))
+    assert float(jnp.max(wrote.k[1])) == 9.0
+    np.testing.assert_array_equal(wrote.k[0], cache.k[0])
+    np.testing.assert_array_equal(wrote.k[2], cache.k[2])
+    assert int(jnp.max(wrote.positions)) == 3 and int(jnp.max(cache.positions)) == 1
+
+    checked = jax.jit(checkify.checkify(lambda c, layer: c.write(x, x, layer=layer)))
+    err, _ = checked(cache, jnp.int32(layer))
+    with pytest.raises(checkify.JaxRuntimeError, match=rf"write: layer {layer} out of range \[0, 3\)"):
+        err.throw()
+    err, _ = checked(cache, jnp.int32(2))
+    assert err.get() is None
+
+
+def test_a_scanned_write_with_an_out_of_range_layer_list_leaves_no_trace_on_other_layers():
+    """The bug as a model would meet it: a scan over layer indices [0, 1, 7] on a 3-layer stack."""
+    cache = _stacked_after_one_write(jaxkv.RingCache)
+    x = jnp.full((2, 2, 1, 1), 9.0)
+
+    def fn(c, layers):
+        return jax.lax.scan(lambda c, layer: (c.write(x, x, layer=layer), None), c, layers)[0]
+
+    out = jax.jit(fn)(cache, jnp.array([0, 1, 7], jnp.int32))
+    assert float(jnp.max(out.k[0])) == float(jnp.max(out.k[1])) == 9.0
+    np.testing.assert_array_equal(out.k[2], cache.k[2])  # clamped, layer 2 would hold 9.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32], ids=["f32", "bf16", "int32"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stack", "single"])
+def test_both_programs_of_a_guarded_write_equal_the_write_or_write_nothing(dtype, stacked):
+    """The two programs of a write that may write nothing: XLA:CPU's (a cond) and the one GPUs and TPUs compile
+    (a dropping scatter, never run by the cache on a CPU, so run here directly), against the plain write."""
+    from jaxkv.cache import base
+
+    rng = np.random.default_rng(0)
+    lead = (3,) if stacked else ()
+    buf = jnp.asarray(rng.normal(size=(*lead, 2, 8, 2, 3)) * 100, dtype)
+    update = jnp.asarray(rng.normal(size=(2, 4, 2, 3)) * 100, dtype)
+    offsets = jnp.array([4, 0], jnp.int32)
+    for program in (base._only_if_by_cond, base._only_if_by_scatter):
+        run = jax.jit(program)
+        for layer in range(3) if stacked else [None]:
+            layer_arg = None if layer is None else jnp.int32(layer)
+            expected = base._write_rows(buf, update, offsets, layer_arg)
+            np.testing.assert_array_equal(run(buf, update, offsets, layer_arg, jnp.bool_(True)), expected)
+            np.testing.assert_array_equal(run(buf, update, offsets, layer_arg, jnp.bool_(False)), buf)
+    for layer in (3, 7, -1) if stacked else ():  # the scatter drops an out-of-range layer by itself
+        np.testing.assert_array_equal(jax.jit(base._scatter_rows_or_drop)(buf, update, offsets, jnp.int32(layer)), buf)

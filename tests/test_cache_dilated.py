@@ -497,3 +497,32 @@ def test_wan_forward_chunk_on_a_dilation_1_cache_equals_the_ring_window():
     assert step._cache_size() == 2 and again._cache_size() == 2  # one program per cache type
     _, _, pos = ring.chronological()
     assert _frames_seen(dilated, t) == sorted(set((np.asarray(pos[0])[np.asarray(pos[0]) >= 0] // t).tolist()))
+
+
+@pytest.mark.parametrize("commit", [False, True])
+@pytest.mark.parametrize("layer", [3, -1])
+def test_a_traced_out_of_range_layer_writes_nothing(layer, commit):
+    """As for the ring cache: a ValueError outside jit; under jit neither the scratch nor the ring (keys, values,
+    positions) of any layer changes, and checkify names the layer."""
+    from jax.experimental import checkify
+
+    spec = DilatedSpec(2, 3, 2, 3)
+    cache = DilatedCache.init(spec, 2, 1, 1, layers=3)
+    for n in range(3):
+        cache = cache.begin_chunk()
+        for i in range(3):
+            x = jnp.full((2, 6, 1, 1), float(10 * n + i + 1))
+            cache = cache.write(x, x, layer=i)
+    cache = cache.begin_chunk()
+    x = jnp.full((2, 6, 1, 1), 99.0)
+    with pytest.raises(ValueError, match=rf"layer {layer} out of range"):
+        cache.write(x, x, layer=layer, commit=commit)
+    write = jax.jit(lambda c, layer: c.write(x, x, layer=layer, commit=commit))
+    out = write(cache, jnp.int32(layer))
+    for name in ("k", "v", "positions", "chunk_start"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(cache, name), err_msg=name)
+    assert float(jnp.max(write(cache, jnp.int32(2)).k[2])) == 99.0  # in range: written
+    err, _ = jax.jit(checkify.checkify(lambda c, layer: c.write(x, x, layer=layer, commit=commit)))(
+        cache, jnp.int32(layer)
+    )
+    assert err.get() is not None and f"layer {layer} out of range [0, 3)" in err.get()

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import lax
+from jax.experimental import checkify
 
 from jaxkv.cache.spec import RingSpec
 from jaxkv.validate import is_concrete, is_int
@@ -32,14 +33,19 @@ def _unsigned_like(dtype) -> np.dtype:
     return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
 
 
-def write_chunk_rows(buf: jax.Array, update: jax.Array, offsets: jax.Array, layer=None) -> jax.Array:
+def write_chunk_rows(
+    buf: jax.Array, update: jax.Array, offsets: jax.Array, layer=None, only_if: jax.Array | None = None
+) -> jax.Array:
     """Writes update[b] into buf[(layer,) b, offsets[b]:offsets[b] + chunk] for every session b.
 
     Args:
       buf: [batch, capacity, ...] or, with ``layer``, [layers, batch, capacity, ...].
       update: [batch, chunk, ...] of buf's dtype.
       offsets: int32 [batch] token offsets (traced).
-      layer: None, or an int32 scalar (traced or not) selecting the layer.
+      layer: None, or an int32 scalar (traced or not) selecting the layer. A concrete layer must be in range
+        (callers check it); a traced one out of range writes nothing (never clamped onto the first or last layer,
+        as a bare ``dynamic_update_slice`` would).
+      only_if: None, or a bool scalar (traced): when False nothing is written and ``buf`` comes back as it was.
 
     One ``dynamic_update_slice`` per session (sessions are few: cond/uncond or a handful of streams), so XLA keeps
     every write in place and O(chunk). (A vmapped update over the session axis of a layer stack transposes the
@@ -53,11 +59,80 @@ def write_chunk_rows(buf: jax.Array, update: jax.Array, offsets: jax.Array, laye
     limit: on XLA:CPU a bf16 layer stack therefore still pays the in-place conversion, O(capacity) time with no
     extra memory; float32 stacks, and bf16 on GPU (native bf16 updates), are O(chunk).
     """
-    if layer is None:
-        if np.dtype(buf.dtype).itemsize == 2:
-            return _write_rows_as_bits(buf, update, offsets)
-        return _write_rows(buf, update, offsets, None)
-    return _write_rows(buf, update, offsets, jnp.asarray(layer, jnp.int32))
+    if layer is not None:
+        layer = jnp.asarray(layer, jnp.int32)
+        if not is_concrete(layer):  # (a known index was checked by the caller: `ChunkCache._check_layer`)
+            in_range = layer_in_range(layer, buf.shape[0])
+            only_if = in_range if only_if is None else in_range & only_if
+    if only_if is None:
+        return _write_unguarded(buf, update, offsets, layer)
+    return _write_rows_only_if(buf, update, offsets, layer, jnp.asarray(only_if, bool))
+
+
+def layer_in_range(layer, layers: int) -> jax.Array:
+    """bool scalar: 0 <= layer < layers (``layer`` may be traced)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return (layer >= 0) & (layer < layers)
+
+
+def _write_unguarded(buf, update, offsets, layer):
+    if layer is None and np.dtype(buf.dtype).itemsize == 2:
+        return _write_rows_as_bits(buf, update, offsets)
+    return _write_rows(buf, update, offsets, layer)
+
+
+def _write_rows_only_if(buf, update, offsets, layer, only_if):
+    """`write_chunk_rows` when ``only_if`` (a traced bool scalar, false also for a traced layer out of range), else
+    ``buf`` unchanged: a write that may write nothing, decided on the device with no host sync.
+
+    Two programs, one per platform, each in place and O(chunk) with a donated buffer:
+      * XLA:CPU: a ``cond`` around the in-place write (there a dropping scatter of a bf16 stack converts the whole
+        stack to float32, and selecting between new and old rows copies the buffer).
+      * elsewhere: one scatter per session in FILL_OR_DROP mode, whose index is out of bounds (dropped on the
+        device) unless ``only_if``; no conditional (a GPU conditional waits on the host for its predicate).
+    """
+
+    return lax.platform_dependent(
+        buf, update, offsets, layer, only_if, cpu=_only_if_by_cond, default=_only_if_by_scatter
+    )
+
+
+def _only_if_by_cond(buf, update, offsets, layer, only_if):
+    """`_write_rows_only_if` on XLA:CPU."""
+    write = lambda b: _write_unguarded(b, update, offsets, layer)
+    return lax.cond(only_if, write, lambda b: b, buf)
+
+
+def _only_if_by_scatter(buf, update, offsets, layer, only_if):
+    """`_write_rows_only_if` elsewhere (GPU, TPU)."""
+    capacity = buf.shape[1 if layer is None else 2]
+    return _scatter_rows_or_drop(buf, update, jnp.where(only_if, offsets, capacity), layer)
+
+
+def _scatter_rows_or_drop(buf, update, offsets, layer=None):
+    """buf[(layer,) b, offsets[b]:offsets[b] + chunk] = update[b] for every session b; a session whose window
+    (layer or offset) lies out of bounds writes nothing. buf [(layers,) batch, capacity, ...], update
+    [batch, chunk, ...]."""
+    lead = 0 if layer is None else 1
+    dims = lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(1, update.ndim)),  # the chunk and trailing axes of each session's update
+        inserted_window_dims=tuple(range(lead + 1)),  # (layer,) session
+        scatter_dims_to_operand_dims=tuple(range(lead + 2)),  # (layer,) session, token
+    )
+    for b in range(update.shape[0]):
+        index = [jnp.int32(b), offsets[b].astype(jnp.int32)]
+        if layer is not None:
+            index.insert(0, jnp.asarray(layer, jnp.int32))
+        buf = lax.scatter(
+            buf,
+            jnp.stack(index)[None],
+            update[b : b + 1],
+            dims,
+            indices_are_sorted=True,
+            unique_indices=True,
+            mode=lax.GatherScatterMode.FILL_OR_DROP,
+        )
+    return buf
 
 
 def _write_rows(buf, update, offsets, layer):
@@ -265,7 +340,9 @@ class ChunkCache:
 
         Args:
           k, v: [batch, chunk, heads, head_dim] in the cache's dtype.
-          layer: required iff the cache is stacked (``layers`` set): an int or a traced int32 scalar.
+          layer: required iff the cache is stacked (``layers`` set): an int or a traced int32 scalar. Out of
+            range: a ValueError when its value is known; when traced, the write writes nothing and
+            `jax.experimental.checkify.checkify` reports it (see `_check_layer`). Never clamped onto another layer.
           active: optional bool [batch]; sessions not active are left untouched.
 
         Sessions with no reserved chunk get nothing visible: their slot positions stay -1. Eagerly (outside jit)
@@ -287,8 +364,15 @@ class ChunkCache:
         if active is not None:
             old_pos = read_chunk_rows(self.positions, offsets, self.spec.chunk)
             chunk_pos = jnp.where(active[:, None], chunk_pos, old_pos)
-        new_positions = write_chunk_rows(self.positions, chunk_pos, offsets)
+        new_positions = write_chunk_rows(self.positions, chunk_pos, offsets, only_if=self._traced_layer_ok(layer))
         return self.replace(k=new_k, v=new_v, positions=new_positions)
+
+    def _traced_layer_ok(self, layer):
+        """None unless ``layer`` is traced; then the bool scalar 0 <= layer < layers, which the positions' writes
+        take as ``only_if`` (a write to a layer out of range writes nothing: neither K/V nor positions)."""
+        if layer is None or is_concrete(layer):
+            return None
+        return layer_in_range(layer, self.layers)
 
     def reset(self, sessions=None):
         """Empties all sessions, or those where ``sessions`` (bool [batch]) is True; nothing is reallocated.
@@ -307,15 +391,25 @@ class ChunkCache:
         )
 
     def _check_layer(self, where: str, layer) -> None:
-        """An int or integer scalar; when its value is known (not traced), within [0, layers). A traced layer
-        cannot be checked here, and ``dynamic_update_slice`` / ``dynamic_slice`` clamp it onto the first or last
-        layer: keep it in range (a scan over ``arange(layers)`` does)."""
+        """An int or integer scalar within [0, layers).
+
+        A known value (a Python int, a concrete array) is checked now: ValueError. A traced layer (under jit, scan,
+        vmap) has no value to check here: it is checked at run time under `jax.experimental.checkify.checkify`
+        (a ``debug_check``, dropped from programs that are not checkified, so it costs nothing in the hot path).
+        Without checkify, `write` with a traced out-of-range layer writes nothing (neither keys, values nor
+        positions), and `layer_kv` reads the nearest layer (``dynamic_slice`` clamps): keep traced layers in
+        range (a scan over ``arange(layers)`` does), or checkify the program to find the one that is not."""
         if not is_int(layer) and not (
             hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer) and jnp.ndim(layer) == 0
         ):
             raise ValueError(f"{where}: layer must be an int or an integer scalar, got {layer!r}")
-        if is_concrete(layer) and not 0 <= int(layer) < self.layers:
-            raise ValueError(f"{where}: layer {int(layer)} out of range [0, {self.layers})")
+        if is_concrete(layer):
+            if not 0 <= int(layer) < self.layers:
+                raise ValueError(f"{where}: layer {int(layer)} out of range [0, {self.layers})")
+        else:
+            checkify.debug_check(
+                layer_in_range(layer, self.layers), f"{where}: layer {{}} out of range [0, {self.layers})", layer
+            )
 
     def layer_kv(self, layer):
         """(k, v) of one layer, each [batch, capacity, heads, head_dim]; ``layer`` may be traced."""

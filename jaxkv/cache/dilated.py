@@ -220,7 +220,8 @@ class DilatedCache(ChunkCache):
 
         Args:
           k, v: [batch, chunk, heads, head_dim] (chunk = chunk_frames * tokens_per_frame) in the cache's dtype.
-          layer: required iff the cache is stacked: an int or a traced int32 scalar.
+          layer: required iff the cache is stacked: an int or a traced int32 scalar (out of range: as in
+            `ChunkCache.write`, a ValueError when known, nothing written when traced).
           active: optional bool [batch]; sessions not active are left untouched.
           commit: static bool. False: the chunk goes to the scratch only (visible to this chunk, gone at the next
             `begin_chunk`). True: also copies the kept frames to their ring slots (visible from the next chunk on).
@@ -241,9 +242,10 @@ class DilatedCache(ChunkCache):
             k = jnp.where(sel, k, read_chunk_rows(self.k, scratch, c, layer))
             v = jnp.where(sel, v, read_chunk_rows(self.v, scratch, c, layer))
             pos = jnp.where(active[:, None], pos, read_chunk_rows(self.positions, scratch, c))
+        layer_ok = self._traced_layer_ok(layer)  # None unless traced: then every positions write is guarded by it
         new_k = write_chunk_rows(self.k, k, scratch, layer)
         new_v = write_chunk_rows(self.v, v, scratch, layer)
-        new_pos = write_chunk_rows(self.positions, pos, scratch)
+        new_pos = write_chunk_rows(self.positions, pos, scratch, only_if=layer_ok)
         if commit:
             frames = self._chunk_frames()
             keep = spec.kept(frames) & (self.chunk_start >= 0)[:, None]
@@ -257,6 +259,6 @@ class DilatedCache(ChunkCache):
                 new_k = write_chunk_rows(new_k, k[:, rows], off, layer)
                 new_v = write_chunk_rows(new_v, v[:, rows], off, layer)
                 new_pos = write_chunk_rows(
-                    new_pos, jnp.where(keep[:, i, None], _pending(pos[:, rows]), pos[:, rows]), off
+                    new_pos, jnp.where(keep[:, i, None], _pending(pos[:, rows]), pos[:, rows]), off, only_if=layer_ok
                 )
         return self.replace(k=new_k, v=new_v, positions=new_pos)
