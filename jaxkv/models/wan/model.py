@@ -24,8 +24,9 @@ is the one place that casts weights for their matmuls (the large projections to 
 embedding, time projection and head to float32, as Wan runs them), `cross_kv` stores the text K/V in the policy's
 ``cache_dtype``, and every attention reads q, k, v in ``cache_dtype`` (the whole-sequence forwards cast to it as the
 cache would hold them, so a stream and the block-causal forward attend alike). The layers themselves never choose a
-dtype (`jaxkv.models.wan.layers`: float32 out of every
-matmul, float32 norms and modulation).
+dtype: every activation between the float32 residual stream and a GEMM is in `_activation_dtype` (the compute
+dtype: the GEMMs emit it with float32 accumulation, bias and GELU applied in it; norms, modulation and RoPE compute
+in float32 and write it), while the residual stream, the time embedding, modulation tables and head stay float32.
 
 Conventions: latents are channels-last ``[batch, frames, height, width, channels]`` on the latent grid; timesteps
 are on Wan's 0..1000 scale, one per batch row ``[batch]`` or one per (patch) frame ``[batch, frames // pt]``; text
@@ -211,6 +212,13 @@ def _block_params(p, precision: Precision):
     return _cast_kernels(p, precision.compute_dtype)
 
 
+def _activation_dtype(precision: Precision):
+    """The dtype the large GEMMs emit and the norms, modulation and RoPE write: the compute dtype (float32 under
+    `Precision.f32()`, bfloat16 under `Precision.bf16()`, as Self-Forcing's bf16 inference). The residual stream,
+    the time embedding, the modulation tables and the head stay float32 whatever it is."""
+    return jnp.dtype(precision.compute_dtype)
+
+
 def _precision(params, precision) -> Precision:
     """The checked `Precision` of a forward: a `Precision` or preset name, matching the params' dtype."""
     precision = as_precision(precision)
@@ -241,26 +249,28 @@ def cross_kv(
     """
     precision = _precision(params, precision)
     context = _check_context(config, context, None, pad_context)
-    ctx = L.text_embedding(_compute_params(params, precision), context)
+    act = _activation_dtype(precision)
+    ctx = L.text_embedding(_compute_params(params, precision), context, act)
     p = _block_params(params["blocks"]["cross_attn"], precision)
     cache = jnp.dtype(precision.cache_dtype)
 
     def one_layer(pk, pv, scale):
-        k = L.rms_norm(L.linear(pk, ctx), scale, config.eps)
-        return _heads(k, config).astype(cache), _heads(L.linear(pv, ctx), config).astype(cache)
+        k = L.rms_norm(L.linear(pk, ctx, act), scale, config.eps, act)
+        return _heads(k, config).astype(cache), _heads(L.linear(pv, ctx, act), config).astype(cache)
 
     k, v = jax.vmap(one_layer)(p["k"], p["v"], p["norm_k"]["scale"])
     return CrossKV(k, v)
 
 
-def _self_qkv(p, h, rope, config: WanConfig):
-    """RMSNorm'd (over the full dim) and rotated q, k and plain v, each float32 [batch, tokens, heads, head_dim].
+def _self_qkv(p, h, rope, config: WanConfig, act=jnp.float32):
+    """RMSNorm'd (over the full dim) and rotated q, k and plain v, each ``act`` [batch, tokens, heads, head_dim]
+    (the projections emit ``act``; norms and RoPE compute in float32 and write ``act``).
 
     rope: (cos, sin) float32 [batch, tokens, head_dim // 2] from `rope_cos_sin`, computed once per forward; None
     leaves q and k unrotated (cache-relative RoPE rotates them at read)."""
-    q = _heads(L.rms_norm(L.linear(p["q"], h), p["norm_q"]["scale"], config.eps), config)
-    k = _heads(L.rms_norm(L.linear(p["k"], h), p["norm_k"]["scale"], config.eps), config)
-    v = _heads(L.linear(p["v"], h), config)
+    q = _heads(L.rms_norm(L.linear(p["q"], h, act), p["norm_q"]["scale"], config.eps, act), config)
+    k = _heads(L.rms_norm(L.linear(p["k"], h, act), p["norm_k"]["scale"], config.eps, act), config)
+    v = _heads(L.linear(p["v"], h, act), config)
     if rope is None:
         return q, k, v
     return apply_rope(q, *rope), apply_rope(k, *rope), v
@@ -288,22 +298,25 @@ def cache_relative_rope(q_positions, kv_positions, grid_hw: tuple[int, int], con
     return rope_cos_sin(angles(q_rank)), rope_cos_sin(angles(k_rank))
 
 
-def _cross_attention(p, x, k, v, config: WanConfig, backend: str):
+def _cross_attention(p, x, k, v, config: WanConfig, backend: str, act=jnp.float32):
     """x [batch, tokens, dim] attends to the (hoisted) text keys/values [batch, text_len, heads, head_dim]; q is
-    cast to their dtype (one dtype for the attention kernels, as `cached_attention` does for the cache)."""
+    cast to their dtype (one dtype for the attention kernels, as `cached_attention` does for the cache). Returns
+    ``act`` [batch, tokens, dim]."""
     b, n, _ = x.shape
-    q = _heads(L.rms_norm(L.linear(p["q"], x), p["norm_q"]["scale"], config.eps), config)
+    q = _heads(L.rms_norm(L.linear(p["q"], x, act), p["norm_q"]["scale"], config.eps, act), config)
     zeros_q = jnp.zeros((b, n), jnp.int32)
     zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
-    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend).astype(jnp.float32)
-    return L.linear(p["o"], out.reshape(b, n, config.dim))
+    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend).astype(act)
+    return L.linear(p["o"], out.reshape(b, n, config.dim), act)
 
 
-def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, backend: str):
+def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, backend: str, act=jnp.float32):
     """One Wan block on x float32 [batch, tokens, dim] with per-frame e0 [batch, frames, 6, dim].
 
     ``self_attention(p_self_attn, h) -> (y, aux)`` computes the self-attention output [batch, tokens, dim] (and any
-    state it updates, e.g. the cache).
+    state it updates, e.g. the cache). ``act``: the dtype of every activation between the residual stream and a
+    GEMM (`_activation_dtype`): the norms + modulation write it, the projections and the FFN emit it, and each
+    branch's output is gated and added to the float32 residual in float32.
     """
     b, n, d = x.shape
     mod = p["modulation"].astype(jnp.float32)[None, None] + e0  # [batch, frames, 6, dim]
@@ -311,17 +324,16 @@ def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, bac
     shift1, scale1, gate1, shift2, scale2, gate2 = m
     flat = lambda y: y.reshape(b, n, d)
 
-    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale1) + shift1)
+    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale1) + shift1).astype(act)
     y, aux = self_attention(p["self_attn"], h)
-    x = x + flat(L.per_frame(y, frames) * gate1)
+    x = x + flat(L.per_frame(y.astype(jnp.float32), frames) * gate1)
 
-    x = x + _cross_attention(
-        p["cross_attn"], L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"]), ck, cv, config, backend
-    )
+    norm3 = L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"], act)
+    x = x + _cross_attention(p["cross_attn"], norm3, ck, cv, config, backend, act).astype(jnp.float32)
 
-    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale2) + shift2)
-    y = L.linear(p["ffn"]["fc2"], L.gelu_tanh(L.linear(p["ffn"]["fc1"], h)))
-    return x + flat(L.per_frame(y, frames) * gate2), aux
+    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale2) + shift2).astype(act)
+    y = L.linear(p["ffn"]["fc2"], L.gelu_tanh(L.linear(p["ffn"]["fc1"], h, act)), act)
+    return x + flat(L.per_frame(y.astype(jnp.float32), frames) * gate2), aux
 
 
 def _head(params, config: WanConfig, x, e, frames: int):
@@ -351,9 +363,10 @@ def _dit(
     remat: bool = False,
 ):
     """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
-    ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the float32
-    q, k and v [batch, tokens, heads, head_dim], rotated at ``positions`` (unrotated when ``rotate`` is False: the
-    callback rotates them, as cache-relative RoPE does); ``state`` (e.g. the stacked cache) rides in the scan carry.
+    ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends q, k and v
+    [batch, tokens, heads, head_dim] in the activation dtype (`_activation_dtype`), rotated at ``positions``
+    (unrotated when ``rotate`` is False: the callback rotates them, as cache-relative RoPE does); ``state`` (e.g. the
+    stacked cache) rides in the scan carry.
     ``remat``: each block under `jax.checkpoint` (see `forward_teacher_forcing`).
     Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
     gf, gh, gw = _check_latents(config, latents)
@@ -361,18 +374,19 @@ def _dit(
     t = _frame_timesteps(timesteps, b, gf)
     rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta)) if rotate else None
     top = _compute_params(params, precision)
-    x = L.patchify(top, config, latents)
+    act = _activation_dtype(precision)
+    x = L.patchify(top, config, latents, act).astype(jnp.float32)  # the residual stream is float32
     e, e0 = L.time_embedding(top, config, t)
 
     def run_block(x, state, p, ck, cv, layer, attend_layer):
         p = _block_params(p, precision)
 
         def attention(pa, h):
-            q, k, v = _self_qkv(pa, h, rope, config)
+            q, k, v = _self_qkv(pa, h, rope, config, act)
             out, new_state = attend_layer(q, k, v, state, layer)
-            return L.linear(pa["o"], out.reshape(b, n, config.dim)), new_state
+            return L.linear(pa["o"], out.astype(act).reshape(b, n, config.dim), act), new_state
 
-        return _block(p, x, e0, ck, cv, gf, attention, config, backend)
+        return _block(p, x, e0, ck, cv, gf, attention, config, backend, act)
 
     if remat:
         run_block = jax.checkpoint(run_block, static_argnums=(6,))
