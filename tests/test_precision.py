@@ -263,8 +263,9 @@ def test_the_bf16_policy_feeds_the_gpu_attention_kernel_bf16_queries_keys_and_va
 def test_bf16_rollout_stays_within_the_measured_distance_of_float32():
     """Four chunks of the tiny model (3-frame chunks, a 6-frame window that wraps), same weights (rounded to bf16
     for the bf16 run), context and noise. Measured with `benchmarks/precision.py --models tiny --chunks 6
-    --seeds 0,1,2,3,4`: per-chunk max-abs error over the reference's max abs 2.5e-3 to 4.9e-3, RMS relative 2.9e-3
-    to 3.8e-3, flat over the chunks. Bounds: 3x the worst. The error must also be clearly non-zero (5x below the
+    --seeds 0,1,2,3,4` (GEMMs emitting bf16, bias/GELU/norms/modulation/RoPE in bf16, residual float32):
+    per-chunk max-abs error over the reference's max abs 5.6e-3 to 6.7e-3 over the six chunks (worst of the
+    seeds), RMS relative 4.4e-3 to 4.7e-3, flat over the chunks. Bounds: 3x the worst. The error must also be clearly non-zero (5x below the
     least measured: the bf16 path is not float32 under another name) and must not grow along the stream by more
     than 2x."""
     f32, bf16 = Precision.f32(), Precision.bf16()
@@ -281,6 +282,6 @@ def test_bf16_rollout_stays_within_the_measured_distance_of_float32():
         got, want = out["bf16"][:, 3 * i : 3 * i + 3], out["f32"][:, 3 * i : 3 * i + 3]
         rel.append(np.abs(got - want).max() / np.abs(want).max())
         rms.append(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
-    assert max(rel) <= 1.5e-2 and max(rms) <= 1.2e-2, (rel, rms)
+    assert max(rel) <= 2.0e-2 and max(rms) <= 1.4e-2, (rel, rms)
     assert min(rel) >= 5e-4, rel
     assert max(rel[1:]) <= 2 * max(rel[0], 1e-3), rel

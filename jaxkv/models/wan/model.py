@@ -46,7 +46,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention import MaskSpec, attend, rope_ranks
+from jaxkv.attention.fp8 import fp8_attend
 from jaxkv.cache import MixedCache, MixedSpec, RingSpec, policy_class
+from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models.wan import layers as L
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import param_shapes
@@ -618,8 +620,11 @@ def forward_teacher_forcing(
 # ------------------------------------------------------------------------------------------------ streaming
 
 
-def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32):
+def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32, fp8: bool = False):
     """An empty stacked cache for all layers: k, v [layers, batch, capacity, heads, head_dim].
+
+    fp8: store K/V in FP8 e4m3 with per-(chunk, head) float32 scales (`jaxkv.cache.fp8.Fp8Cache`, read and written
+    in ``dtype``; a `RingSpec` with policy "ring" only), as `jaxkv.precision.Precision.fp8_kv` asks.
 
     spec and policy:
       * a `RingSpec` with policy "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling"
@@ -628,6 +633,13 @@ def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dty
       * a `jaxkv.cache.MixedSpec`: a `jaxkv.cache.MixedCache`, every ``spec.period``-th layer dilated and the others
         dense under ``policy`` ("ring" or "rolling"); num_layers must be a multiple of the period.
     """
+    if fp8:
+        if policy != "ring" or type(spec) is not RingSpec:
+            raise ValueError(
+                f"an FP8 cache is a ring cache: pass a RingSpec with policy 'ring', got {type(spec).__name__} with "
+                f"policy {policy!r}"
+            )
+        return Fp8Cache.init(spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers)
     if isinstance(spec, MixedSpec):
         dense = policy_class(policy, spec.dense)
         return MixedCache.init(
@@ -707,18 +719,44 @@ def forward_chunk(
             "cache = cache.begin_chunk() before the chunk's first forward"
         )
 
-    if rope == "absolute":
+    if rope == "absolute" and not precision.fp8_attention:
 
         def self_attention(q, k, v, cache, layer):
             return cached_attention(cache, q, k, v, layer=layer, backend=backend)  # mask: cache.spec.mask()
+    elif rope == "absolute":  # FP8 attention: the same write and read, attended by `fp8_attend`
+
+        def self_attention(q, k, v, cache, layer):
+            dtype = cache.dtype
+            cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
+            kc, vc = cache.layer_kv(layer)
+            out = fp8_attend(
+                q.astype(dtype),
+                kc,
+                vc,
+                cache.chunk_positions(),
+                cache.positions,
+                mask=cache.spec.mask(),
+                backend=backend,
+            )
+            return out.astype(q.dtype), cache
     else:
+        attend_fn = fp8_attend if precision.fp8_attention else attend
 
         def self_attention(q, k, v, cache, layer):
             dtype = cache.dtype
             cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
             kc, vc = cache.layer_kv(layer)
             return _relative_attend(
-                q, kc, vc, cache.chunk_positions(), cache.positions, cache.spec.mask(), (gh, gw), config, backend
+                q,
+                kc,
+                vc,
+                cache.chunk_positions(),
+                cache.positions,
+                cache.spec.mask(),
+                (gh, gw),
+                config,
+                backend,
+                attend_fn,
             ), cache
 
     return _dit(
@@ -737,17 +775,20 @@ def forward_chunk(
     )
 
 
-def _relative_attend(q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend):
+def _relative_attend(
+    q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend, attend_fn=attend
+):
     """Attention of unrotated q [batch, q_tokens, heads, head_dim] to a layer's unrotated cached keys kc and values
     vc [batch, capacity, heads, head_dim], both rotated here by cache rank (`cache_relative_rope`); q's dtype out.
 
     The rotation happens outside `attend` (which then takes no rope), so every backend, cuDNN included, runs
-    its plain kernel: Wan's RoPE is 3-D, unlike `jaxkv.attention.CacheRope`'s 1-D rotation."""
+    its plain kernel: Wan's RoPE is 3-D, unlike `jaxkv.attention.CacheRope`'s 1-D rotation. ``attend_fn``: `attend`
+    or `jaxkv.attention.fp8.fp8_attend` (same arguments)."""
     dtype = kc.dtype
     q_rope, k_rope = cache_relative_rope(q_positions, kv_positions, grid_hw, config)
     q_rot = apply_rope(q.astype(jnp.float32), *q_rope).astype(dtype)
     k_rot = apply_rope(kc, *k_rope)
-    out = attend(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend)
+    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend)
     return out.astype(q.dtype)
 
 
@@ -768,6 +809,12 @@ def _check_cross(config: WanConfig, cross: CrossKV, batch: int) -> None:
 
 
 def _check_cache_dtypes(cache, cross: CrossKV, precision: Precision) -> None:
+    if isinstance(cache, Fp8Cache) != precision.fp8_kv:
+        raise ValueError(
+            f"the cache is {'an FP8' if isinstance(cache, Fp8Cache) else 'a ' + jnp.dtype(cache.dtype).name} cache "
+            f"but the precision's fp8_kv is {precision.fp8_kv}; build the cache with init_cache(..., "
+            f"fp8=precision.fp8_kv) or pass the matching precision"
+        )
     for name, dtype in (("cache", cache.dtype), ("cross K", cross.k.dtype), ("cross V", cross.v.dtype)):
         if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
             raise ValueError(
@@ -813,6 +860,8 @@ def recompute_cache(
     """
     check_rope_mode(rope)
     precision = _precision(params, precision)
+    if isinstance(cache, Fp8Cache):
+        raise ValueError("recompute_cache does not rebuild an FP8 cache (fp8_kv); re-cache with a bf16 cache")
     if isinstance(cache, MixedCache) or not isinstance(cache.spec, RingSpec):
         raise ValueError(
             f"recompute_cache rebuilds a sink + window cache (ring or rolling, a RingSpec); a "
