@@ -44,7 +44,7 @@ def test_presets_names_hashing_and_validation():
     assert hash(bf16) == hash(Precision.named("bfloat16")) and bf16 != Precision.f32()
     assert Precision.f32().name == "float32" and bf16.name == "bfloat16"
     assert Precision(cache_dtype="bfloat16").name is None
-    assert sorted(PRESETS) == ["bfloat16", "float32"]
+    assert sorted(PRESETS) == ["bfloat16", "float32", "fp8"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         bf16.cache_dtype = "float32"
     for bad, match in (
