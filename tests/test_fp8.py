@@ -190,7 +190,9 @@ def test_fp8_precision_builds_an_fp8_ring_and_mismatches_are_refused():
     with pytest.raises(ValueError, match="the cache is an FP8 cache but the precision's fp8_kv is False"):
         wan.forward_chunk(params, CFG, fp8_cache, cross, x, jnp.zeros((1,)), precision=Precision.bf16())
     with pytest.raises(ValueError, match="does not rebuild an FP8 cache"):
-        wan.recompute_cache(params, CFG, fp8_cache, cross, jnp.zeros((1, 2, *HW, CFG.in_dim)), jnp.zeros((1,)))
+        wan.recompute_cache(
+            params, CFG, fp8_cache, cross, jnp.zeros((1, 2, *HW, CFG.in_dim)), jnp.zeros((1,)), precision=precision
+        )
     with pytest.raises(ValueError, match="an FP8 cache is a ring cache"):
         wan.init_cache(CFG, rc.spec(CFG), 1, policy="rolling", fp8=True)
 
