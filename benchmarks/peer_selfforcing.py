@@ -146,6 +146,13 @@ def import_self_forcing(src: str, device: str = "cpu"):
     if device == "cpu":
         causal_model.attention = sdpa  # self-attention over the KV cache
         wan_model.flash_attention = sdpa  # cross-attention (WanT2VCrossAttention)
+    else:
+        from wan.modules import attention as sf_attention
+
+        if not (sf_attention.FLASH_ATTN_2_AVAILABLE or sf_attention.FLASH_ATTN_3_AVAILABLE):
+            # its cross-attention calls flash-attn directly (an assert without it); route it through the pipeline's
+            # own fallback, the SDPA path its self-attention already takes without flash-attn
+            wan_model.flash_attention = sf_attention.attention
     return causal_model.CausalWanModel, wan_wrapper, CausalInferencePipeline
 
 
