@@ -1,31 +1,46 @@
-"""One command for a lent GPU: kernel correctness at Wan shapes, Pallas vs cuDNN vs XLA attention, and a full Wan 1.3B
-chunk on the ring cache; JSON out. Sized for < 8 minutes on one H100/H200.
+"""One command for a lent GPU: kernel correctness at Wan shapes, the attention kernels, the Wan 1.3B chunk per backend
+and precision, a kernel-time breakdown from a device trace, and Self-Forcing's own pipeline on the same GPU; JSON out.
+Sized for < 6 minutes on one H200. Every part runs in a fresh subprocess (so each one's peak memory is its own; a
+part that fails or times out is recorded and the others still run):
 
-1. ``correctness``: the Pallas ring kernel and the cuDNN path (`attend(backend=...)`) against the dense reference
+1. ``attention``: the Pallas ring kernel and the cuDNN path (`attend(backend=...)`) against the dense reference
    (float32 math on the same bf16 inputs) on a partially filled ring and a wrapped one with a sink, Wan 1.3B's
-   12 x 128 heads, a 4,680-token chunk.
-2. ``attention``: 4,680 queries x 9,360 / 23,400 / 37,440 keys, 12 x 128, bf16, full rings (the streaming steady
-   state): ms per call for the Pallas kernel, cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")` through
-   `jaxkv.attention.cudnn`, including its run-time length check) and XLA (`jax.nn.dot_product_attention(
-   implementation="xla")`, no mask), and pallas/cudnn (target <= 1/0.9).
-3. ``wan_chunk``: Wan 2.1 1.3B with random bf16 weights, 480x832 (60x104 latents, 1,560 tokens/frame), 3-frame
-   chunks, sink 3 + window 18 frames, bf16 cache, 4 steps + the context pass, `jaxkv.rollout.Stream` with
-   backend "auto": ms/chunk (median after the cache has filled and wrapped), latent and video frames per second
-   (a 3-latent-frame chunk decodes to 12 video frames), peak device memory, and the backend `auto` chose.
+   12 x 128 heads, a 4,680-token chunk; then 4,680 queries x 9,360 / 23,400 / 37,440 keys, full rings: ms per call
+   for Pallas, cuDNN (`jaxkv.attention.cudnn`) and XLA (`jax.nn.dot_product_attention(implementation="xla")`).
+2. ``chunk:BACKEND:PRECISION`` (one part per row of ``--rows``): Wan 2.1 1.3B with random weights, 480x832 (60x104
+   latents, 1,560 tokens/frame), 3-frame chunks, sink 3 + window 18 frames, 4 steps + the context pass,
+   `jaxkv.rollout.Stream`: ms/chunk (median after the cache has filled and wrapped), latent and video frames per
+   second, first-chunk (compile) seconds, peak device memory, the KV cache's bytes. PRECISION is ``bf16``
+   (`Precision.bf16()`), ``fp8`` (`Precision.fp8()`: FP8 cache + cuDNN FP8 attention) or ``bf16+fp8_kv`` (the FP8
+   cache alone).
+3. ``trace``: the ``--trace-row`` chunk (default auto:bf16) run to its steady state, then ``--trace-chunks`` chunks
+   under `jax.profiler.trace`; the trace file is parsed (`kernel_times`) into device time per chunk by kernel name,
+   the top kernels and their share, and totals by kind (attention, GEMM, fusion, copy, other).
+4. ``peer``: Self-Forcing's own ``CausalInferencePipeline`` on the same GPU at the same shapes
+   (``benchmarks/peer_selfforcing.py --device cuda``, reading the checkout ``--sf-src`` or ``SF_SRC`` names; skipped,
+   and said so, without one).
 
-    python benchmarks/gpu_check.py [--json PATH] [--skip-wan] [--timed N]
-    python benchmarks/gpu_check.py --dry-run      # the same code paths at tiny shapes on CPU (Pallas interpreted,
-                                                  # cuDNN reported as unavailable), in seconds
+``summary`` gives the ratios: each row's ms/chunk and peak memory against auto:bf16 and against Self-Forcing's.
+
+    python benchmarks/gpu_check.py [--json PATH] [--rows auto:bf16,auto:fp8,...] [--sf-src DIR] [--timed N]
+    python benchmarks/gpu_check.py --dry-run      # every part at toy sizes on CPU (Pallas interpreted, cuDNN
+                                                  # reported unavailable, FP8 attention emulated), in a few minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import glob
+import gzip
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -40,6 +55,15 @@ from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.precision import Precision
 
+PRECISIONS = {
+    "bf16": Precision.bf16(),
+    "fp8": Precision.fp8(),
+    "bf16+fp8_kv": dataclasses.replace(Precision.bf16(), fp8_kv=True),
+}
+ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,pallas:bf16,xla:bf16"
+DRY_ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,xla:bf16"
+# seconds a part may take before it is stopped (and recorded as timed out)
+PART_TIMEOUT = {"attention": 120, "chunk": 110, "trace": 90, "peer": 150}
 FULL = dict(
     heads=12,
     head_dim=128,
@@ -134,9 +158,11 @@ def time_attention(s: dict, interpret: bool, cudnn_ok: bool, reps: int) -> list[
     return rows
 
 
-def wan_chunk(s: dict, timed: int) -> dict:
+def wan_chunk(s: dict, timed: int, backend: str = "auto", precision_name: str = "bf16", trace_dir=None) -> dict:
+    """One row: the Wan chunk under ``backend`` and ``PRECISIONS[precision_name]``; with ``trace_dir``, the
+    ``timed`` chunks run under `jax.profiler.trace` into it (and the row's timing is then not representative)."""
     config = wan.preset(s["wan"])
-    precision = Precision.bf16()
+    precision = PRECISIONS[precision_name]
     params = M.init_params(config, jax.random.key(0), dtype=precision.param_dtype)
     h, w = s["latent"]
     rc = R.RolloutConfig(
@@ -146,12 +172,12 @@ def wan_chunk(s: dict, timed: int) -> dict:
         window_frames=s["window"],
         sink_frames=s["sink"],
         precision=precision,
-        backend="auto",
+        backend=backend,
     )
     context = jax.random.normal(jax.random.key(1), (1, config.text_len, config.text_dim), jnp.bfloat16)
     tpf = rc.tokens_per_frame(config)
     chosen = resolve_backend(
-        "auto",
+        backend,
         head_dim=config.head_dim,
         dtypes=(jnp.bfloat16,) * 3,
         rope=None,
@@ -165,29 +191,168 @@ def wan_chunk(s: dict, timed: int) -> dict:
     for _ in range(fill - 1):
         jax.block_until_ready(next(stream))
     times = []
-    for _ in range(timed):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(next(stream))
-        times.append(time.perf_counter() - t0)
+
+    def timed_chunks():
+        for _ in range(timed):
+            t0 = time.perf_counter()
+            x = jax.block_until_ready(next(stream))
+            times.append(time.perf_counter() - t0)
+        return x
+
+    if trace_dir is None:
+        x = timed_chunks()
+    else:
+        with jax.profiler.trace(trace_dir):
+            x = timed_chunks()
     ms = statistics.median(times) * 1e3
     stats = jax.devices()[0].memory_stats() or {}
+    cache = stream.state.cache
     return {
         "model": s["wan"],
+        "backend": backend,
+        "precision": precision_name,
+        "precision_fields": dataclasses.asdict(precision),
         "latent_hw": [h, w],
         "tokens_per_chunk": 3 * tpf,
         "sink_frames": s["sink"],
         "window_frames": s["window"],
-        "precision": dataclasses.asdict(precision),
         "auto_backend": chosen,
         "first_chunk_s (compile)": first,
         "ms_per_chunk": ms,
+        "timed_chunks": timed,
         "latent_fps": 3 / (ms / 1e3),
         "video_fps": 12 / (ms / 1e3),
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "kv_cache_bytes": int(sum(a.nbytes for a in jax.tree.leaves(cache))),
         "finite": bool(jnp.all(jnp.isfinite(x))),
         "compiles": R.stream_step._cache_size(),
-        "targets_ms": {"flashdreams_h100": 344, "self_forcing": 432},
     }
+
+
+# ------------------------------------------------------------------------------------------------ the trace
+
+# Derived rows of a device's trace that repeat its kernels' time (module and op spans, step markers).
+_SUMMARY_THREADS = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source", "TraceMe")
+# Host-side bookkeeping spans on an XLA:CPU trace (the dry run parses one): not kernels.
+_CPU_BOOKKEEPING = ("ThreadpoolListener", "ThunkExecutor", "end: ", "$")
+KINDS = (
+    ("attention", ("fmha", "flash", "cudnn", "attention", "mha", "fprop_kernel", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "ynn_fusion", "dot")),
+    ("copy", ("memcpy", "memset", "copy", "dynamic_slice", "dynamic-update-slice", "dynamic_update_slice")),
+    ("fusion", ("fusion",)),
+)
+
+
+def kind_of(name: str) -> str:
+    """A kernel's kind by its name: attention, gemm, copy, fusion or other (first match in `KINDS` order)."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_times(trace: dict) -> tuple[dict, str]:
+    """Device time by kernel name from a Chrome-format trace (`jax.profiler.trace`'s ``*.trace.json.gz``).
+
+    The kernels are the complete events (``ph == "X"``) of every process named ``/device:...`` (a GPU), on its
+    stream rows (the threads named ``Stream...``; all its threads but the derived summary rows when none is so
+    named). A trace without a device process (XLA:CPU) falls back to the host's XLA worker threads (thread names
+    with ``XLA``), minus their bookkeeping spans: the dry run's stand-in for kernels.
+
+    Returns ({name: {"us": total microseconds, "calls": count}}, "device" or "host").
+    """
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    procs = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    threads = {
+        (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
+    if devices:
+        streams = {key for key, name in threads.items() if key[0] in devices and name.startswith("Stream")}
+        if streams:
+            keep = lambda e: (e["pid"], e.get("tid")) in streams
+        else:
+            keep = lambda e: (
+                e["pid"] in devices and not threads.get((e["pid"], e.get("tid")), "").startswith(_SUMMARY_THREADS)
+            )
+        where = "device"
+    else:
+        xla = {key for key, name in threads.items() if "XLA" in name}
+        keep = lambda e: (e["pid"], e.get("tid")) in xla and not e.get("name", "").startswith(_CPU_BOOKKEEPING)
+        where = "host"
+    out = collections.defaultdict(lambda: {"us": 0.0, "calls": 0})
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and keep(e):
+            out[e["name"]]["us"] += float(e["dur"])
+            out[e["name"]]["calls"] += 1
+    return dict(out), where
+
+
+def read_trace(trace_dir: str) -> dict:
+    """The Chrome-format trace `jax.profiler.trace(trace_dir)` wrote (the newest ``*.trace.json.gz`` under it)."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        return json.load(f)
+
+
+def breakdown(times: dict, chunks: int, top: int = 15) -> dict:
+    """Per chunk: total kernel ms, ms by kind, and the ``top`` kernels by time (ms, calls, share of the total)."""
+    total = sum(t["us"] for t in times.values())
+    by_kind = collections.defaultdict(float)
+    for name, t in times.items():
+        by_kind[kind_of(name)] += t["us"]
+    ranked = sorted(times.items(), key=lambda kv: -kv[1]["us"])[:top]
+    return {
+        "chunks": chunks,
+        "kernel_ms_per_chunk": total / 1e3 / chunks,
+        "kernels": len(times),
+        "by_kind_ms_per_chunk": {k: v / 1e3 / chunks for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [
+            {
+                "name": name[:160],
+                "kind": kind_of(name),
+                "ms_per_chunk": t["us"] / 1e3 / chunks,
+                "calls_per_chunk": t["calls"] / chunks,
+                "share": t["us"] / total if total else 0.0,
+            }
+            for name, t in ranked
+        ],
+    }
+
+
+def trace_part(s: dict, row: str, chunks: int) -> dict:
+    backend, precision = parse_row(row)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = wan_chunk(s, chunks, backend, precision, trace_dir=tmp)
+        times, where = kernel_times(read_trace(tmp))
+    return {"row": row, "events_from": where, **breakdown(times, chunks), "traced_ms_per_chunk": result["ms_per_chunk"]}
+
+
+# ------------------------------------------------------------------------------------------------ Self-Forcing
+
+
+def peer_part(sf_src: str | None, dry: bool, timed: int) -> dict:
+    """Self-Forcing's pipeline alone on this device (`benchmarks/peer_selfforcing.py --device ...`), in this part's
+    own process; its JSON row."""
+    if not sf_src:
+        return {"skipped": "no Self-Forcing checkout: pass --sf-src DIR or set SF_SRC"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peer.json")
+        cmd = [sys.executable, os.path.join(here, "peer_selfforcing.py"), "--json", out, "--timed", str(timed)]
+        cmd += ["--device", "cpu", "--rows", "window6", "--torch-only"] if dry else ["--device", "cuda"]
+        proc = subprocess.run(cmd, env={**os.environ, "SF_SRC": sf_src}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"error": f"rc {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}", "command": cmd}
+        with open(out) as f:
+            result = json.load(f)
+    return {"command": " ".join(cmd[1:]), **result}
 
 
 def cudnn_available() -> bool:
@@ -199,20 +364,123 @@ def cudnn_available() -> bool:
         return False
 
 
+def parse_row(row: str) -> tuple[str, str]:
+    """ "BACKEND:PRECISION" -> (backend, precision name), checked."""
+    backend, _, precision = row.partition(":")
+    if backend not in ("auto", "cudnn", "pallas", "xla") or precision not in PRECISIONS:
+        raise ValueError(
+            f"row {row!r}: expected BACKEND:PRECISION with BACKEND in auto, cudnn, pallas, xla and PRECISION in "
+            f"{sorted(PRECISIONS)}"
+        )
+    return backend, precision
+
+
+def run_part(part: str, args) -> dict:
+    """One part, in this process: "attention", "chunk:BACKEND:PRECISION", "trace" or "peer"."""
+    s = DRY if args.dry_run else FULL
+    on_gpu = jax.default_backend() == "gpu"
+    if part == "attention":
+        cudnn_ok = cudnn_available()
+        return {
+            "cudnn": cudnn_ok,
+            "correctness": check_correctness(s, not on_gpu, cudnn_ok),
+            "timing": time_attention(s, not on_gpu, cudnn_ok, 2 if args.dry_run else args.reps),
+        }
+    if part.startswith("chunk:"):
+        backend, precision = parse_row(part[len("chunk:") :])
+        timed = 2 if args.dry_run else (max(2, args.timed // 2) if backend == "xla" else args.timed)
+        return wan_chunk(s, timed, backend, precision)
+    if part == "trace":
+        return trace_part(s, args.trace_row, args.trace_chunks)
+    if part == "peer":
+        return peer_part(args.sf_src, args.dry_run, 1 if args.dry_run else args.timed)
+    raise ValueError(f"unknown part {part!r}")
+
+
+def spawn_part(part: str, args, argv: list[str]) -> dict:
+    """`run_part` in a fresh interpreter (its own device memory and peak), bounded by `PART_TIMEOUT`; a failure or a
+    timeout is returned as {"error": ...}, never raised."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "part.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--part", part, "--part-out", out]
+        limit = PART_TIMEOUT[part.split(":")[0]] * (3 if args.dry_run else 1)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {limit} s", "wall_s": time.perf_counter() - t0}
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not os.path.exists(out):
+            return {"error": f"rc {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}", "wall_s": wall}
+        with open(out) as f:
+            result = json.load(f)
+    result["wall_s"] = wall
+    return result
+
+
+def summarize(result: dict) -> dict:
+    """Ratios: every chunk row against auto:bf16 and against Self-Forcing's pipeline (ms and peak memory), and the
+    targets (bf16 <= 330 ms, fp8 <= 260 ms, >= 1.6x Self-Forcing, peak memory <= Self-Forcing's)."""
+    rows = {k[len("chunk:") :]: v for k, v in result.items() if k.startswith("chunk:") and "ms_per_chunk" in v}
+    peer = result.get("peer", {})
+    peer_ms, peer_peak = peer.get("torch_ms"), peer.get("peak_bytes")
+    base = rows.get("auto:bf16", {}).get("ms_per_chunk")
+    out = {}
+    for name, row in rows.items():
+        ms, peak = row["ms_per_chunk"], row.get("peak_bytes_in_use")
+        entry = {"ms_per_chunk": ms, "video_fps": row["video_fps"], "peak_bytes": peak}
+        if base:
+            entry["vs_auto_bf16"] = ms / base
+        if peer_ms:
+            entry["self_forcing_over_this"] = peer_ms / ms
+            entry["meets_1.6x"] = peer_ms / ms >= 1.6
+        if peer_peak and peak:
+            entry["peak_over_self_forcing"] = peak / peer_peak
+        target = {"bf16": 330.0, "fp8": 260.0}.get(row["precision"])
+        if target and row["backend"] == "auto":
+            entry["target_ms"], entry["meets_target"] = target, ms <= target
+        out[name] = entry
+    if peer_ms:
+        out["self_forcing"] = {"ms_per_chunk": peer_ms, "peak_bytes": peer_peak}
+    return out
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on any backend (Pallas interpreted)")
-    parser.add_argument("--skip-wan", action="store_true", help="attention only")
-    parser.add_argument("--timed", type=int, default=5, help="timed Wan chunks")
+    parser.add_argument("--dry-run", action="store_true", help="toy shapes on any backend (Pallas interpreted)")
+    parser.add_argument("--skip-wan", action="store_true", help="the attention part only")
+    parser.add_argument("--rows", help=f"chunk rows, BACKEND:PRECISION,... (default {ROWS}; dry run {DRY_ROWS})")
+    parser.add_argument("--timed", type=int, default=5, help="timed Wan chunks per row (xla rows: half)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per attention path")
+    parser.add_argument("--trace-row", default="auto:bf16", help="the row the trace part runs")
+    parser.add_argument("--trace-chunks", type=int, default=2, help="chunks under the profiler")
+    parser.add_argument("--skip-trace", action="store_true")
+    parser.add_argument("--sf-src", default=os.environ.get("SF_SRC"), help="Self-Forcing checkout (default $SF_SRC)")
+    parser.add_argument("--in-process", action="store_true", help="run every part in this process (tests)")
     parser.add_argument("--json", help="write the results here (also printed)")
+    parser.add_argument("--part", help=argparse.SUPPRESS)
+    parser.add_argument("--part-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.dry_run:
         print(f"no GPU (jax backend {jax.default_backend()!r}); run with --dry-run to exercise the code paths")
         return 2
-    s = DRY if args.dry_run else FULL
-    interpret = not on_gpu
+    if args.part:  # a child: one part, JSON to --part-out
+        result = run_part(args.part, args)
+        with open(args.part_out, "w") as f:
+            json.dump(result, f, default=str)
+        return 0
+    rows = (args.rows or (DRY_ROWS if args.dry_run else ROWS)).split(",")
+    for row in rows + [args.trace_row]:
+        try:
+            parse_row(row)
+        except ValueError as e:
+            parser.error(str(e))
+    parts = ["attention"]
+    if not args.skip_wan:
+        parts += [f"chunk:{r}" for r in rows] + ([] if args.skip_trace else ["trace"]) + ["peer"]
+    child_argv = [a for a in argv if a not in ("--in-process",)]
     result = {
         "meta": {
             "jax": jax.__version__,
@@ -221,34 +489,32 @@ def main(argv=None) -> int:
             "machine": platform.platform(),
             "dry_run": args.dry_run,
             "python": sys.version.split()[0],
+            "parts": parts,
+            "fresh_process_per_part": not args.in_process,
         }
     }
     start = time.perf_counter()
-    cudnn_ok = cudnn_available()
-    result["meta"]["cudnn"] = cudnn_ok
-    for name, fn in (
-        ("correctness", lambda: check_correctness(s, interpret, cudnn_ok)),
-        ("attention", lambda: time_attention(s, interpret, cudnn_ok, 2 if args.dry_run else args.reps)),
-        ("wan_chunk", None if args.skip_wan else lambda: wan_chunk(s, 2 if args.dry_run else args.timed)),
-    ):
-        if fn is None:
-            continue
+    for part in parts:
         t0 = time.perf_counter()
-        try:
-            result[name] = fn()
-        except Exception:  # noqa: BLE001 - recorded in the JSON, the other parts still run
-            result[name] = {"error": traceback.format_exc(limit=4)}
-        result["meta"][f"{name}_s"] = time.perf_counter() - t0
+        if args.in_process:
+            try:
+                result[part] = run_part(part, args)
+            except Exception:  # noqa: BLE001 - recorded in the JSON, the other parts still run
+                result[part] = {"error": traceback.format_exc(limit=4)}
+        else:
+            result[part] = spawn_part(part, args, child_argv)
+        result["meta"][f"{part}_s"] = time.perf_counter() - t0
+        print(f"{part}: {result['meta'][f'{part}_s']:.1f} s" + (" (error)" if "error" in result[part] else ""))
+    result["summary"] = summarize(result)
     result["meta"]["total_s"] = time.perf_counter() - start
     text = json.dumps(result, indent=1, default=str)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
-    failed = [k for k, v in result.get("correctness", {}).items() if isinstance(v, dict) and not v.get("ok", True)]
-    errors = [
-        k for k in ("correctness", "attention", "wan_chunk") if isinstance(result.get(k), dict) and "error" in result[k]
-    ]
+    attention = result.get("attention", {})
+    failed = [k for k, v in attention.get("correctness", {}).items() if isinstance(v, dict) and not v.get("ok", True)]
+    errors = [k for k in parts if isinstance(result.get(k), dict) and "error" in result[k]]
     return 1 if failed or errors else 0
 
 

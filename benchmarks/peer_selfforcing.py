@@ -31,11 +31,21 @@ torch's OpenMP threads busy-wait and lose several-fold to oversubscription (meas
 16-22 s at 2 threads with a load average of 12 on 2 cores), which would flatter jaxkv.
 
 Without SF_SRC it says so, times the jaxkv half alone (random weights) and exits 0.
+
+``--torch-only`` times Self-Forcing's pipeline alone (no jaxkv stream, no comparison). ``--device cuda`` does that on
+the GPU at the shapes of `benchmarks/gpu_check.py` (which runs the jaxkv side in its own process and takes the
+ratio): Wan 2.1 1.3B with random weights in bfloat16, 480x832 (60 x 104 latents, 1,560 tokens per frame), 3-frame
+chunks, local_attn_size 21 frames with a 3-frame sink, the pipeline's own attention (flash-attn when installed, else
+its SDPA fallback), CUDA-synchronised ms per chunk after the cache has filled and wrapped, and the peak of
+``torch.cuda.max_memory_allocated``:
+
+    SF_SRC=/path/to/Self-Forcing python benchmarks/peer_selfforcing.py --device cuda [--timed N] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -53,7 +63,7 @@ import numpy as np
 from jaxkv import rollout as R
 from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan import model as M
-from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.config import WanConfig, preset
 
 CONFIG = WanConfig(
     dim=256, ffn_dim=1024, num_heads=2, num_layers=4, in_dim=16, out_dim=16, text_dim=256, text_len=512, freq_dim=256
@@ -63,6 +73,10 @@ CHUNK_FRAMES = 3
 # name -> (Self-Forcing local_attn_size frames, sink_size frames)
 ROWS = {"window6": (6, 0), "sink3_window21": (21, 3), "window42": (42, 0)}
 STEPS = (1000, 750, 500, 250)
+# --device cuda: gpu_check.py's shapes (Wan 1.3B, 480x832, local_attn_size 21 frames with a 3-frame sink), bf16
+GPU_CONFIG = preset("wan2.1-t2v-1.3b")
+GPU_LATENT_HW = (60, 104)
+GPU_ROW = (21, 3)
 
 
 # ------------------------------------------------------------------------------------------------ Self-Forcing
@@ -88,8 +102,9 @@ def _unavailable(what: str):
 
 
 @functools.lru_cache(maxsize=None)
-def import_self_forcing(src: str):
-    """Imports Self-Forcing's causal model, wrapper and pipeline from the checkout at `src`, patched for a CPU run.
+def import_self_forcing(src: str, device: str = "cpu"):
+    """Imports Self-Forcing's causal model, wrapper and pipeline from the checkout at `src`, patched for a run on
+    ``device`` (on "cpu" its attention is replaced by float32 SDPA; on "cuda" it keeps its own).
     Returns (CausalWanModel class, WanDiffusionWrapper class, CausalInferencePipeline class)."""
     import torch
 
@@ -109,7 +124,7 @@ def import_self_forcing(src: str):
     _stub("demo_utils", __path__=[])
     _stub(
         "demo_utils.memory",
-        gpu=torch.device("cpu"),
+        gpu=torch.device(device),
         get_cuda_free_memory_gb=_unavailable("CUDA memory"),
         DynamicSwapInstaller=None,
         move_model_to_device_with_memory_preservation=_unavailable("offloading"),
@@ -128,36 +143,41 @@ def import_self_forcing(src: str):
         out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return out.transpose(1, 2).contiguous()
 
-    causal_model.attention = sdpa  # self-attention over the KV cache
-    wan_model.flash_attention = sdpa  # cross-attention (WanT2VCrossAttention)
+    if device == "cpu":
+        causal_model.attention = sdpa  # self-attention over the KV cache
+        wan_model.flash_attention = sdpa  # cross-attention (WanT2VCrossAttention)
+    else:
+        from wan.modules import attention as sf_attention
+
+        if not (sf_attention.FLASH_ATTN_2_AVAILABLE or sf_attention.FLASH_ATTN_3_AVAILABLE):
+            # its cross-attention calls flash-attn directly (an assert without it); route it through the pipeline's
+            # own fallback, the SDPA path its self-attention already takes without flash-attn
+            wan_model.flash_attention = sf_attention.attention
     return causal_model.CausalWanModel, wan_wrapper, CausalInferencePipeline
 
 
-def build_self_forcing(src: str, local_attn_size: int, sink_size: int, seed: int = 0):
-    """Self-Forcing's pipeline around the benchmark model with random weights. Returns (pipeline, state_dict)."""
+def build_self_forcing(
+    src: str,
+    local_attn_size: int,
+    sink_size: int,
+    seed: int = 0,
+    *,
+    config: WanConfig = CONFIG,
+    latent_hw=LATENT_HW,
+    device: str = "cpu",
+    dtype=None,
+):
+    """Self-Forcing's pipeline around ``config`` with random weights, built on ``device`` (in ``dtype`` when given).
+    Returns (pipeline, state_dict)."""
     import torch
 
-    CausalWanModel, wan_wrapper, CausalInferencePipeline = import_self_forcing(src)
-    c = CONFIG
+    CausalWanModel, wan_wrapper, CausalInferencePipeline = import_self_forcing(src, device)
+    c = config
 
     def from_pretrained(path, local_attn_size=-1, sink_size=0):
         torch.manual_seed(seed)
-        model = CausalWanModel(
-            model_type="t2v",
-            patch_size=c.patch_size,
-            text_len=c.text_len,
-            in_dim=c.in_dim,
-            dim=c.dim,
-            ffn_dim=c.ffn_dim,
-            freq_dim=c.freq_dim,
-            text_dim=c.text_dim,
-            out_dim=c.out_dim,
-            num_heads=c.num_heads,
-            num_layers=c.num_layers,
-            local_attn_size=local_attn_size,
-            sink_size=sink_size,
-            eps=c.eps,
-        )
+        with torch.device(device):
+            model = _causal_wan(CausalWanModel, c, local_attn_size, sink_size)
         with torch.no_grad():  # Wan zero-initialises some outputs; re-draw everything so every weight matters
             for name, p in model.named_parameters():
                 if p.ndim >= 2 and "modulation" not in name:
@@ -168,7 +188,7 @@ def build_self_forcing(src: str, local_attn_size: int, sink_size: int, seed: int
                     p.copy_(torch.randn_like(p) / c.dim**0.5)
                 else:
                     p.copy_(0.02 * torch.randn_like(p))
-        return model
+        return model if dtype is None else model.to(dtype)
 
     wan_wrapper.CausalWanModel = types.SimpleNamespace(from_pretrained=from_pretrained)
     generator = wan_wrapper.WanDiffusionWrapper(
@@ -181,25 +201,44 @@ def build_self_forcing(src: str, local_attn_size: int, sink_size: int, seed: int
         independent_first_frame=False,
         context_noise=0,
     )
-    pipe = CausalInferencePipeline(args, device="cpu", generator=generator, text_encoder=object(), vae=object())
+    pipe = CausalInferencePipeline(args, device=device, generator=generator, text_encoder=object(), vae=object())
     pipe.num_transformer_blocks = c.num_layers
-    pipe.frame_seq_length = LATENT_HW[0] * LATENT_HW[1] // 4
+    pipe.frame_seq_length = latent_hw[0] * latent_hw[1] // 4
     return pipe, generator.model.state_dict()
 
 
-def reset_self_forcing(pipe, batch: int):
-    """The pipeline's KV and cross-attention caches, sized for the benchmark model (its own initialisers hard-code
-    Wan 1.3B's 12 x 128 heads)."""
+def _causal_wan(CausalWanModel, c: WanConfig, local_attn_size: int, sink_size: int):
+    return CausalWanModel(
+        model_type="t2v",
+        patch_size=c.patch_size,
+        text_len=c.text_len,
+        in_dim=c.in_dim,
+        dim=c.dim,
+        ffn_dim=c.ffn_dim,
+        freq_dim=c.freq_dim,
+        text_dim=c.text_dim,
+        out_dim=c.out_dim,
+        num_heads=c.num_heads,
+        num_layers=c.num_layers,
+        local_attn_size=local_attn_size,
+        sink_size=sink_size,
+        eps=c.eps,
+    )
+
+
+def reset_self_forcing(pipe, batch: int, config: WanConfig = CONFIG, device: str = "cpu", dtype=None):
+    """The pipeline's KV and cross-attention caches, sized for ``config`` (its own initialisers hard-code Wan 1.3B's
+    12 x 128 heads), on ``device`` in ``dtype`` (default float32)."""
     import torch
 
-    c, size = CONFIG, pipe.local_attn_size * pipe.frame_seq_length
-    zeros = lambda n: torch.zeros([batch, n, c.num_heads, c.head_dim])
+    c, size = config, pipe.local_attn_size * pipe.frame_seq_length
+    zeros = lambda n: torch.zeros([batch, n, c.num_heads, c.head_dim], dtype=dtype or torch.float32, device=device)
     pipe.kv_cache1 = [
         {
             "k": zeros(size),
             "v": zeros(size),
-            "global_end_index": torch.tensor([0]),
-            "local_end_index": torch.tensor([0]),
+            "global_end_index": torch.tensor([0], device=device),
+            "local_end_index": torch.tensor([0], device=device),
         }
         for _ in range(c.num_layers)
     ]
@@ -222,7 +261,7 @@ def self_forcing_chunk(pipe, cond: dict, noise, start_frame: int):
     start = start_frame * pipe.frame_seq_length
     with torch.no_grad():
         for i, t in enumerate(steps):
-            timestep = torch.ones([b, f], dtype=torch.int64) * t
+            timestep = torch.ones([b, f], dtype=torch.int64, device=x.device) * t
             _, x0 = pipe.generator(
                 noisy_image_or_video=x,
                 conditional_dict=cond,
@@ -233,7 +272,9 @@ def self_forcing_chunk(pipe, cond: dict, noise, start_frame: int):
             )
             if i < len(steps) - 1:
                 x = pipe.scheduler.add_noise(
-                    x0.flatten(0, 1), noise[i + 1].flatten(0, 1), steps[i + 1] * torch.ones([b * f], dtype=torch.long)
+                    x0.flatten(0, 1),
+                    noise[i + 1].flatten(0, 1),
+                    steps[i + 1] * torch.ones([b * f], dtype=torch.long, device=x.device),
                 ).unflatten(0, x0.shape[:2])
         pipe.generator(
             noisy_image_or_video=x0,
@@ -343,6 +384,57 @@ def run_row(name: str, sf_src: str | None, timed: int, backends: tuple[str, ...]
     return row
 
 
+def run_torch_only(sf_src: str, device: str, timed: int, seed: int = 0) -> dict:
+    """Self-Forcing's pipeline alone on ``device``: on "cuda" at `GPU_CONFIG` / `GPU_LATENT_HW` / `GPU_ROW` in
+    bfloat16, on "cpu" at the medium model's window6 row in float32 (the dry run of the GPU command). ms per chunk
+    (median of ``timed`` chunks after fill + wrap, synchronised), peak device memory on CUDA."""
+    import torch
+
+    torch.set_grad_enabled(False)
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    config, hw, (local, sink) = (GPU_CONFIG, GPU_LATENT_HW, GPU_ROW) if cuda else (CONFIG, LATENT_HW, ROWS["window6"])
+    dtype = torch.bfloat16 if cuda else torch.float32
+    pipe, _ = build_self_forcing(sf_src, local, sink, seed, config=config, latent_hw=hw, device=device, dtype=dtype)
+    reset_self_forcing(pipe, 1, config, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cond = {
+        "prompt_embeds": torch.randn([1, config.text_len, config.text_dim], generator=gen, device=device, dtype=dtype)
+    }
+    shape = (len(STEPS), 1, CHUNK_FRAMES, config.in_dim, *hw)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    fill = local // CHUNK_FRAMES + 1
+    times = []
+    for n in range(fill + timed):
+        noise = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        sync()
+        t0 = time.perf_counter()
+        out = self_forcing_chunk(pipe, cond, noise, n * CHUNK_FRAMES)
+        sync()
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times[fill:]) * 1e3
+    return {
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if cuda else platform.processor(),
+        "torch": torch.__version__,
+        "self_forcing": sf_src,
+        "config": dataclasses.asdict(config),
+        "latent_hw": list(hw),
+        "local_attn_frames": local,
+        "sink_frames": sink,
+        "dtype": str(dtype),
+        "first_chunk_s": times[0],
+        "torch_ms": ms,
+        "video_fps": 12 / (ms / 1e3),
+        "timed_chunks": timed,
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "finite": bool(torch.isfinite(out).all()),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timed", type=int, default=5, help="timed chunks per row (after fill + wrap)")
@@ -358,7 +450,20 @@ def main(argv=None) -> int:
         "e.g. `taskset -c 1 ... --torch-threads 1`)",
     )
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: Self-Forcing alone on the GPU")
+    parser.add_argument("--torch-only", action="store_true", help="time Self-Forcing's pipeline alone (needs SF_SRC)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" or args.torch_only:
+        sf_src = os.environ.get("SF_SRC")
+        if not sf_src:
+            print("--device cuda / --torch-only time Self-Forcing's own pipeline: set SF_SRC to its checkout")
+            return 2
+        result = run_torch_only(sf_src, args.device, args.timed)
+        print(json.dumps(result, indent=1, default=str))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+        return 0
     rows = args.rows.split(",")
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:

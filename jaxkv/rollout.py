@@ -134,6 +134,11 @@ class RolloutConfig:
         if not isinstance(self.remat, (bool, np.bool_)):
             raise ValueError(f"RolloutConfig.remat must be a bool, got {self.remat!r}")
         object.__setattr__(self, "remat", bool(self.remat))
+        if precision.fp8_kv and (self.policy != "ring" or self.dilated_every):
+            raise ValueError(
+                f"an FP8 KV cache (precision.fp8_kv) is a ring cache: policy must be 'ring' with no dilated layers, "
+                f"got policy {self.policy!r}, dilated_every {self.dilated_every}"
+            )
         if self.rope == "cache-relative" and (self.policy not in WRAPPING_POLICIES or self.dilated_every):
             raise ValueError(
                 f"rope='cache-relative' runs the positions on a wrapped clock, which keeps the slot of "
@@ -275,7 +280,12 @@ def empty_cache(config: WanConfig, rc: RolloutConfig, sessions: int):
     dilated (dilated_every=1) or a `MixedCache`, in the precision's cache dtype."""
     policy = "dilated" if rc.dilated_every == 1 else rc.policy
     return M.init_cache(
-        config, rc.cache_spec(config), sessions, policy=policy, dtype=jnp.dtype(rc.precision.cache_dtype)
+        config,
+        rc.cache_spec(config),
+        sessions,
+        policy=policy,
+        dtype=jnp.dtype(rc.precision.cache_dtype),
+        fp8=rc.precision.fp8_kv,
     )
 
 

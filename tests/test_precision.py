@@ -44,7 +44,7 @@ def test_presets_names_hashing_and_validation():
     assert hash(bf16) == hash(Precision.named("bfloat16")) and bf16 != Precision.f32()
     assert Precision.f32().name == "float32" and bf16.name == "bfloat16"
     assert Precision(cache_dtype="bfloat16").name is None
-    assert sorted(PRESETS) == ["bfloat16", "float32"]
+    assert sorted(PRESETS) == ["bfloat16", "float32", "fp8"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         bf16.cache_dtype = "float32"
     for bad, match in (
@@ -157,9 +157,10 @@ def _dots(jaxpr):
 @pytest.mark.parametrize("precision", [Precision.f32(), Precision.bf16()], ids=["float32", "bfloat16"])
 def test_the_projections_multiply_in_the_compute_dtype_with_float32_accumulation(precision):
     """In one rollout chunk's program, every weight matmul (a dot whose rhs is a 2-D kernel) runs as the policy
-    says: the patch embedding and the 8 block projections (self q, k, v, o; cross q, o; ffn fc1, fc2) in
-    compute_dtype, the time embedding's two linears, the time projection and the head in float32 (as Wan runs
-    them), all accumulating into float32."""
+    says: the patch embedding and the 8 block projections (self q, k, v, o; cross q, o; ffn fc1, fc2) on
+    compute_dtype inputs and emitting compute_dtype (a bf16 GEMM writes bf16, accumulating in float32 inside, so
+    bias and GELU fuse into its epilogue), the time embedding's two linears, the time projection and the head in
+    float32 in and out (as Wan runs them)."""
     params = _params(precision)
     rc = R.RolloutConfig(*HW, chunk_frames=1, window_frames=2, precision=precision)
     state = R.init_state(params, CFG, rc, _context())
@@ -169,16 +170,61 @@ def test_the_projections_multiply_in_the_compute_dtype_with_float32_accumulation
     compute = precision.compute_dtype
     in_compute = sorted(d[3] for d in kernels if d[:2] == (compute, compute))
     in_f32 = sorted(d[3] for d in kernels if d[:2] == ("float32", "float32"))
-    assert all(d[2] == "float32" for d in kernels), kernels
+    emitted = {d[3]: d[2] for d in kernels}
     d, f, out = CFG.dim, CFG.ffn_dim, CFG.patch_volume * CFG.out_dim
     block = [(d, d)] * 6 + [(d, f), (f, d)]
     fixed = [(CFG.freq_dim, d), (d, d), (d, 6 * d), (d, out)]  # time fc1, fc2, time projection, head
     patch = [(CFG.patch_volume * CFG.in_dim, d)]
     if compute == "float32":
         assert in_f32 == sorted(block + fixed + patch) and len(kernels) == len(in_f32)
+        assert set(emitted.values()) == {"float32"}, kernels
     else:
         assert in_compute == sorted(block + patch) and in_f32 == sorted(fixed)
         assert len(kernels) == len(in_compute) + len(in_f32)
+        assert all(d[2] == compute for d in kernels if d[:2] == (compute, compute)), kernels
+        assert all(d[2] == "float32" for d in kernels if d[:2] == ("float32", "float32")), kernels
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs included."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("precision", [Precision.f32(), Precision.bf16()], ids=["float32", "bfloat16"])
+def test_gemm_epilogues_norms_and_rope_write_the_compute_dtype_and_the_residual_stays_float32(precision):
+    """In one forward_chunk: each block GEMM's bias is added in compute_dtype (the add consuming the dot's output
+    is compute_dtype: a bf16 epilogue, no float32 round trip), the FFN's GELU (its tanh) runs on compute_dtype, the
+    RMSNorms' outputs and RoPE (the q/k rotation's output) are compute_dtype, while the scan's residual carry [batch,
+    tokens, dim] stays float32 and the flow out is float32."""
+    params = _params(precision)
+    rc = R.RolloutConfig(*HW, chunk_frames=1, window_frames=2, precision=precision)
+    state = R.init_state(params, CFG, rc, _context())
+    x = jnp.zeros((1, 1, *HW, CFG.in_dim))
+    cache = state.cache.begin_chunk()
+    fn = lambda p, c, x: wan.forward_chunk(p, CFG, c, state.cross, x, jnp.zeros((1,)), precision=precision)
+    closed = jax.make_jaxpr(fn)(params, cache, x)
+    compute = precision.compute_dtype
+    eqns = list(_eqns(closed.jaxpr))
+    dots = {id(e.outvars[0]): e for e in eqns if e.primitive.name == "dot_general" and e.invars[1].aval.ndim == 2}
+    epilogues = [e for e in eqns if e.primitive.name == "add" and any(id(v) in dots for v in e.invars)]
+    block = [
+        e
+        for e in epilogues
+        if str(dots[next(id(v) for v in e.invars if id(v) in dots)].invars[0].aval.dtype) == compute
+    ]
+    assert len(block) >= 9  # patch embedding + the 8 block projections
+    assert {str(e.outvars[0].aval.dtype) for e in block} == {compute}
+    tanh = [str(e.outvars[0].aval.dtype) for e in eqns if e.primitive.name == "tanh"]
+    assert tanh and set(tanh) == {compute}, tanh
+    rsqrt = [e for e in eqns if e.primitive.name == "rsqrt"]
+    assert rsqrt and all(str(e.invars[0].aval.dtype) == "float32" for e in rsqrt)  # statistics in float32
+    scans = [e for e in eqns if e.primitive.name == "scan"]
+    carries = [v.aval for e in scans for v in e.outvars if v.aval.shape == (1, HW[0] * HW[1] // 4, CFG.dim)]
+    assert carries and all(str(a.dtype) == "float32" for a in carries), carries
+    assert str(closed.out_avals[0].dtype) == "float32"
 
 
 def test_the_bf16_policy_feeds_the_gpu_attention_kernel_bf16_queries_keys_and_values():
@@ -217,8 +263,9 @@ def test_the_bf16_policy_feeds_the_gpu_attention_kernel_bf16_queries_keys_and_va
 def test_bf16_rollout_stays_within_the_measured_distance_of_float32():
     """Four chunks of the tiny model (3-frame chunks, a 6-frame window that wraps), same weights (rounded to bf16
     for the bf16 run), context and noise. Measured with `benchmarks/precision.py --models tiny --chunks 6
-    --seeds 0,1,2,3,4`: per-chunk max-abs error over the reference's max abs 2.5e-3 to 4.9e-3, RMS relative 2.9e-3
-    to 3.8e-3, flat over the chunks. Bounds: 3x the worst. The error must also be clearly non-zero (5x below the
+    --seeds 0,1,2,3,4` (GEMMs emitting bf16, bias/GELU/norms/modulation/RoPE in bf16, residual float32):
+    per-chunk max-abs error over the reference's max abs 5.6e-3 to 6.7e-3 over the six chunks (worst of the
+    seeds), RMS relative 4.4e-3 to 4.7e-3, flat over the chunks. Bounds: 3x the worst. The error must also be clearly non-zero (5x below the
     least measured: the bf16 path is not float32 under another name) and must not grow along the stream by more
     than 2x."""
     f32, bf16 = Precision.f32(), Precision.bf16()
@@ -235,6 +282,6 @@ def test_bf16_rollout_stays_within_the_measured_distance_of_float32():
         got, want = out["bf16"][:, 3 * i : 3 * i + 3], out["f32"][:, 3 * i : 3 * i + 3]
         rel.append(np.abs(got - want).max() / np.abs(want).max())
         rms.append(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
-    assert max(rel) <= 1.5e-2 and max(rms) <= 1.2e-2, (rel, rms)
+    assert max(rel) <= 2.0e-2 and max(rms) <= 1.4e-2, (rel, rms)
     assert min(rel) >= 5e-4, rel
     assert max(rel[1:]) <= 2 * max(rel[0], 1e-3), rel

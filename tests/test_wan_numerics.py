@@ -363,7 +363,8 @@ def test_config_rejects_non_int_patch_and_bad_eps_or_theta():
 
 @pytest.mark.slow  # over 12 s on 2 loaded cores
 def test_bfloat16_precision_is_close_to_float32_on_the_same_rounded_weights():
-    """Precision.bf16(): bf16 matmul inputs and K/V with float32 accumulation; norms and modulation in float32.
+    """Precision.bf16(): bf16 matmuls (float32 accumulation, bf16 out), activations and K/V; norm statistics, the
+    modulation tables and the residual stream in float32.
     Bf16 params under the default float32 precision are refused, naming the leaf."""
     latents, t, ctx = _inputs(batch=1, frames=2, h=2, w=2)
     params = wan.init_params(CFG, jax.random.key(0), dtype=jnp.bfloat16)

@@ -16,7 +16,7 @@ from jaxkv.precision import PRESETS as PRECISION_PRESETS
 from jaxkv.validate import shorten, utf8_problem
 
 POLICIES = WINDOW_POLICIES  # the cache layer's sink + window policies (dilated layers: --dilated-every)
-PRECISIONS = tuple(PRECISION_PRESETS)  # jaxkv.precision presets: "float32", "bfloat16"
+PRECISIONS = tuple(PRECISION_PRESETS)  # jaxkv.precision presets: "float32", "bfloat16", "fp8"
 # Flags --precision replaced (each set one dtype of what is now one policy): refused with the migration.
 REPLACED_FLAGS = ("--param-dtype", "--cache-dtype")
 SWITCH_SINK = ("keep", "recompute")
@@ -138,10 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         choices=PRECISIONS,
         default=d["precision"],
-        help="dtype policy (jaxkv.precision.Precision): float32 everywhere, or bfloat16 = Self-Forcing's "
+        help="dtype policy (jaxkv.precision.Precision): float32 everywhere; bfloat16 = Self-Forcing's "
         "inference: weights (a checkpoint is cast on load; a 14B one takes ~28 GB instead of ~56 GB), "
-        "matmul inputs, KV cache and cross-attention K/V in bfloat16; accumulation, softmax, norms, "
-        "modulation, time embedding, head and RoPE stay float32",
+        "matmuls and their activations, KV cache and cross-attention K/V in bfloat16; accumulation, softmax, "
+        "norm statistics, the residual stream, time embedding and head stay float32; fp8 = bfloat16 with an "
+        "FP8 (e4m3) KV cache (half the bytes; ring policy only) and FP8 self-attention (cuDNN on a GPU, "
+        "emulated on CPU)",
     )
     for flag in REPLACED_FLAGS:
         m.add_argument(flag, dest=flag[2:].replace("-", "_"), help=argparse.SUPPRESS)

@@ -1,9 +1,11 @@
 """The small pure functions Wan 2.1 is built from: linear layers, norms, embeddings, patchify/unpatchify.
 
-Dtypes: the residual stream, norms, modulation and the sinusoidal embedding run in float32; a linear layer
-multiplies in its kernel's dtype and accumulates and returns float32. Which dtype each kernel is in for its matmul
-is decided in one place, the model's `jaxkv.precision.Precision` (`jaxkv.models.wan.model._compute_params`), never
-here.
+Dtypes: a linear layer multiplies in its kernel's dtype, accumulates in float32 and returns ``dtype`` (float32
+unless told); its bias is added in that dtype, so with a bf16 ``dtype`` the GEMM emits bf16 and the bias (and a
+following GELU) fuse into its epilogue. Norms compute their statistics in float32 and write ``dtype`` (float32
+unless told). Which dtype each kernel and activation is in is decided in one place, the model's
+`jaxkv.precision.Precision` (`jaxkv.models.wan.model`), never here; with the float32 defaults every function is
+exactly the float32 computation.
 """
 
 from __future__ import annotations
@@ -14,22 +16,28 @@ import jax.numpy as jnp
 from jaxkv.models.wan.config import WanConfig
 
 
-def linear(p, x):
-    """x [..., in] @ kernel [in, out] + bias [out] -> float32 [..., out]."""
+def linear(p, x, dtype=jnp.float32):
+    """x [..., in] @ kernel [in, out] + bias [out] -> ``dtype`` [..., out].
+
+    x is cast to the kernel's dtype; the product accumulates in float32 and comes out in ``dtype``
+    (``preferred_element_type``: a bf16 GEMM with float32 accumulation writes bf16), the bias is added in ``dtype``.
+    """
     kernel = p["kernel"]
-    y = jnp.matmul(x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
-    return y + p["bias"].astype(jnp.float32)
+    y = jnp.matmul(x.astype(kernel.dtype), kernel, preferred_element_type=dtype)
+    return y + p["bias"].astype(dtype)
 
 
-def rms_norm(x, scale, eps: float):
-    """RMSNorm over the last axis (Wan's ``WanRMSNorm``): x / sqrt(mean(x^2) + eps) * scale, float32."""
+def rms_norm(x, scale, eps: float, dtype=jnp.float32):
+    """RMSNorm over the last axis (Wan's ``WanRMSNorm``): x / sqrt(mean(x^2) + eps) * scale, computed in float32,
+    written in ``dtype``."""
     x = x.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-    return x * scale.astype(jnp.float32)
+    return (x * scale.astype(jnp.float32)).astype(dtype)
 
 
-def layer_norm(x, eps: float, scale=None, bias=None):
-    """LayerNorm over the last axis with biased variance, float32; affine only when scale/bias are given."""
+def layer_norm(x, eps: float, scale=None, bias=None, dtype=jnp.float32):
+    """LayerNorm over the last axis with biased variance, computed in float32 and written in ``dtype``; affine only
+    when scale/bias are given."""
     x = x.astype(jnp.float32)
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
@@ -38,7 +46,7 @@ def layer_norm(x, eps: float, scale=None, bias=None):
         x = x * scale.astype(jnp.float32)
     if bias is not None:
         x = x + bias.astype(jnp.float32)
-    return x
+    return x.astype(dtype)
 
 
 def gelu_tanh(x):
@@ -68,26 +76,27 @@ def time_embedding(params, config: WanConfig, timesteps):
     return e, e0.reshape(*e0.shape[:-1], 6, config.dim)
 
 
-def text_embedding(params, context):
-    """[batch, text_tokens, text_dim] -> float32 [batch, text_tokens, dim] (Linear, GELU-tanh, Linear)."""
+def text_embedding(params, context, dtype=jnp.float32):
+    """[batch, text_tokens, text_dim] -> ``dtype`` [batch, text_tokens, dim] (Linear, GELU-tanh, Linear; every
+    activation in ``dtype``)."""
     p = params["text_embedding"]
-    return linear(p["fc2"], gelu_tanh(linear(p["fc1"], context)))
+    return linear(p["fc2"], gelu_tanh(linear(p["fc1"], context, dtype)), dtype)
 
 
-def patchify(params, config: WanConfig, latents):
+def patchify(params, config: WanConfig, latents, dtype=jnp.float32):
     """Patch embedding (Wan's Conv3d with kernel = stride = patch).
 
     Args:
       latents: [batch, frames, height, width, in_dim], channels last.
     Returns:
-      float32 [batch, frames/pt * height/ph * width/pw, dim], tokens in (frame, row, column) raster order.
+      ``dtype`` [batch, frames/pt * height/ph * width/pw, dim], tokens in (frame, row, column) raster order.
     """
     b, f, h, w, c = latents.shape
     pt, ph, pw = config.patch_size
     x = latents.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c)
     x = x.transpose(0, 1, 3, 5, 2, 4, 6, 7).reshape(b, (f // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
     kernel = params["patch_embedding"]["kernel"]
-    return linear({"kernel": kernel.reshape(-1, kernel.shape[-1]), "bias": params["patch_embedding"]["bias"]}, x)
+    return linear({"kernel": kernel.reshape(-1, kernel.shape[-1]), "bias": params["patch_embedding"]["bias"]}, x, dtype)
 
 
 def unpatchify(config: WanConfig, tokens, grid: tuple[int, int, int]):

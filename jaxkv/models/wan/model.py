@@ -24,8 +24,9 @@ is the one place that casts weights for their matmuls (the large projections to 
 embedding, time projection and head to float32, as Wan runs them), `cross_kv` stores the text K/V in the policy's
 ``cache_dtype``, and every attention reads q, k, v in ``cache_dtype`` (the whole-sequence forwards cast to it as the
 cache would hold them, so a stream and the block-causal forward attend alike). The layers themselves never choose a
-dtype (`jaxkv.models.wan.layers`: float32 out of every
-matmul, float32 norms and modulation).
+dtype: every activation between the float32 residual stream and a GEMM is in `_activation_dtype` (the compute
+dtype: the GEMMs emit it with float32 accumulation, bias and GELU applied in it; norms, modulation and RoPE compute
+in float32 and write it), while the residual stream, the time embedding, modulation tables and head stay float32.
 
 Conventions: latents are channels-last ``[batch, frames, height, width, channels]`` on the latent grid; timesteps
 are on Wan's 0..1000 scale, one per batch row ``[batch]`` or one per (patch) frame ``[batch, frames // pt]``; text
@@ -45,7 +46,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention import MaskSpec, attend, rope_ranks
+from jaxkv.attention.fp8 import fp8_attend
 from jaxkv.cache import MixedCache, MixedSpec, RingSpec, policy_class
+from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models.wan import layers as L
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import param_shapes
@@ -211,6 +214,13 @@ def _block_params(p, precision: Precision):
     return _cast_kernels(p, precision.compute_dtype)
 
 
+def _activation_dtype(precision: Precision):
+    """The dtype the large GEMMs emit and the norms, modulation and RoPE write: the compute dtype (float32 under
+    `Precision.f32()`, bfloat16 under `Precision.bf16()`, as Self-Forcing's bf16 inference). The residual stream,
+    the time embedding, the modulation tables and the head stay float32 whatever it is."""
+    return jnp.dtype(precision.compute_dtype)
+
+
 def _precision(params, precision) -> Precision:
     """The checked `Precision` of a forward: a `Precision` or preset name, matching the params' dtype."""
     precision = as_precision(precision)
@@ -241,26 +251,28 @@ def cross_kv(
     """
     precision = _precision(params, precision)
     context = _check_context(config, context, None, pad_context)
-    ctx = L.text_embedding(_compute_params(params, precision), context)
+    act = _activation_dtype(precision)
+    ctx = L.text_embedding(_compute_params(params, precision), context, act)
     p = _block_params(params["blocks"]["cross_attn"], precision)
     cache = jnp.dtype(precision.cache_dtype)
 
     def one_layer(pk, pv, scale):
-        k = L.rms_norm(L.linear(pk, ctx), scale, config.eps)
-        return _heads(k, config).astype(cache), _heads(L.linear(pv, ctx), config).astype(cache)
+        k = L.rms_norm(L.linear(pk, ctx, act), scale, config.eps, act)
+        return _heads(k, config).astype(cache), _heads(L.linear(pv, ctx, act), config).astype(cache)
 
     k, v = jax.vmap(one_layer)(p["k"], p["v"], p["norm_k"]["scale"])
     return CrossKV(k, v)
 
 
-def _self_qkv(p, h, rope, config: WanConfig):
-    """RMSNorm'd (over the full dim) and rotated q, k and plain v, each float32 [batch, tokens, heads, head_dim].
+def _self_qkv(p, h, rope, config: WanConfig, act=jnp.float32):
+    """RMSNorm'd (over the full dim) and rotated q, k and plain v, each ``act`` [batch, tokens, heads, head_dim]
+    (the projections emit ``act``; norms and RoPE compute in float32 and write ``act``).
 
     rope: (cos, sin) float32 [batch, tokens, head_dim // 2] from `rope_cos_sin`, computed once per forward; None
     leaves q and k unrotated (cache-relative RoPE rotates them at read)."""
-    q = _heads(L.rms_norm(L.linear(p["q"], h), p["norm_q"]["scale"], config.eps), config)
-    k = _heads(L.rms_norm(L.linear(p["k"], h), p["norm_k"]["scale"], config.eps), config)
-    v = _heads(L.linear(p["v"], h), config)
+    q = _heads(L.rms_norm(L.linear(p["q"], h, act), p["norm_q"]["scale"], config.eps, act), config)
+    k = _heads(L.rms_norm(L.linear(p["k"], h, act), p["norm_k"]["scale"], config.eps, act), config)
+    v = _heads(L.linear(p["v"], h, act), config)
     if rope is None:
         return q, k, v
     return apply_rope(q, *rope), apply_rope(k, *rope), v
@@ -288,22 +300,25 @@ def cache_relative_rope(q_positions, kv_positions, grid_hw: tuple[int, int], con
     return rope_cos_sin(angles(q_rank)), rope_cos_sin(angles(k_rank))
 
 
-def _cross_attention(p, x, k, v, config: WanConfig, backend: str):
+def _cross_attention(p, x, k, v, config: WanConfig, backend: str, act=jnp.float32):
     """x [batch, tokens, dim] attends to the (hoisted) text keys/values [batch, text_len, heads, head_dim]; q is
-    cast to their dtype (one dtype for the attention kernels, as `cached_attention` does for the cache)."""
+    cast to their dtype (one dtype for the attention kernels, as `cached_attention` does for the cache). Returns
+    ``act`` [batch, tokens, dim]."""
     b, n, _ = x.shape
-    q = _heads(L.rms_norm(L.linear(p["q"], x), p["norm_q"]["scale"], config.eps), config)
+    q = _heads(L.rms_norm(L.linear(p["q"], x, act), p["norm_q"]["scale"], config.eps, act), config)
     zeros_q = jnp.zeros((b, n), jnp.int32)
     zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
-    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend).astype(jnp.float32)
-    return L.linear(p["o"], out.reshape(b, n, config.dim))
+    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend).astype(act)
+    return L.linear(p["o"], out.reshape(b, n, config.dim), act)
 
 
-def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, backend: str):
+def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, backend: str, act=jnp.float32):
     """One Wan block on x float32 [batch, tokens, dim] with per-frame e0 [batch, frames, 6, dim].
 
     ``self_attention(p_self_attn, h) -> (y, aux)`` computes the self-attention output [batch, tokens, dim] (and any
-    state it updates, e.g. the cache).
+    state it updates, e.g. the cache). ``act``: the dtype of every activation between the residual stream and a
+    GEMM (`_activation_dtype`): the norms + modulation write it, the projections and the FFN emit it, and each
+    branch's output is gated and added to the float32 residual in float32.
     """
     b, n, d = x.shape
     mod = p["modulation"].astype(jnp.float32)[None, None] + e0  # [batch, frames, 6, dim]
@@ -311,17 +326,16 @@ def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, bac
     shift1, scale1, gate1, shift2, scale2, gate2 = m
     flat = lambda y: y.reshape(b, n, d)
 
-    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale1) + shift1)
+    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale1) + shift1).astype(act)
     y, aux = self_attention(p["self_attn"], h)
-    x = x + flat(L.per_frame(y, frames) * gate1)
+    x = x + flat(L.per_frame(y.astype(jnp.float32), frames) * gate1)
 
-    x = x + _cross_attention(
-        p["cross_attn"], L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"]), ck, cv, config, backend
-    )
+    norm3 = L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"], act)
+    x = x + _cross_attention(p["cross_attn"], norm3, ck, cv, config, backend, act).astype(jnp.float32)
 
-    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale2) + shift2)
-    y = L.linear(p["ffn"]["fc2"], L.gelu_tanh(L.linear(p["ffn"]["fc1"], h)))
-    return x + flat(L.per_frame(y, frames) * gate2), aux
+    h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale2) + shift2).astype(act)
+    y = L.linear(p["ffn"]["fc2"], L.gelu_tanh(L.linear(p["ffn"]["fc1"], h, act)), act)
+    return x + flat(L.per_frame(y.astype(jnp.float32), frames) * gate2), aux
 
 
 def _head(params, config: WanConfig, x, e, frames: int):
@@ -351,9 +365,10 @@ def _dit(
     remat: bool = False,
 ):
     """The DiT on latents whose tokens sit at ``positions`` int32 [batch, tokens]: patch embedding, the blocks under
-    ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends the float32
-    q, k and v [batch, tokens, heads, head_dim], rotated at ``positions`` (unrotated when ``rotate`` is False: the
-    callback rotates them, as cache-relative RoPE does); ``state`` (e.g. the stacked cache) rides in the scan carry.
+    ``lax.scan`` over layers, the head. ``self_attention(q, k, v, state, layer) -> (out, state)`` attends q, k and v
+    [batch, tokens, heads, head_dim] in the activation dtype (`_activation_dtype`), rotated at ``positions``
+    (unrotated when ``rotate`` is False: the callback rotates them, as cache-relative RoPE does); ``state`` (e.g. the
+    stacked cache) rides in the scan carry.
     ``remat``: each block under `jax.checkpoint` (see `forward_teacher_forcing`).
     Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
     gf, gh, gw = _check_latents(config, latents)
@@ -361,18 +376,19 @@ def _dit(
     t = _frame_timesteps(timesteps, b, gf)
     rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta)) if rotate else None
     top = _compute_params(params, precision)
-    x = L.patchify(top, config, latents)
+    act = _activation_dtype(precision)
+    x = L.patchify(top, config, latents, act).astype(jnp.float32)  # the residual stream is float32
     e, e0 = L.time_embedding(top, config, t)
 
     def run_block(x, state, p, ck, cv, layer, attend_layer):
         p = _block_params(p, precision)
 
         def attention(pa, h):
-            q, k, v = _self_qkv(pa, h, rope, config)
+            q, k, v = _self_qkv(pa, h, rope, config, act)
             out, new_state = attend_layer(q, k, v, state, layer)
-            return L.linear(pa["o"], out.reshape(b, n, config.dim)), new_state
+            return L.linear(pa["o"], out.astype(act).reshape(b, n, config.dim), act), new_state
 
-        return _block(p, x, e0, ck, cv, gf, attention, config, backend)
+        return _block(p, x, e0, ck, cv, gf, attention, config, backend, act)
 
     if remat:
         run_block = jax.checkpoint(run_block, static_argnums=(6,))
@@ -604,8 +620,11 @@ def forward_teacher_forcing(
 # ------------------------------------------------------------------------------------------------ streaming
 
 
-def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32):
+def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32, fp8: bool = False):
     """An empty stacked cache for all layers: k, v [layers, batch, capacity, heads, head_dim].
+
+    fp8: store K/V in FP8 e4m3 with per-(chunk, head) float32 scales (`jaxkv.cache.fp8.Fp8Cache`, read and written
+    in ``dtype``; a `RingSpec` with policy "ring" only), as `jaxkv.precision.Precision.fp8_kv` asks.
 
     spec and policy:
       * a `RingSpec` with policy "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling"
@@ -614,6 +633,13 @@ def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dty
       * a `jaxkv.cache.MixedSpec`: a `jaxkv.cache.MixedCache`, every ``spec.period``-th layer dilated and the others
         dense under ``policy`` ("ring" or "rolling"); num_layers must be a multiple of the period.
     """
+    if fp8:
+        if policy != "ring" or type(spec) is not RingSpec:
+            raise ValueError(
+                f"an FP8 cache is a ring cache: pass a RingSpec with policy 'ring', got {type(spec).__name__} with "
+                f"policy {policy!r}"
+            )
+        return Fp8Cache.init(spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers)
     if isinstance(spec, MixedSpec):
         dense = policy_class(policy, spec.dense)
         return MixedCache.init(
@@ -693,18 +719,44 @@ def forward_chunk(
             "cache = cache.begin_chunk() before the chunk's first forward"
         )
 
-    if rope == "absolute":
+    if rope == "absolute" and not precision.fp8_attention:
 
         def self_attention(q, k, v, cache, layer):
             return cached_attention(cache, q, k, v, layer=layer, backend=backend)  # mask: cache.spec.mask()
+    elif rope == "absolute":  # FP8 attention: the same write and read, attended by `fp8_attend`
+
+        def self_attention(q, k, v, cache, layer):
+            dtype = cache.dtype
+            cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
+            kc, vc = cache.layer_kv(layer)
+            out = fp8_attend(
+                q.astype(dtype),
+                kc,
+                vc,
+                cache.chunk_positions(),
+                cache.positions,
+                mask=cache.spec.mask(),
+                backend=backend,
+            )
+            return out.astype(q.dtype), cache
     else:
+        attend_fn = fp8_attend if precision.fp8_attention else attend
 
         def self_attention(q, k, v, cache, layer):
             dtype = cache.dtype
             cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
             kc, vc = cache.layer_kv(layer)
             return _relative_attend(
-                q, kc, vc, cache.chunk_positions(), cache.positions, cache.spec.mask(), (gh, gw), config, backend
+                q,
+                kc,
+                vc,
+                cache.chunk_positions(),
+                cache.positions,
+                cache.spec.mask(),
+                (gh, gw),
+                config,
+                backend,
+                attend_fn,
             ), cache
 
     return _dit(
@@ -723,17 +775,20 @@ def forward_chunk(
     )
 
 
-def _relative_attend(q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend):
+def _relative_attend(
+    q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend, attend_fn=attend
+):
     """Attention of unrotated q [batch, q_tokens, heads, head_dim] to a layer's unrotated cached keys kc and values
     vc [batch, capacity, heads, head_dim], both rotated here by cache rank (`cache_relative_rope`); q's dtype out.
 
     The rotation happens outside `attend` (which then takes no rope), so every backend, cuDNN included, runs
-    its plain kernel: Wan's RoPE is 3-D, unlike `jaxkv.attention.CacheRope`'s 1-D rotation."""
+    its plain kernel: Wan's RoPE is 3-D, unlike `jaxkv.attention.CacheRope`'s 1-D rotation. ``attend_fn``: `attend`
+    or `jaxkv.attention.fp8.fp8_attend` (same arguments)."""
     dtype = kc.dtype
     q_rope, k_rope = cache_relative_rope(q_positions, kv_positions, grid_hw, config)
     q_rot = apply_rope(q.astype(jnp.float32), *q_rope).astype(dtype)
     k_rot = apply_rope(kc, *k_rope)
-    out = attend(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend)
+    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend)
     return out.astype(q.dtype)
 
 
@@ -754,6 +809,12 @@ def _check_cross(config: WanConfig, cross: CrossKV, batch: int) -> None:
 
 
 def _check_cache_dtypes(cache, cross: CrossKV, precision: Precision) -> None:
+    if isinstance(cache, Fp8Cache) != precision.fp8_kv:
+        raise ValueError(
+            f"the cache is {'an FP8' if isinstance(cache, Fp8Cache) else 'a ' + jnp.dtype(cache.dtype).name} cache "
+            f"but the precision's fp8_kv is {precision.fp8_kv}; build the cache with init_cache(..., "
+            f"fp8=precision.fp8_kv) or pass the matching precision"
+        )
     for name, dtype in (("cache", cache.dtype), ("cross K", cross.k.dtype), ("cross V", cross.v.dtype)):
         if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
             raise ValueError(
@@ -799,6 +860,8 @@ def recompute_cache(
     """
     check_rope_mode(rope)
     precision = _precision(params, precision)
+    if isinstance(cache, Fp8Cache):
+        raise ValueError("recompute_cache does not rebuild an FP8 cache (fp8_kv); re-cache with a bf16 cache")
     if isinstance(cache, MixedCache) or not isinstance(cache.spec, RingSpec):
         raise ValueError(
             f"recompute_cache rebuilds a sink + window cache (ring or rolling, a RingSpec); a "

@@ -1,0 +1,173 @@
+"""`Fp8Cache`: a ring cache whose keys and values are stored in FP8 (e4m3), half the bytes of bfloat16.
+
+It wraps a `RingCache` holding ``float8_e4m3fn`` K/V and keeps one float32 scale per (layer, session, chunk slot,
+head) for K and one for V beside it:
+
+  inner:          RingCache, k, v float8_e4m3fn [(layers,) batch, capacity, heads, head_dim]
+  k_scale, v_scale: float32 [(layers,) batch, num_slots, heads]   the scale of each slot's chunk, per head
+
+`write` takes K/V in the read dtype (the policy's ``cache_dtype``, e.g. bfloat16), takes each head's amax over the
+written chunk (its tokens and head_dim) as that chunk's scale (`jaxkv.fp8`: ``amax / 448``), and stores the
+quantized chunk and its scales in the reserved slot, both O(chunk). `layer_kv` dequantizes a layer on read (``x8 *
+scale``, in the read dtype), so every attention path that reads `layer_kv` runs unchanged on an FP8 cache;
+`layer_fp8` hands out the raw FP8 buffers and scales for a kernel that reads FP8 itself. Per-chunk scales follow the
+activations as a stream moves on (a chunk's scale is fixed when it is written, never rescaled by a later chunk), and
+per-head scales keep one loud head from flattening the others.
+
+Cost: K/V bytes halve against bfloat16 (a quarter of float32); the scales add ``2 * 4 * heads`` bytes per slot and
+layer (for Wan 1.3B's 12 heads and 4,680-token chunks: 96 bytes beside 2.9 MB of FP8 K/V). Only the ring policy is
+wrapped: the rolling cache shifts its buffers and would have to shift the scales with them, and dilated/mixed caches
+keep other layouts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv import fp8
+from jaxkv.cache.base import read_chunk_rows, write_chunk_rows
+from jaxkv.cache.ring import RingCache
+from jaxkv.cache.spec import RingSpec
+
+_READ_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@jax.tree_util.register_pytree_node_class
+class Fp8Cache:
+    """FP8 K/V ring cache with per-(slot, head) float32 scales; reads dequantize to ``read_dtype``.
+
+    It offers what a model's layer loop uses of a `RingCache` (`begin_chunk`, `write`, `layer_kv`, `reset`,
+    `positions`, `chunk_positions`, `replace` of positions/chunk_start, the shape facts); ``dtype`` is the read dtype,
+    the dtype `write` takes and `layer_kv` returns.
+    """
+
+    def __init__(self, inner: RingCache, k_scale, v_scale, read_dtype: str):
+        self.inner, self.k_scale, self.v_scale, self.read_dtype = inner, k_scale, v_scale, read_dtype
+
+    # ---------------------------------------------------------------- pytree
+
+    def tree_flatten(self):
+        return (self.inner, self.k_scale, self.v_scale), self.read_dtype
+
+    @classmethod
+    def tree_unflatten(cls, read_dtype, children):
+        return cls(*children, read_dtype)
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def init(cls, spec: RingSpec, batch: int, heads: int, head_dim: int, dtype=jnp.bfloat16, layers: int | None = None):
+        """An empty FP8 cache: k, v float8_e4m3fn zeros [(layers,) batch, capacity, heads, head_dim], scales 1,
+        every position -1; ``dtype`` is the read dtype (float32, bfloat16 or float16)."""
+        name = jnp.dtype(dtype).name
+        if name not in _READ_DTYPES:
+            raise ValueError(f"Fp8Cache: the read dtype must be one of {_READ_DTYPES}, got {name}")
+        inner = RingCache.init(spec, batch, heads, head_dim, dtype=fp8.FP8, layers=layers)
+        lead = () if layers is None else (int(layers),)
+        ones = jnp.ones((*lead, int(batch), spec.num_slots, int(heads)), jnp.float32)
+        return cls(inner, ones, ones, name)
+
+    def replace(self, **changes) -> "Fp8Cache":
+        """A copy with fields replaced: ``inner``, ``k_scale``, ``v_scale`` here; ``positions`` and ``chunk_start``
+        go to the inner cache. K/V bytes cannot be replaced (they would bypass quantization): write them."""
+        own = {f: changes.pop(f) for f in ("inner", "k_scale", "v_scale") if f in changes}
+        unknown = set(changes) - {"positions", "chunk_start"}
+        if unknown:
+            raise ValueError(f"Fp8Cache.replace: cannot replace {sorted(unknown)}; K/V go through write()")
+        inner = own.pop("inner", self.inner)
+        if changes:
+            inner = inner.replace(**changes)
+        return Fp8Cache(inner, own.get("k_scale", self.k_scale), own.get("v_scale", self.v_scale), self.read_dtype)
+
+    # ---------------------------------------------------------------- shape facts (the inner cache's)
+
+    spec = property(lambda self: self.inner.spec)
+    layers = property(lambda self: self.inner.layers)
+    batch = property(lambda self: self.inner.batch)
+    heads = property(lambda self: self.inner.heads)
+    head_dim = property(lambda self: self.inner.head_dim)
+    positions = property(lambda self: self.inner.positions)
+    chunk_start = property(lambda self: self.inner.chunk_start)
+    k = property(lambda self: self.inner.k, doc="The stored FP8 keys (raw, not dequantized).")
+    v = property(lambda self: self.inner.v, doc="The stored FP8 values (raw, not dequantized).")
+
+    @property
+    def dtype(self):
+        """The read dtype: what `write` takes and `layer_kv` returns."""
+        return jnp.dtype(self.read_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: FP8 k and v, positions and both scale arrays."""
+        return self.inner.nbytes + sum(int(np.prod(s.shape)) * 4 for s in (self.k_scale, self.v_scale))
+
+    def chunk_positions(self):
+        return self.inner.chunk_positions()
+
+    def chunk_offsets(self):
+        return self.inner.chunk_offsets()
+
+    def next_chunk_index(self):
+        return self.inner.next_chunk_index()
+
+    # ---------------------------------------------------------------- transitions
+
+    def begin_chunk(self, active=None) -> "Fp8Cache":
+        """`RingCache.begin_chunk`; the reserved slot's old scales stay until the chunk is written (its positions
+        are -1 meanwhile, so nothing reads them)."""
+        return self.replace(inner=self.inner.begin_chunk(active))
+
+    def reset(self, sessions=None) -> "Fp8Cache":
+        return self.replace(inner=self.inner.reset(sessions))
+
+    def write(self, k, v, layer=None, active=None) -> "Fp8Cache":
+        """Quantizes k, v [batch, chunk, heads, head_dim] (in the read dtype) with one scale per session and head
+        (amax over the chunk's tokens and head_dim / 448) and writes them and their scales into the reserved slot.
+        ``layer`` and ``active`` as `RingCache.write`; inactive sessions keep their bytes and scales."""
+        for name, x in (("k", k), ("v", v)):
+            if getattr(x, "dtype", None) != self.dtype:
+                raise ValueError(
+                    f"Fp8Cache.write: {name} must be in the cache's read dtype {self.read_dtype}, got "
+                    f"{getattr(x, 'dtype', type(x).__name__)} (cast it explicitly)"
+                )
+        k_s, v_s = fp8.scale_of(k, axis=(1, 3)), fp8.scale_of(v, axis=(1, 3))  # [batch, heads]
+        k8, v8 = fp8.quantize(k, k_s[:, None, :, None]), fp8.quantize(v, v_s[:, None, :, None])
+        inner = self.inner.write(k8, v8, layer=layer, active=active)  # checks shapes, layer, active, reservation
+        slot = (self.inner.chunk_offsets() // self.spec.chunk).astype(jnp.int32)
+        scales = []
+        for buf, new in ((self.k_scale, k_s), (self.v_scale, v_s)):
+            if active is not None:
+                old = read_chunk_rows(buf, slot, 1, layer)[:, 0]
+                new = jnp.where(jnp.asarray(active)[:, None], new, old)
+            scales.append(write_chunk_rows(buf, new[:, None, :], slot, layer))
+        return Fp8Cache(inner, *scales, self.read_dtype)
+
+    # ---------------------------------------------------------------- reads
+
+    def layer_fp8(self, layer=None):
+        """(k8, v8 float8_e4m3fn [batch, capacity, heads, head_dim], k_scale, v_scale float32 [batch, num_slots,
+        heads]) of one layer (``layer`` None for an unstacked cache; may be traced)."""
+        if self.layers is None:
+            if layer is not None:
+                raise ValueError("layer_fp8: layer was given but the cache is not stacked")
+            return self.inner.k, self.inner.v, self.k_scale, self.v_scale
+        k8, v8 = self.inner.layer_kv(layer)
+        take = lambda s: lax.dynamic_index_in_dim(s, layer, 0, keepdims=False)
+        return k8, v8, take(self.k_scale), take(self.v_scale)
+
+    def layer_kv(self, layer=None):
+        """(k, v) of one layer dequantized to the read dtype, each [batch, capacity, heads, head_dim]."""
+        k8, v8, k_s, v_s = self.layer_fp8(layer)
+        return dequantize_slots(k8, k_s, self.dtype), dequantize_slots(v8, v_s, self.dtype)
+
+
+def dequantize_slots(x8, scale, dtype):
+    """x8 float8 [batch, capacity, heads, head_dim] times its per-(slot, head) scale [batch, num_slots, heads], in
+    ``dtype`` (capacity = num_slots * chunk)."""
+    b, n, h, d = x8.shape
+    slots = scale.shape[1]
+    blocks = x8.reshape(b, slots, n // slots, h, d)
+    return fp8.dequantize(blocks, scale[:, :, None, :, None], dtype).reshape(b, n, h, d)
