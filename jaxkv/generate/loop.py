@@ -262,23 +262,30 @@ def run(args, stop: Stop | None = None) -> dict:
             )
         return next(stream)
 
-    out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True, sources=sources)
-    sinks = [
-        outputs.LatentsSink(out, args.format),
-        PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
-    ]
+    # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
+    lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
+    out = lock.path
     chunk_shape = rc.chunk_shape(config, args.batch)
     video = None
-    if vae_config is not None:
-        from jaxkv.models.wan_vae import StreamDecoder
+    try:
+        sinks = [
+            outputs.LatentsSink(out, args.format),
+            PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
+        ]
+        if vae_config is not None:
+            from jaxkv.models.wan_vae import StreamDecoder
 
-        decoder = StreamDecoder(
-            vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
-        )
-    if decoder is not None:
-        video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps or options.DEFAULTS["fps"], frames=args.frames)
-        sinks.append(video)
-    files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
+            decoder = StreamDecoder(
+                vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
+            )
+        if decoder is not None:
+            fps = args.fps or options.DEFAULTS["fps"]
+            video = Mp4Sink(out, decoder, batch=args.batch, fps=fps, frames=args.frames)
+            sinks.append(video)
+        files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
+    except BaseException:
+        lock.release()
+        raise
 
     summary = {
         "model": source,
@@ -368,9 +375,12 @@ def run(args, stop: Stop | None = None) -> dict:
         if args.save_state and status != "failed":
             summary["session"] = resume.save(args, stream, video, files.chunks)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
-        files.close(
-            "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary, f"{type(e).__name__}: {e}"
-        )
+        try:
+            files.close(
+                "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary, f"{type(e).__name__}: {e}"
+            )
+        finally:
+            files.release()
         raise
     finally:
         clock.close()
@@ -389,9 +399,12 @@ def run(args, stop: Stop | None = None) -> dict:
         summary["switch_compilations"] = switch_compiles()
     if stop.signum is not None:
         summary["signal"] = signal.Signals(stop.signum).name
-    summary = files.close(status, summary, reason)
-    _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
-    outputs._write_json(os.path.join(out, outputs.SUMMARY), summary)  # again, with the rates
+    try:
+        summary = files.close(status, summary, reason)
+        _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
+        files.write_summary(summary)  # again, with the rates
+    finally:
+        files.release()
     if status == "failed":
         raise GenerationError(reason, summary)
     return summary

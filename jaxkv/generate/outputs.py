@@ -73,6 +73,7 @@ def _is_previous_output(path: str) -> bool:
         return False
     own = set(manifest.get("entries", [])) | {MANIFEST}
     own |= {f"{name}.tmp" for name in own}  # a file being replaced when the run was killed
+    own.add(files.LOCK)  # left by a writer that was killed (no process holds it: `prepare_output_dir` checks)
     if not set(os.listdir(path)) <= own:
         return False
     for sub, prefixes in ((LATENTS_DIR, ("chunk_",)), (FRAMES_DIR, ("chunk_", "frame_"))):
@@ -92,11 +93,21 @@ def prepare_output_dir(path: str, *, overwrite: bool, create: bool, sources=()) 
     Accepted: a path that does not exist (its parents are created), or an empty directory. A previous jaxkv
     generate output (see `_is_previous_output`) is accepted only with ``overwrite``, and then replaced whole: the old
     directory is renamed aside and deleted before anything new is written, so old and new files never mix.
-    Refused with a UsageError: a file, a directory of anything else (even with ``overwrite``), the current
+    Refused with a UsageError: a directory that a running process is writing (it holds its `jaxkv.files.LOCK`;
+    with or without ``overwrite``), a file, a directory of anything else (even with ``overwrite``), the current
     directory or one containing it, a directory equal to / inside / containing one of ``sources`` (the input
-    files), a place that is not writable. With ``create=False`` only checks (run it again with ``create=True``
-    right before writing).
+    files), a place that is not writable. With ``create=False`` only checks; ``create=True`` also makes the
+    directory (a run takes it with `claim_output_dir` instead, which keeps it locked).
     """
+    if not create:
+        return _check_output_dir(path, overwrite=overwrite, sources=sources)[0]
+    lock = claim_output_dir(path, overwrite=overwrite, sources=sources)
+    lock.release()
+    return lock.path
+
+
+def _check_output_dir(path: str, *, overwrite: bool, sources) -> tuple[str, bool]:
+    """The checks of `prepare_output_dir`; returns (absolute path, whether it is an existing non-empty directory)."""
     path = os.path.abspath(path)
     if os.path.islink(path):
         raise UsageError(
@@ -105,6 +116,13 @@ def prepare_output_dir(path: str, *, overwrite: bool, create: bool, sources=()) 
         )
     if os.path.lexists(path) and not os.path.isdir(path):
         raise UsageError(f"--out {path} exists and is not a directory; choose another --out")
+    if os.path.isdir(path):
+        writer = files.live_writer(path)
+        if writer is not None:
+            raise UsageError(
+                f"--out {path} is being written by {writer}; wait for it to finish or choose another --out "
+                f"(--overwrite never replaces a live output); nothing was touched"
+            )
     exists = os.path.isdir(path) and bool(os.listdir(path))
     try:
         # A foreign directory is refused for what it is, with or without --overwrite; only our own previous
@@ -126,14 +144,32 @@ def prepare_output_dir(path: str, *, overwrite: bool, create: bool, sources=()) 
         raise UsageError(f"cannot create --out {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write --out {path}: {parent} is not writable")
-    if not create:
-        return path
+    return path, exists
+
+
+def _lock(path: str) -> files.DirectoryLock:
+    try:
+        return files.DirectoryLock.acquire(path)
+    except files.LockedError as e:
+        raise UsageError(f"--out {e}; wait for it to finish or choose another --out") from None
+
+
+def claim_output_dir(path: str, *, overwrite: bool, sources=()) -> files.DirectoryLock:
+    """Checks ``--out`` as `prepare_output_dir` does, makes it (replacing a previous output with ``overwrite``) and
+    returns the `jaxkv.files.DirectoryLock` that marks it live for as long as the run writes it (``.path`` is the
+    absolute path). A previous output is itself locked before it is moved aside, so one being written by another
+    run is never replaced (UsageError naming the writer)."""
+    path, exists = _check_output_dir(path, overwrite=overwrite, sources=sources)
     if exists:  # a previous output, overwrite checked above
-        aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(path, aside)
-        shutil.rmtree(aside)
+        with _lock(path) as old:
+            if not _is_previous_output(path):
+                raise UsageError(f"--out {path} changed while it was checked; nothing was touched")
+            aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(path, aside)
+            old.path = aside  # its lock file moved with it
+            shutil.rmtree(aside)
     os.makedirs(path, exist_ok=True)
-    return path
+    return _lock(path)
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -185,11 +221,21 @@ class OutputDir:
 
     ``write_chunk`` hands chunk ``index`` (float32 [batch, chunk_frames, h, w, channels], in order from 0) to every
     sink, then records it in the manifest; ``close(status, summary)`` closes the sinks and writes the final
-    manifest and ``summary.json``.
+    manifest and ``summary.json``. With the run's ``lock`` (`claim_output_dir`), every chunk and the close first
+    check that ``path`` is still the directory the run made (`jaxkv.files.DirectoryLost` otherwise: nothing is
+    written into whatever now stands at ``path``).
     """
 
-    def __init__(self, path: str, sinks: list[Sink], *, chunk_shape: tuple[int, ...], latents_format: str):
-        self.path, self.sinks = path, list(sinks)
+    def __init__(
+        self,
+        path: str,
+        sinks: list[Sink],
+        *,
+        chunk_shape: tuple[int, ...],
+        latents_format: str,
+        lock: files.DirectoryLock | None = None,
+    ):
+        self.path, self.sinks, self.lock = path, list(sinks), lock
         self.chunks = 0
         entries = sorted({n for s in self.sinks for n in s.names} | {SUMMARY})
         self.manifest = {
@@ -211,15 +257,39 @@ class OutputDir:
             raise ValueError(
                 f"chunk {index} is {latents.dtype}{list(latents.shape)}, expected float32{self.manifest['chunk_shape']}"
             )
+        self.check()
         for sink in self.sinks:
             sink.write_chunk(index, latents)
+        self.check()  # the manifest is what counts the chunk: never write it into a replacement
         self.chunks += 1
         self.manifest["chunks"] = self.chunks
         _write_json(os.path.join(self.path, MANIFEST), self.manifest)
 
+    def check(self) -> None:
+        """`jaxkv.files.DirectoryLost` when the run's directory was moved, deleted or replaced (with a lock)."""
+        if self.lock is not None:
+            self.lock.check()
+
+    def release(self) -> None:
+        """Ends the run's hold on the directory (removes its lock file): call once nothing more is written."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def write_summary(self, summary: dict) -> None:
+        """Rewrites ``summary.json`` (e.g. with figures known only after `close`)."""
+        self.check()
+        _write_json(os.path.join(self.path, SUMMARY), summary)
+
     def close(self, status: str, summary: dict, reason: str | None = None) -> dict:
         """Closes every sink, writes the summary (with what the sinks report) and the final manifest; returns the
-        summary."""
+        summary. When the directory was lost (`check`), the sinks are discarded instead (nothing is written into
+        whatever now stands at ``path``) and `jaxkv.files.DirectoryLost` is raised."""
+        if self.lock is not None and self.lock.problem() is not None:
+            for sink in self.sinks:
+                discard = getattr(sink, "discard", None)
+                if discard is not None:
+                    discard()
+            self.lock.check()
         for sink in self.sinks:
             summary.update(sink.close())
         summary.update(status=status, chunks_written=self.chunks, manifest=os.path.join(self.path, MANIFEST))

@@ -89,6 +89,15 @@ class Mp4Sink:
                 for j in range(host.shape[1]):
                     write_png(os.path.join(self.frames_dir, f"frame_{b}_{first + j:06d}.png"), host[b, j])
 
+    def discard(self) -> None:
+        """Stops the encoders and closes the mp4 files without writing anything more (the output directory is
+        gone)."""
+        for writer in self.writers:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - the files are being abandoned
+                pass
+
     def close(self) -> dict:
         """Finishes every mp4 (waits for the encoder threads) and writes the contact sheet; returns what the summary
         records."""
