@@ -17,6 +17,8 @@ One home for what every jaxkv writer of a directory needs (`jaxkv convert`, the 
 * `DirectoryLock`: a directory written in place by a long run (``jaxkv generate --out``) is *live* while its
   writer holds an exclusive ``fcntl.flock`` on its `LOCK` file; another writer refuses it (`live_writer`), and
   the holder notices (`DirectoryLock.check`) when the directory was moved, deleted or replaced under it.
+* `write_file(path, data)`: one file written under ``PATH.tmp`` and renamed; a failure (disk full, file-size
+  limit) removes the temporary and raises `WriteError` naming the file and the cause.
 """
 
 from __future__ import annotations
@@ -216,6 +218,42 @@ def check_destination(
             f"refusing to replace {dst} even with {flag}: {problem}; {flag} only replaces a "
             f"directory that jaxkv wrote (remove it yourself or choose another output path)"
         )
+
+
+# ------------------------------------------------------------------------------------------------ single files
+
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class WriteError(OSError):
+    """Writing a file failed; the message names the file and the cause (``errno`` is the underlying one)."""
+
+
+def write_error(path: str, error: BaseException) -> WriteError:
+    """A `WriteError` for ``error`` (an OSError) raised while writing ``path``: "writing PATH failed: CAUSE", with
+    "(disk full or file-size limit)" for the errors that mean it (ENOSPC, EFBIG, EDQUOT)."""
+    if isinstance(error, WriteError):
+        return error
+    code = getattr(error, "errno", None)
+    cause = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    hint = " (disk full or file-size limit)" if code in _SPACE_ERRNOS else ""
+    result = WriteError(f"writing {path} failed: {cause}{hint}")
+    result.errno = code
+    return result
+
+
+def write_file(path: str, data: bytes | str) -> None:
+    """Writes ``data`` to ``path`` atomically (``PATH.tmp``, then a rename: a reader sees the old or the new file).
+    On failure the temporary is removed and `WriteError` names ``path`` and the cause."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_error(path, e) from e
 
 
 # ------------------------------------------------------------------------------------------------ live directories

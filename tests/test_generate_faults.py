@@ -27,12 +27,15 @@ def _env(**extra):
     return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
 
 
-def _generate(args, **kw):
-    """A ``jaxkv generate`` child process with the shell's signal dispositions (SIGINT raises, as in a terminal)."""
+def _generate(args, *, file_size_limit=None):
+    """A ``jaxkv generate`` child process with the shell's signal dispositions (SIGINT raises, as in a terminal),
+    optionally under a file-size limit in bytes (``ulimit -f``; set in the child, not by forking this process)."""
     code = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    if file_size_limit is not None:
+        code += f"import resource; resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size_limit}, {file_size_limit})); "
     code += "from jaxkv.generate.loop import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen(
-        [sys.executable, "-c", code, *args], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(), **kw
+        [sys.executable, "-c", code, *args], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env()
     )
 
 
@@ -135,3 +138,64 @@ def test_a_run_whose_output_vanishes_fails_loudly(tmp_path, capsys, monkeypatch,
         assert os.listdir(out) == []  # the stranger's directory is left alone
     assert json.loads((aside / "manifest.json").read_text())["status"] == "running"
     assert sorted(os.listdir(aside / "latents")) == ["chunk_000000.npy"]
+
+
+# ------------------------------------------------------------------------------------------------ full disks
+
+
+def test_a_file_size_limit_fails_the_run_naming_the_file(tmp_path):
+    """``ulimit -f``: the chunk write fails with EFBIG; exit 1, one error line naming the file and the cause, the
+    manifest marked failed with that reason, the summary written, no temporary left."""
+    out = tmp_path / "d"
+    # tiny chunks at 8x8 are 12 KiB: over the limit, while the manifest and the summary fit
+    proc = _generate(
+        ["--out", str(out), "--num-chunks", "3", "--height", "8", "--width", "8", *FAST],
+        file_size_limit=8000,
+    )
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    chunk = out / "latents" / "chunk_000000.npy"
+    expected = f"jaxkv generate: error: writing {chunk} failed: File too large (disk full or file-size limit)"
+    assert stderr.strip() == expected, stderr
+    assert "(failed)" in stdout and "Traceback" not in stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["chunks"] == 0
+    assert manifest["reason"] == expected.removeprefix("jaxkv generate: error: ")
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
+    assert [p for p in out.rglob("*") if p.name.endswith(".tmp")] == []
+
+
+class _Sink:
+    def __init__(self, name, error=None):
+        self.names, self.error, self.closed = (name,), error, False
+
+    def write_chunk(self, index, latents):
+        pass
+
+    def close(self):
+        self.closed = True
+        if self.error:
+            raise self.error
+        return {self.names[0]: "closed"}
+
+
+def test_closing_closes_every_sink_and_marks_the_manifest_failed(tmp_path):
+    """One sink failing to finish its file (ENOSPC) neither stops the others from closing nor leaves the manifest at
+    "running"; temporaries are removed and the first error is raised."""
+    import errno
+
+    out = tmp_path / "o"
+    out.mkdir()
+    failing = _Sink("video.mp4", OSError(errno.ENOSPC, "No space left on device"))
+    other = _Sink("preview.png")
+    shape = (1, 3, 4, 4, 16)
+    dir_ = outputs.OutputDir(str(out), [failing, other], chunk_shape=shape, latents_format="npy")
+    (out / "preview.png.tmp").write_bytes(b"half")
+    with pytest.raises(OSError, match="No space left on device"):
+        dir_.close("complete", {})
+    assert failing.closed and other.closed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "No space left on device" in manifest["reason"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["preview.png"] == "closed"
+    assert not (out / "preview.png.tmp").exists()

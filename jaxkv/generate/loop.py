@@ -30,6 +30,7 @@ from jaxkv import parallel as PL
 from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
+from jaxkv.files import DirectoryLost
 from jaxkv.generate import inputs, options, outputs, prompts, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
@@ -46,8 +47,8 @@ LATENCY_WINDOW = 1000
 
 
 class GenerationError(RuntimeError):
-    """Generation stopped on bad numbers; the files written before it are finished (status "failed").
-    ``summary`` is what summary.json holds."""
+    """Generation stopped on bad numbers or a failed write (a full disk, a file-size limit); the files written
+    before it are finished as far as they can be (status "failed"). ``summary`` is what summary.json holds."""
 
     def __init__(self, message: str, summary: dict):
         super().__init__(message)
@@ -168,7 +169,9 @@ def run(args, stop: Stop | None = None) -> dict:
     to summary.json; ``"status"`` is "complete", or "interrupted" when ``stop`` was set by a signal).
 
     Raises UsageError for bad settings or inputs (nothing written), GenerationError when the latents turn
-    non-finite (the chunks before it are written and the files finished), OSError for I/O failures.
+    non-finite or a write fails (a full disk, a file-size limit: the chunks before it are written and the files
+    finished as far as they can be, status "failed"), `jaxkv.files.DirectoryLost` (an OSError) when ``--out`` was
+    moved or replaced under the run, OSError for other I/O failures.
     """
     stop = stop or Stop()
     options.check_text(args)
@@ -376,11 +379,12 @@ def run(args, stop: Stop | None = None) -> dict:
             summary["session"] = resume.save(args, stream, video, files.chunks)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
         try:
-            files.close(
-                "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary, f"{type(e).__name__}: {e}"
-            )
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            files.close(status, summary, outputs.describe_error(e), strict=False)
         finally:
             files.release()
+        if isinstance(e, OSError) and not isinstance(e, DirectoryLost):  # a failed write: the files say so
+            raise GenerationError(str(e), summary) from e
         raise
     finally:
         clock.close()
@@ -403,6 +407,10 @@ def run(args, stop: Stop | None = None) -> dict:
         summary = files.close(status, summary, reason)
         _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
         files.write_summary(summary)  # again, with the rates
+    except OSError as e:
+        if isinstance(e, DirectoryLost):
+            raise
+        raise GenerationError(str(e), summary) from e  # closing a file failed: the files say "failed"
     finally:
         files.release()
     if status == "failed":
@@ -551,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or an argparse error (2, message already printed)
         return int(e.code or 0)
     args.explicit_flags = options.explicit_flags(sys.argv[1:] if argv is None else argv)
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        # a file-size limit (ulimit -f) must fail the write (EFBIG, reported naming the file), not kill the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     with stop_on_signals() as stop:
         try:
             summary = run(args, stop)

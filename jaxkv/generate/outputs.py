@@ -25,6 +25,8 @@ output (e.g. an mp4 of decoded frames) is one more sink, not a change to the gen
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -176,12 +178,20 @@ def claim_output_dir(path: str, *, overwrite: bool, sources=()) -> files.Directo
 
 
 def _write_json(path: str, data: dict) -> None:
-    """Writes ``data`` to ``path`` atomically (temporary file + rename): a reader sees the old or the new file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Writes ``data`` to ``path`` atomically (temporary file + rename): a reader sees the old or the new file; a
+    failed write leaves no temporary (`jaxkv.files.write_file`)."""
+    files.write_file(path, json.dumps(data, indent=2) + "\n")
+
+
+def array_bytes(array: np.ndarray, fmt: str) -> bytes:
+    """The file content of ``array`` as an ``.npy`` or a ``.safetensors`` (one tensor "latents") file."""
+    if fmt == "npy":
+        buffer = io.BytesIO()
+        np.save(buffer, array, allow_pickle=False)
+        return buffer.getvalue()
+    from safetensors.numpy import save
+
+    return save({"latents": array})
 
 
 class LatentsSink:
@@ -196,17 +206,10 @@ class LatentsSink:
     names = (LATENTS_DIR,)
 
     def write_chunk(self, index: int, latents: np.ndarray) -> None:
-        path = os.path.join(self.dir, chunk_name(index, self.format))
-        tmp = f"{path}.tmp"
-        latents = np.ascontiguousarray(latents)
-        if self.format == "npy":
-            with open(tmp, "wb") as f:
-                np.save(f, latents)
-        else:
-            from safetensors.numpy import save_file
-
-            save_file({"latents": latents}, tmp)
-        os.replace(tmp, path)
+        # serialised first, then written with Python's own file I/O: a full disk or a file-size limit is an
+        # OSError with its errno (numpy's writer reports a short write without one)
+        data = array_bytes(np.ascontiguousarray(latents), self.format)
+        files.write_file(os.path.join(self.dir, chunk_name(index, self.format)), data)
 
     def close(self) -> dict:
         return {"latents_dir": self.dir}
@@ -280,27 +283,69 @@ class OutputDir:
         self.check()
         _write_json(os.path.join(self.path, SUMMARY), summary)
 
-    def close(self, status: str, summary: dict, reason: str | None = None) -> dict:
+    def close(self, status: str, summary: dict, reason: str | None = None, *, strict: bool = True) -> dict:
         """Closes every sink, writes the summary (with what the sinks report) and the final manifest; returns the
-        summary. When the directory was lost (`check`), the sinks are discarded instead (nothing is written into
-        whatever now stands at ``path``) and `jaxkv.files.DirectoryLost` is raised."""
+        summary (``summary`` itself, updated).
+
+        Every sink is closed and both files are written even when one of them fails (a full disk, a file-size
+        limit): a failing sink turns the status into "failed" with its error as the reason (unless it already was
+        "failed"), temporaries left in the directory are removed, and the first error is raised, with ``strict``;
+        without it (the caller is already handling an error) the errors are only recorded in the files. When the
+        directory was lost (`check`), the sinks are discarded instead (nothing is written into whatever now stands
+        at ``path``) and `jaxkv.files.DirectoryLost` is raised with ``strict``."""
+        summary.update(status=status, chunks_written=self.chunks, manifest=os.path.join(self.path, MANIFEST))
+        if reason:
+            summary["reason"] = reason
         if self.lock is not None and self.lock.problem() is not None:
             for sink in self.sinks:
                 discard = getattr(sink, "discard", None)
                 if discard is not None:
                     discard()
-            self.lock.check()
+            if strict:
+                self.lock.check()
+            return summary
+        errors: list[BaseException] = []
         for sink in self.sinks:
-            summary.update(sink.close())
-        summary.update(status=status, chunks_written=self.chunks, manifest=os.path.join(self.path, MANIFEST))
-        if reason:
-            summary["reason"] = reason
-        _write_json(os.path.join(self.path, SUMMARY), summary)
-        self.manifest["status"] = status
-        if reason:
-            self.manifest["reason"] = reason
-        _write_json(os.path.join(self.path, MANIFEST), self.manifest)
+            try:
+                summary.update(sink.close())
+            except Exception as e:  # noqa: BLE001 - every sink is closed; the first error is raised below
+                errors.append(e)
+        if errors and status != "failed":
+            status, reason = "failed", describe_error(errors[0])
+            summary.update(status=status, reason=reason)
+        for name, data in ((SUMMARY, summary), (MANIFEST, self.manifest)):
+            if name == MANIFEST:
+                data["status"] = status
+                if reason:
+                    data["reason"] = reason
+            try:
+                _write_json(os.path.join(self.path, name), data)
+            except OSError as e:
+                errors.append(e)
+        self._remove_temporaries()
+        if errors and strict:
+            raise errors[0]
         return summary
+
+    def _remove_temporaries(self) -> None:
+        """Removes the ``*.tmp`` files a failed write may have left in the directory, ``latents/`` and
+        ``frames/``."""
+        for folder in (self.path, os.path.join(self.path, LATENTS_DIR), os.path.join(self.path, FRAMES_DIR)):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                tmp = os.path.join(folder, name)
+                if name.endswith(".tmp") and os.path.isfile(tmp) and not os.path.islink(tmp):
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+
+
+def describe_error(error: BaseException) -> str:
+    """An error as the manifest's and summary's ``"reason"``: a write error's own message (it names the file),
+    else the exception's type and message."""
+    return str(error) if isinstance(error, files.WriteError) else f"{type(error).__name__}: {error}"
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -21,9 +21,10 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import files
 from jaxkv.generate.contact_sheet import FILE as CONTACT_SHEET
 from jaxkv.generate.contact_sheet import ContactSheet
-from jaxkv.generate.outputs import FRAMES_DIR
+from jaxkv.generate.outputs import FRAMES_DIR, array_bytes
 from jaxkv.generate.png import write_png
 from jaxkv.video import VideoWriter
 
@@ -80,9 +81,7 @@ class Mp4Sink:
         self.sheet.add(frames)
         if self.frames == "npy":
             path = os.path.join(self.frames_dir, f"chunk_{index:06d}.npy")
-            with open(f"{path}.tmp", "wb") as f:
-                np.save(f, np.asarray(frames))
-            os.replace(f"{path}.tmp", path)
+            files.write_file(path, array_bytes(np.asarray(frames), "npy"))
         elif self.frames == "png":
             host = np.asarray(frames)
             for b in range(host.shape[0]):
