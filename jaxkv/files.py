@@ -32,6 +32,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Collection, Iterable, Iterator
@@ -60,17 +61,50 @@ class Terminated(BaseException):
 _TERMINATING = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
 
 
+# Stop signals whose exception our handlers raised inside the current `signals_as_exceptions` block. Python cannot
+# raise out of a finaliser or a garbage-collection callback (JAX runs one on every collection): an exception raised
+# there is printed as "Exception ignored in ..." and dropped, and the program carries on. A signal stays recorded
+# here, so `check_signals` raises it again at the next safe point (every streamed tensor, before an atomic
+# directory is renamed into place), and the hook below keeps the dropped one from printing a traceback.
+_pending: list[int] = []
+
+
+def _stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
 def _raise_terminated(signum, frame):
-    raise Terminated(signum)
+    _pending.append(signum)
+    raise _stop_exception(signum)
+
+
+def check_signals() -> None:
+    """Raises the stop signal (`Terminated`, or KeyboardInterrupt for SIGINT) that arrived in this
+    `signals_as_exceptions` block but whose exception was lost (raised inside a finaliser or a gc callback);
+    returns otherwise. Long writes call it at every step."""
+    if _pending:
+        raise _stop_exception(_pending[0])
+
+
+def _quiet_lost_stops(previous_hook):
+    def hook(unraisable) -> None:
+        if _pending and isinstance(unraisable.exc_value, (Terminated, KeyboardInterrupt)):
+            return  # recorded in _pending: `check_signals` raises it where it can propagate
+        previous_hook(unraisable)
+
+    return hook
 
 
 @contextlib.contextmanager
 def signals_as_exceptions(signals: Iterable[int] = _TERMINATING) -> Iterator[None]:
-    """Within the block, SIGTERM / SIGHUP raise `Terminated` in the main thread instead of killing the process.
+    """Within the block, SIGTERM / SIGHUP raise `Terminated` in the main thread instead of killing the process, and
+    SIGINT raises KeyboardInterrupt as usual, but reliably: a signal whose exception Python dropped (it landed
+    in a finaliser or a garbage-collection callback) is raised again by the next `check_signals`, without a
+    traceback.
 
-    Only signals still at their default disposition are taken over (a handler the program installed itself, or an
-    ignored signal, is left alone), and the previous handlers come back on exit. Outside the main thread (where
-    Python cannot install handlers) this does nothing.
+    Only signals still at their default disposition (SIGINT: Python's default handler) are taken over (a handler
+    the program installed itself, or an ignored signal, is left alone), and the previous handlers come back on
+    exit. Outside the main thread (where Python cannot install handlers) this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -79,11 +113,19 @@ def signals_as_exceptions(signals: Iterable[int] = _TERMINATING) -> Iterator[Non
     for s in signals:
         if signal.getsignal(s) is signal.SIG_DFL:
             previous[s] = signal.signal(s, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_terminated)
+    hook = sys.unraisablehook
+    if previous:
+        sys.unraisablehook = _quiet_lost_stops(hook)
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if previous:
+            sys.unraisablehook = hook
+            _pending.clear()
 
 
 @contextlib.contextmanager
@@ -534,6 +576,7 @@ def atomic_directory(
                 new = os.path.join(tmp, _NEW)
                 os.mkdir(new, 0o777)
             yield new
+            check_signals()  # a stop signal whose exception was lost: never rename an interrupted write into place
             _fsync_dir(new)
             with _deferred_signals():
                 if os.path.lexists(path):
