@@ -73,9 +73,16 @@ def _stop_exception(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
-def _raise_terminated(signum, frame):
+def raise_stop(signum: int) -> None:
+    """Raises stop signal ``signum``'s exception (`Terminated`, or KeyboardInterrupt for SIGINT) from a signal
+    handler, recorded so that `check_signals` raises it again should Python drop it (used inside
+    `keeping_lost_signals`, which `signals_as_exceptions` includes)."""
     _pending.append(signum)
     raise _stop_exception(signum)
+
+
+def _raise_terminated(signum, frame):
+    raise_stop(signum)
 
 
 def check_signals() -> None:
@@ -93,6 +100,19 @@ def _quiet_lost_stops(previous_hook):
         previous_hook(unraisable)
 
     return hook
+
+
+@contextlib.contextmanager
+def keeping_lost_signals() -> Iterator[None]:
+    """Within the block, a stop signal raised by `raise_stop` that Python drops (in a finaliser or a gc callback)
+    prints nothing and is raised again by `check_signals`; on exit the record is cleared."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_lost_stops(hook)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        _pending.clear()
 
 
 @contextlib.contextmanager
@@ -115,17 +135,12 @@ def signals_as_exceptions(signals: Iterable[int] = _TERMINATING) -> Iterator[Non
             previous[s] = signal.signal(s, _raise_terminated)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_terminated)
-    hook = sys.unraisablehook
-    if previous:
-        sys.unraisablehook = _quiet_lost_stops(hook)
     try:
-        yield
+        with keeping_lost_signals() if previous else contextlib.nullcontext():
+            yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if previous:
-            sys.unraisablehook = hook
-            _pending.clear()
 
 
 @contextlib.contextmanager

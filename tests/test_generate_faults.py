@@ -199,3 +199,63 @@ def test_closing_closes_every_sink_and_marks_the_manifest_failed(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["preview.png"] == "closed"
     assert not (out / "preview.png.tmp").exists()
+
+
+# ------------------------------------------------------------------------------------------------ signals
+
+# A first SIGTERM while chunk 1 is computed, a second one while the session's tensor file is being written (its
+# temporary directory exists then): the shell's "stop, then stop now".
+_TWO_SIGNALS = """
+import os, signal, sys
+import safetensors.numpy
+from jaxkv.generate import loop
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signum = getattr(signal, sys.argv[1])
+real_finite, real_save, calls = loop._chunk_finite, safetensors.numpy.save_file, []
+
+def finite(x):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signum)
+    return real_finite(x)
+
+def save_file(tensors, path, metadata=None):
+    with open(path, "wb") as f:
+        f.write(b"half a tensor file")
+    os.kill(os.getpid(), signum)
+    for _ in range(10000):  # the handler runs here, mid-write
+        pass
+    return real_save(tensors, path, metadata=metadata)
+
+loop._chunk_finite = finite
+safetensors.numpy.save_file = save_file
+sys.exit(loop.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_during_the_final_save_aborts_it_cleanly(tmp_path, signame):
+    """The session save is abandoned: no directory under --save-state, no temporary beside it, the output finished
+    as interrupted with its chunks readable, one line, exit 128 + signal."""
+    out, state = tmp_path / "o", tmp_path / "S"
+    args = ["--out", str(out), "--save-state", str(state), "--num-chunks", "6", *FAST]
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWO_SIGNALS, signame, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=str(tmp_path),
+    )
+    signum = getattr(signal, signame)
+    assert proc.returncode == 128 + signum, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"jaxkv generate: interrupted by {signame} twice: the session was not saved to {state} (the chunks written "
+        f"are kept)"
+    ), proc.stderr
+    assert not state.exists() and [n for n in os.listdir(tmp_path) if n.startswith(".S.")] == []
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and "the session was not saved" in manifest["reason"]
+    assert G.load_latents(str(out)).shape[1] == manifest["chunks"] * manifest["chunk_shape"][1] > 0

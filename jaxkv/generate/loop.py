@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import files as jfiles
 from jaxkv import parallel as PL
 from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
-from jaxkv.files import DirectoryLost
+from jaxkv.files import DirectoryLost, Terminated
 from jaxkv.generate import inputs, options, outputs, prompts, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
@@ -57,23 +58,39 @@ class GenerationError(RuntimeError):
 
 class Stop:
     """Set by a stop signal (`stop_on_signals`): the loop finishes the current chunk and returns. A second signal
-    restores the default action and re-raises it (kills the process at once; the files stay readable)."""
+    restores the default action and re-raises it (kills the process at once; the files stay readable), except
+    while the final ``--save-state`` is written (`saving_session`): there it raises `jaxkv.files.Terminated` (or
+    KeyboardInterrupt), so the save is abandoned and its temporary directory removed, never left half written."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.saving = False
 
     def handler(self, signum, frame) -> None:
         if self.signum is not None:
+            if self.saving:
+                jfiles.raise_stop(signum)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
+        what = "finishing the session save" if self.saving else "stopping after the current chunk"
         print(
-            f"\njaxkv generate: {signal.Signals(signum).name}: stopping after the current chunk (send it again to "
-            f"abort at once)",
+            f"\njaxkv generate: {signal.Signals(signum).name}: {what} (send it again to abort "
+            f"{'the save' if self.saving else 'at once'})",
             file=sys.stderr,
             flush=True,
         )
+
+    @contextlib.contextmanager
+    def saving_session(self):
+        """While the block writes the session, a second stop signal aborts it cleanly instead of killing."""
+        self.saving = True
+        try:
+            with jfiles.keeping_lost_signals():
+                yield
+        finally:
+            self.saving = False
 
 
 @contextlib.contextmanager
@@ -376,11 +393,16 @@ def run(args, stop: Stop | None = None) -> dict:
             status = "interrupted"
             reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
         if args.save_state and status != "failed":
-            summary["session"] = resume.save(args, stream, video, files.chunks)
+            with stop.saving_session():
+                summary["session"] = resume.save(args, stream, video, files.chunks)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
         try:
-            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-            files.close(status, summary, outputs.describe_error(e), strict=False)
+            if isinstance(e, (KeyboardInterrupt, Terminated)):  # a second signal while saving the session
+                name = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+                status, reason = "interrupted", f"{name} twice: the session was not saved to {args.save_state}"
+            else:
+                status, reason = "failed", outputs.describe_error(e)
+            files.close(status, summary, reason, strict=False)
         finally:
             files.release()
         if isinstance(e, OSError) and not isinstance(e, DirectoryLost):  # a failed write: the files say so
@@ -575,6 +597,17 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             return 1
+        except (KeyboardInterrupt, Terminated) as e:  # a second signal aborted the --save-state save
+            signum = getattr(e, "signum", signal.SIGINT)
+            name = signal.Signals(signum).name
+            print(
+                f"jaxkv generate: interrupted by {name} twice: the session was not saved to {args.save_state} (the "
+                f"chunks written are kept)"
+                if args.save_state
+                else f"jaxkv generate: interrupted by {name}",
+                file=sys.stderr,
+            )
+            return 128 + signum
     if summary["status"] == "interrupted":
         print(f"jaxkv generate: interrupted by {summary['signal']}", file=sys.stderr)
         if "manifest" in summary:
