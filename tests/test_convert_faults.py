@@ -75,3 +75,31 @@ def test_a_signal_landing_in_a_finaliser_still_stops_the_conversion(tmp_path, si
     last = err.splitlines()[-1]
     assert last.endswith("nothing was written") and (signame in last or signame == "SIGINT"), err
     assert not dst.exists() and not leftovers(tmp_path)
+
+
+def test_an_impossible_text_len_is_refused_at_conversion(tmp_path, capsys):
+    from jaxkv.convert import cli
+
+    src = tmp_path / "m.safetensors"
+    save_file(random_original(CFG), str(src))
+    dst = tmp_path / "out"
+    assert cli.main([str(src), str(dst), "--num-heads", "2", "--text-len", "100000000000", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "jaxkv convert: error: WanConfig.text_len must be at most 65536 (no model is larger), got 100000000000"
+    )
+    assert not dst.exists() and not leftovers(tmp_path)
+
+
+def test_model_configs_refuse_sizes_no_model_has():
+    import dataclasses
+
+    from jaxkv.models.umt5.config import PRESETS as UMT5_PRESETS
+    from jaxkv.models.wan.config import PRESETS
+
+    for field, value in (("text_len", 2**16 + 1), ("dim", 2**31), ("num_layers", 10**6), ("ffn_dim", 10**12)):
+        with pytest.raises(ValueError, match=f"WanConfig.{field} must be at most"):
+            dataclasses.replace(PRESETS["tiny"], **{field: value})
+    assert dataclasses.replace(PRESETS["tiny"], text_len=2**16).text_len == 2**16  # the limit itself is fine
+    with pytest.raises(ValueError, match="UMT5Config.text_len must be <= 65536"):
+        dataclasses.replace(UMT5_PRESETS["tiny"], text_len=100_000_000_000)

@@ -259,3 +259,82 @@ def test_a_second_signal_during_the_final_save_aborts_it_cleanly(tmp_path, signa
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "interrupted" and "the session was not saved" in manifest["reason"]
     assert G.load_latents(str(out)).shape[1] == manifest["chunks"] * manifest["chunk_shape"][1] > 0
+
+
+# ------------------------------------------------------------------------------------------------ sizes
+
+
+def test_the_memory_estimate_matches_the_arrays_a_stream_allocates():
+    """params and kv_cache against the arrays themselves (tiny model: cheap to allocate)."""
+    import jax
+
+    from jaxkv import rollout as R
+    from jaxkv.generate import memory
+    from jaxkv.models.wan import init_params
+    from jaxkv.models.wan.config import PRESETS
+    from jaxkv.schedule import Schedule
+
+    config = PRESETS["tiny"]
+    for guidance in (None, 3.0):
+        rc = R.RolloutConfig(4, 6, chunk_frames=2, window_frames=6, sink_frames=2, schedule=Schedule(steps=(1000, 500)),
+                             guidance_scale=guidance)  # fmt: skip
+        need = memory.estimate(config, rc, batch=3)
+        sessions = 6 if guidance else 3
+        cache = R.empty_cache(config, rc, sessions)
+        assert need["kv_cache"] == sum(x.nbytes for x in jax.tree.leaves(cache)) >= cache.nbytes
+        params = init_params(config, jax.random.key(0))
+        assert need["params"] == sum(x.nbytes for x in jax.tree.leaves(params))
+        tokens = 2 * rc.tokens_per_frame(config)
+        assert need["activations"] == sessions * tokens * config.ffn_dim * 4
+        assert need["text_kv"] == 2 * config.num_layers * sessions * config.text_len * config.dim * 4
+
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """With too little memory for its arrays the run stops before loading or compiling anything, with the figures.
+    (The memory is made small here: a real oversized run is never started by a test.)"""
+    from jaxkv.generate import memory
+
+    monkeypatch.setattr(memory, "available", lambda: (2**20, "available host memory"))
+    monkeypatch.setattr(G.loop.inputs, "load_params", lambda *a, **k: pytest.fail("params loaded"))
+    out = tmp_path / "o"
+    assert G.main(["--out", str(out), "--num-chunks", "2", *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxkv generate: error: --height ") and len(err.splitlines()) == 1, err
+    assert (
+        "needs at least" in err and "params" in err and "kv cache" in err and "available host memory is 1.0 MiB" in err
+    )
+    assert not out.exists()
+
+
+def test_an_impossible_frame_size_is_refused_by_the_estimate_alone():
+    """The estimate of a Wan 1.3B stream at a 100000 x 104 latent frame (shapes only, nothing allocated) exceeds any
+    host, and `check` refuses it naming the settings."""
+    from jaxkv import rollout as R
+    from jaxkv.generate import memory
+    from jaxkv.models.wan.config import PRESETS
+    from jaxkv.schedule import Schedule
+
+    rc = R.RolloutConfig(100000, 104, chunk_frames=3, window_frames=21, sink_frames=3, schedule=Schedule(steps=(1000,)))
+    need = memory.estimate(PRESETS["wan2.1-t2v-1.3b"], rc, batch=1)
+    assert need["kv_cache"] > 2**40  # 30 layers x 2 x 24 frames x 2.6 M tokens x 1536 x 4 bytes: 21 TiB
+    with pytest.raises(ValueError, match=r"--height 100000 needs at least .* TiB|--height 100000 needs at least"):
+        memory.check(PRESETS["wan2.1-t2v-1.3b"], rc, 1, "--height 100000")
+
+
+def test_a_checkpoint_with_an_impossible_text_len_is_refused_at_load(tmp_path, capsys):
+    import jax
+
+    from jaxkv.models.wan import checkpoint, init_params
+    from jaxkv.models.wan.config import PRESETS
+
+    ck = tmp_path / "ck"
+    checkpoint.save(str(ck), PRESETS["tiny"], init_params(PRESETS["tiny"], jax.random.key(0)))
+    data = json.loads((ck / "config.json").read_text())
+    data["text_len"] = 100_000_000_000
+    (ck / "config.json").write_text(json.dumps(data))
+    with pytest.raises(Exception, match="text_len must be at most 65536"):
+        checkpoint.load(str(ck))
+    assert G.main(["--checkpoint", str(ck), "--out", str(tmp_path / "o"), "--no-progress", "--no-video"]) == 2
+    err = capsys.readouterr().err
+    assert "text_len must be at most 65536" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
 from jaxkv.files import DirectoryLost, Terminated
-from jaxkv.generate import inputs, options, outputs, prompts, resume, toy
+from jaxkv.generate import inputs, memory, options, outputs, prompts, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
@@ -143,6 +144,19 @@ def _settings(args, config):
     return schedule, rc
 
 
+def _check_memory(args, config, rc) -> None:
+    """UsageError, with the figures, when the run obviously cannot fit in memory (`memory.check`); before anything
+    is loaded or compiled."""
+    devices = 1 if args.mesh is None else math.prod(args.mesh.values())
+    settings = f"--height {args.height} --width {args.width} --window-frames {rc.window_frames} --batch {args.batch}"
+    try:
+        memory.check(
+            config, rc, args.batch, f"{settings} (a {config.num_layers}-layer, dim {config.dim} model)", devices=devices
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _mesh(args, config, rc):
     """The --mesh as a `jax.sharding.Mesh` (None without it); UsageError when it does not fit the devices, the
     batch or the model."""
@@ -207,6 +221,7 @@ def run(args, stop: Stop | None = None) -> dict:
     options.check(args)
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
+    _check_memory(args, config, rc)
     vae_config = None if toy_dir else inputs.resolve_vae(args, config)
     entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
     if toy_dir and entries:
