@@ -66,10 +66,12 @@ class Stop:
     def __init__(self):
         self.signum: int | None = None
         self.saving = False
+        self.aborted_save = False  # a second signal abandoned the --save-state save
 
     def handler(self, signum, frame) -> None:
         if self.signum is not None:
             if self.saving:
+                self.aborted_save = True
                 jfiles.raise_stop(signum)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -412,9 +414,11 @@ def run(args, stop: Stop | None = None) -> dict:
                 summary["session"] = resume.save(args, stream, video, files.chunks)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
         try:
-            if isinstance(e, (KeyboardInterrupt, Terminated)):  # a second signal while saving the session
+            if stop.aborted_save:  # a second signal while saving the session
                 name = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
                 status, reason = "interrupted", f"{name} twice: the session was not saved to {args.save_state}"
+            elif isinstance(e, (KeyboardInterrupt, Terminated)):
+                status, reason = "interrupted", outputs.describe_error(e)
             else:
                 status, reason = "failed", outputs.describe_error(e)
             files.close(status, summary, reason, strict=False)
@@ -618,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"jaxkv generate: interrupted by {name} twice: the session was not saved to {args.save_state} (the "
                 f"chunks written are kept)"
-                if args.save_state
+                if stop.aborted_save
                 else f"jaxkv generate: interrupted by {name}",
                 file=sys.stderr,
             )
