@@ -10,6 +10,7 @@ Layout of ``--out``::
     contact_sheet.png          with video: decoded frames spread evenly over the stream, bounded (`contact_sheet`)
     frames/                    with ``--frames``: frame_B_NNNNNN.png per frame or chunk_NNNNNN.npy per chunk
     summary.json               settings, timings and how the run ended
+    .jaxkv-lock                while the run writes: flock-ed by it, holding its pid (`claim_output_dir`)
 
 ``manifest.json`` holds ``"format": "jaxkv-generate"``, ``"format_version"``, ``"status"`` (``running``,
 ``complete``, ``interrupted`` or ``failed``, with a ``"reason"`` unless complete), ``"chunks"`` (how many chunk
@@ -19,8 +20,11 @@ created in the directory). A run killed outright (SIGKILL, power loss) leaves ``
 chunk it counts readable.
 
 Each output kind is a *sink* with ``names`` (the directory entries it writes), ``write_chunk(index, latents)`` and
-``close() -> dict`` (what it adds to the summary); `OutputDir` feeds every sink each chunk in order, so another
-output (e.g. an mp4 of decoded frames) is one more sink, not a change to the generation loop.
+``close() -> dict`` (what it adds to the summary), and optionally ``discard()`` (stop without writing more, when
+the directory was lost); `OutputDir` feeds every sink each chunk in order, so another output (e.g. an mp4 of
+decoded frames) is one more sink, not a change to the generation loop. Every file is written under a temporary
+name and renamed (`jaxkv.files.write_file`); a failed write (a full disk) names the file, and the run is finished
+as "failed" with every other sink still closed.
 """
 
 from __future__ import annotations
