@@ -233,7 +233,7 @@ sys.exit(loop.main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signame", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_a_second_signal_during_the_final_save_aborts_it_cleanly(tmp_path, signame):
     """The session save is abandoned: no directory under --save-state, no temporary beside it, the output finished
     as interrupted with its chunks readable, one line, exit 128 + signal."""
