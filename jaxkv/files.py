@@ -14,22 +14,31 @@ One home for what every jaxkv writer of a directory needs (`jaxkv convert`, the 
   `directory_problem` with the caller's own file names) does not recognise as one of its own outputs.
 * `signals_as_exceptions()`: SIGTERM / SIGHUP raise `Terminated` (like SIGINT raises KeyboardInterrupt), so
   ``finally`` blocks run and a command can exit 143 / 129 with one line instead of leaving debris.
+* `DirectoryLock`: a directory written in place by a long run (``jaxkv generate --out``) is *live* while its
+  writer holds an exclusive ``fcntl.flock`` on its `LOCK` file; another writer refuses it (`live_writer`), and
+  the holder notices (`DirectoryLock.check`) when the directory was moved, deleted or replaced under it.
+* `write_file(path, data)`: one file written under ``PATH.tmp`` and renamed; a failure (disk full, file-size
+  limit) removes the temporary and raises `WriteError` naming the file and the cause.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Collection, Iterable, Iterator
 
 MARKER = ".jaxkv-partial"  # inside every temporary directory while it is written: {"pid", "start", "host", ...}
+LOCK = ".jaxkv-lock"  # inside a directory written in place; flock-ed by its writer, holds {"pid", "host"}
 _NEW, _OLD = "new", "old"  # the directory being built / the replaced one, both inside the marked temporary dir
 
 
@@ -52,17 +61,70 @@ class Terminated(BaseException):
 _TERMINATING = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
 
 
+# Stop signals whose exception our handlers raised inside the current `signals_as_exceptions` block. Python cannot
+# raise out of a finaliser or a garbage-collection callback (JAX runs one on every collection): an exception raised
+# there is printed as "Exception ignored in ..." and dropped, and the program carries on. A signal stays recorded
+# here, so `check_signals` raises it again at the next safe point (every streamed tensor, before an atomic
+# directory is renamed into place), and the hook below keeps the dropped one from printing a traceback.
+_pending: list[int] = []
+
+
+def _stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def raise_stop(signum: int) -> None:
+    """Raises stop signal ``signum``'s exception (`Terminated`, or KeyboardInterrupt for SIGINT) from a signal
+    handler, recorded so that `check_signals` raises it again should Python drop it (used inside
+    `keeping_lost_signals`, which `signals_as_exceptions` includes)."""
+    _pending.append(signum)
+    raise _stop_exception(signum)
+
+
 def _raise_terminated(signum, frame):
-    raise Terminated(signum)
+    raise_stop(signum)
+
+
+def check_signals() -> None:
+    """Raises the stop signal (`Terminated`, or KeyboardInterrupt for SIGINT) that arrived in this
+    `signals_as_exceptions` block but whose exception was lost (raised inside a finaliser or a gc callback);
+    returns otherwise. Long writes call it at every step."""
+    if _pending:
+        raise _stop_exception(_pending[0])
+
+
+def _quiet_lost_stops(previous_hook):
+    def hook(unraisable) -> None:
+        if _pending and isinstance(unraisable.exc_value, (Terminated, KeyboardInterrupt)):
+            return  # recorded in _pending: `check_signals` raises it where it can propagate
+        previous_hook(unraisable)
+
+    return hook
+
+
+@contextlib.contextmanager
+def keeping_lost_signals() -> Iterator[None]:
+    """Within the block, a stop signal raised by `raise_stop` that Python drops (in a finaliser or a gc callback)
+    prints nothing and is raised again by `check_signals`; on exit the record is cleared."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_lost_stops(hook)
+    try:
+        yield
+    finally:
+        sys.unraisablehook = hook
+        _pending.clear()
 
 
 @contextlib.contextmanager
 def signals_as_exceptions(signals: Iterable[int] = _TERMINATING) -> Iterator[None]:
-    """Within the block, SIGTERM / SIGHUP raise `Terminated` in the main thread instead of killing the process.
+    """Within the block, SIGTERM / SIGHUP raise `Terminated` in the main thread instead of killing the process, and
+    SIGINT raises KeyboardInterrupt as usual, but reliably: a signal whose exception Python dropped (it landed
+    in a finaliser or a garbage-collection callback) is raised again by the next `check_signals`, without a
+    traceback.
 
-    Only signals still at their default disposition are taken over (a handler the program installed itself, or an
-    ignored signal, is left alone), and the previous handlers come back on exit. Outside the main thread (where
-    Python cannot install handlers) this does nothing.
+    Only signals still at their default disposition (SIGINT: Python's default handler) are taken over (a handler
+    the program installed itself, or an ignored signal, is left alone), and the previous handlers come back on
+    exit. Outside the main thread (where Python cannot install handlers) this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -71,8 +133,11 @@ def signals_as_exceptions(signals: Iterable[int] = _TERMINATING) -> Iterator[Non
     for s in signals:
         if signal.getsignal(s) is signal.SIG_DFL:
             previous[s] = signal.signal(s, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_terminated)
     try:
-        yield
+        with keeping_lost_signals() if previous else contextlib.nullcontext():
+            yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -210,6 +275,168 @@ def check_destination(
             f"refusing to replace {dst} even with {flag}: {problem}; {flag} only replaces a "
             f"directory that jaxkv wrote (remove it yourself or choose another output path)"
         )
+
+
+# ------------------------------------------------------------------------------------------------ single files
+
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class WriteError(OSError):
+    """Writing a file failed; the message names the file and the cause (``errno`` is the underlying one)."""
+
+
+def write_error(path: str, error: BaseException) -> WriteError:
+    """A `WriteError` for ``error`` (an OSError) raised while writing ``path``: "writing PATH failed: CAUSE", with
+    "(disk full or file-size limit)" for the errors that mean it (ENOSPC, EFBIG, EDQUOT)."""
+    if isinstance(error, WriteError):
+        return error
+    code = getattr(error, "errno", None)
+    cause = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    hint = " (disk full or file-size limit)" if code in _SPACE_ERRNOS else ""
+    result = WriteError(f"writing {path} failed: {cause}{hint}")
+    result.errno = code
+    return result
+
+
+def write_file(path: str, data: bytes | str) -> None:
+    """Writes ``data`` to ``path`` atomically (``PATH.tmp``, then a rename: a reader sees the old or the new file).
+    On failure the temporary is removed and `WriteError` names ``path`` and the cause."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_error(path, e) from e
+
+
+# ------------------------------------------------------------------------------------------------ live directories
+
+
+class LockedError(DestinationError):
+    """The directory is being written by another running process (it holds the directory's `LOCK`)."""
+
+
+class DirectoryLost(OSError):
+    """The directory a run was writing was moved, deleted or replaced by someone else while it ran (the message
+    says which)."""
+
+
+def _read_lock_info(fd: int) -> dict:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _describe_writer(info: dict) -> str:
+    pid, host = info.get("pid"), info.get("host")
+    if not isinstance(pid, int):
+        return "a running process"
+    return f"a running process (pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "") + ")"
+
+
+def live_writer(path: str) -> str | None:
+    """Who is writing directory ``path`` now ("a running process (pid N)"), or None when no process holds its
+    `LOCK` (no lock file, or one left by a finished or killed writer). Touches nothing."""
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return _describe_writer(_read_lock_info(fd))
+            return None  # a file system without flock: cannot tell
+        return None
+    finally:
+        os.close(fd)  # also drops the probe's shared lock
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``path/LOCK`` held for as long as this process writes the directory ``path``.
+
+    `acquire` creates the lock file (recording this process's pid) and locks it, or raises `LockedError` naming
+    the holder. The directory's identity (device, inode) is recorded: `check` raises `DirectoryLost` once
+    ``path`` no longer is that directory or its lock file was removed (someone moved, deleted or replaced it).
+    `release` removes the lock file (only while it is still ours) and unlocks; a process that dies unlocks too,
+    leaving a lock file that no one holds (not live).
+    """
+
+    def __init__(self, path: str, fd: int, identity: tuple[int, int], lock_identity: tuple[int, int]):
+        self.path, self._fd, self._identity, self._lock_identity = path, fd, identity, lock_identity
+
+    @classmethod
+    def acquire(cls, path: str) -> "DirectoryLock":
+        path = os.path.abspath(path)
+        lock_path = os.path.join(path, LOCK)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    raise LockedError(f"{path} is being written by {_describe_writer(_read_lock_info(fd))}") from None
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                # a file system without flock: the lock file still records the writer, unenforced
+            info = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info, 0)
+            st, dst = os.fstat(fd), os.stat(path)
+            return cls(path, fd, (dst.st_dev, dst.st_ino), (st.st_dev, st.st_ino))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def problem(self) -> str | None:
+        """Why ``path`` is no longer the directory this lock was taken on, or None while it is."""
+        if self._fd is None:
+            return f"the lock on {self.path} was released"
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return f"{self.path} vanished while this run was writing it (moved or deleted by another process)"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"{self.path} was replaced by another directory while this run was writing it"
+        try:
+            lock = os.stat(os.path.join(self.path, LOCK), follow_symlinks=False)
+        except OSError:
+            return f"{os.path.join(self.path, LOCK)} was removed while this run was writing {self.path}"
+        if (lock.st_dev, lock.st_ino) != self._lock_identity:
+            return f"{os.path.join(self.path, LOCK)} was replaced while this run was writing {self.path}"
+        return None
+
+    def check(self) -> None:
+        """Raises `DirectoryLost` unless ``path`` is still the directory this lock was taken on."""
+        problem = self.problem()
+        if problem is not None:
+            raise DirectoryLost(problem)
+
+    def release(self) -> None:
+        """Removes the lock file if it is still ours and unlocks. Idempotent."""
+        if self._fd is None:
+            return
+        try:
+            if self.problem() is None:
+                os.remove(os.path.join(self.path, LOCK))
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "DirectoryLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 # ------------------------------------------------------------------------------------------------ temporaries
@@ -364,6 +591,7 @@ def atomic_directory(
                 new = os.path.join(tmp, _NEW)
                 os.mkdir(new, 0o777)
             yield new
+            check_signals()  # a stop signal whose exception was lost: never rename an interrupted write into place
             _fsync_dir(new)
             with _deferred_signals():
                 if os.path.lexists(path):

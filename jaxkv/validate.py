@@ -9,6 +9,14 @@ import numbers
 
 import jax
 
+# Sizes no model has, refused when a model config is built (converted, loaded or passed): a larger value is a typo
+# (``--text-len 100000000000``) that would otherwise fail only when the arrays are allocated, after minutes of
+# tracing. Far above every released model, far below what an int32 index or any memory could hold.
+MAX_TEXT_LEN = 2**16  # tokens per prompt (Wan 2.1 / umT5: 512); the encoder attends text_len x text_len
+MAX_WIDTH = 2**20  # any model width or channel count (Wan 2.1 14B: dim 5120, ffn_dim 13824)
+MAX_LAYERS = 2**12  # transformer blocks (Wan 2.1 14B: 40; umT5-xxl: 24)
+MAX_INDEX = 2**31 - 1  # anything indexed with int32 (a vocabulary)
+
 
 def is_int(value) -> bool:
     """True for Python / NumPy integers (not bools, which are ints to Python)."""

@@ -124,6 +124,10 @@ class VideoWriter:
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, OSError):  # a full disk or a file-size limit: `jaxkv.files.WriteError`
+                from jaxkv.files import write_error
+
+                raise write_error(self.path, error) from error
             raise RuntimeError(f"encoding {self.path} failed: {error}") from error
 
     def close(self) -> None:

@@ -153,6 +153,7 @@ def write_tensor_directory(
                 with tqdm(total=total, unit="tensor", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
                     for key, _, pieces in tensors:
                         for piece in pieces:
+                            files.check_signals()  # a SIGTERM / Ctrl-C that landed in a gc callback
                             source = piece.read()
                             values = np.ascontiguousarray(source, dtype=out)
                             problem = nonfinite_summary(values)

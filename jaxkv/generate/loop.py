@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -27,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import continuation, recache
+from jaxkv import files as jfiles
 from jaxkv import parallel as PL
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
-from jaxkv.generate import given, inputs, options, outputs, prompts, resume, toy
+from jaxkv.files import DirectoryLost, Terminated
+from jaxkv.generate import given, inputs, memory, options, outputs, prompts, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.video import Mp4Sink
@@ -46,8 +49,8 @@ LATENCY_WINDOW = 1000
 
 
 class GenerationError(RuntimeError):
-    """Generation stopped on bad numbers; the files written before it are finished (status "failed").
-    ``summary`` is what summary.json holds."""
+    """Generation stopped on bad numbers or a failed write (a full disk, a file-size limit); the files written
+    before it are finished as far as they can be (status "failed"). ``summary`` is what summary.json holds."""
 
     def __init__(self, message: str, summary: dict):
         super().__init__(message)
@@ -56,23 +59,41 @@ class GenerationError(RuntimeError):
 
 class Stop:
     """Set by a stop signal (`stop_on_signals`): the loop finishes the current chunk and returns. A second signal
-    restores the default action and re-raises it (kills the process at once; the files stay readable)."""
+    restores the default action and re-raises it (kills the process at once; the files stay readable), except
+    while the final ``--save-state`` is written (`saving_session`): there it raises `jaxkv.files.Terminated` (or
+    KeyboardInterrupt), so the save is abandoned and its temporary directory removed, never left half written."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.saving = False
+        self.aborted_save = False  # a second signal abandoned the --save-state save
 
     def handler(self, signum, frame) -> None:
         if self.signum is not None:
+            if self.saving:
+                self.aborted_save = True
+                jfiles.raise_stop(signum)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
+        what = "finishing the session save" if self.saving else "stopping after the current chunk"
         print(
-            f"\njaxkv generate: {signal.Signals(signum).name}: stopping after the current chunk (send it again to "
-            f"abort at once)",
+            f"\njaxkv generate: {signal.Signals(signum).name}: {what} (send it again to abort "
+            f"{'the save' if self.saving else 'at once'})",
             file=sys.stderr,
             flush=True,
         )
+
+    @contextlib.contextmanager
+    def saving_session(self):
+        """While the block writes the session, a second stop signal aborts it cleanly instead of killing."""
+        self.saving = True
+        try:
+            with jfiles.keeping_lost_signals():
+                yield
+        finally:
+            self.saving = False
 
 
 @contextlib.contextmanager
@@ -125,6 +146,19 @@ def _settings(args, config):
     return schedule, rc
 
 
+def _check_memory(args, config, rc) -> None:
+    """UsageError, with the figures, when the run obviously cannot fit in memory (`memory.check`); before anything
+    is loaded or compiled."""
+    devices = 1 if args.mesh is None else math.prod(args.mesh.values())
+    settings = f"--height {args.height} --width {args.width} --window-frames {rc.window_frames} --batch {args.batch}"
+    try:
+        memory.check(
+            config, rc, args.batch, f"{settings} (a {config.num_layers}-layer, dim {config.dim} model)", devices=devices
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _mesh(args, config, rc):
     """The --mesh as a `jax.sharding.Mesh` (None without it); UsageError when it does not fit the devices, the
     batch or the model."""
@@ -168,7 +202,9 @@ def run(args, stop: Stop | None = None) -> dict:
     to summary.json; ``"status"`` is "complete", or "interrupted" when ``stop`` was set by a signal).
 
     Raises UsageError for bad settings or inputs (nothing written), GenerationError when the latents turn
-    non-finite (the chunks before it are written and the files finished), OSError for I/O failures.
+    non-finite or a write fails (a full disk, a file-size limit: the chunks before it are written and the files
+    finished as far as they can be, status "failed"), `jaxkv.files.DirectoryLost` (an OSError) when ``--out`` was
+    moved or replaced under the run, OSError for other I/O failures.
     """
     stop = stop or Stop()
     options.check_text(args)
@@ -188,6 +224,7 @@ def run(args, stop: Stop | None = None) -> dict:
     options.check(args)
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
+    _check_memory(args, config, rc)
     vae_config = None if toy_dir else inputs.resolve_vae(args, config)
     given_vae = given.vae_config(args, config, toy_dir, vae_config)
     given_frames = given.read(args, rc, toy_dir, given_vae)  # read and checked before anything is written
@@ -271,23 +308,30 @@ def run(args, stop: Stop | None = None) -> dict:
             )
         return next(stream)
 
-    out = outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=True, sources=sources)
-    sinks = [
-        outputs.LatentsSink(out, args.format),
-        PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
-    ]
+    # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
+    lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
+    out = lock.path
     chunk_shape = rc.chunk_shape(config, args.batch)
     video = None
-    if vae_config is not None:
-        from jaxkv.models.wan_vae import StreamDecoder
+    try:
+        sinks = [
+            outputs.LatentsSink(out, args.format),
+            PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
+        ]
+        if vae_config is not None:
+            from jaxkv.models.wan_vae import StreamDecoder
 
-        decoder = StreamDecoder(
-            vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
-        )
-    if decoder is not None:
-        video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps or options.DEFAULTS["fps"], frames=args.frames)
-        sinks.append(video)
-    files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format)
+            decoder = StreamDecoder(
+                vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
+            )
+        if decoder is not None:
+            fps = args.fps or options.DEFAULTS["fps"]
+            video = Mp4Sink(out, decoder, batch=args.batch, fps=fps, frames=args.frames)
+            sinks.append(video)
+        files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
+    except BaseException:
+        lock.release()
+        raise
 
     summary = {
         "model": source,
@@ -379,11 +423,22 @@ def run(args, stop: Stop | None = None) -> dict:
             status = "interrupted"
             reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
         if args.save_state and status != "failed":
-            summary["session"] = resume.save(args, stream, video, files.chunks)
+            with stop.saving_session():
+                summary["session"] = resume.save(args, stream, video, files.chunks)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
-        files.close(
-            "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", summary, f"{type(e).__name__}: {e}"
-        )
+        try:
+            if stop.aborted_save:  # a second signal while saving the session
+                name = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+                status, reason = "interrupted", f"{name} twice: the session was not saved to {args.save_state}"
+            elif isinstance(e, (KeyboardInterrupt, Terminated)):
+                status, reason = "interrupted", outputs.describe_error(e)
+            else:
+                status, reason = "failed", outputs.describe_error(e)
+            files.close(status, summary, reason, strict=False)
+        finally:
+            files.release()
+        if isinstance(e, OSError) and not isinstance(e, DirectoryLost):  # a failed write: the files say so
+            raise GenerationError(str(e), summary) from e
         raise
     finally:
         clock.close()
@@ -402,9 +457,16 @@ def run(args, stop: Stop | None = None) -> dict:
         summary["switch_compilations"] = switch_compiles()
     if stop.signum is not None:
         summary["signal"] = signal.Signals(stop.signum).name
-    summary = files.close(status, summary, reason)
-    _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
-    outputs._write_json(os.path.join(out, outputs.SUMMARY), summary)  # again, with the rates
+    try:
+        summary = files.close(status, summary, reason)
+        _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
+        files.write_summary(summary)  # again, with the rates
+    except OSError as e:
+        if isinstance(e, DirectoryLost):
+            raise
+        raise GenerationError(str(e), summary) from e  # closing a file failed: the files say "failed"
+    finally:
+        files.release()
     if status == "failed":
         raise GenerationError(reason, summary)
     return summary
@@ -558,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or an argparse error (2, message already printed)
         return int(e.code or 0)
     args.explicit_flags = options.explicit_flags(sys.argv[1:] if argv is None else argv)
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        # a file-size limit (ulimit -f) must fail the write (EFBIG, reported naming the file), not kill the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     with stop_on_signals() as stop:
         try:
             summary = run(args, stop)
@@ -571,6 +636,17 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             return 1
+        except (KeyboardInterrupt, Terminated) as e:  # a second signal aborted the --save-state save
+            signum = getattr(e, "signum", signal.SIGINT)
+            name = signal.Signals(signum).name
+            print(
+                f"jaxkv generate: interrupted by {name} twice: the session was not saved to {args.save_state} (the "
+                f"chunks written are kept)"
+                if stop.aborted_save
+                else f"jaxkv generate: interrupted by {name}",
+                file=sys.stderr,
+            )
+            return 128 + signum
     if summary["status"] == "interrupted":
         print(f"jaxkv generate: interrupted by {summary['signal']}", file=sys.stderr)
         if "manifest" in summary:

@@ -7,16 +7,18 @@ jaxkv. Should the mp4 output add imageio as a dependency, this can become ``imag
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 
 import numpy as np
 
+from jaxkv import files
+
 
 def write_png(path: str, image: np.ndarray) -> None:
     """Writes uint8 [height, width, 3] as an 8-bit RGB PNG (no filtering, zlib-compressed), atomically: into a
-    temporary file beside ``path`` that is renamed onto it when complete."""
+    temporary file beside ``path`` that is renamed onto it when complete (`jaxkv.files.write_file`: a failed write
+    leaves no temporary and raises `jaxkv.files.WriteError` naming ``path``)."""
     image = np.asarray(image)
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or 0 in image.shape:
         raise ValueError(
@@ -35,7 +37,4 @@ def write_png(path: str, image: np.ndarray) -> None:
         + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
         + chunk(b"IEND", b"")
     )
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(png)
-    os.replace(tmp, path)
+    files.write_file(path, png)

@@ -21,9 +21,10 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import files
 from jaxkv.generate.contact_sheet import FILE as CONTACT_SHEET
 from jaxkv.generate.contact_sheet import ContactSheet
-from jaxkv.generate.outputs import FRAMES_DIR
+from jaxkv.generate.outputs import FRAMES_DIR, array_bytes
 from jaxkv.generate.png import write_png
 from jaxkv.video import VideoWriter
 
@@ -80,14 +81,21 @@ class Mp4Sink:
         self.sheet.add(frames)
         if self.frames == "npy":
             path = os.path.join(self.frames_dir, f"chunk_{index:06d}.npy")
-            with open(f"{path}.tmp", "wb") as f:
-                np.save(f, np.asarray(frames))
-            os.replace(f"{path}.tmp", path)
+            files.write_file(path, array_bytes(np.asarray(frames), "npy"))
         elif self.frames == "png":
             host = np.asarray(frames)
             for b in range(host.shape[0]):
                 for j in range(host.shape[1]):
                     write_png(os.path.join(self.frames_dir, f"frame_{b}_{first + j:06d}.png"), host[b, j])
+
+    def discard(self) -> None:
+        """Stops the encoders and closes the mp4 files without writing anything more (the output directory is
+        gone)."""
+        for writer in self.writers:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - the files are being abandoned
+                pass
 
     def close(self) -> dict:
         """Finishes every mp4 (waits for the encoder threads) and writes the contact sheet; returns what the summary

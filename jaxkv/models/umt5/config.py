@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from jaxkv.validate import check_int
+from jaxkv.validate import MAX_INDEX, MAX_LAYERS, MAX_TEXT_LEN, MAX_WIDTH, check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,11 @@ class UMT5Config:
             "max_distance",
             "text_len",
         ):
-            object.__setattr__(self, name, check_int(f"UMT5Config.{name}", getattr(self, name), minimum=1))
+            # sizes no model has (`jaxkv.validate`): refused at conversion and at load, not at allocation
+            limit = {"text_len": MAX_TEXT_LEN, "num_layers": MAX_LAYERS, "vocab_size": MAX_INDEX}.get(name, MAX_WIDTH)
+            object.__setattr__(
+                self, name, check_int(f"UMT5Config.{name}", getattr(self, name), minimum=1, maximum=limit)
+            )
         for name in ("pad_id", "eos_id"):
             object.__setattr__(
                 self, name, check_int(f"UMT5Config.{name}", getattr(self, name), minimum=0, maximum=self.vocab_size - 1)

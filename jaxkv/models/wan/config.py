@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from jaxkv.validate import check_int, is_int, is_real
+from jaxkv.validate import MAX_LAYERS, MAX_TEXT_LEN, MAX_WIDTH, check_int, is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,10 @@ class WanConfig:
         if not isinstance(patch, (tuple, list)) or len(patch) != 3 or not all(is_int(p) and p > 0 for p in patch):
             raise ValueError(f"WanConfig.patch_size must be three positive ints (frames, height, width), got {patch!r}")
         object.__setattr__(self, "patch_size", tuple(int(p) for p in patch))
+        # sizes no model has (`jaxkv.validate`): refused here, so at conversion and at load, not at allocation
+        limits = {"num_layers": MAX_LAYERS, "text_len": MAX_TEXT_LEN}  # the others: MAX_WIDTH
+        if max(self.patch_size) > MAX_WIDTH:
+            raise ValueError(f"WanConfig.patch_size must be at most {MAX_WIDTH} per axis, got {self.patch_size}")
         for name in (
             "dim",
             "ffn_dim",
@@ -62,7 +66,11 @@ class WanConfig:
             "text_len",
             "freq_dim",
         ):
-            object.__setattr__(self, name, check_int(f"WanConfig.{name}", getattr(self, name), minimum=1))
+            value = check_int(f"WanConfig.{name}", getattr(self, name), minimum=1)
+            limit = limits.get(name, MAX_WIDTH)
+            if value > limit:
+                raise ValueError(f"WanConfig.{name} must be at most {limit} (no model is larger), got {value}")
+            object.__setattr__(self, name, value)
         for name in ("eps", "rope_theta"):
             value = getattr(self, name)
             if not is_real(value) or not math.isfinite(value) or value <= 0:
