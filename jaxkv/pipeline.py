@@ -18,8 +18,8 @@ A saved pipeline session holds, beside the stream state, the clean latents of th
 VAE decoder's caches for a Wan release, and in its metadata (``metadata["pipeline"]``) the model, precision,
 settings, seed and prompt history. A resumed stream continues bit for bit: its frames are those the uninterrupted
 stream would have drawn. A session saved by ``jaxkv generate --save-state`` resumes too (its prompt and seed are
-read from its settings); it holds no latent ring, so it can switch prompts only once the cache's retained chunks were
-all generated after the resume.
+read from its settings, its latent ring restored). A session without a latent ring (saved by an older jaxkv) can
+switch prompts only once the cache's retained chunks were all generated after the resume.
 
 Streams are batch 1 and not thread-safe: step one stream from one thread at a time (`jaxkv serve` runs every
 stream's work on one worker thread).
@@ -41,7 +41,7 @@ from jaxkv import rollout as R
 from jaxkv import session as S
 from jaxkv.validate import check_int, shorten, utf8_problem
 
-RING = "latent_ring"  # the session extras entry of the latent ring
+RING = recache.RING_EXTRA  # the session extras entry of the latent ring
 METADATA = "pipeline"  # the session metadata entry
 # from_pretrained's keyword settings: ``jaxkv generate`` flags (their destinations) that shape the stream.
 SETTINGS = (
@@ -402,12 +402,10 @@ class Pipeline:
             R.Stream.from_session(pipe.params, pipe.config, pipe.rc, session, num_chunks=num_chunks)
         )
         if ring_extra is not None:
-            if tuple(ring_extra["latents"].shape) != tuple(stream.ring.latents.shape):
-                raise ValueError(
-                    f"resume: {path}'s latent ring is {list(ring_extra['latents'].shape)}, the stream needs "
-                    f"{list(stream.ring.latents.shape)}"
-                )
-            stream.ring = stream.ring.replace(latents=ring_extra["latents"], chunks=ring_extra["chunks"])
+            try:
+                stream.restore_ring(ring_extra)
+            except ValueError as e:
+                raise ValueError(f"resume: {path}: {e}") from None
         s = PipelineStream(pipe, stream, decoder, recorded["prompt"], recorded["negative_prompt"], recorded["seed"])
         s.switches = [tuple(x) for x in recorded["switches"]] or [(int(session.next_chunk), recorded["prompt"])]
         s.given = recorded.get("given")
@@ -525,8 +523,7 @@ class PipelineStream:
         return index
 
     def _extras(self) -> dict:
-        ring = self._stream.ring
-        extras = {RING: {"latents": ring.latents, "chunks": ring.chunks}}
+        extras = {RING: self._stream.ring_extra()}
         if self._vae_stateful:
             extras[S.VAE_DECODER] = S.vae_extra(self._decoder.state)
         return extras

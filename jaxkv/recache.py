@@ -48,6 +48,7 @@ from jaxkv.validate import is_concrete
 EMPTY = -1
 # Policies whose slots hold whole chunks at their positions (what `recompute_cache` re-runs).
 RECACHE_POLICIES = frozenset({"ring", "rolling"})
+RING_EXTRA = "latent_ring"  # the session extras entry of a saved `LatentRing` (`SwitchableStream.ring_extra`)
 
 
 @struct.dataclass
@@ -261,9 +262,29 @@ class SwitchableStream:
     def state(self) -> R.RolloutState:
         return self.stream.state
 
+    def ring_extra(self) -> dict:
+        """The latent ring as a session extras entry (`RING_EXTRA`: {"latents", "chunks"}), so that a saved
+        session can switch prompts as soon as it is resumed (`restore_ring`)."""
+        return {"latents": self.ring.latents, "chunks": self.ring.chunks}
+
+    def restore_ring(self, extra: dict) -> None:
+        """Puts back a ring saved by `ring_extra` (a resumed stream's, before its first chunk). ValueError when it
+        does not fit this stream (other shapes), before anything changes."""
+        if not isinstance(extra, dict) or set(extra) != {"latents", "chunks"}:
+            raise ValueError(f"the saved latent ring must hold 'latents' and 'chunks', got {sorted(extra or {})}")
+        for name in ("latents", "chunks"):
+            want, got = getattr(self.ring, name), extra[name]
+            if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+                raise ValueError(
+                    f"the saved latent ring's {name} are {got.dtype}{list(got.shape)}, this stream's "
+                    f"{want.dtype}{list(want.shape)}"
+                )
+        self.ring = self.ring.replace(latents=jnp.asarray(extra["latents"]), chunks=jnp.asarray(extra["chunks"]))
+
     def __getattr__(self, name):
-        # everything else (start, session(), rc, ...) is the wrapped stream's; a saved session does not include
-        # the latent ring, so a resumed stream re-fills it before its first switch can re-cache every chunk
+        # everything else (start, session(), rc, ...) is the wrapped stream's; a session saved without
+        # `ring_extra` (restored by `restore_ring`) makes a resumed stream re-fill the ring before its first
+        # switch can re-cache every chunk
         if name == "stream":
             raise AttributeError(name)
         return getattr(self.stream, name)

@@ -126,10 +126,10 @@ def test_a_generate_session_resumes_in_the_pipeline(pipe, tmp_path):
     r2 = Pipeline.resume(state)
     assert r2.pipeline.rc == pipe.rc and r2.pipeline.model is None
     np.testing.assert_array_equal(r2.step(), want)
-    # it holds no latent ring: a switch before the retained chunks were generated here is refused, untouched
-    with pytest.raises(ValueError, match="latent ring lacks chunk"):
-        r2.switch_prompt(P1)
-    assert r2.prompt == P0 and r2.chunk_index == 3
+    # --save-state keeps the latent ring: the resumed stream switches at once, as the uninterrupted one does
+    assert r2.switch_prompt(P1) == 3 and s.switch_prompt(P1) == 3
+    np.testing.assert_array_equal(r2.step(), s.step())
+    assert r2.prompt == P1 and r2.chunk_index == 4
 
 
 def test_forks_are_independent(pipe):

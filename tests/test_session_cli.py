@@ -288,3 +288,69 @@ def test_resume_refuses_another_fps_for_the_continued_video(tmp_path, capsys):
     assert "--fps 30 (the session's: 16)" in err
     assert not (tmp_path / "b").exists()
     assert G.main([*resumed, "--out", str(tmp_path / "c"), "--fps", "16"]) == 0  # the session's own rate
+
+
+TOY = ["--no-progress", "--no-video"]  # the shipped toy world (the default model)
+P0, P1 = "a red circle and a blue square, slow", "a green triangle, fast"
+
+
+def _schedule(path, *entries):
+    path.write_text(json.dumps([{"chunk": c, "prompt": p} for c, p in entries]))
+    return str(path)
+
+
+def test_a_resumed_session_follows_a_prompt_schedule_as_the_uninterrupted_run(tmp_path, capsys):
+    """--save-state keeps the latent ring, so --resume takes a --prompt-schedule (counting this run's chunks; its
+    chunk-0 entry switches only if it is not what the session was drawing): 3 + 5 chunks with a switch at stream
+    chunk 4 equal one 8-chunk run switching there, bit for bit; another chunk-0 prompt switches at the resume."""
+    full = _schedule(tmp_path / "full.json", (0, P0), (4, P1))
+    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "8", "--prompt-schedule", full, *TOY]) == 0
+    first = _schedule(tmp_path / "first.json", (0, P0))
+    argv = ["--out", str(tmp_path / "a"), "--num-chunks", "3", "--prompt-schedule", first, *TOY]
+    assert G.main([*argv, "--save-state", str(tmp_path / "S")]) == 0
+    manifest = S.read_manifest(str(tmp_path / "S"))
+    assert manifest["metadata"]["text_now"] == {"prompt": P0}
+    rest = _schedule(tmp_path / "rest.json", (0, P0), (1, P1))
+    argv = ["--resume", str(tmp_path / "S"), "--prompt-schedule", rest, "--num-chunks", "5", *TOY[:1]]
+    assert G.main([*argv, "--out", str(tmp_path / "b")]) == 0
+    whole = G.load_latents(str(tmp_path / "full"))
+    parts = np.concatenate([G.load_latents(str(tmp_path / n)) for n in ("a", "b")], axis=1)
+    assert parts.tobytes() == whole.tobytes()
+    assert [e["chunk"] for e in _summary(tmp_path / "b")["prompt_schedule"]] == [0, 1]
+    # a chunk-0 entry other than the session's prompt switches at the resume: chunk 3 differs from then on
+    other = _schedule(tmp_path / "other.json", (0, P1))
+    argv = ["--resume", str(tmp_path / "S"), "--prompt-schedule", other, "--num-chunks", "2", *TOY[:1]]
+    assert G.main([*argv, "--out", str(tmp_path / "c")]) == 0
+    c = G.load_latents(str(tmp_path / "c"))
+    b = G.load_latents(str(tmp_path / "b"))
+    assert not np.array_equal(c[:, :3], b[:, :3])
+
+
+def test_a_plain_save_resumes_with_a_schedule_and_an_old_session_is_refused(tmp_path, capsys):
+    """A run without a schedule saves the ring too (a later --prompt-schedule can switch at once); a session
+    without a ring (as older jaxkv saved them) is refused with a schedule, before anything is written."""
+    argv = ["--out", str(tmp_path / "a"), "--num-chunks", "2", "--prompt", P0, *TOY]
+    assert G.main([*argv, "--save-state", str(tmp_path / "S")]) == 0
+    assert S.read_manifest(str(tmp_path / "S"))["metadata"]["text_now"] == {"prompt": P0}
+    switch = _schedule(tmp_path / "switch.json", (0, P0), (1, P1))
+    argv = ["--resume", str(tmp_path / "S"), "--prompt-schedule", switch, "--num-chunks", "2", *TOY[:1]]
+    assert G.main([*argv, "--out", str(tmp_path / "b")]) == 0
+    assert G.load_latents(str(tmp_path / "b")).shape[1] == 6
+    # the same session saved without its ring
+    from jaxkv.toyworld import model as toy_model
+
+    model = toy_model.load()
+    session = S.load(str(tmp_path / "S"), model.config, model.settings.rollout_config())
+    extras = {k: v for k, v in session.extras.items() if k != "latent_ring"}
+    meta = S.read_metadata(str(tmp_path / "S"))
+    S.save(str(tmp_path / "old"), session.replace(extras=extras), metadata=meta)
+    capsys.readouterr()
+    argv = ["--resume", str(tmp_path / "old"), "--prompt-schedule", switch, "--num-chunks", "2", *TOY[:1]]
+    assert G.main([*argv, "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "holds no latent ring" in err and "resume without --prompt-schedule" in err
+    assert not (tmp_path / "c").exists()
+    # and --prompt passed with a schedule is still refused on a resume
+    argv = ["--resume", str(tmp_path / "S"), "--prompt-schedule", switch, "--prompt", P0, "--num-chunks", "2"]
+    assert G.main([*argv, "--out", str(tmp_path / "d"), *TOY[:1]]) == 2
+    assert "--prompt-schedule gives the text context; not with --prompt" in capsys.readouterr().err

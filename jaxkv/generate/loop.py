@@ -213,11 +213,6 @@ def run(args, stop: Stop | None = None) -> dict:
         raise UsageError(
             "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"
         )
-    if args.resume and args.prompt_schedule:
-        raise UsageError(
-            "--prompt-schedule cannot be combined with --resume yet (a saved session does not hold "
-            "the clean latents a prompt switch re-caches); resume without it"
-        )
     resumed = resume.apply_resume(args)  # --resume: the session's settings replace the flags
     options.check_model(args)
     toy_dir = toy.prepare(args, fill=resumed is None)  # the toy world (the default): its settings fill the flags
@@ -253,16 +248,26 @@ def run(args, stop: Stop | None = None) -> dict:
     resume.check_save_state(args, sources)
     mesh = _mesh(args, config, rc)
     session = None
-    switches = {}
-    if resumed is not None:  # the session holds the cross-attention K/V: no text to encode
-        session = resume.load(args, config, rc)
+    switches = {}  # chunk of this run -> (the schedule entry, its context): where the stream switches prompts
+    drawing = resume.text_of(args, resumed)  # the text the next chunk is drawn under (recorded in a saved session)
+    if resumed is None and entries is not None:
+        drawing = prompts.entry_text(entries[0])
+    if resumed is not None:  # the session holds the cross-attention K/V: only a schedule's texts are encoded
+        session = resume.load(args, config, rc, schedule=entries is not None)
         context, negative, text_info = None, None, {}
+        if entries is not None:  # the schedule counts this run's chunks; its chunk-0 entry switches unless current
+            scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
+            switches = {
+                e.chunk: (e, jnp.asarray(c))
+                for e, c in zip(entries, scheduled)
+                if e.chunk > 0 or prompts.entry_text(e) != drawing
+            }
     elif entries is None:
         context, negative, text_info = inputs.contexts(args, config)  # encodes --prompt (after the cheap checks)
     else:
         scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
         context = scheduled[0]
-        switches = {e.chunk: jnp.asarray(c) for e, c in zip(entries[1:], scheduled[1:])}
+        switches = {e.chunk: (e, jnp.asarray(c)) for e, c in zip(entries[1:], scheduled[1:])}
     params = inputs.load_params(args, config) if mesh is None else _mesh_params(args, config, mesh)
     vae_params = None if vae_config is None else inputs.load_vae(args, vae_config)
     if stop.signum is not None:
@@ -291,21 +296,24 @@ def run(args, stop: Stop | None = None) -> dict:
                 key=key,
                 negative_context=negative,
             )
-    if entries is not None:
+    if entries is not None or resume.keeps_ring(args, rc):  # a saved session keeps the ring a switch needs
         stream = recache.SwitchableStream(stream)
+        if session is not None:
+            resume.restore_ring(stream, session)
     given_context = given_info = None
     if given_frames is not None:  # the given frames become the stream's first chunks; the schedule counts after them
         frame_encoder = given.encoder(args, toy_dir, given_vae, vae_params)
         given_context, given_info = given.commit(args, stream, given_frames, frame_encoder, rc)
-        switches = {chunk + stream.start: c for chunk, c in switches.items()}
+    switches = {chunk + stream.start: c for chunk, c in switches.items()}  # in stream chunks (given or resumed)
     keep_sink = getattr(args, "switch_sink", "keep") == "keep"
 
     def advance():
         """The next chunk, switching prompts first where the schedule says so."""
+        nonlocal drawing
         if stream.index in switches:
-            stream.switch(
-                switches[stream.index], None if negative is None else jnp.asarray(negative), keep_sink=keep_sink
-            )
+            entry, entry_context = switches[stream.index]
+            stream.switch(entry_context, None if negative is None else jnp.asarray(negative), keep_sink=keep_sink)
+            drawing = prompts.entry_text(entry)
         return next(stream)
 
     # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
@@ -424,7 +432,7 @@ def run(args, stop: Stop | None = None) -> dict:
             reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
         if args.save_state and status != "failed":
             with stop.saving_session():
-                summary["session"] = resume.save(args, stream, video, files.chunks)
+                summary["session"] = resume.save(args, stream, video, files.chunks, text=drawing)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
         try:
             if stop.aborted_save:  # a second signal while saving the session

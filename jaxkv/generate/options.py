@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON list switching prompts mid-stream, e.g. "
         '[{"chunk": 0, "prompt": "a cat"}, {"chunk": 8, "context": "dog.npy"}]: each entry gives the '
         "first chunk it drives and a prompt (encoded by --text-encoder) or a context file; later "
-        "entries switch with KV re-cache (jaxkv.recache). Not with --prompt or --context",
+        "entries switch with KV re-cache (jaxkv.recache). Not with --prompt or --context. With --resume its "
+        "chunks count the resumed run's",
     )
     t.add_argument(
         "--switch-sink",
@@ -461,7 +462,10 @@ def check(args: argparse.Namespace) -> None:
         )
     if args.prompt is not None and args.context:
         raise UsageError("--prompt and --context both give the text context; pass one")
-    if args.prompt_schedule and (args.prompt is not None or args.context):
+    given_text = args.prompt is not None or args.context
+    if args.resume:  # the session's own --prompt / --context are filled in: only the flags passed conflict
+        given_text = given_text and bool({"prompt", "context"} & explicit(args))
+    if args.prompt_schedule and given_text:
         raise UsageError(
             f"--prompt-schedule gives the text context; not with "
             f"{'--prompt' if args.prompt is not None else '--context'}"

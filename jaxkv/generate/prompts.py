@@ -13,6 +13,10 @@ Example: ``[{"chunk": 0, "prompt": "a cat on a sofa"}, {"chunk": 8, "prompt": "t
 At each later entry the stream switches prompts with KV re-cache (`jaxkv.recache`); ``--switch-sink`` chooses
 whether the sink's K/V are kept (default) or recomputed. The negative context for guidance stays the one given by
 --negative-prompt / --negative-context for the whole run.
+
+With ``--resume`` the schedule counts the resumed run's chunks, and its chunk-0 entry switches only if it differs
+from what the session was drawing (its recorded ``"text_now"``); the session must hold its latent ring (every
+``--save-state`` of a ring or rolling cache does).
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ class Entry(NamedTuple):
     chunk: int
     prompt: str | None  # text to encode, or
     context: str | None  # path of an embeddings file (resolved)
+
+
+def entry_text(entry: Entry) -> dict:
+    """What an entry draws under, as a session records it (`jaxkv.generate.resume.text_of`): {"prompt": text}
+    or {"context": absolute path}."""
+    if entry.prompt is not None:
+        return {"prompt": entry.prompt}
+    return {"context": os.path.abspath(entry.context)}
 
 
 def read_schedule(path: str, num_chunks: int) -> list[Entry]:

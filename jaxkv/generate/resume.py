@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from jaxkv import files
+from jaxkv import files, recache
 from jaxkv import session as S
 from jaxkv.generate import options
 from jaxkv.generate.options import UsageError
@@ -110,12 +110,53 @@ def check_save_state(args, sources) -> None:
         raise UsageError(f"--save-state: {e}; nothing was touched") from None
 
 
-def load(args, config, rc) -> S.Session:
-    """The ``--resume`` session, checked against the settings (UsageError naming any difference)."""
+def load(args, config, rc, *, schedule: bool = False) -> S.Session:
+    """The ``--resume`` session, checked against the settings (UsageError naming any difference). With
+    ``schedule`` (a --prompt-schedule) it must hold the latent ring a prompt switch re-caches from."""
     try:
-        return S.load(args.resume, config, rc)
+        session = S.load(args.resume, config, rc)
     except S.SessionError as e:
         raise UsageError(f"--resume: {e}") from None
+    if schedule and recache.RING_EXTRA not in session.extras:
+        raise UsageError(
+            f"--resume {args.resume} with --prompt-schedule: the session holds no latent ring (the clean latents a "
+            f"prompt switch re-caches from; sessions saved by an older jaxkv, or of a cache prompt switching does "
+            f"not support, lack it); resume without --prompt-schedule"
+        )
+    return session
+
+
+def text_of(args, manifest: dict | None) -> dict | None:
+    """What the next chunk is drawn under, as a session records it (metadata ``"text_now"``): {"prompt": text},
+    {"context": absolute path}, {"stand_in": seed} (the seed's stand-in context), or a schedule's first entry;
+    for a resumed run the session's record (None when an older session has none)."""
+    if manifest is not None:
+        return manifest.get("metadata", {}).get("text_now")
+    if args.prompt_schedule:
+        return None  # the loop sets the first entry's once the schedule is read
+    if args.prompt is not None:
+        return {"prompt": args.prompt}
+    if args.context:
+        return {"context": os.path.abspath(args.context)}
+    return {"stand_in": args.seed}
+
+
+def keeps_ring(args, rc) -> bool:
+    """Whether a run keeps the latent ring (clean latents of the retained chunks) to save with its session, so
+    that the session can be resumed with a --prompt-schedule: with --save-state, on the caches prompt switching
+    supports."""
+    return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES and not rc.dilated_every
+
+
+def restore_ring(stream, session: S.Session) -> None:
+    """Puts the session's latent ring (if it saved one) back into a resumed `recache.SwitchableStream`."""
+    extra = session.extras.get(recache.RING_EXTRA)
+    if extra is None:
+        return
+    try:
+        stream.restore_ring(extra)
+    except ValueError as e:
+        raise UsageError(f"--resume: the saved latent ring does not fit: {e}") from None
 
 
 def restore_video(video, session: S.Session) -> None:
@@ -139,16 +180,23 @@ def restore_video(video, session: S.Session) -> None:
     video.decoder.first = bool(state.first)
 
 
-def save(args, stream, video, chunks_written: int) -> str:
-    """Writes the stream's session (and the VAE decoder's caches) to ``--save-state``; returns its path. The
+def save(args, stream, video, chunks_written: int, *, text: dict | None = None) -> str:
+    """Writes the stream's session (the VAE decoder's caches and, for a `recache.SwitchableStream`, its latent
+    ring too) to ``--save-state``; returns its path. ``text``: what the next chunk is drawn under (`text_of`). The
     stream must not step again before this returns (the session shares its buffers)."""
     extras = {S.VAE_DECODER: S.vae_extra(video.decoder.state)} if video is not None and _stateful(video.decoder) else {}
+    if isinstance(stream, recache.SwitchableStream):
+        extras[recache.RING_EXTRA] = stream.ring_extra()
     session = stream.session(copy=False, extras=extras)
     return S.save(
         args.save_state,
         session,
         force=args.overwrite,
-        metadata={"generate": recorded_settings(args), "chunks_written_by_this_run": chunks_written},
+        metadata={
+            "generate": recorded_settings(args),
+            "chunks_written_by_this_run": chunks_written,
+            "text_now": text,
+        },
     )
 
 
