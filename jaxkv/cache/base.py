@@ -350,6 +350,19 @@ class ChunkCache:
         new_positions = write_chunk_rows(self.positions, chunk_pos, offsets)
         return self.replace(k=new_k, v=new_v, positions=new_positions)
 
+    def replace_layer(self, layer, k, v):
+        """The cache with one layer's whole k, v [batch, capacity, heads, head_dim] replaced (positions untouched),
+        in place in a loop carry: a dynamic update of the stack, or the per-layer buffers swapped."""
+        if self.layers is None:
+            raise ValueError("replace_layer: the cache is not stacked (init without layers)")
+        self._check_layer("replace_layer", layer)
+        if self.is_per_layer:
+            return self.replace(**dict(zip(("k", "v"), self._with_layer(layer, k, v))))
+        return self.replace(
+            k=lax.dynamic_update_index_in_dim(self.k, k, layer, 0),
+            v=lax.dynamic_update_index_in_dim(self.v, v, layer, 0),
+        )
+
     def read_positions(self) -> jax.Array:
         """int32 [batch, capacity]: the slot positions attention reads in this chunk's forward, i.e. ``positions``
         once `write` has written the reserved chunk, wherever a slot is valid (>= 0; a policy may mark invalid slots
