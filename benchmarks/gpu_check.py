@@ -8,7 +8,13 @@ chunk on the ring cache; JSON out. Sized for < 8 minutes on one H100/H200.
    state): ms per call for the Pallas kernel, cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")` through
    `jaxkv.attention.cudnn`, including its run-time length check) and XLA (`jax.nn.dot_product_attention(
    implementation="xla")`, no mask), and pallas/cudnn (target <= 1/0.9).
-3. ``wan_chunk``: Wan 2.1 1.3B with random bf16 weights, 480x832 (60x104 latents, 1,560 tokens/frame), 3-frame
+3. ``attention_plans``: the cuDNN call forms of a full ring at the Wan chunk's shape (4,680 queries x 32,760 keys,
+   sink 3 + window 18 frames): with key lengths, with no mask, and split-KV in 2 / 3 / 4 key parts merged by float32
+   LSE, each against the dense reference and timed, plus the `SPLIT_KV` row to record
+   (`jaxkv.attention.cudnn`). In a dry run a CPU stand-in takes cuDNN's place, so the plan, branch, split and
+   merge logic runs at tiny shapes.
+4. ``wan_chunk``: Wan 2.1 1.3B with random bf16 weights held per layer (the unrolled layer loop), 480x832 (60x104
+   latents, 1,560 tokens/frame), 3-frame
    chunks, sink 3 + window 18 frames, bf16 cache, 4 steps + the context pass, `jaxkv.rollout.Stream` with
    backend "auto": ms/chunk (median after the cache has filled and wrapped), latent and video frames per second
    (a 3-latent-frame chunk decodes to 12 video frames), peak device memory, and the backend `auto` chose.
@@ -34,10 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import rollout as R
-from jaxkv.attention import attend, dense_attention
+from jaxkv.attention import MaskSpec, attend, cudnn, dense_attention
 from jaxkv.attention.dispatch import resolve_backend
+from jaxkv.attention.xla_cpu import xla_cpu_attention
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
+from jaxkv.models.wan.params import per_layer_params
 from jaxkv.precision import Precision
 
 FULL = dict(
@@ -50,9 +58,21 @@ FULL = dict(
     latent=(60, 104),
     window=18,
     sink=3,
+    plan_keys=32760,
+    plan_parts=(2, 3, 4),
 )
 DRY = dict(
-    heads=2, head_dim=64, chunk=64, keys=(128, 320), correctness_keys=192, wan="tiny", latent=(8, 8), window=6, sink=3
+    heads=2,
+    head_dim=64,
+    chunk=64,
+    keys=(128, 320),
+    correctness_keys=192,
+    wan="tiny",
+    latent=(8, 8),
+    window=6,
+    sink=3,
+    plan_keys=384,
+    plan_parts=(2, 3, 4),
 )
 
 
@@ -134,10 +154,64 @@ def time_attention(s: dict, interpret: bool, cudnn_ok: bool, reps: int) -> list[
     return rows
 
 
+def _cpu_cudnn_standin(q, k, v, lengths, scale, return_lse=False):
+    """cuDNN's call written with the XLA:CPU path, for dry runs: slots [0, lengths[b]) (all when None), float32 LSE."""
+    b, lk = k.shape[:2]
+    kv_pos = jnp.zeros((b, lk), jnp.int32)
+    if lengths is not None:
+        kv_pos = jnp.where(jnp.arange(lk)[None, :] < lengths[:, None], 0, -1).astype(jnp.int32)
+    out = xla_cpu_attention(q, k, v, jnp.zeros(q.shape[:2], jnp.int32), kv_pos, scale=scale, return_lse=return_lse)
+    return out
+
+
+def attention_plans(s: dict, cudnn_ok: bool, reps: int) -> dict:
+    """The cuDNN call forms on a full (wrapped) ring at the chunk's shape: "lengths" (per-session key lengths, what
+    a partially filled ring gets), "no_mask" (what a full ring gets), "split_<n>" (keys in n parts as batch rows
+    of one call, merged by float32 LSE), each checked against the dense reference and timed; then the
+    `jaxkv.attention.cudnn.SPLIT_KV` entry the timings suggest. Without cuDNN (a dry run) a CPU stand-in replaces
+    the kernel: the numbers then say nothing about a GPU, only that the dispatch runs and is exact."""
+    c, keys = s["chunk"], s["plan_keys"]
+    kernel = cudnn.cudnn_call if cudnn_ok else _cpu_cudnn_standin
+    q, k, v, qp, kp = _ring(jax.random.key(3), 1, keys, c, s["heads"], s["head_dim"], 2 * keys // c, sink_chunks=1)
+    ref = jax.jit(lambda *a: dense_attention(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in a)))(
+        q, k, v, qp, kp
+    )
+    mask = dict(chunk=c, window=keys - c, sink=c)
+    forms = {"lengths": ("lengths", 1), "no_mask": ("all", 1)}
+    forms.update({f"split_{n}": ("all", n) for n in s["plan_parts"] if keys % n == 0})
+    out = {"queries": c, "keys": keys, "heads": s["heads"], "head_dim": s["head_dim"], "kernel": kernel.__name__}
+    plan = jax.jit(lambda qp, kp: cudnn.plan_attention(qp, kp, MaskSpec(**mask)))(qp, kp)
+    out["plan_mode"] = {cudnn.FALLBACK: "fallback", cudnn.LENGTHS: "lengths", cudnn.ALL_VISIBLE: "all_visible"}[
+        int(plan.mode)
+    ]
+    flop = 4 * q.shape[0] * s["heads"] * c * keys * s["head_dim"]
+    for name, (mode, parts) in forms.items():
+        forced = cudnn.Plan(jnp.int32(cudnn.LENGTHS if mode == "lengths" else cudnn.ALL_VISIBLE), plan.lengths)
+        fn = jax.jit(
+            lambda q, k, v, qp, kp, forced=forced, parts=parts: cudnn.cudnn_attention(
+                q, k, v, qp, kp, fallback=dense_attention, plan=forced, parts=parts, kernel=kernel, **mask
+            )
+        )
+        try:
+            got = fn(q, k, v, qp, kp)
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
+            ms = _time(fn, q, k, v, qp, kp, reps=reps)
+            out[name] = {"ms": ms, "tflops": flop / (ms * 1e-3) / 1e12, "max_abs_err": err, "ok": err < 3e-2}
+        except Exception as e:  # noqa: BLE001 - report and go on: one failing form must not hide the others
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    timed = {n: r["ms"] for n, r in out.items() if isinstance(r, dict) and "ms" in r and n != "lengths"}
+    if timed:
+        best = min(timed, key=timed.get)
+        out["suggested_split_kv"] = {"key": [keys, c], "parts": 1 if best == "no_mask" else int(best.split("_")[1])}
+    out["table_now"] = cudnn.split_parts(keys, c)
+    return out
+
+
 def wan_chunk(s: dict, timed: int) -> dict:
     config = wan.preset(s["wan"])
     precision = Precision.bf16()
-    params = M.init_params(config, jax.random.key(0), dtype=precision.param_dtype)
+    # Per-layer params: the unrolled layer loop reads every weight and K/V where it lies (no per-layer copies).
+    params = per_layer_params(M.init_params(config, jax.random.key(0), dtype=precision.param_dtype))
     h, w = s["latent"]
     rc = R.RolloutConfig(
         latent_height=h,
@@ -229,6 +303,7 @@ def main(argv=None) -> int:
     for name, fn in (
         ("correctness", lambda: check_correctness(s, interpret, cudnn_ok)),
         ("attention", lambda: time_attention(s, interpret, cudnn_ok, 2 if args.dry_run else args.reps)),
+        ("attention_plans", lambda: attention_plans(s, cudnn_ok, 2 if args.dry_run else args.reps)),
         ("wan_chunk", None if args.skip_wan else lambda: wan_chunk(s, 2 if args.dry_run else args.timed)),
     ):
         if fn is None:
@@ -246,8 +321,12 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             f.write(text)
     failed = [k for k, v in result.get("correctness", {}).items() if isinstance(v, dict) and not v.get("ok", True)]
+    plans = result.get("attention_plans", {})
+    failed += [f"attention_plans/{k}" for k, v in plans.items() if isinstance(v, dict) and v.get("ok") is False]
     errors = [
-        k for k in ("correctness", "attention", "wan_chunk") if isinstance(result.get(k), dict) and "error" in result[k]
+        k
+        for k in ("correctness", "attention", "attention_plans", "wan_chunk")
+        if isinstance(result.get(k), dict) and "error" in result[k]
     ]
     return 1 if failed or errors else 0
 

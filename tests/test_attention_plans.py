@@ -14,6 +14,7 @@ from jaxkv.attention import ALL_VISIBLE_PLAN, MaskSpec, attend, cudnn, dense_att
 from jaxkv.attention.split import merge_by_lse, split_attention
 from jaxkv.attention.xla_cpu import xla_cpu_attention
 from tests.helpers.attention_cases import make_case, permuted, physical
+from tests.helpers.cudnn_standin import standin
 
 
 def xla_lse_kernel(q, k, v):
@@ -21,23 +22,6 @@ def xla_lse_kernel(q, k, v):
     b, lk = k.shape[:2]
     pos = jnp.zeros((b, lk), jnp.int32)
     return xla_cpu_attention(q, k, v, jnp.zeros(q.shape[:2], jnp.int32), pos, return_lse=True)
-
-
-def standin(q, k, v, lengths, scale, return_lse=False):
-    """What cuDNN computes, written independently: softmax over slots [0, length) (every slot when lengths is None)
-    in float32; with return_lse also the natural-log LSE of the scaled logits."""
-    b, lq, hq, d = q.shape
-    g = hq // k.shape[2]
-    kf = jnp.repeat(k.astype(jnp.float32), g, axis=2)
-    vf = jnp.repeat(v.astype(jnp.float32), g, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * scale
-    if lengths is not None:
-        keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
-        s = jnp.where(keep[:, None, None], s, -jnp.inf)
-    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vf).astype(q.dtype)
-    if not return_lse:
-        return out
-    return out, jnp.transpose(jax.scipy.special.logsumexp(s, axis=-1), (0, 2, 1))
 
 
 @pytest.mark.parametrize("parts", [1, 2, 4, 8])
