@@ -54,7 +54,7 @@ def test_per_layer_params_round_trip_and_checks():
         M.init_cache(CFG, jaxkv.cache.DilatedSpec(H * W // 4, 1, 2, 3), 1, policy="dilated", per_layer=True)
 
 
-@pytest.mark.parametrize("policy", ["ring", "rolling"])
+@pytest.mark.parametrize("policy", ["ring", pytest.param("rolling", marks=pytest.mark.slow)])
 def test_per_layer_stream_equals_the_stacked_stream_bit_for_bit_with_one_compilation(policy):
     """7 chunks on a 2-chunk window + 1 sink chunk (wrapped 2-3 times), with guidance: every chunk, and the final
     cache, are identical; each layout compiles one program for all chunks."""
@@ -166,13 +166,14 @@ def test_per_layer_step_updates_the_cache_in_place():
 # ------------------------------------------------------------------ the cuDNN path through the model
 
 
-@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(layout, monkeypatch):
     """backend="cudnn" through `forward_chunk` on CPU, the kernel replaced by an independent stand-in: the result is
     the XLA path's; the plan is made once per forward (not per layer); the program branches once per layer (the
     self-attention's plan mode), never for cross-attention."""
     monkeypatch.setattr(cudnn, "cudnn_call", standin)
-    monkeypatch.setattr(dispatch.pallas_gpu, "supported", lambda head_dim: False)  # fallback: blockwise XLA
+    monkeypatch.setattr(dispatch.pallas_gpu, "supported", lambda head_dim: False)  # fallback: XLA, not Pallas
+    monkeypatch.setattr(dispatch, "_blockwise", dispatch._dense)  # ... the dense one (no branches of its own)
     made = {"model": 0, "per_call": 0}
     model_plan, call_plan = M.plan_attention, cudnn.plan_attention
 
@@ -192,13 +193,16 @@ def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(
     cache = M.init_cache(CFG, spec, 2, dtype=jnp.bfloat16, per_layer=layout == "per_layer")
     x = jax.random.normal(jax.random.key(13), (2, 1, H, W, CFG.in_dim))
     t = jnp.full((2,), 500.0)
-    fwd = lambda backend: jax.jit(
-        lambda c: M.forward_chunk(params, CFG, c, cross, x, t, backend=backend, precision="bfloat16")
-    )
+    fwd = {
+        backend: jax.jit(
+            lambda c, b=backend: M.forward_chunk(params, CFG, c, cross, x, t, backend=b, precision="bfloat16")
+        )
+        for backend in ("xla", "cudnn")
+    }
     for _ in range(5):  # fill (lengths), then wrap (all visible)
         cache = cache.begin_chunk()
-        want, _ = fwd("xla")(cache)
-        got, cache = fwd("cudnn")(cache)
+        want, _ = fwd["xla"](cache)
+        got, cache = fwd["cudnn"](cache)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-2 * float(jnp.abs(want).max()))
     made_before = dict(made)
     jaxpr = str(
