@@ -265,9 +265,9 @@ def test_bf16_rollout_stays_within_the_measured_distance_of_float32():
     for the bf16 run), context and noise. Measured with `benchmarks/precision.py --models tiny --chunks 6
     --seeds 0,1,2,3,4` (GEMMs emitting bf16, bias/GELU/norms/modulation/RoPE in bf16, residual float32):
     per-chunk max-abs error over the reference's max abs 5.6e-3 to 6.7e-3 over the six chunks (worst of the
-    seeds), RMS relative 4.4e-3 to 4.7e-3, flat over the chunks. Bounds: 3x the worst. The error must also be clearly non-zero (5x below the
-    least measured: the bf16 path is not float32 under another name) and must not grow along the stream by more
-    than 2x."""
+    seeds), RMS relative 4.4e-3 to 4.7e-3, flat over the chunks. Bounds: 3x the worst. The error must also be
+    clearly non-zero (5x below the least measured: the bf16 path is not float32 under another name) and must not
+    grow along the stream by more than 2x."""
     f32, bf16 = Precision.f32(), Precision.bf16()
     weights = _params(f32, seed=7)
     rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights)
