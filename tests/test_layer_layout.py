@@ -19,6 +19,7 @@ from jaxkv.compilation import compile_count
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer, per_layer_params, stacked_params
+from jaxkv.precision import Precision
 from jaxkv.schedule import Schedule
 from tests.helpers.cudnn_standin import standin
 
@@ -214,3 +215,31 @@ def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(
     conds = jaxpr.count(" cond[")
     per_layer_body = layout == "per_layer"  # the scan's body holds one layer: its cond appears once
     assert conds == (CFG.num_layers if per_layer_body else 1), conds
+
+
+def test_bf16_epilogues_hold_in_the_unrolled_layer_loop():
+    """Under `Precision.bf16()` (GEMMs emitting bf16 with float32 accumulation, norms and modulation writing bf16,
+    the residual float32) the per-layer forward equals the stacked one bit for bit: every block's GEMMs emit bf16
+    in the unrolled loop too (8 per block), and the result is not the float32 forward's."""
+    bf16, f32 = Precision.bf16(), Precision.f32()
+    weights = _params(14)
+    spec = jaxkv.RingSpec.from_frames(H * W // 4, 1, 2)
+    x = jax.random.normal(jax.random.key(15), (1, 1, H, W, CFG.in_dim))
+    t = jnp.full((1,), 500.0)
+
+    def forward(params, precision, per_layer):
+        params = per_layer_params(params) if per_layer else params
+        dtype = jnp.dtype(precision.cache_dtype)
+        cache = M.init_cache(CFG, spec, 1, dtype=dtype, per_layer=per_layer).begin_chunk()
+        cross = M.cross_kv(params, CFG, _ctx(16), precision=precision)
+        fwd = lambda p, c, cr: M.forward_chunk(p, CFG, c, cr, x, t, precision=precision)[0]
+        return np.asarray(jax.jit(fwd)(params, cache, cross)), str(jax.make_jaxpr(fwd)(params, cache, cross))
+
+    rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights)
+    stacked, _ = forward(rounded, bf16, False)
+    per_layer, jaxpr = forward(rounded, bf16, True)
+    np.testing.assert_array_equal(per_layer, stacked)
+    assert jaxpr.count("preferred_element_type=bfloat16") >= 8 * CFG.num_layers
+    assert " scan[" not in jaxpr
+    full, _ = forward(weights, f32, True)
+    assert np.abs(full - per_layer).max() > 1e-4 * np.abs(full).max()  # bf16 really is in effect
