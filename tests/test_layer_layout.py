@@ -170,8 +170,9 @@ def test_per_layer_step_updates_the_cache_in_place():
 @pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(layout, monkeypatch):
     """backend="cudnn" through `forward_chunk` on CPU, the kernel replaced by an independent stand-in: the result is
-    the XLA path's; the plan is made once per forward (not per layer); the program branches once per layer (the
-    self-attention's plan mode), never for cross-attention."""
+    the XLA path's; the plan is made once per forward (not per layer); the program branches on the plan once per
+    layer (the self-attention's plan mode), never for cross-attention. The stacked form also holds the guarded
+    writes of its traced layer index (`jaxkv.cache.base.write_chunk_rows`), the per-layer form nothing else."""
     monkeypatch.setattr(cudnn, "cudnn_call", standin)
     monkeypatch.setattr(dispatch.pallas_gpu, "supported", lambda head_dim: False)  # fallback: XLA, not Pallas
     monkeypatch.setattr(dispatch, "_blockwise", dispatch._dense)  # ... the dense one (no branches of its own)
@@ -206,15 +207,31 @@ def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(
         got, cache = fwd["cudnn"](cache)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-2 * float(jnp.abs(want).max()))
     made_before = dict(made)
-    jaxpr = str(
-        jax.make_jaxpr(lambda c: M.forward_chunk(params, CFG, c, cross, x, t, backend="cudnn", precision="bfloat16"))(
-            cache.begin_chunk()
-        )
-    )
+    jaxpr = jax.make_jaxpr(
+        lambda c: M.forward_chunk(params, CFG, c, cross, x, t, backend="cudnn", precision="bfloat16")
+    )(cache.begin_chunk())
     assert made["model"] - made_before["model"] == 1 and made["per_call"] == 0, made
-    conds = jaxpr.count(" cond[")
-    per_layer_body = layout == "per_layer"  # the scan's body holds one layer: its cond appears once
-    assert conds == (CFG.num_layers if per_layer_body else 1), conds
+    branches = _cond_branches(jaxpr.jaxpr)
+    # The plan's switch (fallback / lengths / all visible) once per layer; the scan's body holds one layer.
+    assert branches.count(3) == (CFG.num_layers if layout == "per_layer" else 1), branches
+    if layout == "per_layer":  # a Python int layer: no guard, no other branch at all
+        assert branches == [3] * CFG.num_layers, branches
+    else:  # a traced layer: the guarded writes of k, v and positions (`write_chunk_rows`), nothing else
+        assert set(branches) == {2, 3} and str(jaxpr).count("platform_index[") == 3, branches
+
+
+def _cond_branches(jaxpr) -> list[int]:
+    """The branch count of every cond in ``jaxpr`` and the jaxprs inside it (a scan's body once)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(len(eqn.params["branches"]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    out += _cond_branches(sub)
+    return out
 
 
 def test_bf16_epilogues_hold_in_the_unrolled_layer_loop():
