@@ -935,8 +935,11 @@ def _check_cache_dtypes(cache, cross: CrossKV, precision: Precision) -> None:
             f"but the precision's fp8_kv is {precision.fp8_kv}; build the cache with init_cache(..., "
             f"fp8=precision.fp8_kv) or pass the matching precision"
         )
-    ck, cv = cross.layer(0)
-    for name, dtype in (("cache", cache.dtype), ("cross K", ck.dtype), ("cross V", cv.dtype)):
+    # Every layer's text K/V (one stack, or a tuple per layer; arrays or abstract ShapeDtypeStructs).
+    text = [("cross K", a.dtype) for a in jax.tree.leaves(cross.k)] + [
+        ("cross V", a.dtype) for a in jax.tree.leaves(cross.v)
+    ]
+    for name, dtype in (("cache", cache.dtype), *text):
         if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
             raise ValueError(
                 f"the {name} is {jnp.dtype(dtype).name} but the precision's cache_dtype is "
