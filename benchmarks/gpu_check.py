@@ -1,22 +1,29 @@
 """One command for a lent GPU: kernel correctness at Wan shapes, the attention kernels, the Wan 1.3B chunk per backend
 and precision, a kernel-time breakdown from a device trace, and Self-Forcing's own pipeline on the same GPU; JSON out.
-Sized for < 6 minutes on one H200. Every part runs in a fresh subprocess (so each one's peak memory is its own; a
+Sized for < 6 minutes on one H200 without ``attention_plans`` (that part
+not yet timed on a GPU). Every part runs in a fresh subprocess (so each one's peak memory is its own; a
 part that fails or times out is recorded and the others still run):
 
 1. ``attention``: the Pallas ring kernel and the cuDNN path (`attend(backend=...)`) against the dense reference
    (float32 math on the same bf16 inputs) on a partially filled ring and a wrapped one with a sink, Wan 1.3B's
    12 x 128 heads, a 4,680-token chunk; then 4,680 queries x 9,360 / 23,400 / 37,440 keys, full rings: ms per call
    for Pallas, cuDNN (`jaxkv.attention.cudnn`) and XLA (`jax.nn.dot_product_attention(implementation="xla")`).
-2. ``chunk:BACKEND:PRECISION`` (one part per row of ``--rows``): Wan 2.1 1.3B with random weights, 480x832 (60x104
+2. ``attention_plans``: the cuDNN call forms of a full ring at the Wan chunk's shape (4,680 queries x 32,760 keys,
+   sink 3 + window 18 frames): with key lengths, with no mask, and split-KV in 2 / 3 / 4 key parts merged by float32
+   LSE, each against the dense reference and timed, plus the `SPLIT_KV` row to record
+   (`jaxkv.attention.cudnn`). In a dry run a CPU stand-in takes cuDNN's place, so the plan, branch, split and
+   merge logic runs at tiny shapes.
+3. ``chunk:BACKEND:PRECISION`` (one part per row of ``--rows``): Wan 2.1 1.3B with random weights, 480x832 (60x104
    latents, 1,560 tokens/frame), 3-frame chunks, sink 3 + window 18 frames, 4 steps + the context pass,
    `jaxkv.rollout.Stream`: ms/chunk (median after the cache has filled and wrapped), latent and video frames per
    second, first-chunk (compile) seconds, peak device memory, the KV cache's bytes. PRECISION is ``bf16``
    (`Precision.bf16()`), ``fp8`` (`Precision.fp8()`: FP8 cache + cuDNN FP8 attention) or ``bf16+fp8_kv`` (the FP8
-   cache alone).
-3. ``trace``: the ``--trace-row`` chunk (default auto:bf16) run to its steady state, then ``--trace-chunks`` chunks
+   cache alone). The weights are held per layer (the unrolled layer loop: every weight and K/V read where it lies)
+   unless the precision stores an FP8 cache, which runs the stacked layer scan (the row's ``layout`` says which).
+4. ``trace``: the ``--trace-row`` chunk (default auto:bf16) run to its steady state, then ``--trace-chunks`` chunks
    under `jax.profiler.trace`; the trace file is parsed (`kernel_times`) into device time per chunk by kernel name,
    the top kernels and their share, and totals by kind (attention, GEMM, fusion, copy, other).
-4. ``peer``: Self-Forcing's own ``CausalInferencePipeline`` on the same GPU at the same shapes
+5. ``peer``: Self-Forcing's own ``CausalInferencePipeline`` on the same GPU at the same shapes
    (``benchmarks/peer_selfforcing.py --device cuda``, reading the checkout ``--sf-src`` or ``SF_SRC`` names; skipped,
    and said so, without one).
 
@@ -49,10 +56,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import rollout as R
-from jaxkv.attention import attend, dense_attention
+from jaxkv.attention import MaskSpec, attend, cudnn, dense_attention
 from jaxkv.attention.dispatch import resolve_backend
+from jaxkv.attention.xla_cpu import xla_cpu_attention
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
+from jaxkv.models.wan.params import per_layer_params
 from jaxkv.precision import Precision
 
 PRECISIONS = {
@@ -63,7 +72,7 @@ PRECISIONS = {
 ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,pallas:bf16,xla:bf16"
 DRY_ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,xla:bf16"
 # seconds a part may take before it is stopped (and recorded as timed out)
-PART_TIMEOUT = {"attention": 120, "chunk": 110, "trace": 90, "peer": 150}
+PART_TIMEOUT = {"attention": 120, "attention_plans": 120, "chunk": 110, "trace": 90, "peer": 150}
 FULL = dict(
     heads=12,
     head_dim=128,
@@ -74,9 +83,21 @@ FULL = dict(
     latent=(60, 104),
     window=18,
     sink=3,
+    plan_keys=32760,
+    plan_parts=(2, 3, 4),
 )
 DRY = dict(
-    heads=2, head_dim=64, chunk=64, keys=(128, 320), correctness_keys=192, wan="tiny", latent=(8, 8), window=6, sink=3
+    heads=2,
+    head_dim=64,
+    chunk=64,
+    keys=(128, 320),
+    correctness_keys=192,
+    wan="tiny",
+    latent=(8, 8),
+    window=6,
+    sink=3,
+    plan_keys=384,
+    plan_parts=(2, 3, 4),
 )
 
 
@@ -158,12 +179,71 @@ def time_attention(s: dict, interpret: bool, cudnn_ok: bool, reps: int) -> list[
     return rows
 
 
+def _cpu_cudnn_standin(q, k, v, lengths, scale, return_lse=False):
+    """cuDNN's call written with the XLA:CPU path, for dry runs: slots [0, lengths[b]) (all when None), float32 LSE."""
+    b, lk = k.shape[:2]
+    kv_pos = jnp.zeros((b, lk), jnp.int32)
+    if lengths is not None:
+        kv_pos = jnp.where(jnp.arange(lk)[None, :] < lengths[:, None], 0, -1).astype(jnp.int32)
+    out = xla_cpu_attention(q, k, v, jnp.zeros(q.shape[:2], jnp.int32), kv_pos, scale=scale, return_lse=return_lse)
+    return out
+
+
+def attention_plans(s: dict, cudnn_ok: bool, reps: int) -> dict:
+    """The cuDNN call forms on a full (wrapped) ring at the chunk's shape: "lengths" (per-session key lengths, what
+    a partially filled ring gets), "no_mask" (what a full ring gets), "split_<n>" (keys in n parts as batch rows
+    of one call, merged by float32 LSE), each checked against the dense reference and timed; then the
+    `jaxkv.attention.cudnn.SPLIT_KV` entry the timings suggest. Without cuDNN (a dry run) a CPU stand-in replaces
+    the kernel: the numbers then say nothing about a GPU, only that the dispatch runs and is exact."""
+    c, keys = s["chunk"], s["plan_keys"]
+    kernel = cudnn.cudnn_call if cudnn_ok else _cpu_cudnn_standin
+    q, k, v, qp, kp = _ring(jax.random.key(3), 1, keys, c, s["heads"], s["head_dim"], 2 * keys // c, sink_chunks=1)
+    ref = jax.jit(lambda *a: dense_attention(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in a)))(
+        q, k, v, qp, kp
+    )
+    mask = dict(chunk=c, window=keys - c, sink=c)
+    forms = {"lengths": ("lengths", 1), "no_mask": ("all", 1)}
+    forms.update({f"split_{n}": ("all", n) for n in s["plan_parts"] if keys % n == 0})
+    out = {"queries": c, "keys": keys, "heads": s["heads"], "head_dim": s["head_dim"], "kernel": kernel.__name__}
+    plan = jax.jit(lambda qp, kp: cudnn.plan_attention(qp, kp, MaskSpec(**mask)))(qp, kp)
+    out["plan_mode"] = {cudnn.FALLBACK: "fallback", cudnn.LENGTHS: "lengths", cudnn.ALL_VISIBLE: "all_visible"}[
+        int(plan.mode)
+    ]
+    flop = 4 * q.shape[0] * s["heads"] * c * keys * s["head_dim"]
+    for name, (mode, parts) in forms.items():
+        forced = cudnn.Plan(jnp.int32(cudnn.LENGTHS if mode == "lengths" else cudnn.ALL_VISIBLE), plan.lengths)
+        fn = jax.jit(
+            lambda q, k, v, qp, kp, forced=forced, parts=parts: cudnn.cudnn_attention(
+                q, k, v, qp, kp, fallback=dense_attention, plan=forced, parts=parts, kernel=kernel, **mask
+            )
+        )
+        try:
+            got = fn(q, k, v, qp, kp)
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
+            ms = _time(fn, q, k, v, qp, kp, reps=reps)
+            out[name] = {"ms": ms, "tflops": flop / (ms * 1e-3) / 1e12, "max_abs_err": err, "ok": err < 3e-2}
+        except Exception as e:  # noqa: BLE001 - report and go on: one failing form must not hide the others
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    timed = {n: r["ms"] for n, r in out.items() if isinstance(r, dict) and "ms" in r and n != "lengths"}
+    if timed:
+        best = min(timed, key=timed.get)
+        out["suggested_split_kv"] = {"key": [keys, c], "parts": 1 if best == "no_mask" else int(best.split("_")[1])}
+    out["table_now"] = cudnn.split_parts(keys, c)
+    return out
+
+
 def wan_chunk(s: dict, timed: int, backend: str = "auto", precision_name: str = "bf16", trace_dir=None) -> dict:
     """One row: the Wan chunk under ``backend`` and ``PRECISIONS[precision_name]``; with ``trace_dir``, the
-    ``timed`` chunks run under `jax.profiler.trace` into it (and the row's timing is then not representative)."""
+    ``timed`` chunks run under `jax.profiler.trace` into it (and the row's timing is then not representative).
+
+    The params are held per layer (the unrolled layer loop reads every weight and K/V where it lies, no per-layer
+    copies), except under an FP8 cache, which supports only the stacked layout (the layer scan)."""
     config = wan.preset(s["wan"])
     precision = PRECISIONS[precision_name]
     params = M.init_params(config, jax.random.key(0), dtype=precision.param_dtype)
+    layout = "stacked" if precision.fp8_kv else "per_layer"
+    if layout == "per_layer":
+        params = per_layer_params(params)
     h, w = s["latent"]
     rc = R.RolloutConfig(
         latent_height=h,
@@ -211,6 +291,7 @@ def wan_chunk(s: dict, timed: int, backend: str = "auto", precision_name: str = 
         "model": s["wan"],
         "backend": backend,
         "precision": precision_name,
+        "layout": layout,
         "precision_fields": dataclasses.asdict(precision),
         "latent_hw": [h, w],
         "tokens_per_chunk": 3 * tpf,
@@ -376,7 +457,7 @@ def parse_row(row: str) -> tuple[str, str]:
 
 
 def run_part(part: str, args) -> dict:
-    """One part, in this process: "attention", "chunk:BACKEND:PRECISION", "trace" or "peer"."""
+    """One part, in this process: "attention", "attention_plans", "chunk:BACKEND:PRECISION", "trace" or "peer"."""
     s = DRY if args.dry_run else FULL
     on_gpu = jax.default_backend() == "gpu"
     if part == "attention":
@@ -386,6 +467,8 @@ def run_part(part: str, args) -> dict:
             "correctness": check_correctness(s, not on_gpu, cudnn_ok),
             "timing": time_attention(s, not on_gpu, cudnn_ok, 2 if args.dry_run else args.reps),
         }
+    if part == "attention_plans":
+        return attention_plans(s, cudnn_available(), 2 if args.dry_run else args.reps)
     if part.startswith("chunk:"):
         backend, precision = parse_row(part[len("chunk:") :])
         timed = 2 if args.dry_run else (max(2, args.timed // 2) if backend == "xla" else args.timed)
@@ -449,7 +532,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="toy shapes on any backend (Pallas interpreted)")
-    parser.add_argument("--skip-wan", action="store_true", help="the attention part only")
+    parser.add_argument("--skip-wan", action="store_true", help="the attention parts only")
     parser.add_argument("--rows", help=f"chunk rows, BACKEND:PRECISION,... (default {ROWS}; dry run {DRY_ROWS})")
     parser.add_argument("--timed", type=int, default=5, help="timed Wan chunks per row (xla rows: half)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per attention path")
@@ -477,7 +560,7 @@ def main(argv=None) -> int:
             parse_row(row)
         except ValueError as e:
             parser.error(str(e))
-    parts = ["attention"]
+    parts = ["attention", "attention_plans"]
     if not args.skip_wan:
         parts += [f"chunk:{r}" for r in rows] + ([] if args.skip_trace else ["trace"]) + ["peer"]
     child_argv = [a for a in argv if a not in ("--in-process",)]
@@ -514,6 +597,8 @@ def main(argv=None) -> int:
             f.write(text)
     attention = result.get("attention", {})
     failed = [k for k, v in attention.get("correctness", {}).items() if isinstance(v, dict) and not v.get("ok", True)]
+    plans = result.get("attention_plans", {})
+    failed += [f"attention_plans/{k}" for k, v in plans.items() if isinstance(v, dict) and v.get("ok") is False]
     errors = [k for k in parts if isinstance(result.get(k), dict) and "error" in result[k]]
     return 1 if failed or errors else 0
 

@@ -16,7 +16,10 @@ changes.
 Models: ``tiny`` (the preset; 2 layers, dim 64) and ``medium`` (4 layers, dim 256, 4 heads of 64); latent frames of
 16x16 (64 tokens with the 2x2 patch), 3-frame chunks, float32 caches.
 
-    python benchmarks/rollout.py [--quick] [--model tiny|medium] [--json PATH]
+    python benchmarks/rollout.py [--quick] [--model tiny|medium] [--per-layer] [--json PATH]
+
+``--per-layer`` runs the streams on per-layer params (`jaxkv.models.wan.params.per_layer_params`: per-layer cache
+and cross K/V, the unrolled layer loop; the same numbers) instead of the stacked ones.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), help="default: medium (tiny with --quick)")
     parser.add_argument("--windows", help="comma-separated window sizes in frames (multiples of 3)")
     parser.add_argument("--timed", type=int, help="timed chunks per policy and window")
+    parser.add_argument("--per-layer", action="store_true", help="per-layer params (the unrolled layer loop)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "medium")
@@ -138,6 +142,10 @@ def main(argv=None) -> int:
         return 2
     config = MODELS[model]
     params = wan.init_params(config, jax.random.key(1))
+    if args.per_layer:
+        from jaxkv.models.wan.params import per_layer_params
+
+        params = per_layer_params(params)
     context = jax.random.normal(jax.random.key(2), (1, 8, config.text_dim))
     tpf = config.tokens_per_frame(*LATENT_HW)
     print(
@@ -166,6 +174,7 @@ def main(argv=None) -> int:
         result = {
             "benchmark": "rollout",
             "model": model,
+            "per_layer": args.per_layer,
             "config": config.to_dict(),
             "latent_hw": list(LATENT_HW),
             "chunk_frames": CHUNK_FRAMES,

@@ -39,6 +39,7 @@ from jax import lax
 from jaxkv.cache import WINDOW_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.params import is_per_layer
 from jaxkv.precision import Precision, as_precision
 from jaxkv.schedule import Schedule
 from jaxkv.validate import check_int, is_concrete, is_int, is_real
@@ -224,10 +225,30 @@ WRAPPING_POLICIES = frozenset({"ring", "rolling"})
 
 class RolloutState(NamedTuple):
     """What carries from chunk to chunk: the stacked cache (sessions = batch, or 2*batch with guidance) and the
-    hoisted cross-attention K/V."""
+    hoisted cross-attention K/V. Both are held per layer (tuples of per-layer buffers, for the unrolled layer loop)
+    when the state was made from per-layer params (`jaxkv.models.wan.params.per_layer_params`) for a ring or
+    rolling cache; `stacked_state` / `per_layer_state` convert (a copy)."""
 
     cache: ChunkCache | MixedCache
     cross: M.CrossKV
+
+
+def stacked_state(state: RolloutState) -> RolloutState:
+    """``state`` with its cache and cross K/V stacked (as sessions, pools and meshes hold them); ``state`` itself
+    when it is stacked already."""
+    per_layer_cache = getattr(state.cache, "is_per_layer", False)
+    if not per_layer_cache and not state.cross.is_per_layer:
+        return state
+    return RolloutState(state.cache.stacked() if per_layer_cache else state.cache, state.cross.stacked())
+
+
+def per_layer_state(state: RolloutState) -> RolloutState:
+    """``state`` with its ring/rolling cache and its cross K/V per layer (what per-layer params run fastest on; a
+    dilated or mixed cache stays stacked)."""
+    cache = state.cache
+    if not isinstance(cache, MixedCache) and isinstance(cache.spec, RingSpec):
+        cache = cache.per_layer()
+    return RolloutState(cache, state.cross.per_layer())
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -271,14 +292,22 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     """
     _check_model(config)
     sessions = _check_context(config, rc, context, negative_context)
-    cross = M.cross_kv(params, config, sessions, precision=rc.precision)
-    return RolloutState(empty_cache(config, rc, sessions.shape[0]), cross)
+    per_layer = is_per_layer(params)
+    if per_layer and rc.precision.fp8_kv:
+        raise ValueError(
+            "per-layer params run on a per-layer state, which an FP8 KV cache (precision.fp8_kv) does not support: "
+            "pass stacked params (jaxkv.models.wan.params.stacked_params) or a precision without fp8_kv"
+        )
+    cross = M.cross_kv(params, config, sessions, precision=rc.precision)  # per layer iff the params are
+    return RolloutState(empty_cache(config, rc, sessions.shape[0], per_layer=per_layer), cross)
 
 
-def empty_cache(config: WanConfig, rc: RolloutConfig, sessions: int):
+def empty_cache(config: WanConfig, rc: RolloutConfig, sessions: int, per_layer: bool = False):
     """The empty stacked cache of ``sessions`` sessions that a rollout under ``rc`` holds: ring / rolling layers, all
-    dilated (dilated_every=1) or a `MixedCache`, in the precision's cache dtype."""
+    dilated (dilated_every=1) or a `MixedCache`, in the precision's cache dtype. ``per_layer``: a ring / rolling
+    cache is held per layer (`jaxkv.cache.ChunkCache`); dilated and mixed caches stay stacked."""
     policy = "dilated" if rc.dilated_every == 1 else rc.policy
+    per_layer = per_layer and rc.dilated_every == 0
     return M.init_cache(
         config,
         rc.cache_spec(config),
@@ -286,6 +315,7 @@ def empty_cache(config: WanConfig, rc: RolloutConfig, sessions: int):
         policy=policy,
         dtype=jnp.dtype(rc.precision.cache_dtype),
         fp8=rc.precision.fp8_kv,
+        per_layer=per_layer,
     )
 
 
@@ -681,7 +711,8 @@ class Stream:
         self = cls.__new__(cls)
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = session.key, noise, num_chunks
-        self.state = session.state
+        # Sessions hold stacked states; per-layer params run on a per-layer state (a copy, made once here).
+        self.state = per_layer_state(session.state) if is_per_layer(params) else session.state
         self.index = self.start = int(session.next_chunk)
         return self
 
@@ -730,11 +761,13 @@ class Stream:
     def session(self, *, copy: bool = True, extras: dict | None = None):
         """The stream's state before its next chunk as a `jaxkv.session.Session` (with ``extras``, e.g. the VAE
         decoder's). ``copy`` (default): in buffers of its own, valid whatever the stream does next; without it the
-        session shares the stream's buffers, which its next step donates (save it before stepping again)."""
+        session shares the stream's buffers, which its next step donates (save it before stepping again). A stream
+        on per-layer params holds its state per layer: the session gets a stacked copy either way."""
         from jaxkv import session as S
 
-        s = S.Session.create(self.config, self.rc, self.state, key=self.key, next_chunk=self.index, extras=extras)
-        return s.fork() if copy else s
+        state = stacked_state(self.state)
+        s = S.Session.create(self.config, self.rc, state, key=self.key, next_chunk=self.index, extras=extras)
+        return s.fork() if copy and state is self.state else s
 
     # The two hooks a mesh stream (`jaxkv.parallel.MeshStream`) replaces; ``step`` is the jitted step function
     # (count its programs with `jaxkv.compilation.compile_count`).

@@ -530,3 +530,40 @@ def test_both_programs_of_a_guarded_write_equal_the_write_or_write_nothing(dtype
             np.testing.assert_array_equal(run(buf, update, offsets, layer_arg, jnp.bool_(False)), buf)
     for layer in (3, 7, -1) if stacked else ():  # the scatter drops an out-of-range layer by itself
         np.testing.assert_array_equal(jax.jit(base._scatter_rows_or_drop)(buf, update, offsets, jnp.int32(layer)), buf)
+
+
+@pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)
+def test_replace_layer_follows_the_write_rules_for_layers(cls):
+    """`replace_layer` (a whole layer's K/V, as a re-cache writes them) on a stack: a known out-of-range layer is a
+    ValueError, a traced one replaces nothing (never the first or last layer) and checkify names it; in range only
+    that layer changes. The per-layer form gives the same cache and takes a Python int only; k/v of the wrong
+    shape or dtype are refused before anything changes."""
+    from jax.experimental import checkify
+
+    cache = _stacked_after_one_write(cls)
+    new = jnp.full((2, cache.spec.capacity, 1, 1), 5.0)
+    with pytest.raises(ValueError, match=r"replace_layer: layer 3 out of range \[0, 3\)"):
+        cache.replace_layer(3, new, new)
+    replace = jax.jit(lambda c, layer: c.replace_layer(layer, new, new))
+    for layer in (3, 9, -1):
+        out = replace(cache, jnp.int32(layer))
+        for name in ("k", "v", "positions", "chunk_start"):
+            np.testing.assert_array_equal(getattr(out, name), getattr(cache, name), err_msg=f"{layer} {name}")
+    out = replace(cache, jnp.int32(2))
+    np.testing.assert_array_equal(out.k[2], new)
+    np.testing.assert_array_equal(out.v[2], new)
+    np.testing.assert_array_equal(out.k[:2], cache.k[:2])
+    np.testing.assert_array_equal(out.positions, cache.positions)
+    err, _ = jax.jit(checkify.checkify(lambda c, layer: c.replace_layer(layer, new, new)))(cache, jnp.int32(4))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"replace_layer: layer 4 out of range \[0, 3\)"):
+        err.throw()
+
+    per_layer = cache.per_layer().replace_layer(2, new, new)
+    assert per_layer.is_per_layer
+    for a, b in zip(jax.tree.leaves(per_layer.stacked()), jax.tree.leaves(out)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="a per-layer cache holds each layer in its own buffer"):
+        jax.jit(lambda c, layer: c.replace_layer(layer, new, new))(cache.per_layer(), jnp.int32(1))
+    for bad in (new[:, :-1], new.astype(jnp.bfloat16)):
+        with pytest.raises(ValueError, match=r"replace_layer: k must be float32\[2, 6, 1, 1\]"):
+            cache.replace_layer(1, bad, new)

@@ -20,9 +20,11 @@ lengths_if_exact = jax.jit(cudnn.lengths_if_exact, static_argnums=2)
 
 
 def by_lengths(q, k, v, lengths, scale):
-    """What cuDNN computes with key_value_seq_lengths, written independently: softmax over slots [0, length)."""
+    """What cuDNN computes with key_value_seq_lengths, written independently: softmax over slots [0, length) (every
+    slot when lengths is None: the call with no mask)."""
     b, lq, hq, d = q.shape
     g = hq // k.shape[2]
+    lengths = jnp.full((b,), k.shape[1]) if lengths is None else lengths
     keep = jnp.arange(k.shape[1])[None, :] < lengths[:, None]  # [b, k]
     kf = jnp.repeat(k.astype(jnp.float32), g, axis=2)
     vf = jnp.repeat(v.astype(jnp.float32), g, axis=2)

@@ -223,3 +223,32 @@ def test_fp8_rollout_stays_within_the_measured_distance_of_bf16():
         assert max(rel) <= bound, (name, rel)
         assert min(rel) >= 4e-4, (name, rel)
         assert max(rel[1:]) <= 2 * max(rel[0], 1e-3), (name, rel)
+
+
+def test_the_fp8_cache_refuses_the_per_layer_layout_before_anything_runs():
+    """The FP8 cache keeps its K/V and scales as [layers, ...] stacks: per-layer params, per-layer cross K/V or a
+    per-layer cache with fp8_kv are each a ValueError naming the layout; stacked params still run on it."""
+    from jaxkv.models.wan.params import per_layer_params
+
+    precision = Precision.fp8()
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), wan.init_params(CFG, jax.random.key(0)))
+    per_layer = per_layer_params(params)
+    ctx = jax.random.normal(jax.random.key(1), (1, CFG.text_len, CFG.text_dim))
+    rc = R.RolloutConfig(*HW, chunk_frames=1, window_frames=2, precision=precision)
+    with pytest.raises(ValueError, match="per_layer=True and fp8=True cannot be combined"):
+        wan.init_cache(CFG, rc.spec(CFG), 1, dtype=jnp.bfloat16, fp8=True, per_layer=True)
+    cache = wan.init_cache(CFG, rc.spec(CFG), 1, dtype=jnp.bfloat16, fp8=True).begin_chunk()
+    assert not cache.is_per_layer and cache.stacked() is cache
+    with pytest.raises(ValueError, match="an Fp8Cache is kept stacked"):
+        cache.per_layer()
+    x, t = jnp.zeros((1, 1, *HW, CFG.in_dim)), jnp.zeros((1,))
+    cross = wan.cross_kv(params, CFG, ctx, precision=precision)
+    for p, c in ((per_layer, cross), (params, cross.per_layer()), (per_layer, cross.per_layer())):
+        with pytest.raises(ValueError, match="the per-layer layout is not supported with fp8_kv"):
+            wan.forward_chunk(p, CFG, cache, c, x, t, precision=precision)
+    with pytest.raises(ValueError, match="an FP8 KV cache .* does not support"):
+        R.init_state(per_layer, CFG, rc, ctx)
+    flow, written = wan.forward_chunk(params, CFG, cache, cross, x, t, precision=precision)  # stacked: runs
+    assert bool(jnp.all(jnp.isfinite(flow))) and isinstance(written, Fp8Cache)
+    with pytest.raises(ValueError, match="an FP8 KV cache .* does not support"):
+        R.Stream(per_layer, CFG, rc, ctx, num_chunks=1, key=jax.random.key(2))

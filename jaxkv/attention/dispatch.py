@@ -93,11 +93,13 @@ def _xla_cpu(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
     return xla_cpu_attention(q, k, v, q_positions, kv_positions, mask=cfg.mask, scale=cfg.scale, rope=cfg.rope)
 
 
-def _cudnn(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
-    # cuDNN where the mask reduces to valid lengths at run time, else the ring kernel (or blockwise XLA).
+def _cudnn(q, k, v, q_positions, kv_positions, cfg: AttendConfig, plan: cudnn.Plan | None = None):
+    # cuDNN where the mask reduces to no mask or valid lengths at run time, else the ring kernel (or blockwise XLA).
     inner = _pallas if pallas_gpu.supported(q.shape[-1]) else _blockwise
     fallback = lambda q_, k_, v_, qp_, kp_: inner(q_, k_, v_, qp_, kp_, cfg)
-    return cudnn.cudnn_attention(q, k, v, q_positions, kv_positions, fallback=fallback, mask=cfg.mask, scale=cfg.scale)
+    return cudnn.cudnn_attention(
+        q, k, v, q_positions, kv_positions, fallback=fallback, mask=cfg.mask, scale=cfg.scale, plan=plan
+    )
 
 
 # Concrete paths by backend name.
@@ -154,6 +156,7 @@ def attend(
     segments=None,
     block_sizes: pallas_gpu.BlockSizes | None = None,
     interpret: bool = False,
+    plan: cudnn.Plan | None = None,
 ):
     """Attention of queries at absolute positions to keys/values at absolute positions, in any physical order.
 
@@ -179,6 +182,10 @@ def attend(
       segments: static slot split points for the blockwise path, merged by log-sum-exp (e.g. `(spec.sink,)`).
       block_sizes: `pallas_gpu.BlockSizes` tunables of the kernel.
       interpret: run the Pallas kernel in the interpreter (to use backend="pallas" on CPU, in tests).
+      plan: optional `jaxkv.attention.cudnn.Plan` of exactly these positions and mask
+        (`jaxkv.attention.cudnn.plan_attention`), made once and shared by the calls that share the positions (every
+        layer of a chunk); the cuDNN path then only branches on it instead of checking the positions per call.
+        ``cudnn.ALL_VISIBLE_PLAN`` says every key is visible (static: no check at all). Other paths ignore it.
     Returns:
       [batch, q_len, q_heads, head_dim] in q's dtype, float32 softmax and accumulation. A query that sees no key
       gets zeros. The XLA paths are differentiable in forward and reverse mode; the Pallas path in reverse mode
@@ -201,4 +208,7 @@ def attend(
         interpret=bool(interpret),
     )
     path = resolve_backend(backend, head_dim=d, dtypes=(q.dtype, k.dtype, v.dtype), rope=rope, logits=b * hq * lq * lk)
-    return PATHS[path](q, k, v, q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), cfg)
+    q_positions, kv_positions = q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32)
+    if path == "cudnn":
+        return _cudnn(q, k, v, q_positions, kv_positions, cfg, plan)
+    return PATHS[path](q, k, v, q_positions, kv_positions, cfg)

@@ -7,6 +7,14 @@ with the whole stack in the loop carry and update ``[layer, session, slot]`` in 
   positions:   int32 [batch, capacity]   absolute token position held by each slot, -1 when empty
   chunk_start: int32 [batch]             absolute position of the reserved chunk, -1 when none is reserved
 
+A stack of layers may instead be held **per layer** (``init(..., per_layer=True)`` or `ChunkCache.per_layer`): k and
+v are then tuples of ``layers`` separate [batch, capacity, heads, head_dim] buffers, addressed by a static (Python
+int) layer index. Same contract, same results; what changes is what a compiled step does with them: a kernel that
+takes a whole buffer (cuDNN's fused attention, which cannot start at an offset) reads a layer where it lies, where
+reading a layer out of the stack is a copy of the layer per call (a dynamic slice inside the layer scan). The
+per-layer form suits a model whose layer loop is unrolled (`jaxkv.models.wan` runs one when given per-layer
+params or a per-layer cache); the stacked form suits a ``lax.scan`` over layers (fast to compile).
+
 Positions are shared by all layers: every layer processes the same chunk. The two policies differ only in which
 slot a chunk goes to and in what ``begin_chunk`` does when the cache is full; both must present the same logical
 content (see ``chronological``).
@@ -187,9 +195,19 @@ class ChunkCache:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def init(cls, spec: RingSpec, batch: int, heads: int, head_dim: int, dtype=jnp.float32, layers: int | None = None):
+    def init(
+        cls,
+        spec: RingSpec,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        dtype=jnp.float32,
+        layers: int | None = None,
+        per_layer: bool = False,
+    ):
         """An empty cache: k, v zeros [batch, capacity, heads, head_dim] (with a leading [layers] axis when
-        ``layers`` is given), all positions -1, no chunk reserved."""
+        ``layers`` is given; with ``per_layer`` as tuples of ``layers`` separate buffers instead), all positions -1,
+        no chunk reserved."""
         if not isinstance(spec, RingSpec):
             raise TypeError(f"spec must be a RingSpec, got {type(spec).__name__}")
         for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim), ("layers", layers)):
@@ -201,10 +219,20 @@ class ChunkCache:
         lead = () if layers is None else (int(layers),)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        if per_layer not in (True, False):
+            raise ValueError(f"per_layer must be a bool, got {per_layer!r}")
+        if per_layer and layers is None:
+            raise ValueError("per_layer=True holds a stack of layers one buffer per layer: pass layers= too")
         shape = (*lead, batch, spec.capacity, heads, head_dim)
+        if per_layer:
+            one = shape[1:]
+            k = tuple(jnp.zeros(one, dtype) for _ in range(layers))
+            v = tuple(jnp.zeros(one, dtype) for _ in range(layers))
+        else:
+            k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=k,
+            v=v,
             positions=jnp.full((batch, spec.capacity), EMPTY, jnp.int32),
             chunk_start=jnp.full((batch,), EMPTY, jnp.int32),
             spec=spec,
@@ -213,8 +241,20 @@ class ChunkCache:
     # ---------------------------------------------------------------- shape facts
 
     @property
+    def is_per_layer(self) -> bool:
+        """True when k and v are tuples of per-layer buffers (see the module docstring)."""
+        return isinstance(self.k, tuple)
+
+    @property
     def layers(self) -> int | None:
+        if self.is_per_layer:
+            return len(self.k)
         return self.k.shape[0] if self.k.ndim == 5 else None
+
+    @property
+    def _k0(self):
+        """k, or its first layer's buffer in the per-layer form (for shape and dtype facts)."""
+        return self.k[0] if self.is_per_layer else self.k
 
     @property
     def batch(self) -> int:
@@ -222,20 +262,38 @@ class ChunkCache:
 
     @property
     def heads(self) -> int:
-        return self.k.shape[-2]
+        return self._k0.shape[-2]
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[-1]
+        return self._k0.shape[-1]
 
     @property
     def dtype(self):
-        return self.k.dtype
+        return self._k0.dtype
 
     @property
     def nbytes(self) -> int:
         """Bytes held by k, v and positions."""
-        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in (self.k, self.v, self.positions))
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves((self.k, self.v, self.positions)))
+
+    # ---------------------------------------------------------------- layouts of a stack
+
+    def per_layer(self):
+        """This stacked cache with k and v as tuples of per-layer buffers (a copy of k and v; the same contract and
+        content). A per-layer cache is returned as it is."""
+        if self.is_per_layer:
+            return self
+        if self.layers is None:
+            raise ValueError("per_layer: the cache is not stacked (init without layers)")
+        split = lambda x: tuple(x[i] for i in range(x.shape[0]))
+        return self.replace(k=split(self.k), v=split(self.v))
+
+    def stacked(self):
+        """This cache with k and v as [layers, ...] stacks (a copy of k and v when it is per-layer)."""
+        if not self.is_per_layer:
+            return self
+        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
     # ---------------------------------------------------------------- policy (subclasses)
 
@@ -351,14 +409,16 @@ class ChunkCache:
         active = self._check_write_args(k, v, layer, active)
 
         offsets = self.chunk_offsets()
+        (buf_k, buf_v), at = self._layer_buffers(layer)
         if active is not None:
             # Inactive sessions write back what they hold: an O(chunk) read, never a copy of the cache.
-            old_k = read_chunk_rows(self.k, offsets, self.spec.chunk, layer)
-            old_v = read_chunk_rows(self.v, offsets, self.spec.chunk, layer)
+            old_k = read_chunk_rows(buf_k, offsets, self.spec.chunk, at)
+            old_v = read_chunk_rows(buf_v, offsets, self.spec.chunk, at)
             sel = active[:, None, None, None]
             k, v = jnp.where(sel, k, old_k), jnp.where(sel, v, old_v)
-        new_k = write_chunk_rows(self.k, k, offsets, layer)
-        new_v = write_chunk_rows(self.v, v, offsets, layer)
+        new_k, new_v = self._with_layer(
+            layer, self._write_layer(buf_k, k, offsets, at), self._write_layer(buf_v, v, offsets, at)
+        )
 
         chunk_pos = self.chunk_positions()
         if active is not None:
@@ -373,6 +433,56 @@ class ChunkCache:
         if layer is None or is_concrete(layer):
             return None
         return layer_in_range(layer, self.layers)
+
+    def replace_layer(self, layer, k, v):
+        """The cache with one layer's whole k, v [batch, capacity, heads, head_dim] replaced (positions untouched),
+        in place in a loop carry: a dynamic update of the stack, or the per-layer buffers swapped.
+
+        ``layer`` as in `write`: in the stacked form a traced layer out of range replaces nothing (never clamped onto
+        the first or last layer; checkify reports it), in the per-layer form a Python int."""
+        if self.layers is None:
+            raise ValueError("replace_layer: the cache is not stacked (init without layers)")
+        self._check_layer("replace_layer", layer)
+        want = (self.batch, self.spec.capacity, self.heads, self.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != want or x.dtype != self.dtype:
+                raise ValueError(
+                    f"replace_layer: {name} must be {np.dtype(self.dtype).name}{list(want)}, "
+                    f"got {np.dtype(x.dtype).name}{list(x.shape)}"
+                )
+        if self.is_per_layer:
+            return self.replace(**dict(zip(("k", "v"), self._with_layer(layer, k, v))))
+        # A whole-layer write at offset 0 of every session: `write_chunk_rows` guards a traced layer.
+        start = jnp.zeros((self.batch,), jnp.int32)
+        return self.replace(k=write_chunk_rows(self.k, k, start, layer), v=write_chunk_rows(self.v, v, start, layer))
+
+    def read_positions(self) -> jax.Array:
+        """int32 [batch, capacity]: the slot positions attention reads in this chunk's forward, i.e. ``positions``
+        once `write` has written the reserved chunk, wherever a slot is valid (>= 0; a policy may mark invalid slots
+        differently, e.g. `DilatedCache`'s pending frames). Every layer's write leaves the same positions, so an
+        attention plan made from them holds for every layer and every pass of the chunk."""
+        return write_chunk_rows(self.positions, self.chunk_positions(), self.chunk_offsets())
+
+    def _layer_buffers(self, layer):
+        """((k, v) buffers a write of ``layer`` updates, the layer index within them): the whole stack and
+        ``layer``, or in the per-layer form that layer's own buffers and None."""
+        if self.is_per_layer:
+            return (self.k[layer], self.v[layer]), None
+        return (self.k, self.v), layer
+
+    def _write_layer(self, buf, update, offsets, at):
+        """`write_chunk_rows` into a buffer of `_layer_buffers`. A per-layer buffer is written in its own dtype, as a
+        stack is: both live in a model's loop carry (see `write_chunk_rows` on the integer view)."""
+        if self.is_per_layer:
+            return _write_rows(buf, update, offsets, None)
+        return write_chunk_rows(buf, update, offsets, at)
+
+    def _with_layer(self, layer, new_k, new_v):
+        """(k, v) with ``layer`` replaced by what `_layer_buffers` returned, updated."""
+        if not self.is_per_layer:
+            return new_k, new_v
+        put = lambda bufs, new: tuple(new if i == layer else b for i, b in enumerate(bufs))
+        return put(self.k, new_k), put(self.v, new_v)
 
     def reset(self, sessions=None):
         """Empties all sessions, or those where ``sessions`` (bool [batch]) is True; nothing is reallocated.
@@ -397,25 +507,33 @@ class ChunkCache:
         vmap) has no value to check here: it is checked at run time under `jax.experimental.checkify.checkify`
         (a ``debug_check``, dropped from programs that are not checkified, so it costs nothing in the hot path).
         Without checkify, `write` with a traced out-of-range layer writes nothing (neither keys, values nor
-        positions), and `layer_kv` reads the nearest layer (``dynamic_slice`` clamps): keep traced layers in
-        range (a scan over ``arange(layers)`` does), or checkify the program to find the one that is not."""
+        positions; `replace_layer` likewise), and `layer_kv` reads the nearest layer (``dynamic_slice`` clamps): keep
+        traced layers in range (a scan over ``arange(layers)`` does), or checkify the program to find the one that is
+        not. A per-layer cache takes a Python int only (its layers are separate buffers)."""
         if not is_int(layer) and not (
             hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer) and jnp.ndim(layer) == 0
         ):
             raise ValueError(f"{where}: layer must be an int or an integer scalar, got {layer!r}")
-        if is_concrete(layer):
-            if not 0 <= int(layer) < self.layers:
-                raise ValueError(f"{where}: layer {int(layer)} out of range [0, {self.layers})")
-        else:
+        if is_concrete(layer) and not 0 <= int(layer) < self.layers:
+            raise ValueError(f"{where}: layer {int(layer)} out of range [0, {self.layers})")
+        if self.is_per_layer and not is_int(layer):
+            raise ValueError(
+                f"{where}: a per-layer cache holds each layer in its own buffer, addressed by a Python int layer "
+                f"(an unrolled layer loop); got {layer!r}. Use cache.stacked() for a traced layer index"
+            )
+        if not is_concrete(layer):  # (stacked only: a per-layer layer is a Python int, checked above)
             checkify.debug_check(
                 layer_in_range(layer, self.layers), f"{where}: layer {{}} out of range [0, {self.layers})", layer
             )
 
     def layer_kv(self, layer):
-        """(k, v) of one layer, each [batch, capacity, heads, head_dim]; ``layer`` may be traced."""
+        """(k, v) of one layer, each [batch, capacity, heads, head_dim]; ``layer`` may be traced (stacked form) or
+        is a Python int (per-layer form: the layer's own buffers, no copy)."""
         if self.layers is None:
             raise ValueError("layer_kv: the cache is not stacked (init without layers)")
         self._check_layer("layer_kv", layer)
+        if self.is_per_layer:
+            return self.k[layer], self.v[layer]
         return (
             lax.dynamic_index_in_dim(self.k, layer, 0, keepdims=False),
             lax.dynamic_index_in_dim(self.v, layer, 0, keepdims=False),
@@ -427,6 +545,8 @@ class ChunkCache:
         k, v: [(layers,) batch, capacity, heads, head_dim]; positions: int32 [batch, capacity]. For inspection,
         export and tests: attention never needs it (masks come from positions).
         """
+        if self.is_per_layer:
+            return self.stacked().chronological()
         key = jnp.where(self.positions < 0, jnp.iinfo(jnp.int32).max, self.positions)
         order = jnp.argsort(key, axis=1, stable=True)
         positions = jnp.take_along_axis(self.positions, order, axis=1)

@@ -215,6 +215,10 @@ class DilatedCache(ChunkCache):
         chunk_start = jnp.where(act, index * spec.chunk, self.chunk_start).astype(jnp.int32)
         return self.replace(positions=jnp.concatenate([ring, scratch], axis=1), chunk_start=chunk_start)
 
+    def per_layer(self):
+        """Not available: a dilated cache stays stacked (its writes address the stack)."""
+        raise ValueError("per_layer: a DilatedCache is kept stacked; per-layer buffers are for sink + window caches")
+
     def write(self, k, v, layer=None, active=None, commit: bool = True):
         """Writes the reserved chunk's keys and values; repeatable, last write wins.
 

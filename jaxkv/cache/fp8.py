@@ -104,8 +104,28 @@ class Fp8Cache:
         """Bytes held: FP8 k and v, positions and both scale arrays."""
         return self.inner.nbytes + sum(int(np.prod(s.shape)) * 4 for s in (self.k_scale, self.v_scale))
 
+    @property
+    def is_per_layer(self) -> bool:
+        """Always False: an FP8 cache is held stacked (see `per_layer`)."""
+        return False
+
+    def per_layer(self):
+        """Not available: K/V and their scales stay [layers, ...] stacks (the FP8 cache runs the stacked layer scan)."""
+        raise ValueError(
+            "per_layer: an Fp8Cache is kept stacked; the per-layer layout is not supported with an FP8 KV cache "
+            "(use stacked params, or a precision without fp8_kv)"
+        )
+
+    def stacked(self) -> "Fp8Cache":
+        """The cache itself (always stacked)."""
+        return self
+
     def chunk_positions(self):
         return self.inner.chunk_positions()
+
+    def read_positions(self):
+        """The slot positions attention reads in this chunk's forward (`jaxkv.cache.ChunkCache.read_positions`)."""
+        return self.inner.read_positions()
 
     def chunk_offsets(self):
         return self.inner.chunk_offsets()

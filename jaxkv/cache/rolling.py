@@ -48,9 +48,11 @@ class RollingCache(ChunkCache):
         shift = index >= spec.num_slots
         if active is not None:
             shift &= active
-        slot_axis = 1 if self.layers is None else 2
-        k = _shift_window_left(self.k, shift, spec.sink, spec.chunk, slot_axis)
-        v = _shift_window_left(self.v, shift, spec.sink, spec.chunk, slot_axis)
+        slot_axis = 1 if self.layers is None or self.is_per_layer else 2
+        move = lambda x: _shift_window_left(x, shift, spec.sink, spec.chunk, slot_axis)
+        k, v = (
+            (tuple(map(move, self.k)), tuple(map(move, self.v))) if self.is_per_layer else (move(self.k), move(self.v))
+        )
         positions = _shift_window_left(self.positions, shift, spec.sink, spec.chunk, 1)
         positions, chunk_start = self._reserve(self.slot_of_chunk(index), index, active, positions)
         return self.replace(k=k, v=v, positions=positions, chunk_start=chunk_start)

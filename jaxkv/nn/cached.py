@@ -6,11 +6,20 @@ forward both call it, so they cast, write and mask the same way.
 
 from __future__ import annotations
 
-from jaxkv.attention import CacheRope, MaskSpec, attend
+from jaxkv.attention import CacheRope, MaskSpec, Plan, attend
 
 
 def cached_attention(
-    cache, q, k, v, *, layer=None, mask: MaskSpec | None = None, rope: CacheRope | None = None, backend: str = "auto"
+    cache,
+    q,
+    k,
+    v,
+    *,
+    layer=None,
+    mask: MaskSpec | None = None,
+    rope: CacheRope | None = None,
+    backend: str = "auto",
+    plan: Plan | None = None,
 ):
     """Writes the reserved chunk's k, v into ``cache`` and attends the chunk's queries to the whole cache.
 
@@ -18,10 +27,13 @@ def cached_attention(
       cache: a `RingCache`/`RollingCache` with a reserved chunk (``begin_chunk()`` called for this chunk).
       q: [batch, chunk, q_heads, head_dim] at the reserved chunk's positions (``cache.chunk_positions()``).
       k, v: [batch, chunk, kv_heads, head_dim], kv_heads = cache.heads.
-      layer: the layer of a stacked cache (an int or a traced int32 scalar), None for a single-layer cache.
+      layer: the layer of a stacked cache (an int or a traced int32 scalar; a Python int for a per-layer cache,
+        whose layer is then read where it lies, with no copy), None for a single-layer cache.
       mask: the position mask; default ``cache.spec.mask()`` (what a sink + window cache holds).
       rope: optional `CacheRope` (keys cached unrotated, rotated at read by rank).
       backend: see `jaxkv.attend`.
+      plan: optional `jaxkv.attention.plan_attention` of ``cache.chunk_positions()``, ``cache.read_positions()``
+        and the mask, made once for all layers of a chunk (see `jaxkv.attend`).
     Returns:
       (out [batch, chunk, q_heads, head_dim] in q's dtype, the cache with k, v written).
 
@@ -40,5 +52,6 @@ def cached_attention(
         mask=cache.spec.mask() if mask is None else mask,
         rope=rope,
         backend=backend,
+        plan=plan,
     )
     return out.astype(q.dtype), cache

@@ -16,6 +16,16 @@ than copying every layer's cache per forward (see DESIGN.md, "Making XLA do what
 `jaxkv.cache.MixedCache` (dense layers plus every k-th layer dilated) is scanned period by period with both of its
 stacks in the carry (`_scan_periods`), each still updated in place.
 
+The inference layout: with per-layer params (`jaxkv.models.wan.params.per_layer_params`), a per-layer cache
+(``init_cache(..., per_layer=True)``) or per-layer cross K/V (what `cross_kv` builds from per-layer params), the
+layer loop is unrolled instead (`_dit`): each layer reads its weights, its K/V and its text K/V where they lie, with
+no per-layer slice of a stack (a copy per layer per forward inside the scan, which kernels that take whole buffers,
+cuDNN's attention and cuBLAS's GEMMs, cannot avoid). Same results either way; the unrolled program compiles slower.
+
+In `forward_chunk` the cuDNN attention plan (`jaxkv.attention.plan_attention`: no mask, per-session lengths or the
+fallback kernel) is made once per forward from the cache's read positions, before the layer loop, and shared by
+every layer; cross-attention to the text keys takes the static all-visible plan (no check, no branch).
+
 Cross-attention keys/values depend only on the text context, so `cross_kv` computes them once for all layers; a
 streaming rollout calls it once and passes the result to every `forward_chunk`.
 
@@ -45,13 +55,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.attention import MaskSpec, attend, rope_ranks
+from jaxkv.attention import ALL_VISIBLE_PLAN, MaskSpec, attend, plan_attention, rope_ranks
 from jaxkv.attention.fp8 import fp8_attend
 from jaxkv.cache import MixedCache, MixedSpec, RingSpec, policy_class
 from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models.wan import layers as L
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.models.wan.params import param_shapes
+from jaxkv.models.wan.params import is_per_layer, param_shapes
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
 from jaxkv.nn.cached import cached_attention
 from jaxkv.precision import Precision, as_precision
@@ -71,10 +81,38 @@ def check_rope_mode(rope) -> str:
 
 class CrossKV(NamedTuple):
     """Cross-attention keys and values of every layer: k, v [layers, batch, text_tokens, heads, head_dim] in the
-    precision's cache_dtype (text_tokens = text_len unless built with ``cross_kv(..., pad_context=False)``)."""
+    precision's cache_dtype (text_tokens = text_len unless built with ``cross_kv(..., pad_context=False)``), or
+    per layer: tuples of ``layers`` arrays [batch, text_tokens, heads, head_dim] (from per-layer params)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
+
+    @property
+    def is_per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    def layer(self, i: int):
+        """(k, v) [batch, text_tokens, heads, head_dim] of layer ``i`` (a Python int)."""
+        return self.k[i], self.v[i]
+
+    def per_layer(self) -> "CrossKV":
+        """Tuples of per-layer arrays (a copy of a stacked CrossKV; a per-layer one is returned as it is)."""
+        if self.is_per_layer:
+            return self
+        return CrossKV(
+            tuple(self.k[i] for i in range(self.k.shape[0])), tuple(self.v[i] for i in range(self.v.shape[0]))
+        )
+
+    def stacked(self) -> "CrossKV":
+        """[layers, ...] stacks (a copy of a per-layer CrossKV)."""
+        return CrossKV(jnp.stack(self.k), jnp.stack(self.v)) if self.is_per_layer else self
+
+
+def _layer_of(tree, layer: int):
+    """Layer ``layer`` (a Python int) of per-layer blocks (a tuple) or of stacked blocks (a static slice)."""
+    if isinstance(tree, (tuple, list)):
+        return tree[layer]
+    return jax.tree.map(lambda a: a[layer], tree)
 
 
 # ------------------------------------------------------------------------------------------------ parameters
@@ -246,22 +284,31 @@ def cross_kv(
       precision: the dtype policy (`jaxkv.precision.Precision` or a preset name); params must be in its
         param_dtype.
     Returns:
-      CrossKV with k, v [layers, batch, text_tokens, heads, head_dim] in precision.cache_dtype: text_tokens =
-      text_len when pad_context, else the context's own token count.
+      CrossKV with k, v [layers, batch, text_tokens, heads, head_dim] in precision.cache_dtype (tuples of per-layer
+      [batch, text_tokens, heads, head_dim] when the params are per layer): text_tokens = text_len when
+      pad_context, else the context's own token count.
     """
     precision = _precision(params, precision)
     context = _check_context(config, context, None, pad_context)
     act = _activation_dtype(precision)
     ctx = L.text_embedding(_compute_params(params, precision), context, act)
-    p = _block_params(params["blocks"]["cross_attn"], precision)
     cache = jnp.dtype(precision.cache_dtype)
 
     def one_layer(pk, pv, scale):
         k = L.rms_norm(L.linear(pk, ctx, act), scale, config.eps, act)
         return _heads(k, config).astype(cache), _heads(L.linear(pv, ctx, act), config).astype(cache)
 
+    blocks = params["blocks"]
+    if is_per_layer(params):
+        # The text projections of all layers stacked for this one call (once per stream), so the per-layer K/V
+        # are bit for bit the stacked ones; returned per layer, for the unrolled layer loop.
+        blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *(b["cross_attn"] for b in blocks))
+    else:
+        blocks = blocks["cross_attn"]
+    p = _block_params(blocks, precision)
     k, v = jax.vmap(one_layer)(p["k"], p["v"], p["norm_k"]["scale"])
-    return CrossKV(k, v)
+    cross = CrossKV(k, v)
+    return cross.per_layer() if is_per_layer(params) else cross
 
 
 def _self_qkv(p, h, rope, config: WanConfig, act=jnp.float32):
@@ -308,7 +355,8 @@ def _cross_attention(p, x, k, v, config: WanConfig, backend: str, act=jnp.float3
     q = _heads(L.rms_norm(L.linear(p["q"], x, act), p["norm_q"]["scale"], config.eps, act), config)
     zeros_q = jnp.zeros((b, n), jnp.int32)
     zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
-    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend).astype(act)
+    # Every text key is visible to every query: cuDNN runs with no mask, no check and no branch.
+    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend, plan=ALL_VISIBLE_PLAN).astype(act)
     return L.linear(p["o"], out.reshape(b, n, config.dim), act)
 
 
@@ -370,6 +418,9 @@ def _dit(
     (unrotated when ``rotate`` is False: the callback rotates them, as cache-relative RoPE does); ``state`` (e.g. the
     stacked cache) rides in the scan carry.
     ``remat``: each block under `jax.checkpoint` (see `forward_teacher_forcing`).
+
+    The layer loop is a ``lax.scan`` over stacked blocks, or unrolled (layer a Python int) when the params, the
+    state (a per-layer cache) or the cross K/V are held per layer: then nothing is sliced out of a stack.
     Returns (flow float32 [batch, frames, height, width, out_dim], state)."""
     gf, gh, gw = _check_latents(config, latents)
     b, n = positions.shape
@@ -390,10 +441,21 @@ def _dit(
 
         return _block(p, x, e0, ck, cv, gf, attention, config, backend, act)
 
+    unrolled = is_per_layer(params) or cross.is_per_layer or getattr(state, "is_per_layer", False)
     if remat:
-        run_block = jax.checkpoint(run_block, static_argnums=(6,))
+        run_block = jax.checkpoint(run_block, static_argnums=(5, 6) if unrolled else (6,))
     if isinstance(state, MixedCache):
+        if unrolled:
+            raise ValueError(
+                "a MixedCache runs the layer scan: pass stacked params and cross K/V "
+                "(jaxkv.models.wan.params.stacked_params, CrossKV.stacked)"
+            )
         x, state = _scan_periods(run_block, x, state, params["blocks"], cross, self_attention)
+    elif unrolled:
+        for layer in range(config.num_layers):
+            p = _layer_of(params["blocks"], layer)
+            ck, cv = cross.layer(layer)
+            x, state = run_block(x, state, p, ck, cv, layer, self_attention)
     else:
 
         def body(carry, xs):
@@ -620,8 +682,19 @@ def forward_teacher_forcing(
 # ------------------------------------------------------------------------------------------------ streaming
 
 
-def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32, fp8: bool = False):
-    """An empty stacked cache for all layers: k, v [layers, batch, capacity, heads, head_dim].
+def init_cache(
+    config: WanConfig,
+    spec,
+    batch: int,
+    *,
+    policy: str = "ring",
+    dtype=jnp.float32,
+    fp8: bool = False,
+    per_layer: bool = False,
+):
+    """An empty stacked cache for all layers: k, v [layers, batch, capacity, heads, head_dim] (with ``per_layer``:
+    tuples of ``layers`` buffers [batch, capacity, heads, head_dim], for the unrolled layer loop; ring and rolling
+    only).
 
     fp8: store K/V in FP8 e4m3 with per-(chunk, head) float32 scales (`jaxkv.cache.fp8.Fp8Cache`, read and written
     in ``dtype``; a `RingSpec` with policy "ring" only), as `jaxkv.precision.Precision.fp8_kv` asks.
@@ -633,6 +706,11 @@ def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dty
       * a `jaxkv.cache.MixedSpec`: a `jaxkv.cache.MixedCache`, every ``spec.period``-th layer dilated and the others
         dense under ``policy`` ("ring" or "rolling"); num_layers must be a multiple of the period.
     """
+    if fp8 and per_layer:
+        raise ValueError(
+            "an FP8 cache is held stacked (its K/V and scales are [layers, ...] stacks): per_layer=True and fp8=True "
+            "cannot be combined; use stacked params (jaxkv.models.wan.params.stacked_params) with an FP8 cache"
+        )
     if fp8:
         if policy != "ring" or type(spec) is not RingSpec:
             raise ValueError(
@@ -640,6 +718,12 @@ def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dty
                 f"policy {policy!r}"
             )
         return Fp8Cache.init(spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers)
+    if per_layer and (isinstance(spec, MixedSpec) or policy == "dilated"):
+        raise ValueError(f"per_layer caches are ring or rolling sink + window caches, not {policy!r} / {spec!r}")
+    if per_layer:
+        return policy_class(policy, spec).init(
+            spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers, per_layer=True
+        )
     if isinstance(spec, MixedSpec):
         dense = policy_class(policy, spec.dense)
         return MixedCache.init(
@@ -653,6 +737,8 @@ def init_cache(config: WanConfig, spec, batch: int, *, policy: str = "ring", dty
 def _describe_layers(cache) -> str:
     if isinstance(cache, MixedCache):
         return f"dense k {list(cache.dense.k.shape)} + dilated k {list(cache.dilated.k.shape)}"
+    if getattr(cache, "is_per_layer", False):
+        return f"{len(cache.k)} per-layer k {list(cache.k[0].shape)}"
     return f"k {list(cache.k.shape)}"
 
 
@@ -712,6 +798,12 @@ def forward_chunk(
         )
     _check_cross(config, cross, b)
     _check_cache_dtypes(cache, cross, precision)
+    if isinstance(cache, Fp8Cache) and (is_per_layer(params) or cross.is_per_layer):
+        raise ValueError(
+            "an FP8 cache (precision.fp8_kv) runs with stacked params and stacked cross K/V (the layer scan): the "
+            "per-layer layout is not supported with fp8_kv; pass jaxkv.models.wan.params.stacked_params(params) "
+            "and cross.stacked(), or a precision without fp8_kv"
+        )
     # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
     if is_concrete(cache.chunk_start) and bool(jnp.all(cache.chunk_start < 0)):
         raise ValueError(
@@ -719,10 +811,17 @@ def forward_chunk(
             "cache = cache.begin_chunk() before the chunk's first forward"
         )
 
+    # One attention plan for every layer and pass: positions are shared by all layers, and every write leaves the
+    # same read positions (`ChunkCache.read_positions`). A MixedCache has two sets of positions: planned per call.
+    # FP8 attention (`fp8_attend`) decides its own path per call: no plan.
+    plan = None
+    if not isinstance(cache, MixedCache) and not precision.fp8_attention:
+        plan = plan_attention(cache.chunk_positions(), cache.read_positions(), cache.spec.mask())
+
     if rope == "absolute" and not precision.fp8_attention:
 
         def self_attention(q, k, v, cache, layer):
-            return cached_attention(cache, q, k, v, layer=layer, backend=backend)  # mask: cache.spec.mask()
+            return cached_attention(cache, q, k, v, layer=layer, backend=backend, plan=plan)  # cache.spec.mask()
     elif rope == "absolute":  # FP8 attention: the same write and read, attended by `fp8_attend`
 
         def self_attention(q, k, v, cache, layer):
@@ -757,6 +856,7 @@ def forward_chunk(
                 config,
                 backend,
                 attend_fn,
+                plan=plan,
             ), cache
 
     return _dit(
@@ -776,7 +876,17 @@ def forward_chunk(
 
 
 def _relative_attend(
-    q, kc, vc, q_positions, kv_positions, mask: MaskSpec, grid_hw, config: WanConfig, backend, attend_fn=attend
+    q,
+    kc,
+    vc,
+    q_positions,
+    kv_positions,
+    mask: MaskSpec,
+    grid_hw,
+    config: WanConfig,
+    backend,
+    attend_fn=attend,
+    plan=None,
 ):
     """Attention of unrotated q [batch, q_tokens, heads, head_dim] to a layer's unrotated cached keys kc and values
     vc [batch, capacity, heads, head_dim], both rotated here by cache rank (`cache_relative_rope`); q's dtype out.
@@ -788,13 +898,23 @@ def _relative_attend(
     q_rope, k_rope = cache_relative_rope(q_positions, kv_positions, grid_hw, config)
     q_rot = apply_rope(q.astype(jnp.float32), *q_rope).astype(dtype)
     k_rot = apply_rope(kc, *k_rope)
-    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend)
+    plan_arg = {} if plan is None else {"plan": plan}  # (`attend` takes a plan; `fp8_attend` plans per call)
+    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend, **plan_arg)
     return out.astype(q.dtype)
 
 
 def _check_cross(config: WanConfig, cross: CrossKV, batch: int) -> None:
     expected = [config.num_layers, batch, "text_tokens", config.num_heads, config.head_dim]
-    k_shape, v_shape = tuple(cross.k.shape), tuple(cross.v.shape)
+    if cross.is_per_layer:
+        shapes = {tuple(x.shape) for x in (*cross.k, *cross.v)}
+        if len(cross.k) != config.num_layers or len(cross.v) != config.num_layers or len(shapes) != 1:
+            raise ValueError(
+                f"per-layer cross K/V must be {config.num_layers} k and v arrays of one shape [batch, text_tokens, "
+                f"heads, head_dim]; got {len(cross.k)} k and {len(cross.v)} v of shapes {sorted(shapes)}"
+            )
+        k_shape = v_shape = (config.num_layers, *shapes.pop())
+    else:
+        k_shape, v_shape = tuple(cross.k.shape), tuple(cross.v.shape)
     if (
         len(k_shape) != 5
         or k_shape != v_shape
@@ -815,7 +935,11 @@ def _check_cache_dtypes(cache, cross: CrossKV, precision: Precision) -> None:
             f"but the precision's fp8_kv is {precision.fp8_kv}; build the cache with init_cache(..., "
             f"fp8=precision.fp8_kv) or pass the matching precision"
         )
-    for name, dtype in (("cache", cache.dtype), ("cross K", cross.k.dtype), ("cross V", cross.v.dtype)):
+    # Every layer's text K/V (one stack, or a tuple per layer; arrays or abstract ShapeDtypeStructs).
+    text = [("cross K", a.dtype) for a in jax.tree.leaves(cross.k)] + [
+        ("cross V", a.dtype) for a in jax.tree.leaves(cross.v)
+    ]
+    for name, dtype in (("cache", cache.dtype), *text):
         if jnp.dtype(dtype) != jnp.dtype(precision.cache_dtype):
             raise ValueError(
                 f"the {name} is {jnp.dtype(dtype).name} but the precision's cache_dtype is "
@@ -873,7 +997,7 @@ def recompute_cache(
     if cache.layers != config.num_layers or cache.heads != config.num_heads or cache.head_dim != config.head_dim:
         raise ValueError(
             f"cache must be stacked as [layers={config.num_layers}, batch, capacity, "
-            f"heads={config.num_heads}, head_dim={config.head_dim}], got k {list(cache.k.shape)}"
+            f"heads={config.num_heads}, head_dim={config.head_dim}], got {_describe_layers(cache)}"
         )
     if cache.batch != b or gf * gh * gw != cache.spec.capacity:
         raise ValueError(
@@ -896,10 +1020,7 @@ def recompute_cache(
         if keep is not None:
             sel = keep[:, :, None, None]
             k, v = jnp.where(sel, old_k, k), jnp.where(sel, old_v, v)
-        cache = cache.replace(
-            k=lax.dynamic_update_index_in_dim(cache.k, k, layer, 0),
-            v=lax.dynamic_update_index_in_dim(cache.v, v, layer, 0),
-        )
+        cache = cache.replace_layer(layer, k, v)
         if rope == "absolute":
             out = attend(q.astype(dtype), k, v, positions, positions, mask=mask, backend=backend).astype(q.dtype)
         else:

@@ -3,7 +3,10 @@ converter (which writes it), the checkpoint loader and the model (which read it)
 
 Conventions:
   * Linear layers are ``{"kernel": [in, out], "bias": [out]}`` (PyTorch ``weight`` transposed).
-  * The 30/40 transformer blocks are **stacked** on a leading layer axis ``L`` so the model scans over them.
+  * The 30/40 transformer blocks are **stacked** on a leading layer axis ``L`` so the model scans over them. For
+    inference they may instead be held **per layer** (`per_layer_params`): ``blocks`` is then a tuple of L dicts
+    of the same layout without the L axis, each leaf its own buffer, and the model unrolls its layer loop and reads
+    every weight where it lies (a scan over a stack copies each layer's weights out of the stack per forward).
   * ``patch_embedding.kernel`` is ``[pt, ph, pw, in_dim, dim]``: a patch flattened in (pt, ph, pw, channel) order,
     channel fastest, times ``kernel.reshape(-1, dim)`` equals the PyTorch Conv3d (weight ``[dim, in_dim, pt, ph,
     pw]`` transposed to ``(2, 3, 4, 1, 0)``).
@@ -28,6 +31,9 @@ Original Wan 2.1 key -> jaxkv path (block keys lose their index and gain the lea
 from __future__ import annotations
 
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from jaxkv.models.param_tree import check_shapes, flatten, unflatten  # noqa: F401  (re-exported)
 from jaxkv.models.wan.config import WanConfig
@@ -76,3 +82,33 @@ def flat_param_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
 def validate_params(params: dict[str, Any], config: WanConfig) -> None:
     """Raises ValueError naming every missing key, unexpected key and shape mismatch."""
     check_shapes(params, flat_param_shapes(config), "Wan")
+
+
+def is_per_layer(params: dict[str, Any]) -> bool:
+    """Whether ``params["blocks"]`` is held per layer (a tuple of per-layer dicts) rather than stacked."""
+    return isinstance(params["blocks"], (tuple, list))
+
+
+def per_layer_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The params with ``blocks`` as a tuple of per-layer dicts (each leaf ``stacked[layer]``, its own buffer).
+
+    Build it once at load time and drop the stacked params: the two forms together hold the block weights twice.
+    Every model function takes either form and gives the same results; `stacked_params` is the inverse (for
+    `jaxkv.models.wan.save` and training code that scans over layers). A per-layer params tree is returned as it is.
+    """
+    if is_per_layer(params):
+        return params
+    blocks = params["blocks"]
+    layers = {leaf.shape[0] for leaf in jax.tree.leaves(blocks)}
+    if len(layers) != 1:
+        raise ValueError(f"stacked blocks must share one leading layer axis, got sizes {sorted(layers)}")
+    n = layers.pop()
+    split = [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n)]
+    return {**params, "blocks": tuple(split)}
+
+
+def stacked_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The params with per-layer ``blocks`` stacked on a leading layer axis again (see `per_layer_params`)."""
+    if not is_per_layer(params):
+        return params
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])}
