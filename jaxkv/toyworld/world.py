@@ -127,17 +127,31 @@ def random_prompt(rng: np.random.Generator) -> str:
 def sample_scene(rng: np.random.Generator, prompt: str | None = None) -> Scene:
     """The scene of ``prompt`` (a `random_prompt` when None) with positions uniform in the box where the shapes
     do not overlap (a later shape's position is drawn again until it is apart from the earlier ones, as `paths`
-    keeps them) and directions uniform on the circle."""
+    keeps them) and directions uniform on the circle. A later shape whose start and direction would bring the pair
+    closer than contact on the first step whatever `paths` does (a wall turns one into the other, with no frame
+    before to turn back to) is drawn again, position and direction."""
     objects, speed = parse_prompt(prompt if prompt is not None else random_prompt(rng))
+    v = SPEEDS[speed]
     things = []
     for colour, shape in objects:
-        x, y = rng.uniform(MARGIN, SIZE - MARGIN, size=2)
-        while any(math.hypot(x - t.position[0], y - t.position[1]) < contact(shape, t.shape) for t in things):
+        while True:
             x, y = rng.uniform(MARGIN, SIZE - MARGIN, size=2)
-        angle = rng.uniform(0.0, 2.0 * np.pi)
-        v = SPEEDS[speed]
-        things.append(Thing(colour, shape, (float(x), float(y)), (float(v * np.cos(angle)), float(v * np.sin(angle)))))
+            while any(math.hypot(x - t.position[0], y - t.position[1]) < contact(shape, t.shape) for t in things):
+                x, y = rng.uniform(MARGIN, SIZE - MARGIN, size=2)
+            angle = rng.uniform(0.0, 2.0 * np.pi)
+            thing = Thing(colour, shape, (float(x), float(y)), (float(v * np.cos(angle)), float(v * np.sin(angle))))
+            if not things or _first_step_apart(Scene((*things, thing), speed)):
+                break
+        things.append(thing)
     return Scene(tuple(things), speed)
+
+
+def _first_step_apart(scene: Scene) -> bool:
+    """Whether `paths` keeps a two-shape scene's shapes at least contact apart on frame 1 (from then on it always
+    can: it turns both back to the frame before when mirroring does not part them)."""
+    a, b = scene.things
+    second = _pair_path(scene, 64)[1]  # 64: the least length `paths` asks for (its cache then holds this path)
+    return math.dist(second[0], second[1]) >= contact(a.shape, b.shape)
 
 
 # Where and whither the k-th named shape of a prompt starts in `canonical_scene` (x, y; degrees, y down).
@@ -219,7 +233,8 @@ def _pair_path(scene: Scene, frames: int) -> np.ndarray:
     leave them closer than contact, each one whose step heads towards the other mirrors its velocity in the plane
     between them and steps again from where it was; if they still close in (one is held against a wall), both turn
     back the way they came, to where they were a frame before, which was far enough apart (a scene that starts
-    with its shapes overlapping only mirrors until they are apart). Python floats: a step
+    with its shapes overlapping only mirrors until they are apart; so does a hand-made scene whose first step a
+    wall forces within contact, which `sample_scene` never draws). Python floats: a step
     of numpy calls on 2-vectors costs ~7x as much."""
     a, b = scene.things
     apart = contact(a.shape, b.shape)
