@@ -108,7 +108,9 @@ def table(rows: list[dict], columns: int = 5) -> str:
     step = starts[1] - starts[0] if len(starts) > 1 else None
     heads = [f"chunks {starts[i]}-{starts[i] + step - 1}" if step else f"from {starts[i]}" for i in picks]
     lines = [
-        "| policy | adherence | continuity | overall | " + " | ".join(heads) + " | travel least / median | ms/chunk | cache KiB |",
+        "| policy | adherence | continuity | overall | "
+        + " | ".join(heads)
+        + " | travel least / median | ms/chunk | cache KiB |",
         "| --- " * (7 + len(picks)) + "|",
     ]
     for r in rows:
