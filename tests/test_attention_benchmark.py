@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import jax.numpy as jnp
 import pytest
 
 from jaxkv.attention import BlockSizes
-
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+from tests.helpers.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("attention_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("attention")
 
 
 def test_cpu_part_rows_agree_with_copy_then_attend(bench):

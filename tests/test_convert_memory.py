@@ -4,18 +4,13 @@ needs all of it. Uses benchmarks/convert_memory.py, which records the same figur
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+
+from tests.helpers.benchmarks import load_benchmark
 
 pytestmark = pytest.mark.slow
 
-_spec = importlib.util.spec_from_file_location(
-    "convert_memory", os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "convert_memory.py")
-)
-convert_memory = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert_memory)
+convert_memory = load_benchmark("convert_memory")
 
 
 def _check(result, dry, conv):

@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.helpers.benchmarks import load_benchmark
+
 _SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_gpu.py"
 FIGURES = (
     "compile_s",
@@ -102,15 +104,11 @@ def test_dry_run_figures(dry_run):
 
 def test_device_params_bf16_without_float32():
     """The full-size init writes each leaf in its dtype on the device with the stated distributions."""
-    import importlib.util
-
     import jax.numpy as jnp
 
     from jaxkv.models.param_tree import unflatten
 
-    spec = importlib.util.spec_from_file_location("bench_e2e_gpu", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("e2e_gpu")
     shapes = {"blocks.ffn.up.kernel": (2, 256, 512), "norm.scale": (4096,), "embedding": (64, 256)}
     params = module.device_params(shapes, unflatten, 0, jnp.bfloat16)
     up, scale, emb = params["blocks"]["ffn"]["up"]["kernel"], params["norm"]["scale"], params["embedding"]

@@ -6,23 +6,14 @@ benchmark's jaxkv half without a Self-Forcing checkout."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", _ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.benchmarks import load_benchmark as _load
 
 
 def _synthetic_gpu_trace():

@@ -3,20 +3,15 @@ a test)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+from tests.helpers.benchmarks import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("train_step_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("train_step")
 
 
 @pytest.mark.slow  # ~2 min on 2 cores: four compilations of the recipe's training steps
