@@ -56,9 +56,14 @@ def _solo(params, rc, seed, switches, num_chunks, negatives=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, keep_sink", [("ring", True), ("rolling", False)])
-def test_a_row_that_switches_at_chunk_n_is_its_solo_switchable_stream_and_other_rows_are_untouched(policy, keep_sink):
-    rc = _rc(policy=policy)
+@pytest.mark.parametrize(
+    "policy, keep_sink, rope",
+    [("ring", True, "absolute"), ("rolling", False, "absolute"), ("ring", False, "cache-relative")],
+)
+def test_a_row_that_switches_at_chunk_n_is_its_solo_switchable_stream_and_other_rows_are_untouched(
+    policy, keep_sink, rope
+):
+    rc = _rc(policy=policy, rope=rope)
     params = _params()
     pool = P.StreamPool(params, CFG, rc, rows=3)
     a = pool.admit(_ctx(1), jax.random.key(101))
