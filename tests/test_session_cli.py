@@ -71,6 +71,23 @@ def test_six_saved_then_six_resumed_equal_twelve(tmp_path, capsys):
     assert np.concatenate(parts, axis=1).tobytes() == full.tobytes()
 
 
+def test_a_mixed_dense_dilated_stream_saved_and_resumed_equals_the_uninterrupted_run(tmp_path, capsys):
+    """--dilated-every 2 (a MixedCache: layer 0 dense, layer 1 dilated): 3 chunks saved + 3 resumed == 6 at once."""
+    small = [*FAST, "--chunk-frames", "1", "--window-frames", "2", "--sink-frames", "0", "--height", "8"]
+    small += ["--width", "8", "--dilated-every", "2", "--dilation", "2", "--buckets", "2"]
+    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "6", *small]) == 0
+    assert G.main(["--out", str(tmp_path / "a"), "--num-chunks", "3", "--save-state", str(tmp_path / "S"), *small]) == 0
+    manifest = S.read_manifest(str(tmp_path / "S"))
+    assert manifest["cache_class"] == "MixedCache" and "cache/dilated/k" in manifest["tensors"]
+    argv = ["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks", "3", "--no-progress"]
+    assert G.main(argv) == 0
+    capsys.readouterr()
+    full, a, b = (G.load_latents(str(tmp_path / n)) for n in ("full", "a", "b"))
+    assert a.shape[1] == b.shape[1] == 3 and full.shape[1] == 6
+    assert np.concatenate([a, b], axis=1).tobytes() == full.tobytes()
+    assert not np.array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [

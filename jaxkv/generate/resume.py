@@ -92,12 +92,6 @@ def check_save_state(args, sources) -> None:
     and an existing directory only with --overwrite and only if it is a jaxkv session. Touches nothing."""
     if not args.save_state:
         return
-    if args.dilated_every and args.dilated_every > 1:
-        raise UsageError(
-            f"--save-state: sessions hold one cache policy per model; --dilated-every "
-            f"{args.dilated_every} mixes dense and dilated layers (a MixedCache), which sessions do not "
-            f"save yet"
-        )
     try:
         files.check_destination(
             args.save_state,
