@@ -133,6 +133,12 @@ class DilatedSpec:
         return ((frame + d - 1) // d) % self.buckets
 
 
+def stored_positions(positions):
+    """The position each slot stores, visible or pending (a pending -(p) - 2 read as p); -1 where empty. What a
+    re-cache rebuilds (`jaxkv.recache_dilated`): a pending frame is held, it only becomes visible later."""
+    return jnp.where(positions <= -2, -positions - 2, positions)
+
+
 def _pending(positions):
     """Visible positions -> the pending encoding -(p) - 2 (<= -2, so invisible); empty (-1) stays -1."""
     return jnp.where(positions < 0, EMPTY, -positions - 2)
