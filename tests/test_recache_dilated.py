@@ -143,3 +143,24 @@ def test_switch_rebuilds_every_layer_as_the_cache_free_reference(name, keep_sink
         changed |= float(np.abs(k[rows, slots] - old_k[rows, slots]).max()) > 1e-3
     assert changed  # the prompt matters: the comparison can fail
     assert np.isfinite(np.asarray(next(s))).all()  # and the stream goes on
+
+
+def test_a_history_that_lacks_a_held_chunk_or_rows_out_of_step_are_refused():
+    """`check_history` (run by `SwitchableStream.switch` before anything changes) names the missing chunk."""
+    from jaxkv import recache_dilated as D
+
+    rc = _rc(**CASES["mixed"])
+    cache = R.empty_cache(CFG, rc, 2)
+    kv = jnp.ones((2, rc.chunk_frames * rc.tokens_per_frame(CFG), CFG.num_heads, CFG.head_dim))
+    for _ in range(3):  # chunks 0, 1, 2 committed in every layer
+        cache = cache.begin_chunk()
+        cache = cache.replace(
+            dense=cache.dense.write(kv, kv, layer=0), dilated=cache.dilated.write(kv, kv, layer=0, commit=True)
+        )
+    D.check_history(cache, jnp.array([[0, 1, 2], [0, 1, 2]], jnp.int32))
+    with pytest.raises(ValueError, match="lacks chunk 1 \\(row 1\\)"):
+        D.check_history(cache, jnp.array([[0, 1, 2], [0, -1, 2]], jnp.int32))
+    behind = cache.replace(dense=cache.dense.replace(chunk_start=jnp.array([4, 2], jnp.int32)))
+    with pytest.raises(ValueError, match="rows must be in step"):
+        D.check_history(behind, jnp.array([[0, 1, 2], [0, 1, 2]], jnp.int32))
+    assert D.history_window_chunks(rc) == 7  # (buckets + 1) * dilation / chunk_frames + 1 > the 2-chunk window
