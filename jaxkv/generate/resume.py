@@ -139,7 +139,7 @@ def keeps_ring(args, rc) -> bool:
     """Whether a run keeps the latent ring (clean latents of the retained chunks) to save with its session, so
     that the session can be resumed with a --prompt-schedule: with --save-state, on the caches prompt switching
     supports."""
-    return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES and not rc.dilated_every
+    return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES
 
 
 def restore_ring(stream, session: S.Session) -> None:
