@@ -221,6 +221,14 @@ class DilatedCache(ChunkCache):
         chunk_start = jnp.where(act, index * spec.chunk, self.chunk_start).astype(jnp.int32)
         return self.replace(positions=jnp.concatenate([ring, scratch], axis=1), chunk_start=chunk_start)
 
+    def release(self, start, stop):
+        """Evicts every held frame (visible or pending) at token positions [start, stop): what a windowed
+        generation frees after a window (`jaxkv.windowed`). ``start``/``stop``: ints or int32 scalars (may be
+        traced). Only positions change (set to -1, invisible); k and v stay, and the slots keep their rule."""
+        pos = stored_positions(self.positions)
+        freed = (pos >= start) & (pos < jnp.asarray(stop, jnp.int32))
+        return self.replace(positions=jnp.where(freed, EMPTY, self.positions).astype(jnp.int32))
+
     def per_layer(self):
         """Not available: a dilated cache stays stacked (its writes address the stack)."""
         raise ValueError("per_layer: a DilatedCache is kept stacked; per-layer buffers are for sink + window caches")
