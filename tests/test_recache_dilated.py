@@ -72,6 +72,8 @@ def reference_kv(params, rc, old_cache, clean, context, keep_sink, num_chunks):
     old_k, old_v = jnp.asarray(np.stack(old_k)), jnp.asarray(np.stack(old_v))
     token_masks = token_masks & ~drop[:, 0, None, :, 0, 0] | jnp.eye(n, dtype=bool)[None]
     latents = jnp.concatenate([clean[i] for i in held], axis=1)
+    if latents.shape[0] != batch:  # guidance: the negative sessions hold the same frames
+        latents = jnp.concatenate([latents, latents], axis=0)
     cross = M.cross_kv(params, CFG, context)
     pos_b = jnp.broadcast_to(jnp.asarray(positions), (batch, n))
 
@@ -102,24 +104,27 @@ CASES = {
 
 
 @pytest.mark.parametrize(
-    "name,keep_sink,before",
+    "name,keep_sink,before,guided",
     [
-        ("mixed", False, 7),
-        pytest.param("mixed", True, 7, marks=pytest.mark.slow),
-        pytest.param("dilated", True, 5, marks=pytest.mark.slow),
+        ("mixed", False, 7, False),
+        pytest.param("mixed", True, 7, False, marks=pytest.mark.slow),
+        pytest.param("mixed", False, 6, True, marks=pytest.mark.slow),  # both sessions of each row re-cached
+        pytest.param("dilated", True, 5, False, marks=pytest.mark.slow),
     ],
 )
-def test_switch_rebuilds_every_layer_as_the_cache_free_reference(name, keep_sink, before):
-    rc = _rc(**CASES[name])
+def test_switch_rebuilds_every_layer_as_the_cache_free_reference(name, keep_sink, before, guided):
+    rc = _rc(**CASES[name], guidance_scale=3.0 if guided else None)
     params, ctx_a, ctx_b = _params(), _ctx(1), _ctx(2)
+    neg_a, neg_b = (_ctx(4), _ctx(5)) if guided else (None, None)
     noise = jax.random.normal(jax.random.key(3), rc.noise_shape(CFG, 1, before + 1))
-    s = RC.SwitchableStream(R.Stream(params, CFG, rc, ctx_a, noise=noise))
+    s = RC.SwitchableStream(R.Stream(params, CFG, rc, ctx_a, noise=noise, negative_context=neg_a))
     chunks = [next(s) for _ in range(before)]
     old = jax.tree.map(jnp.copy, s.state)  # the switch donates the state
-    s.switch(ctx_b, keep_sink=keep_sink)
+    s.switch(ctx_b, neg_b, keep_sink=keep_sink)
     new = jax.tree.map(jnp.copy, s.state)
 
-    ref_k, ref_v, positions, held = reference_kv(params, rc, old.cache, chunks, ctx_b, keep_sink, before)
+    both = ctx_b if not guided else jnp.concatenate([ctx_b, neg_b], axis=0)
+    ref_k, ref_v, positions, held = reference_kv(params, rc, old.cache, chunks, both, keep_sink, before)
     chunk = rc.chunk_frames * rc.tokens_per_frame(CFG)
     dense_window = (rc.sink_frames + rc.window_frames) // rc.chunk_frames
     assert held[0] < before - dense_window + (rc.sink_frames // rc.chunk_frames), held  # a dilated-only chunk held
