@@ -21,7 +21,8 @@ The clean latents come from a `LatentRing`: the last window's (and the sink's) c
 own laid out by the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % window``) and written
 with ``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk
 index (modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies
-both work (`RECACHE_POLICIES`).
+both work (`RECACHE_POLICIES`). Caches with dilated layers (`DilatedCache`, `MixedCache`) are re-cached by
+replaying their held chunks instead (`jaxkv.recache_dilated`), from a ring that also reaches their horizon.
 
 Costs: a switch is one forward over the cache's capacity (the window's frames at once) plus the new cross K/V,
 compiled once per shape (`jit_switch_prompt`); the step is not recompiled. The ring adds
@@ -39,6 +40,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from jaxkv import recache_dilated as D
 from jaxkv import rollout as R
 from jaxkv.cache import ChunkCache, RingSpec
 from jaxkv.models.wan import model as M
@@ -160,6 +162,9 @@ def _period(rc: R.RolloutConfig, spec: RingSpec) -> int | None:
 def check_ring(config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ring: LatentRing) -> None:
     """ValueError (eager, concrete arrays) when the cache holds a chunk whose clean latents the ring lacks: a
     re-cache would otherwise run those slots on zeros. Traced arguments are not checked."""
+    if D.has_dilated_layers(state.cache):
+        D.check_history(state.cache, ring.chunks)
+        return
     if not (is_concrete(state.cache.positions) and is_concrete(ring.chunks)):
         return
     spec = state.cache.spec
@@ -218,6 +223,9 @@ def switch_prompt(
             f"{' (guidance doubles them)' if guided else ''}"
         )
     cross = M.cross_kv(params, config, sessions, precision=rc.precision)
+    if D.has_dilated_layers(cache):  # replayed chunk by chunk (their visibility is no positional mask)
+        cache = D.replay_recache(params, config, rc, cache, cross, ring.latents, ring.chunks, keep_sink)
+        return R.RolloutState(cache, cross)
     latents, _ = ring.for_cache(cache, _period(rc, cache.spec))
     if guided:
         latents = jnp.concatenate([latents, latents], axis=0)
@@ -251,7 +259,9 @@ class SwitchableStream:
     def __init__(self, stream: R.Stream):
         self.stream = stream
         batch = stream.state.cache.batch // (2 if stream.rc.guidance_scale is not None else 1)
-        self.ring = LatentRing.init(stream.rc.spec(stream.config), stream.rc.chunk_shape(stream.config, batch))
+        rc, config = stream.rc, stream.config
+        spec = D.history_spec(config, rc) if rc.dilated_every else rc.spec(config)  # dilated: reaches the horizon
+        self.ring = LatentRing.init(spec, rc.chunk_shape(config, batch))
 
     @property
     def index(self) -> int:

@@ -5,7 +5,8 @@ A session is the state of a `jaxkv.rollout.Stream` (or of the scan `rollout`) be
   cache:       the stacked self-attention cache of every layer, any policy (`RingCache`, `RollingCache`,
                `jaxkv.cache.dilated.DilatedCache`): k, v [layers, sessions, capacity, heads, head_dim] in the cache
                dtype; positions int32 [sessions, capacity] (the chunk clock: the absolute position of every slot,
-               -1 when empty); chunk_start int32 [sessions] (the last reserved chunk's first position).
+               -1 when empty); chunk_start int32 [sessions] (the last reserved chunk's first position). A
+               `jaxkv.cache.MixedCache` (dense layers plus every k-th layer dilated) is two such stacks.
                ``sessions`` = batch, or 2 * batch with guidance (conditional rows first).
   cross:       the hoisted cross-attention K/V (`jaxkv.models.wan.CrossKV`): k, v float32
                [layers, sessions, text_tokens, heads, head_dim]. The text context itself is not needed to continue.
@@ -27,7 +28,8 @@ directory that loads):
                       shape, sha256}}, "metadata": {...} (the caller's, e.g. the generate command's settings),
                       "manifest_sha256": the checksum of all the rest}: `load` refuses a tensor whose bytes, or a
                       manifest whose entries, changed after saving
-  arrays.safetensors  one tensor per leaf: "cache/k", "cache/v", "cache/positions", "cache/chunk_start",
+  arrays.safetensors  one tensor per leaf: "cache/k", "cache/v", "cache/positions", "cache/chunk_start"
+                      (a MixedCache: "cache/dense/k", ..., "cache/dilated/k", ...),
                       "cross/k", "cross/v", "key" (the key's uint32 data), "next_chunk", "extras/NAME/SUB/..."
 
 Why safetensors + a JSON manifest rather than orbax-checkpoint: the project already reads and writes safetensors
@@ -63,7 +65,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import files
-from jaxkv.cache import ChunkCache, RingCache, RollingCache
+from jaxkv.cache import ChunkCache, MixedCache, RingCache, RollingCache
 from jaxkv.cache.dilated import DilatedCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
@@ -77,7 +79,8 @@ ARRAYS = "arrays.safetensors"
 VAE_DECODER = "vae_decoder"  # the extras entry of the VAE decoder's feature caches (`vae_extra`)
 
 # The cache classes a session may hold, by name (`load` rebuilds the one its settings name, with their spec).
-CACHE_CLASSES: dict[str, type[ChunkCache]] = {c.__name__: c for c in (RingCache, RollingCache, DilatedCache)}
+# A `MixedCache` holds two of them, a dense stack (ring or rolling) and a dilated one.
+CACHE_CLASSES: dict[str, type] = {c.__name__: c for c in (RingCache, RollingCache, DilatedCache, MixedCache)}
 _CACHE_FIELDS = ("k", "v", "positions", "chunk_start")
 
 
@@ -100,24 +103,38 @@ def _plain(value):
     )
 
 
+def _stacks(cache) -> dict[str, ChunkCache]:
+    """The stacked `ChunkCache`s a session's cache is made of, by file-name prefix: {"cache": cache}, or for a
+    `MixedCache` {"cache/dense": its dense stack, "cache/dilated": its dilated stack}."""
+    if isinstance(cache, MixedCache):
+        return {"cache/dense": cache.dense, "cache/dilated": cache.dilated}
+    return {"cache": cache}
+
+
 def cache_settings(cache) -> dict[str, Any]:
-    """The static description of a stacked cache (concrete or abstract): class, spec, dtype and geometry."""
-    if not isinstance(cache, ChunkCache) or type(cache).__name__ not in CACHE_CLASSES:
+    """The static description of a stacked cache (concrete or abstract): class, spec, dtype and geometry; for a
+    `MixedCache` also its dense stack's class ("dense_class": ring or rolling) and ``layers`` counts all layers."""
+    if type(cache).__name__ not in CACHE_CLASSES or not isinstance(cache, tuple(CACHE_CLASSES.values())):
         raise SessionError(f"a session holds one of {sorted(CACHE_CLASSES)}, got {type(cache).__name__}")
-    if cache.k.ndim != 5:
-        raise SessionError(
-            f"a session holds a stacked cache k [layers, sessions, capacity, heads, head_dim], got k "
-            f"{list(cache.k.shape)}"
-        )
-    return {
+    for part in _stacks(cache).values():
+        if getattr(part, "is_per_layer", False) or part.k.ndim != 5:
+            raise SessionError(
+                f"a session holds a stacked cache k [layers, sessions, capacity, heads, head_dim], got k "
+                f"{list(part.k.shape) if hasattr(part.k, 'shape') else 'per layer'}"
+            )
+    k = cache.dense.k if isinstance(cache, MixedCache) else cache.k
+    out = {
         "class": type(cache).__name__,
         "spec_class": type(cache.spec).__name__,
         "spec": _plain(dataclasses.asdict(cache.spec)),
-        "dtype": jnp.dtype(cache.k.dtype).name,
-        "layers": int(cache.k.shape[0]),
-        "heads": int(cache.k.shape[-2]),
-        "head_dim": int(cache.k.shape[-1]),
+        "dtype": jnp.dtype(k.dtype).name,
+        "layers": int(cache.layers),
+        "heads": int(k.shape[-2]),
+        "head_dim": int(k.shape[-1]),
     }
+    if isinstance(cache, MixedCache):
+        out["dense_class"] = type(cache.dense).__name__
+    return out
 
 
 def fingerprint(config: WanConfig, rc: RolloutConfig, cache) -> dict[str, Any]:
@@ -207,7 +224,7 @@ class Session:
     @property
     def sessions(self) -> int:
         """Cache rows: batch, or 2 * batch with guidance."""
-        return int(self.cache.positions.shape[0])
+        return int(self.cache.batch)
 
     def check(self, config: WanConfig, rc: RolloutConfig, *, cache_like=None, where: str = "the session") -> None:
         """SessionError naming every difference between this session's settings and (config, rc, cache): the
@@ -285,7 +302,7 @@ def _is_typed_key(key) -> bool:
 
 def _tensors(session: Session) -> tuple[dict[str, Any], str | None]:
     """The session's leaves by file name (device arrays), and the key's impl name (None for a raw key)."""
-    out = {f"cache/{f}": getattr(session.cache, f) for f in _CACHE_FIELDS}
+    out = _cache_tensors(session.cache)
     out["cross/k"], out["cross/v"] = session.cross.k, session.cross.v
     impl = None
     if session.key is not None:
@@ -297,6 +314,34 @@ def _tensors(session: Session) -> tuple[dict[str, Any], str | None]:
     out["next_chunk"] = session.next_chunk
     out.update(_flat_extras(session.extras))
     return out, impl
+
+
+def _cache_tensors(cache) -> dict[str, Any]:
+    """The cache's arrays by file name: "cache/k", ... or, for a `MixedCache`, "cache/dense/k", "cache/dilated/k",
+    ... (each stack's k, v, positions and chunk_start)."""
+    return {f"{prefix}/{f}": getattr(part, f) for prefix, part in _stacks(cache).items() for f in _CACHE_FIELDS}
+
+
+def _cache_from(like, arrays: dict[str, Any]):
+    """A cache of ``like``'s class and spec (a `MixedCache`: and its dense class) from `_cache_tensors` names."""
+    parts = {
+        prefix: type(part)(**{f: arrays[f"{prefix}/{f}"] for f in _CACHE_FIELDS}, spec=part.spec)
+        for prefix, part in _stacks(like).items()
+    }
+    if isinstance(like, MixedCache):
+        return MixedCache(dense=parts["cache/dense"], dilated=parts["cache/dilated"], spec=like.spec)
+    return parts["cache"]
+
+
+def _empty_like(like, sessions: int, config: WanConfig):
+    """The abstract empty cache of ``like``'s class, spec and dtype for ``sessions`` sessions of this model."""
+    dtype = jnp.dtype(next(iter(_stacks(like).values())).k.dtype)
+    extra = {"dense_policy": type(like.dense)} if isinstance(like, MixedCache) else {}
+    return jax.eval_shape(
+        lambda: type(like).init(
+            like.spec, sessions, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers, **extra
+        )
+    )
 
 
 def _is_session_dir(path: str) -> str | None:
@@ -399,23 +444,14 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
     manifest = read_manifest(path)
     saved = manifest["fingerprint"]
     tensors = manifest["tensors"]
+    rows = "cache/dense/positions" if saved.get("cache", {}).get("class") == MixedCache.__name__ else "cache/positions"
     try:
-        sessions = int(tensors["cache/positions"]["shape"][0])
+        sessions = int(tensors[rows]["shape"][0])
     except (KeyError, IndexError, TypeError):
-        raise SessionError(f"{path}/{MANIFEST} lists no cache/positions tensor") from None
+        raise SessionError(f"{path}/{MANIFEST} lists no {rows} tensor") from None
     cache = cache_like if cache_like is not None else expected_cache(config, rc, sessions)
     _refuse(f"the session at {path}", saved, fingerprint(config, rc, cache))
-    want = jax.eval_shape(
-        lambda: type(cache).init(
-            cache.spec,
-            sessions,
-            config.num_heads,
-            config.head_dim,
-            dtype=jnp.dtype(cache.k.dtype),
-            layers=config.num_layers,
-        )
-    )
-    expect = {f"cache/{f}": getattr(want, f) for f in _CACHE_FIELDS}
+    expect = _cache_tensors(_empty_like(cache, sessions, config))
     arrays: dict[str, np.ndarray] = {}
     file = os.path.join(path, ARRAYS)
     try:
@@ -467,7 +503,10 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
             f"{int(nxt)}; the snapshot is inconsistent"
         )
     dev = {n: jnp.asarray(a) for n, a in arrays.items()}
-    cache_obj = type(cache)(**{f: dev[f"cache/{f}"] for f in _CACHE_FIELDS}, spec=cache.spec)
+    missing = sorted(set(expect) - set(dev))
+    if missing:
+        raise SessionError(f"{file} lacks the cache tensors {missing} that the settings need")
+    cache_obj = _cache_from(cache, dev)
     reserved = int(jnp.max(cache_obj.next_chunk_index()))
     # (on cache-relative RoPE's wrapped clock the cache's positions no longer count the stream's chunks)
     if rc.bounded and reserved != int(nxt):

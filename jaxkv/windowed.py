@@ -24,7 +24,10 @@ chunks (``rc.chunk_frames``), so a window is a run of whole chunks.
 
 The cache is the rollout's `RingCache` (or `RollingCache`) with sink = prefix frames and a window large enough that
 the ring itself never evicts a frame the schedule still keeps (`windowed_config` sets both): context + stride
-frames, or the whole stream when context is 0. Releases then do all the evicting. Each chunk runs the donated,
+frames, or the whole stream when context is 0. Releases then do all the evicting. With dilated layers
+(``rc.dilated_every``: a `MixedCache`, or all dilated with no prefix) a dilated layer keeps its own rule (kept
+frames within its horizon) and a release frees the same span from it too: its chunk sees what its rule shows of
+what the schedule keeps. Each chunk runs the donated,
 jitted `jaxkv.rollout.stream_step` (one compilation for the whole stream) and each release one small jitted
 program; noise is drawn as in `jaxkv.rollout.rollout` (``fold_in(key, chunk)``) or given explicitly.
 """
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import rollout as R
-from jaxkv.cache import WindowSchedule, release
+from jaxkv.cache import DilatedCache, MixedCache, WindowSchedule, release
 from jaxkv.cache.window_schedule import Window
 from jaxkv.models.wan.config import WanConfig
 
@@ -75,10 +78,6 @@ def windowed_config(rc: R.RolloutConfig, schedule: WindowSchedule) -> R.RolloutC
 
 def _check(config: WanConfig, rc: R.RolloutConfig, schedule: WindowSchedule) -> WindowSchedule:
     s = chunk_schedule(rc, schedule)
-    if rc.dilated_every:
-        raise ValueError(
-            "windowed generation releases frames from a sink + window cache; RolloutConfig.dilated_every must be 0"
-        )
     need = window_frames_needed(rc, schedule)
     if rc.sink_frames != schedule.prefix_units or rc.window_frames < need:
         raise ValueError(
@@ -90,7 +89,21 @@ def _check(config: WanConfig, rc: R.RolloutConfig, schedule: WindowSchedule) -> 
     return s
 
 
-_release_step = jax.jit(lambda state, stop: R.RolloutState(release(state.cache, stop), state.cross), donate_argnums=0)
+def release_frames(cache, stop):
+    """Evicts the held tokens at positions [sink, stop) of every layer: `jaxkv.cache.release` for a sink + window
+    cache; a dilated stack (`DilatedCache.release`) frees the same span of what its own rule holds (the dense
+    layers' sink, the schedule's prefix, is protected in every layer)."""
+    if isinstance(cache, MixedCache):
+        dense = release(cache.dense, stop)
+        return cache.replace(dense=dense, dilated=cache.dilated.release(cache.spec.dense.sink, stop))
+    if isinstance(cache, DilatedCache):
+        return cache.release(0, stop)  # (all-dilated: no sink, so no prefix)
+    return release(cache, stop)
+
+
+_release_step = jax.jit(
+    lambda state, stop: R.RolloutState(release_frames(state.cache, stop), state.cross), donate_argnums=0
+)
 
 
 def windows(

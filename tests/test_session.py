@@ -5,6 +5,7 @@ copy. (Across processes: tests/test_session_cli.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkv.cache as C
 from jaxkv import rollout as R
 from jaxkv import session as S
 from jaxkv.cache.dilated import DilatedCache, DilatedSpec
@@ -27,6 +29,7 @@ RC = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, sched
 PARAMS = wan.init_params(CFG, jax.random.key(0))
 CTX = jax.random.normal(jax.random.key(1), (1, 3, CFG.text_dim))
 KEY = jax.random.key(7)
+CACHE_OF = {"ring": "RingCache", "rolling": "RollingCache"}
 
 
 def _chunks(stream):
@@ -57,6 +60,15 @@ def _dilated_stream(rc, num_chunks, key=KEY):
     return stream
 
 
+_MIXED = dict(
+    chunk_frames=1,
+    window_frames=2,
+    sink_frames=1,
+    dilated_every=2,
+    dilation=2,
+    buckets=2,
+    schedule=Schedule(steps=(1000, 500)),
+)
 CASES = {
     "ring": (RC, None),
     "rolling": (
@@ -79,6 +91,9 @@ CASES = {
         "guided",
     ),
     "dilated": (RC, "dilated"),
+    # a MixedCache (layer 0 dense, layer 1 dilated: dilated_every=2 on 2 layers), with each dense policy
+    "mixed": (R.RolloutConfig(H, W, **_MIXED), None),
+    "mixed-rolling": (R.RolloutConfig(H, W, policy="rolling", **_MIXED), None),
 }
 
 
@@ -89,7 +104,9 @@ def _stream(rc, kind, num_chunks):
     return R.Stream(PARAMS, CFG, rc, CTX, num_chunks=num_chunks, key=KEY, negative_context=neg)
 
 
-@pytest.mark.parametrize("name", [n if n == "ring" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)])
+@pytest.mark.parametrize(
+    "name", [n if n in ("ring", "mixed") else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)]
+)
 def test_save_and_resume_equals_the_uninterrupted_stream(tmp_path, name):
     """6 chunks at once vs 3 chunks, save, load, 3 more: the last 3 chunks bit-identical, and so is the state
     after them; the continuation reuses the compiled step (no new compilation)."""
@@ -103,6 +120,16 @@ def test_save_and_resume_equals_the_uninterrupted_stream(tmp_path, name):
     loaded = S.load(str(tmp_path / "s"), CFG, rc, cache_like=cache_like)
     assert int(loaded.next_chunk) == 3 and type(loaded.cache) is type(first.state.cache)
     assert _bits(loaded.state) == _bits(first.state)
+    if rc.dilated_every:
+        # both stacks were saved (the dilated one holds committed frames) and a mixed cache of other settings is
+        # refused naming them
+        assert isinstance(loaded.cache, C.MixedCache) and type(loaded.cache.dense).__name__ == CACHE_OF[rc.policy]
+        assert int((np.asarray(loaded.cache.dilated.positions) >= 0).sum()) > 0
+        other = dataclasses.replace(rc, policy="rolling" if rc.policy == "ring" else "ring")
+        with pytest.raises(S.SessionError, match=f"cache.dense_class: saved '{CACHE_OF[rc.policy]}'"):
+            S.load(str(tmp_path / "s"), CFG, other)
+        with pytest.raises(S.SessionError, match="cache.spec.dilated.dilation: saved 2, now 3"):
+            S.load(str(tmp_path / "s"), CFG, dataclasses.replace(rc, dilation=3))
     with count_compiles(R.stream_step) as compiles:
         tail = _chunks(R.Stream.from_session(PARAMS, CFG, rc, loaded, num_chunks=3))
     assert compiles() == 0

@@ -71,6 +71,23 @@ def test_six_saved_then_six_resumed_equal_twelve(tmp_path, capsys):
     assert np.concatenate(parts, axis=1).tobytes() == full.tobytes()
 
 
+def test_a_mixed_dense_dilated_stream_saved_and_resumed_equals_the_uninterrupted_run(tmp_path, capsys):
+    """--dilated-every 2 (a MixedCache: layer 0 dense, layer 1 dilated): 3 chunks saved + 3 resumed == 6 at once."""
+    small = [*FAST, "--chunk-frames", "1", "--window-frames", "2", "--sink-frames", "0", "--height", "8"]
+    small += ["--width", "8", "--dilated-every", "2", "--dilation", "2", "--buckets", "2"]
+    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "6", *small]) == 0
+    assert G.main(["--out", str(tmp_path / "a"), "--num-chunks", "3", "--save-state", str(tmp_path / "S"), *small]) == 0
+    manifest = S.read_manifest(str(tmp_path / "S"))
+    assert manifest["cache_class"] == "MixedCache" and "cache/dilated/k" in manifest["tensors"]
+    argv = ["--resume", str(tmp_path / "S"), "--out", str(tmp_path / "b"), "--num-chunks", "3", "--no-progress"]
+    assert G.main(argv) == 0
+    capsys.readouterr()
+    full, a, b = (G.load_latents(str(tmp_path / n)) for n in ("full", "a", "b"))
+    assert a.shape[1] == b.shape[1] == 3 and full.shape[1] == 6
+    assert np.concatenate([a, b], axis=1).tobytes() == full.tobytes()
+    assert not np.array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [
@@ -292,6 +309,8 @@ def test_resume_refuses_another_fps_for_the_continued_video(tmp_path, capsys):
 
 TOY = ["--no-progress", "--no-video"]  # the shipped toy world (the default model)
 P0, P1 = "a red circle and a blue square, slow", "a green triangle, fast"
+# the toy world's 4 layers, every 2nd dilated (dilated layers run absolute RoPE; the toy's own is cache-relative)
+MIXED_FLAGS = ["--dilated-every", "2", "--dilation", "2", "--buckets", "2", "--rope", "absolute"]
 
 
 def _schedule(path, *entries):
@@ -299,14 +318,22 @@ def _schedule(path, *entries):
     return str(path)
 
 
-def test_a_resumed_session_follows_a_prompt_schedule_as_the_uninterrupted_run(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "cache",
+    [
+        [],
+        pytest.param(MIXED_FLAGS, marks=pytest.mark.slow, id="mixed"),
+    ],
+)
+def test_a_resumed_session_follows_a_prompt_schedule_as_the_uninterrupted_run(tmp_path, capsys, cache):
     """--save-state keeps the latent ring, so --resume takes a --prompt-schedule (counting this run's chunks; its
     chunk-0 entry switches only if it is not what the session was drawing): 3 + 5 chunks with a switch at stream
-    chunk 4 equal one 8-chunk run switching there, bit for bit; another chunk-0 prompt switches at the resume."""
+    chunk 4 equal one 8-chunk run switching there, bit for bit; another chunk-0 prompt switches at the resume.
+    Also on a mixed dense/dilated cache, whose switches replay the held chunks."""
     full = _schedule(tmp_path / "full.json", (0, P0), (4, P1))
-    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "8", "--prompt-schedule", full, *TOY]) == 0
+    assert G.main(["--out", str(tmp_path / "full"), "--num-chunks", "8", "--prompt-schedule", full, *TOY, *cache]) == 0
     first = _schedule(tmp_path / "first.json", (0, P0))
-    argv = ["--out", str(tmp_path / "a"), "--num-chunks", "3", "--prompt-schedule", first, *TOY]
+    argv = ["--out", str(tmp_path / "a"), "--num-chunks", "3", "--prompt-schedule", first, *TOY, *cache]
     assert G.main([*argv, "--save-state", str(tmp_path / "S")]) == 0
     manifest = S.read_manifest(str(tmp_path / "S"))
     assert manifest["metadata"]["text_now"] == {"prompt": P0}

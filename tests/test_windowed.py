@@ -83,6 +83,35 @@ def test_windowed_generation_equals_cache_free_reference(total, window, overlap,
     assert frames == sorted(set(range(prefix)) | set(range(max(prefix, kept_from), total)))
 
 
+@pytest.mark.parametrize(
+    "every,cf",
+    [
+        (2, 1),  # layers 1 and 3 dilated (dilation 2, 2 buckets), frame 0 the protected prefix
+        pytest.param(1, 2, marks=pytest.mark.slow),  # every layer dilated (no prefix), 2-frame chunks
+    ],
+)
+def test_windowed_generation_on_dilated_layers_equals_cache_free_reference(every, cf):
+    """A dilated layer sees what its own rule keeps (tests/test_rollout_mixed.dilated_rows) of what the schedule
+    keeps (windowed_rows); the dense layers see windowed_rows."""
+    from tests.test_rollout_mixed import dilated_rows
+
+    total, window, overlap, context, prefix = (8, 4, 1, 1, 1) if every == 2 else (12, 6, 2, 2, 0)
+    sched = WindowSchedule(total, window, overlap, context, prefix)
+    base = R.RolloutConfig(H, W, chunk_frames=cf, schedule=SCHEDULE, dilated_every=every, dilation=2, buckets=3)
+    rc = WD.windowed_config(base, sched)
+    rows, _ = windowed_rows(total, window, overlap, context, prefix, cf)
+    dilated = rows & dilated_rows(total, cf, 2, 3)
+    assert (dilated != rows).any()  # the dilated rule matters
+    assert not np.tril(rows | (np.arange(total)[None, :] < prefix)).all()  # and so do the releases
+    masks = np.stack([dilated if layer % every == every - 1 else rows for layer in range(CFG.num_layers)])
+    params, ctx = _params(), _ctx()
+    noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 1, total // cf))
+    got = WD.windowed_rollout(params, CFG, rc, sched, ctx, noise=noise)
+    want = reference_rollout(params, CFG, rc, ctx, noise, masks)
+    err = float(jnp.abs(got.latents - want).max() / jnp.abs(want).max())
+    assert err <= 1e-4, err
+
+
 @pytest.mark.slow  # a windowed generation and a rollout
 def test_windows_yield_commit_spans_and_context_zero_is_the_plain_rollout_with_one_compilation():
     sched = WindowSchedule(total_units=5, window_units=3, overlap_units=1)
@@ -120,16 +149,8 @@ def test_windowed_configuration_errors_are_clear():
         WD.windowed_rollout(params, CFG, good, sched, ctx)
     with pytest.raises(ValueError, match=r"noise must be \[chunks"):
         WD.windowed_rollout(params, CFG, good, sched, ctx, noise=jnp.zeros((3, 2, 1, 2, H, W, 4)))
-    with pytest.raises(ValueError, match="dilated_every must be 0"):
-        WD.windowed_rollout(
-            params,
-            CFG,
-            R.RolloutConfig(
-                H, W, chunk_frames=2, window_frames=4, sink_frames=2, dilated_every=2, dilation=2, buckets=2
-            ),
-            sched,
-            ctx,
-            key=jax.random.key(0),
-        )
+    # every layer dilated has no sink, so no protected prefix
+    with pytest.raises(ValueError, match="has no sink"):
+        WD.windowed_config(R.RolloutConfig(H, W, chunk_frames=2, dilated_every=1, dilation=2, buckets=2), sched)
     with pytest.raises(ValueError, match="WindowSchedule"):
         WD.windowed_rollout(params, CFG, good, (8, 4, 2), ctx, key=jax.random.key(0))

@@ -133,6 +133,12 @@ class DilatedSpec:
         return ((frame + d - 1) // d) % self.buckets
 
 
+def stored_positions(positions):
+    """The position each slot stores, visible or pending (a pending -(p) - 2 read as p); -1 where empty. What a
+    re-cache rebuilds (`jaxkv.recache_dilated`): a pending frame is held, it only becomes visible later."""
+    return jnp.where(positions <= -2, -positions - 2, positions)
+
+
 def _pending(positions):
     """Visible positions -> the pending encoding -(p) - 2 (<= -2, so invisible); empty (-1) stays -1."""
     return jnp.where(positions < 0, EMPTY, -positions - 2)
@@ -214,6 +220,14 @@ class DilatedCache(ChunkCache):
 
         chunk_start = jnp.where(act, index * spec.chunk, self.chunk_start).astype(jnp.int32)
         return self.replace(positions=jnp.concatenate([ring, scratch], axis=1), chunk_start=chunk_start)
+
+    def release(self, start, stop):
+        """Evicts every held frame (visible or pending) at token positions [start, stop): what a windowed
+        generation frees after a window (`jaxkv.windowed`). ``start``/``stop``: ints or int32 scalars (may be
+        traced). Only positions change (set to -1, invisible); k and v stay, and the slots keep their rule."""
+        pos = stored_positions(self.positions)
+        freed = (pos >= start) & (pos < jnp.asarray(stop, jnp.int32))
+        return self.replace(positions=jnp.where(freed, EMPTY, self.positions).astype(jnp.int32))
 
     def per_layer(self):
         """Not available: a dilated cache stays stacked (its writes address the stack)."""

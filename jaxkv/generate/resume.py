@@ -92,12 +92,6 @@ def check_save_state(args, sources) -> None:
     and an existing directory only with --overwrite and only if it is a jaxkv session. Touches nothing."""
     if not args.save_state:
         return
-    if args.dilated_every and args.dilated_every > 1:
-        raise UsageError(
-            f"--save-state: sessions hold one cache policy per model; --dilated-every "
-            f"{args.dilated_every} mixes dense and dilated layers (a MixedCache), which sessions do not "
-            f"save yet"
-        )
     try:
         files.check_destination(
             args.save_state,
@@ -145,7 +139,7 @@ def keeps_ring(args, rc) -> bool:
     """Whether a run keeps the latent ring (clean latents of the retained chunks) to save with its session, so
     that the session can be resumed with a --prompt-schedule: with --save-state, on the caches prompt switching
     supports."""
-    return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES and not rc.dilated_every
+    return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES
 
 
 def restore_ring(stream, session: S.Session) -> None:

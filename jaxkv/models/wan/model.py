@@ -989,7 +989,7 @@ def recompute_cache(
     if isinstance(cache, MixedCache) or not isinstance(cache.spec, RingSpec):
         raise ValueError(
             f"recompute_cache rebuilds a sink + window cache (ring or rolling, a RingSpec); a "
-            f"{type(cache).__name__} (dilated layers) is not supported"
+            f"{type(cache).__name__} (dilated layers) is re-cached by replay: jaxkv.recache.switch_prompt"
         )
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
