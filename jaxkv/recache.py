@@ -180,6 +180,12 @@ def check_ring(config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ri
         )
 
 
+def ring_spec(config: WanConfig, rc: R.RolloutConfig) -> RingSpec:
+    """The slots of a stream's latent ring: the cache's own sink + window, or with dilated layers the span that
+    reaches their horizon (`jaxkv.recache_dilated.history_spec`)."""
+    return D.history_spec(config, rc) if rc.dilated_every else rc.spec(config)
+
+
 def switch_prompt(
     params,
     config: WanConfig,
@@ -260,8 +266,7 @@ class SwitchableStream:
         self.stream = stream
         batch = stream.state.cache.batch // (2 if stream.rc.guidance_scale is not None else 1)
         rc, config = stream.rc, stream.config
-        spec = D.history_spec(config, rc) if rc.dilated_every else rc.spec(config)  # dilated: reaches the horizon
-        self.ring = LatentRing.init(spec, rc.chunk_shape(config, batch))
+        self.ring = LatentRing.init(ring_spec(config, rc), rc.chunk_shape(config, batch))
 
     @property
     def index(self) -> int:

@@ -1,6 +1,6 @@
 """Pools on dilated and mixed dense / dilated caches (`RolloutConfig(dilated_every=k)`): each row equals its solo
 `Stream` bit for bit through staggered admits and finishes, a reused row starts clean on its dilated layers too,
-and what is not built (switching, sessions of a mixed cache) is refused by name."""
+a row switches its prompt as its solo `SwitchableStream` does, and rows go out as sessions and come back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxkv import pool as P
+from jaxkv import recache as RC
 from jaxkv import rollout as R
 from jaxkv.models import wan
 from tests.test_pool import CFG, _ctx, _rc
@@ -63,17 +64,25 @@ def test_dilated_pool_rows_equal_their_solo_streams_and_a_reused_row_starts_clea
     dense = _solo(params, _rc(sink_frames=0 if every == 1 else 1), 3, 4)
     assert np.abs(got[3][3] - dense[3]).max() > 1e-3
 
-    with pytest.raises(ValueError, match="re-caching a dilated layer is not built"):
-        pool.switch_prompt(where[3], _ctx(7))
-    if every >= 2:
-        with pytest.raises(ValueError, match="mixed dense/dilated cache"):
-            pool.session(where[3])
-    else:  # an all-dilated cache is one class: its rows go out as sessions and come back bit for bit
-        session = pool.session(where[3])
-        tail = [np.asarray(x[0]) for x in R.Stream.from_session(params, CFG, rc, session.fork(), num_chunks=2)]
-        pool.finish(where[2])
-        row = pool.admit_session(session)
-        for i in range(2):
-            out = pool.step()
-            np.testing.assert_array_equal(np.asarray(out[row]), tail[i], err_msg=f"admitted session, chunk {i}")
-            np.testing.assert_array_equal(np.asarray(out[where[3]]), tail[i], err_msg=f"the row it left, chunk {i}")
+    # a row switches its prompt as its solo SwitchableStream does: the dilated layers are replayed from the row's ring
+    pool.switch_prompt(where[3], _ctx(7))
+    switched = [np.asarray(pool.step()[where[3]]) for _ in range(2)]
+    solo = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(3), key=jax.random.key(103)))
+    want = []
+    for i in range(6):
+        if i == 4:
+            solo.switch(_ctx(7))
+        want.append(np.asarray(next(solo)[0]))
+    for i in range(2):
+        np.testing.assert_array_equal(switched[i], want[4 + i], err_msg=f"switched row, chunk {4 + i}")
+    assert np.abs(switched[0] - _solo(params, rc, 3, 5)[4]).max() > 1e-3  # the switch changed what follows
+
+    # its rows go out as sessions (mixed caches included) and come back bit for bit
+    session = pool.session(where[3])
+    tail = [np.asarray(x[0]) for x in R.Stream.from_session(params, CFG, rc, session.fork(), num_chunks=2)]
+    pool.finish(where[2])
+    row = pool.admit_session(session)
+    for i in range(2):
+        out = pool.step()
+        np.testing.assert_array_equal(np.asarray(out[row]), tail[i], err_msg=f"admitted session, chunk {i}")
+        np.testing.assert_array_equal(np.asarray(out[where[3]]), tail[i], err_msg=f"the row it left, chunk {i}")

@@ -111,14 +111,14 @@ class StreamPool:
         """Switches ``row``'s prompt before its next chunk (context [1, text_tokens, text_dim]; with guidance the
         row's new negative_context, same shape): its cross K/V are replaced and its retained frames re-cached, as a
         solo `jaxkv.recache.SwitchableStream.switch` does; the other rows are untouched. ValueError, before
-        anything changes, for a free row, a bad context, a pool that cannot switch (dilated layers, FP8) or a
+        anything changes, for a free row, a bad context, a pool that cannot switch (an FP8 cache) or a
         row whose ring lacks a chunk its cache holds (a session admitted without its ring)."""
         row = self._busy(row)
         if not PS.switchable(self.rc):
             raise ValueError(
-                f"prompt switching in a pool needs a ring or rolling cache without dilated layers or FP8 (policy "
-                f"{self.rc.policy!r}, dilated_every={self.rc.dilated_every}, fp8_kv={self.rc.precision.fp8_kv}): "
-                f"re-caching a dilated layer is not built"
+                f"prompt switching in a pool needs a ring or rolling policy and no FP8 cache (policy "
+                f"{self.rc.policy!r}, fp8_kv={self.rc.precision.fp8_kv}): `recompute_cache` does not rebuild an FP8 "
+                f"cache"
             )
         if not isinstance(keep_sink, bool):
             raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
@@ -133,14 +133,8 @@ class StreamPool:
         """The stream in ``row`` as a `jaxkv.session.Session` of batch 1 (in buffers of its own; the row goes
         on): `jaxkv.rollout.Stream.from_session` continues it solo bit for bit as the row would. Its typed key is
         rebuilt from the row's key data (the default PRNG impl); its ring, when the pool keeps rings, is in
-        ``extras[jaxkv.recache.RING_EXTRA]`` (`SwitchableStream.restore_ring`). ValueError for a mixed dense /
-        dilated cache, which a Session cannot hold yet."""
+        ``extras[jaxkv.recache.RING_EXTRA]`` (`SwitchableStream.restore_ring`)."""
         row = self._busy(row)
-        if self.rc.dilated_every >= 2:
-            raise ValueError(
-                f"a Session holds one cache class; a mixed dense/dilated cache (dilated_every="
-                f"{self.rc.dilated_every}) cannot be saved as a session yet, so its rows cannot be taken out"
-            )
         sub, key_data, chunks, ring = PR.jit_take_row(self.rc, self.state, np.int32(row))
         extras = {} if ring is None else {RC.RING_EXTRA: {"latents": ring.latents, "chunks": ring.chunks}}
         key = jax.random.wrap_key_data(key_data)
@@ -188,7 +182,7 @@ class StreamPool:
         extra = session.extras.get(RC.RING_EXTRA)
         if extra is None or self.state.ring is None:
             return None
-        empty = RC.LatentRing.init(self.rc.spec(self.config), self.rc.chunk_shape(self.config, 1))
+        empty = RC.LatentRing.init(RC.ring_spec(self.config, self.rc), self.rc.chunk_shape(self.config, 1))
         if not isinstance(extra, dict) or set(extra) != {"latents", "chunks"}:
             raise S.SessionError(f"the saved latent ring must hold 'latents' and 'chunks', got {sorted(extra or {})}")
         for name in ("latents", "chunks"):

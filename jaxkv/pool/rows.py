@@ -38,9 +38,8 @@ def switch_row(
     change; other rows are untouched. Call it between steps."""
     if state.ring is None:
         raise ValueError(
-            "prompt switching in a pool re-caches from the rows' latent rings, which a pool keeps only on a ring or "
-            f"rolling cache without dilated layers or FP8 (policy {rc.policy!r}, dilated_every={rc.dilated_every}, "
-            f"fp8_kv={rc.precision.fp8_kv}): re-caching a dilated layer is not built"
+            "prompt switching in a pool re-caches from the rows' latent rings, which a pool keeps only under a ring "
+            f"or rolling policy without an FP8 cache (policy {rc.policy!r}, fp8_kv={rc.precision.fp8_kv})"
         )
     index = PS.session_index(rc, state.rows, row)
     sub = R.RolloutState(PS.take_sessions(state.rollout.cache, index), PS.take_cross(state.rollout.cross, index))

@@ -14,7 +14,7 @@ meaningless, they stay empty, and nothing they compute can reach another row. An
 ring / rolling, all-dilated (``dilated_every=1``) and mixed dense / dilated (``dilated_every >= 2``): ``reset``
 and ``begin_chunk(active)`` act per session on every stack.
 
-On ring / rolling caches the pool also keeps each row's clean chunks (``ring``, a `jaxkv.recache.LatentRing` with
+Unless the cache is FP8, the pool also keeps each row's clean chunks (``ring``, a `jaxkv.recache.LatentRing` with
 one row per pool row, pushed by every step), which a per-row prompt switch (`jaxkv.pool.rows`) re-caches from.
 """
 
@@ -55,9 +55,9 @@ class PoolState(NamedTuple):
 
 def switchable(rc: R.RolloutConfig) -> bool:
     """True when a pool under ``rc`` keeps latent rings and can switch a row's prompt: a sink + window cache of a
-    re-cachable policy (`jaxkv.recache.RECACHE_POLICIES`), no dilated layer (re-caching a dilated layer is not
-    built), no FP8 cache (`recompute_cache` does not rebuild one)."""
-    return rc.policy in RC.RECACHE_POLICIES and not rc.dilated_every and not rc.precision.fp8_kv
+    re-cachable policy (`jaxkv.recache.RECACHE_POLICIES`; dilated and mixed caches are replayed, their rings reach
+    the dilated horizon: `jaxkv.recache.ring_spec`), no FP8 cache (`recompute_cache` does not rebuild one)."""
+    return rc.policy in RC.RECACHE_POLICIES and not rc.precision.fp8_kv
 
 
 def session_index(rc: R.RolloutConfig, rows: int, row) -> jax.Array:
@@ -172,7 +172,7 @@ def init_pool(params, config: WanConfig, rc: R.RolloutConfig, rows: int) -> Pool
     shape = (config.num_layers, sessions, *one.k.shape[2:])
     cross = M.CrossKV(jnp.zeros(shape, one.k.dtype), jnp.zeros(shape, one.v.dtype))
     key_words = jax.random.key_data(jax.random.key(0)).shape
-    ring = RC.LatentRing.init(rc.spec(config), rc.chunk_shape(config, rows)) if switchable(rc) else None
+    ring = RC.LatentRing.init(RC.ring_spec(config, rc), rc.chunk_shape(config, rows)) if switchable(rc) else None
     return PoolState(
         R.RolloutState(cache, cross),
         jnp.zeros((rows, *key_words), jnp.uint32),
