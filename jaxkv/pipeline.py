@@ -27,7 +27,6 @@ stream's work on one worker thread).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any, Iterator
@@ -141,37 +140,33 @@ class Pipeline:
         """
         from jaxkv.generate import inputs, loop, options, toy
         from jaxkv.generate.options import UsageError
+        from jaxkv.generate.settings import resolve
+        from jaxkv.toyworld import model as toy_model
 
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise TypeError(f"from_pretrained got unknown settings {unknown}; it takes {list(SETTINGS)}")
         if not isinstance(backend, str):
             raise ValueError(f"backend must be a string, got {backend!r}")
-        args = options.build_parser().parse_args([])
-        args.checkpoint = None if path is None else os.fspath(path)
-        args.precision = precision
+        checkpoint = None if path is None else os.fspath(path)
         if precision not in options.PRECISIONS:
             raise ValueError(f"precision must be one of {list(options.PRECISIONS)}, got {precision!r}")
-        if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
-            raise ValueError(f"Pipeline.from_pretrained: {args.checkpoint} is not a directory")
+        if checkpoint is not None and not os.path.isdir(checkpoint):
+            raise ValueError(f"Pipeline.from_pretrained: {checkpoint} is not a directory")
         given = {k: v for k, v in settings.items() if v is not None}
         for dest in ("text_encoder", "vae"):  # recorded in saved sessions: absolute, to resume from anywhere
             if dest in given:
                 given[dest] = os.path.abspath(os.fspath(given[dest]))
-        for dest, value in given.items():
-            setattr(args, dest, tuple(value) if dest == "steps" else value)
-        args.explicit_flags = {"precision", *given, *(["checkpoint"] if path is not None else [])}
+        flags = {"precision": precision, **given, **({} if checkpoint is None else {"checkpoint": checkpoint})}
+        if checkpoint is not None and not toy_model.is_release(checkpoint):
+            flags["prompt"] = ""  # a Wan release: the pipeline encodes prompts, so it needs the text encoder
+        if flags.get("guidance_scale") is not None:
+            flags.setdefault("negative_prompt", "")
         try:
-            options.check_model(args)
-            toy_dir = toy.prepare(args, fill=True)
-            if args.prompt is None:  # a Wan release: the pipeline encodes prompts, so it needs the text encoder
-                args.prompt = ""
-            if args.guidance_scale is not None and args.negative_prompt is None:
-                args.negative_prompt = ""
-            options.check(args)
+            args = resolve(flags, backend=backend)  # the settings as jaxkv generate resolves them: frozen
+            toy_dir = args.toy_dir
             config, source = inputs.resolve_config(args)
             _, rc = loop._settings(args, config)
-            rc = dataclasses.replace(rc, backend=backend)
             vae_config = None if toy_dir else inputs.resolve_vae(args, config)
             params = inputs.load_params(args, config)
             encoder = inputs.text_encoder(args, config)
@@ -181,9 +176,7 @@ class Pipeline:
             raise ValueError(f"Pipeline.from_pretrained({path!r}): {e}") from None
         h, w = rc.latent_height, rc.latent_width
         scale = 4 if toy_dir else 8  # the latent map's 4x4 patches; the Wan VAE's 8x spatial compression
-        release = getattr(args, "release", None) or args.checkpoint
-        from jaxkv.toyworld import model as toy_model
-
+        release = args.release or args.checkpoint
         shipped = path is None or os.path.abspath(release) == os.path.abspath(toy_model.RELEASE_DIR)
         return cls(
             params=params,
@@ -192,7 +185,7 @@ class Pipeline:
             text_encoder=encoder,
             decoder=decoder,
             vae=vae,
-            fps=int(args.fps or options.DEFAULTS["fps"]),
+            fps=args.fps_or_default,
             default_prompt=args.prompt,
             negative_prompt=args.negative_prompt if args.guidance_scale is not None else None,
             model=None if shipped else os.path.abspath(release),

@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from jaxkv.cache import WINDOW_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
+from jaxkv.defaults import ROLLOUT
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer
@@ -86,19 +87,19 @@ class RolloutConfig:
 
     latent_height: int
     latent_width: int
-    chunk_frames: int = 3
-    window_frames: int = 12
-    sink_frames: int = 0
+    chunk_frames: int = ROLLOUT["chunk_frames"]
+    window_frames: int = ROLLOUT["window_frames"]
+    sink_frames: int = ROLLOUT["sink_frames"]
     schedule: Schedule = Schedule()
     guidance_scale: float | None = None
-    policy: str = "ring"
+    policy: str = ROLLOUT["policy"]
     cache_dtype: dataclasses.InitVar[str | None] = None
-    backend: str = "auto"
+    backend: str = ROLLOUT["backend"]
     dilated_every: int = 0
     dilation: int | None = None
     buckets: int | None = None
     precision: Precision = Precision()
-    rope: str = "absolute"
+    rope: str = ROLLOUT["rope"]
     remat: bool = False
 
     def __post_init__(self, cache_dtype):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxkv import generate as G
-from jaxkv.generate import inputs, options
+from jaxkv.generate import inputs, settings
 from jaxkv.generate.options import UsageError
 from jaxkv.models import umt5, wan, wan_vae
 from jaxkv.models.release import PARTS, release_parts
@@ -51,9 +51,8 @@ def make_layout(root, parts=("dit", "vae", "umt5")):
 
 
 def _args(argv):
-    args = options.build_parser().parse_args(argv)
-    options.check(args)
-    return args
+    """The settings as `jaxkv generate` resolves them: a release's parts picked up (`inputs.pick_up_release`)."""
+    return settings.from_argv(argv)
 
 
 def _run(tmp_path, name, argv):
@@ -66,8 +65,8 @@ def test_pick_up_release_sets_the_parts_a_run_needs(tmp_path):
     rel = make_layout(tmp_path / "rel")
     assert release_parts(str(rel)) == {f: str(rel / sub) for f, sub in PARTS.items()}
     args = _args(["--checkpoint", str(rel), "--prompt", PROMPT])
-    where = inputs.pick_up_release(args)
-    assert (args.checkpoint, args.vae, args.text_encoder) == (
+    where = args.picked_up
+    assert args.release == str(rel) and (args.checkpoint, args.vae, args.text_encoder) == (
         str(rel / "dit"),
         str(rel / "vae"),
         str(rel / "text_encoder"),
@@ -77,7 +76,7 @@ def test_pick_up_release_sets_the_parts_a_run_needs(tmp_path):
     )
     # Explicit flags win; parts the run does not use are left alone and said so.
     args = _args(["--checkpoint", str(rel), "--no-video"])
-    where = inputs.pick_up_release(args)
+    where = args.picked_up
     assert (args.vae, args.text_encoder) == (None, None)
     assert "VAE not used (--no-video)" in where and "text encoder not used (no --prompt)" in where
     args = _args(
@@ -92,23 +91,24 @@ def test_pick_up_release_sets_the_parts_a_run_needs(tmp_path):
             str(tmp_path / "enc"),
         ]
     )
-    where = inputs.pick_up_release(args)
+    where = args.picked_up
     assert (args.vae, args.text_encoder) == (str(tmp_path / "mine"), str(tmp_path / "enc"))
     assert f"VAE from --vae {tmp_path / 'mine'}" in where and "text encoder from --text-encoder" in where
     # A DiT checkpoint directory (it has a config.json) is not a release: untouched.
     (rel / "dit" / "config.json").write_text("{}")
     args = _args(["--checkpoint", str(rel / "dit")])
-    assert inputs.pick_up_release(args) is None and args.checkpoint == str(rel / "dit") and args.vae is None
+    assert inputs.pick_up_release(args) == ({}, None) and args.picked_up is None and args.release is None
+    assert args.checkpoint == str(rel / "dit") and args.vae is None
 
 
 def test_a_release_without_a_needed_part_or_a_foreign_directory_is_refused(tmp_path, capsys):
     partial = make_layout(tmp_path / "partial", parts=("dit",))
     with pytest.raises(UsageError, match=r"converted release without vae/; pass --vae DIR or --no-video"):
-        inputs.pick_up_release(_args(["--checkpoint", str(partial)]))
+        _args(["--checkpoint", str(partial)])
     with pytest.raises(UsageError, match=r"without text_encoder/; pass --text-encoder DIR$"):
-        inputs.pick_up_release(_args(["--checkpoint", str(partial), "--prompt", PROMPT, "--no-video"]))
+        _args(["--checkpoint", str(partial), "--prompt", PROMPT, "--no-video"])
     args = _args(["--checkpoint", str(partial), "--no-video"])  # needs only the DiT
-    assert inputs.pick_up_release(args) is not None and args.checkpoint == str(partial / "dit")
+    assert args.picked_up is not None and args.checkpoint == str(partial / "dit")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("x")
     out = tmp_path / "o"

@@ -17,7 +17,7 @@ import pytest
 from jaxkv import generate as G
 from jaxkv import rollout as R
 from jaxkv import session as S
-from jaxkv.generate import inputs, options, toy
+from jaxkv.generate import options, settings, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.toyworld import model as toy_model
 from jaxkv.toyworld import world
@@ -32,13 +32,9 @@ def _settings_json(directory=RELEASE) -> dict:
 
 
 def _resolve(argv) -> object:
-    """The arguments after the model choice, as `loop.run` resolves them (nothing loaded, nothing compiled)."""
-    args = options.build_parser().parse_args(argv)
-    args.explicit_flags = options.explicit_flags(argv)
-    options.check_model(args)
-    toy.prepare(args, fill=True)
-    options.check(args)
-    return args
+    """The settings as `jaxkv generate` resolves them (`jaxkv.generate.settings`; nothing loaded, nothing
+    compiled)."""
+    return settings.from_argv(argv)
 
 
 def _copy_release(tmp_path, name="rel", **settings) -> str:
@@ -58,7 +54,7 @@ def _copy_release(tmp_path, name="rel", **settings) -> str:
 def test_no_arguments_resolve_to_the_shipped_release_and_its_settings():
     want = _settings_json()
     args = _resolve([])
-    assert os.path.samefile(args.checkpoint, RELEASE) and not args.random_weights
+    assert os.path.samefile(args.release, RELEASE) and not args.random_weights
     assert (args.height, args.width) == (16, 16)  # 64x64 frames in 4x4 latent patches
     assert (args.chunk_frames, args.window_frames, args.sink_frames) == (
         want["chunk_frames"],
@@ -70,7 +66,7 @@ def test_no_arguments_resolve_to_the_shipped_release_and_its_settings():
     assert args.num_chunks == options.DEFAULT_NUM_CHUNKS >= 200
     assert str(options.DEFAULT_NUM_CHUNKS) in options.build_parser().format_help()
     # the release's parts are the ones generate reads (the release path, latent map in place of the VAE)
-    where = inputs.pick_up_release(args)
+    where = args.picked_up
     assert args.checkpoint == os.path.join(RELEASE, "dit") and args.vae is None
     assert args.text_encoder == os.path.join(RELEASE, "text_encoder") and args.release == os.path.abspath(RELEASE)
     assert where.startswith(f"toy-world release {RELEASE}: DiT from") and "latent map from" in where

@@ -13,7 +13,8 @@ umT5); ``--precision bfloat16`` holds the weights in bfloat16. Each chunk is als
 
 Modules, one concern each:
   options        the command line and the checks that need no model (`build_parser`, `DEFAULTS`, `UsageError`)
-  toy            the toy-world default: the model choice, its settings as flag defaults, its prompts and decoder
+  settings       the settings resolved once (defaults < release < saved session < flags) into a frozen `Settings`
+  toy            the toy-world default: the model choice, its release settings (a layer), its prompts and decoder
   inputs         the model config and params, the text context; shapes and finiteness checked
   given          --image / --video: the frames a stream continues (`jaxkv.continuation`), read before anything runs
   outputs        the output directory: safety checks, per-chunk sinks, the manifest, `load_latents`

@@ -12,7 +12,7 @@ generated chunks. Not with ``--resume`` (the session holds its own past) nor ``-
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import time
 
@@ -44,29 +44,25 @@ def check(args) -> None:
 
 
 def vae_config(args, config, toy_dir, mp4_vae):
-    """The Wan VAE config whose encoder reads the frames (None for the toy world or without the flags): the mp4's
-    (``mp4_vae``), or, with --no-video, ``--vae``, a release's ``vae/`` or (``--random-weights``) the tiny random
-    one."""
+    """(the Wan VAE config whose encoder reads the frames, the directory of its params: None for the tiny random
+    VAE); (None, None) for the toy world or without the flags. The VAE is the mp4's (``mp4_vae``), or, with
+    --no-video, ``--vae``, a release's ``vae/`` or (``--random-weights``) the tiny random one."""
     if toy_dir or flag(args) is None:
-        return None
+        return None, None
     if mp4_vae is not None:
-        args.given_vae = args.vae
-        return mp4_vae
-    probe = argparse.Namespace(**vars(args))
-    probe.no_video = False
+        return mp4_vae, args.vae
+    vae_dir = args.vae
     if args.no_video and not args.vae:
         from jaxkv.models.release import release_parts
 
-        parts = release_parts(getattr(args, "release", None) or "") if getattr(args, "release", None) else None
+        parts = release_parts(args.release) if args.release else None
         if parts and "vae" in parts:
-            probe.vae = parts["vae"]
+            vae_dir = parts["vae"]
         elif not args.random_weights:
             raise UsageError(
                 f"{flag(args)}: the frames are encoded by the Wan VAE; with --no-video pass --vae DIR (its encoder)"
             )
-    vae = inputs.resolve_vae(probe, config)
-    args.given_vae = probe.vae  # the directory whose encoder reads the frames (None: the tiny random VAE)
-    return vae
+    return inputs.resolve_vae(dataclasses.replace(args, no_video=False, vae=vae_dir), config), vae_dir
 
 
 def read(args, rc, toy_dir, vae) -> C.Frames | None:
@@ -84,17 +80,16 @@ def read(args, rc, toy_dir, vae) -> C.Frames | None:
         raise UsageError(f"{'--image' if args.image else '--video'}: {e}") from None
 
 
-def encoder(args, toy_dir, vae, vae_params):
-    """The frame encoder: the toy world's latent map, or the Wan VAE (``vae_params`` when the mp4 loaded them)."""
+def encoder(args, toy_dir, vae, vae_dir, vae_params):
+    """The frame encoder: the toy world's latent map, or the Wan VAE (``vae_dir``'s params, `vae_config`; or
+    ``vae_params`` when the mp4 loaded them)."""
     if toy_dir:
         from jaxkv.toyworld import model as toy_model
         from jaxkv.toyworld.latents import LatentMap
 
         return C.ToyEncoder(LatentMap.load(os.path.join(toy_dir, toy_model.LATENT_MAP_DIR)))
     if vae_params is None:
-        probe = argparse.Namespace(**vars(args))
-        probe.vae = args.given_vae
-        vae_params = inputs.load_vae(probe, vae)
+        vae_params = inputs.load_vae(dataclasses.replace(args, vae=vae_dir), vae)
     try:
         return C.WanEncoder(vae_params, vae)
     except C.ContinuationError as e:

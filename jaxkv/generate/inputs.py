@@ -15,17 +15,16 @@ from jaxkv.models import wan
 from jaxkv.models.checkpoint_dir import CONFIG_FILE
 from jaxkv.models.release import PARTS, release_parts
 from jaxkv.models.wan.checkpoint import CheckpointError, load, read_config
-from jaxkv.precision import Precision
 
 
-def pick_up_release(args) -> str | None:
-    """When ``--checkpoint`` is a converted release (`jaxkv.models.release`: ``DST/{dit,vae,text_encoder}``), points
-    ``args.checkpoint`` at its DiT and ``args.vae`` / ``args.text_encoder`` at its parts, unless given explicitly
-    (the VAE only when a video is written, the text encoder only with ``--prompt`` or ``--prompt-schedule``), and
-    records the release's root in ``args.release``. A toy-world release (`jaxkv.toyworld.model`) is one with
-    ``latent_map/`` in place of ``vae/``: its frames are decoded by `jaxkv.generate.toy`, so no VAE is looked for.
-    Returns where each part came from, for the summary; None (``args`` untouched) for anything else. UsageError for
-    a directory that is neither a DiT checkpoint nor a release, and for a release that lacks a part the run needs."""
+def pick_up_release(args) -> tuple[dict, str | None]:
+    """When ``--checkpoint`` is a converted release (`jaxkv.models.release`: ``DST/{dit,vae,text_encoder}``): (the
+    settings it gives: ``checkpoint`` its DiT, ``release`` its root, and ``vae`` / ``text_encoder`` its parts where
+    the run needs them and has none (the VAE only when a video is written, the text encoder only with ``--prompt``
+    or ``--prompt-schedule``); where each part came from, for the summary). A toy-world release
+    (`jaxkv.toyworld.model`) is one with ``latent_map/`` in place of ``vae/``: its frames are decoded by
+    `jaxkv.generate.toy`, so no VAE is looked for. For anything else ({}, None). UsageError for a directory that
+    is neither a DiT checkpoint nor a release, and for a release that lacks a part the run needs."""
     from jaxkv.toyworld import model as toy_model
 
     path = args.checkpoint
@@ -37,9 +36,9 @@ def pick_up_release(args) -> str | None:
                 f"safetensors) nor a converted release ({', '.join(p + '/' for p in PARTS.values())}); "
                 f"convert a checkpoint or a Wan release with `jaxkv convert`"
             )
-        return None
+        return {}, None
     toy = toy_model.is_release(path)
-    args.checkpoint, args.release = parts["dit"], os.path.abspath(path)
+    picked = {"checkpoint": parts["dit"], "release": os.path.abspath(path)}
     taken = [f"DiT from {parts['dit']}"]
     if toy:
         taken.append(
@@ -57,21 +56,21 @@ def pick_up_release(args) -> str | None:
         elif getattr(args, attr):
             taken.append(f"{name} from {flag} {getattr(args, attr)}")
         elif family in parts:
-            setattr(args, attr, parts[family])
+            picked[attr] = parts[family]
             taken.append(f"{name} from {parts[family]}")
         else:
             raise UsageError(
                 f"--checkpoint {path} is a converted release without {PARTS[family]}/; pass {flag} DIR"
                 + (" or --no-video" if family == "vae" else "")
             )
-    return f"{'toy-world release' if toy else 'release'} {path}: " + ", ".join(taken)
+    return picked, f"{'toy-world release' if toy else 'release'} {path}: " + ", ".join(taken)
 
 
 def resolve_config(args):
-    """(WanConfig, description) from ``--checkpoint`` (reads only its config.json; a converted release is picked
-    up first, see `pick_up_release`) or ``--preset``."""
+    """(WanConfig, description) from ``--checkpoint`` (reads only its config.json; a converted release's DiT, as
+    `jaxkv.generate.settings` resolved it with `pick_up_release`) or ``--preset``."""
     if args.checkpoint:
-        release = pick_up_release(args)
+        release = args.picked_up
         try:
             config = read_config(args.checkpoint)
         except CheckpointError as e:
@@ -92,7 +91,7 @@ def resolve_config(args):
 def load_params(args, config):
     """The params in ``--precision``'s param_dtype: the checkpoint's, or random ones of the preset. Every parameter
     must be finite (checked once, on device)."""
-    dtype = jnp.dtype(Precision.named(args.precision).param_dtype)
+    dtype = jnp.dtype(args.run.precision.param_dtype)
     if args.checkpoint:
         try:
             loaded, params = load(args.checkpoint, dtype=dtype)

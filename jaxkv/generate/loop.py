@@ -13,6 +13,7 @@ many chunks run.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import concurrent.futures
 import contextlib
@@ -33,12 +34,12 @@ from jaxkv import parallel as PL
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
 from jaxkv.files import DirectoryLost, Terminated
-from jaxkv.generate import given, inputs, memory, options, outputs, prompts, resume, toy
+from jaxkv.generate import given, inputs, memory, options, outputs, prompts, resume, settings, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
+from jaxkv.generate.settings import Settings
 from jaxkv.generate.video import Mp4Sink
 from jaxkv.models.checkpoint_dir import CheckpointError
-from jaxkv.precision import Precision
 from jaxkv.schedule import Schedule
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
@@ -117,8 +118,9 @@ def _chunk_finite(x) -> jax.Array:
     return jnp.isfinite(x).all()
 
 
-def _settings(args, config):
-    """(Schedule, RolloutConfig) from the arguments; UsageError for any inconsistency."""
+def _settings(args: Settings, config):
+    """(Schedule, RolloutConfig) from the settings (its dtype policy and backend: ``args.run``); UsageError for any
+    inconsistency with the model."""
     try:
         schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
         rc = R.RolloutConfig(
@@ -130,7 +132,8 @@ def _settings(args, config):
             schedule=schedule,
             guidance_scale=args.guidance_scale,
             policy=args.policy,
-            precision=Precision.named(args.precision),
+            precision=args.run.precision,
+            backend=args.run.backend,
             dilated_every=args.dilated_every,
             dilation=args.dilation,
             buckets=args.buckets,
@@ -150,10 +153,10 @@ def _check_memory(args, config, rc) -> None:
     """UsageError, with the figures, when the run obviously cannot fit in memory (`memory.check`); before anything
     is loaded or compiled."""
     devices = 1 if args.mesh is None else math.prod(args.mesh.values())
-    settings = f"--height {args.height} --width {args.width} --window-frames {rc.window_frames} --batch {args.batch}"
+    flags = f"--height {args.height} --width {args.width} --window-frames {rc.window_frames} --batch {args.batch}"
     try:
         memory.check(
-            config, rc, args.batch, f"{settings} (a {config.num_layers}-layer, dim {config.dim} model)", devices=devices
+            config, rc, args.batch, f"{flags} (a {config.num_layers}-layer, dim {config.dim} model)", devices=devices
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -180,7 +183,7 @@ def _mesh(args, config, rc):
 def _mesh_params(args, config, mesh):
     """The params on ``mesh``: a checkpoint read straight into its shards, or the random weights placed by the
     rule table; finite, as `inputs.load_params` checks."""
-    dtype = jnp.dtype(Precision.named(args.precision).param_dtype)
+    dtype = jnp.dtype(args.run.precision.param_dtype)
     if not args.checkpoint:
         return PL.shard_params(inputs.load_params(args, config), mesh)
     try:
@@ -197,9 +200,10 @@ def _mesh_params(args, config, mesh):
     return params
 
 
-def run(args, stop: Stop | None = None) -> dict:
-    """Runs ``jaxkv generate`` for parsed arguments (`options.build_parser`); returns the summary dict (as written
-    to summary.json; ``"status"`` is "complete", or "interrupted" when ``stop`` was set by a signal).
+def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
+    """Runs ``jaxkv generate`` for resolved settings (`jaxkv.generate.settings`; a Namespace parsed by
+    `options.build_parser` is resolved first); returns the summary dict (as written to summary.json; ``"status"``
+    is "complete", or "interrupted" when ``stop`` was set by a signal).
 
     Raises UsageError for bad settings or inputs (nothing written), GenerationError when the latents turn
     non-finite or a write fails (a full disk, a file-size limit: the chunks before it are written and the files
@@ -207,21 +211,14 @@ def run(args, stop: Stop | None = None) -> dict:
     moved or replaced under the run, OSError for other I/O failures.
     """
     stop = stop or Stop()
-    options.check_text(args)
-    given.check(args)  # --image / --video: their combinations (the file is read below)
-    if args.mesh is not None and (args.resume or args.save_state or args.prompt_schedule):
-        raise UsageError(
-            "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"
-        )
-    resumed = resume.apply_resume(args)  # --resume: the session's settings replace the flags
-    options.check_model(args)
-    toy_dir = toy.prepare(args, fill=resumed is None)  # the toy world (the default): its settings fill the flags
-    options.check(args)
+    if not isinstance(args, Settings):
+        args = settings.from_namespace(args)  # every check that needs no model; nothing changes args after this
+    resumed, toy_dir = args.session_manifest, args.toy_dir
     config, source = inputs.resolve_config(args)
     schedule, rc = _settings(args, config)
     _check_memory(args, config, rc)
     vae_config = None if toy_dir else inputs.resolve_vae(args, config)
-    given_vae = given.vae_config(args, config, toy_dir, vae_config)
+    given_vae, given_vae_dir = given.vae_config(args, config, toy_dir, vae_config)
     given_frames = given.read(args, rc, toy_dir, given_vae)  # read and checked before anything is written
     entries = prompts.read_schedule(args.prompt_schedule, args.num_chunks) if args.prompt_schedule else None
     if toy_dir and entries:
@@ -230,7 +227,7 @@ def run(args, stop: Stop | None = None) -> dict:
     sources = [
         p
         for p in (
-            getattr(args, "release", None),
+            args.release,
             args.checkpoint,
             args.context,
             args.negative_context,
@@ -302,10 +299,10 @@ def run(args, stop: Stop | None = None) -> dict:
             resume.restore_ring(stream, session)
     given_context = given_info = None
     if given_frames is not None:  # the given frames become the stream's first chunks; the schedule counts after them
-        frame_encoder = given.encoder(args, toy_dir, given_vae, vae_params)
+        frame_encoder = given.encoder(args, toy_dir, given_vae, given_vae_dir, vae_params)
         given_context, given_info = given.commit(args, stream, given_frames, frame_encoder, rc)
     switches = {chunk + stream.start: c for chunk, c in switches.items()}  # in stream chunks (given or resumed)
-    keep_sink = getattr(args, "switch_sink", "keep") == "keep"
+    keep_sink = (args.switch_sink or "keep") == "keep"
 
     def advance():
         """The next chunk, switching prompts first where the schedule says so."""
@@ -333,8 +330,7 @@ def run(args, stop: Stop | None = None) -> dict:
                 vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
             )
         if decoder is not None:
-            fps = args.fps or options.DEFAULTS["fps"]
-            video = Mp4Sink(out, decoder, batch=args.batch, fps=fps, frames=args.frames)
+            video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames)
             sinks.append(video)
         files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
     except BaseException:
@@ -622,17 +618,18 @@ def print_written(s: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``jaxkv generate``: 0 when complete, 2 for bad arguments or inputs, 1 for failures (non-finite latents, I/O),
     128 + signal number when stopped by SIGINT (130), SIGTERM (143) or SIGHUP (129)."""
-    parser = options.build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        options.build_parser().parse_args(argv)  # --help shows the defaults; argparse's errors
+        flags = options.given_flags(argv)  # the flags given, by destination (each default suppressed)
     except SystemExit as e:  # --help (0) or an argparse error (2, message already printed)
         return int(e.code or 0)
-    args.explicit_flags = options.explicit_flags(sys.argv[1:] if argv is None else argv)
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         # a file-size limit (ulimit -f) must fail the write (EFBIG, reported naming the file), not kill the process
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     with stop_on_signals() as stop:
         try:
+            args = settings.resolve(flags)  # defaults < release < saved session < flags, checked; frozen
             summary = run(args, stop)
         except UsageError as e:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)

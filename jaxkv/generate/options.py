@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
+from typing import Any
 
+from jaxkv import defaults
 from jaxkv.argparsing import Parser
 from jaxkv.cache import WINDOW_POLICIES
 from jaxkv.models.wan.model import ROPE_MODES  # "absolute", "cache-relative"
@@ -19,39 +22,18 @@ POLICIES = WINDOW_POLICIES  # the cache layer's sink + window policies (dilated 
 PRECISIONS = tuple(PRECISION_PRESETS)  # jaxkv.precision presets: "float32", "bfloat16", "fp8"
 # Flags --precision replaced (each set one dtype of what is now one policy): refused with the migration.
 REPLACED_FLAGS = ("--param-dtype", "--cache-dtype")
+REPLACED_DESTS = tuple(flag[2:].replace("-", "_") for flag in REPLACED_FLAGS)
 SWITCH_SINK = ("keep", "recompute")
 FORMATS = ("npy", "safetensors")
 FRAME_FORMATS = ("png", "npy")
 # Seeds go to jax.random.key (a signed 64-bit int) and numpy.random.default_rng (non-negative).
 SEED_MAX = 2**63 - 1
 
-# The video, cache and sampler defaults below are those of --random-weights and of a Wan --checkpoint; the toy-world
-# model (the default) takes them from its release's settings for every flag not passed (`jaxkv.generate.toy`).
-DEFAULT_NUM_CHUNKS = 200  # 200 three-frame chunks of the toy world: 600 frames, 37.5 s at 16 fps
-DEFAULTS = dict(
-    preset="tiny",
-    height=16,
-    width=16,
-    chunk_frames=3,
-    window_frames=9,
-    sink_frames=3,
-    num_chunks=DEFAULT_NUM_CHUNKS,
-    steps="1000,750,500,250",
-    shift=5.0,
-    context_noise=0.0,
-    seed=0,
-    weights_seed=0,
-    batch=1,
-    policy="ring",
-    precision="float32",
-    rope="absolute",
-    out="jaxkv_out",
-    format="npy",
-    preview_scale=4,
-    preview_frames=12,
-    fps=16,
-    dilated_every=0,
-)
+# The flags' defaults: `jaxkv.defaults.GENERATE`, the one table (also `RolloutConfig`'s). They are those of
+# --random-weights and of a Wan --checkpoint; a toy-world model's release settings replace them for every flag not
+# given (`jaxkv.generate.settings` resolves the layers).
+DEFAULTS = defaults.GENERATE
+DEFAULT_NUM_CHUNKS = DEFAULTS["num_chunks"]
 
 
 class UsageError(ValueError):
@@ -399,17 +381,24 @@ SESSION_SETTINGS = (
 LATER_SESSION_SETTINGS = ("fps",)
 
 
-def explicit_flags(argv: list[str]) -> set[str]:
-    """The destinations of the flags ``argv`` actually passes (not left at their defaults)."""
+def given_flags(argv: list[str]) -> dict[str, Any]:
+    """The flags ``argv`` actually gives, by destination, with their parsed values: a parse with every default
+    suppressed, so a flag given with its default's own value is still given."""
     p = build_parser()
     for action in p._actions:
         action.default = argparse.SUPPRESS
-    return set(vars(p.parse_args(argv)))
+    return vars(p.parse_args(argv))
 
 
-def explicit(args: argparse.Namespace) -> set[str]:
-    """The destinations the user passed: ``args.explicit_flags`` (set by `jaxkv.generate.main` from the argv), or,
-    for a Namespace parsed without it (e.g. from Python), every setting that differs from its default."""
+def explicit_flags(argv: list[str]) -> set[str]:
+    """The destinations of the flags ``argv`` actually passes (not left at their defaults)."""
+    return set(given_flags(argv))
+
+
+def explicit(args) -> set[str]:
+    """The destinations the user passed: ``args.explicit_flags`` (a `jaxkv.generate.settings.Settings`' flags
+    given, or set on a Namespace), or, for a Namespace parsed without it (e.g. from Python), every setting that
+    differs from its default."""
     given = getattr(args, "explicit_flags", None)
     if given is not None:
         return set(given)
@@ -445,14 +434,18 @@ def flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def check(args: argparse.Namespace) -> None:
-    """Checks the combinations argparse cannot (before any model is built). Raises UsageError."""
-    for flag in REPLACED_FLAGS:
-        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+def check_replaced(flags: Mapping[str, Any]) -> None:
+    """UsageError for a flag --precision replaced (``flags``: the flags given, by destination)."""
+    for flag, dest in zip(REPLACED_FLAGS, REPLACED_DESTS):
+        if flags.get(dest) is not None:
             raise UsageError(
                 f"{flag} was replaced by --precision {'|'.join(PRECISIONS)} (one policy for the "
                 f"weights, matmuls and caches)"
             )
+
+
+def check(args) -> None:
+    """Checks the combinations argparse cannot (before any model is built). Raises UsageError."""
     if args.guidance_scale is None and args.negative_context:
         raise UsageError("--negative-context needs --guidance-scale")
     if args.guidance_scale is not None and args.context and not args.negative_context:

@@ -53,12 +53,13 @@ def recorded_settings(args) -> dict:
     return recorded
 
 
-def apply_resume(args) -> dict | None:
-    """With ``--resume DIR``: replaces the session settings of ``args`` by the session's (UsageError naming every
-    flag passed with another value, or a DIR that is no session saved by jaxkv generate); returns the manifest.
-    Without it: None. Reads only the manifest."""
+def session_layer(args) -> tuple[dict | None, dict]:
+    """The saved-session layer of `jaxkv.generate.settings`: with ``--resume DIR``, (the session's manifest, every
+    setting of `options.SESSION_SETTINGS` as the session recorded it); without it, (None, {}). UsageError naming
+    every flag given with another value than the session's, or for a DIR that is no session saved by jaxkv
+    generate. Reads only the manifest."""
     if not args.resume:
-        return None
+        return None, {}
     try:
         manifest = S.read_manifest(args.resume)
     except S.SessionError as e:
@@ -78,13 +79,12 @@ def apply_resume(args) -> dict | None:
         saved, now = recorded[dest], _norm(dest, getattr(args, dest))
         if dest in explicit and _effective(dest, now) != _effective(dest, saved):
             conflicts.append(f"{options.flag_name(dest)} {now!r} (the session's: {_effective(dest, saved)!r})")
-        setattr(args, dest, tuple(saved) if dest == "steps" else saved)
     if conflicts:
         raise UsageError(
             f"--resume {args.resume} continues under the session's own settings, but "
             f"{'; '.join(conflicts)}; drop these flags (or pass the session's values)"
         )
-    return manifest
+    return manifest, {dest: tuple(v) if dest == "steps" else v for dest, v in recorded.items()}
 
 
 def check_save_state(args, sources) -> None:

@@ -1,5 +1,5 @@
-"""``jaxkv generate``'s default model, the toy world (`jaxkv.toyworld`): choosing it, filling the flags the user did
-not pass from its release's settings, checking its prompts, and its frame decoder for the mp4.
+"""``jaxkv generate``'s default model, the toy world (`jaxkv.toyworld`): choosing it, its release's settings (the layer
+of `jaxkv.generate.settings` that fills the flags not given), checking its prompts, and its frame decoder for the mp4.
 
 A toy-world release (``DIR/{dit,text_encoder,latent_map}/`` + ``toyworld.json``, `jaxkv.toyworld.model`) is read
 through the converted-release path (`inputs.pick_up_release`): the DiT and the text encoder load like any Wan
@@ -43,14 +43,16 @@ def _geometry(settings: model.Settings) -> dict:
     }
 
 
-def prepare(args, *, fill: bool) -> str | None:
-    """Chooses the model's kind (after `options.check_model`): returns the toy-world release directory (absolute),
-    having filled ``args`` from its settings when ``fill`` (False for ``--resume``, whose session holds them), or
-    None for ``--random-weights`` and for a Wan ``--checkpoint``. Without either, ``args.checkpoint`` becomes the
-    shipped release. Reads toyworld.json only. UsageError for a toy-world release with ``--vae``, a bad
-    toyworld.json, a prompt outside the toy world, or a missing shipped release."""
+def release_layer(args) -> tuple[str | None, dict]:
+    """The release-settings layer of `jaxkv.generate.settings` for the model ``args`` chooses (after
+    `options.check_model`; ``args``: the defaults, session and flags resolved so far): (the toy-world release
+    directory, absolute, and the settings it gives), or (None, {}) for ``--random-weights`` and for a Wan
+    ``--checkpoint``. Without either the model is the shipped release (its ``checkpoint``). Only settings no flag
+    gave are in the layer (a resumed session holds its own, a layer above). Reads toyworld.json only. UsageError
+    for a toy-world release with ``--vae``, a bad toyworld.json, or a missing shipped release."""
     if args.random_weights:
-        return None
+        return None, {}
+    layer = {}
     if args.checkpoint is None:
         if not model.is_release(model.RELEASE_DIR):
             raise UsageError(
@@ -59,10 +61,11 @@ def prepare(args, *, fill: bool) -> str | None:
                 f"one with `python -m jaxkv.toyworld train --out DIR` and pass --checkpoint DIR, or "
                 f"pass --random-weights"
             )
-        args.checkpoint = model.RELEASE_DIR
-    if not model.is_release(args.checkpoint):
-        return None
-    directory = os.path.abspath(args.checkpoint)
+        layer["checkpoint"] = model.RELEASE_DIR
+    checkpoint = layer.get("checkpoint", args.checkpoint)
+    if not model.is_release(checkpoint):
+        return None, layer
+    directory = os.path.abspath(checkpoint)
     try:
         settings = model.read_settings(directory)
     except (OSError, ValueError, TypeError) as e:
@@ -72,22 +75,23 @@ def prepare(args, *, fill: bool) -> str | None:
             f"--vae: the toy-world model {directory} decodes its frames with its own latent map "
             f"({model.LATENT_MAP_DIR}/); --vae is for Wan models"
         )
-    if fill:
-        given = options.explicit(args)
-        for dest, value in _geometry(settings).items():
-            if dest not in given:
-                setattr(args, dest, value)
-        if args.prompt is None and not args.context and not args.prompt_schedule:
-            args.prompt = settings.prompt
-        # a model trained for guidance streams with it, against its negative prompt, when the text is prompts
-        if settings.guidance_scale is not None and "guidance_scale" not in given and not args.context:
-            args.guidance_scale = settings.guidance_scale
-            if args.negative_prompt is None and not args.negative_context:
-                args.negative_prompt = settings.negative_prompt
+    given = options.explicit(args)
+    layer.update({dest: value for dest, value in _geometry(settings).items() if dest not in given})
+    if args.prompt is None and not args.context and not args.prompt_schedule:
+        layer["prompt"] = settings.prompt
+    # a model trained for guidance streams with it, against its negative prompt, when the text is prompts
+    if settings.guidance_scale is not None and "guidance_scale" not in given and not args.context:
+        layer["guidance_scale"] = settings.guidance_scale
+        if args.negative_prompt is None and not args.negative_context:
+            layer["negative_prompt"] = settings.negative_prompt
+    return directory, layer
+
+
+def check_prompts(args) -> None:
+    """UsageError unless ``args``' --prompt and --negative-prompt are toy-world prompts (the negative may be "")."""
     for flag, text in (("--prompt", args.prompt), ("--negative-prompt", args.negative_prompt)):
         if text is not None and not (flag == "--negative-prompt" and text == ""):  # "": the empty prompt
             check_prompt(text, flag)
-    return directory
 
 
 def check_prompt(text: str, where: str) -> None:
