@@ -200,6 +200,34 @@ class MeshStream(R.Stream):
             negative_context=negative_context,
         )
 
+    @classmethod
+    def from_session(
+        cls, params, config: WanConfig, rc: R.RolloutConfig, session, *, mesh: Mesh, num_chunks=None, noise=None
+    ) -> "MeshStream":
+        """A mesh stream that continues ``session``, a session laid out on ``mesh`` (rows in `session_order`, arrays
+        in `state_shardings`): `jaxkv.parallel.checkpoint.load` with this mesh, `jaxkv.parallel.checkpoint.to_mesh`
+        of a single-device session, or ``MeshStream.session()`` of a stream on the same mesh. Otherwise as
+        `jaxkv.rollout.Stream.from_session` (the session is consumed; SessionError for other settings), and
+        ValueError, before anything runs, for a session laid out otherwise."""
+        from jaxkv import session as S
+
+        if not isinstance(session, S.Session):
+            raise TypeError(f"from_session needs a jaxkv.session.Session, got {type(session).__name__}")
+        check_mesh(mesh, config, rc, session.sessions // (2 if rc.guidance_scale is not None else 1))
+        want = state_shardings(session.state, mesh)
+        for leaf, sharding in zip(jax.tree.leaves(session.state), jax.tree.leaves(want)):
+            if not (isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)):
+                raise ValueError(
+                    f"the session is not laid out on this mesh ({mesh_sizes(mesh)}): an array "
+                    f"{list(leaf.shape)} has sharding {getattr(leaf, 'sharding', 'none (host)')}; load it with "
+                    f"jaxkv.parallel.checkpoint.load(..., mesh=mesh) or place it with checkpoint.to_mesh"
+                )
+        self = super().from_session(shard_params(params, mesh), config, rc, session, num_chunks=num_chunks, noise=noise)
+        self.mesh = mesh
+        self.step = mesh_step(mesh, config, rc)
+        self._replicated = NamedSharding(mesh, P())
+        return self
+
     def _init_state(self, context, negative_context) -> R.RolloutState:
         return init_state(self.params, self.config, self.rc, self.mesh, context, negative_context)
 
