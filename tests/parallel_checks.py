@@ -518,6 +518,55 @@ def check_checkpoint_errors():
         )
 
 
+def check_generate_save_resume():
+    """``jaxkv generate --mesh data=2,model=4 --save-state`` after one chunk, then ``--resume``: on the same mesh the
+    continuation is the uninterrupted mesh run's next chunk bit for bit; on ``data=4,model=2`` and on one device
+    it is that chunk to f32 rounding (generate uses every device: 8 here, so batch 4); ``--mesh`` with
+    ``--prompt-schedule`` is still a usage error."""
+    import json
+
+    from jaxkv.generate import load_latents
+    from jaxkv.generate.loop import main
+    from jaxkv.models.wan import checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        checkpoint.save(ckpt, CONFIG, PARAMS)
+        common = ["--height", "4", "--width", "4", "--chunk-frames", "1", "--window-frames", "2"]
+        common += ["--sink-frames", "1", "--steps", "1000,500", "--batch", "4", "--guidance-scale", "3"]
+        common += ["--checkpoint", ckpt, "--no-video", "--no-progress"]
+        whole, first, state = (os.path.join(tmp, n) for n in ("whole", "first", "state"))
+        assert main([*common, "--num-chunks", "2", "--out", whole, "--mesh", "data=2,model=4"]) == 0
+        assert (
+            main([*common, "--num-chunks", "1", "--out", first, "--mesh", "data=2,model=4", "--save-state", state]) == 0
+        )
+        assert any(f.startswith("shards-") for f in os.listdir(state)), os.listdir(state)
+        want = load_latents(whole)
+        np.testing.assert_array_equal(load_latents(first), want[:, :1])
+        for name, mesh in (
+            ("same", ["--mesh", "data=2,model=4"]),
+            ("other", ["--mesh", "data=4,model=2"]),
+            ("one", []),
+        ):
+            out = os.path.join(tmp, name)
+            assert (
+                main(["--resume", state, "--num-chunks", "1", "--out", out, "--no-video", "--no-progress", *mesh]) == 0
+            )
+            with open(os.path.join(out, "summary.json")) as f:
+                summary = json.load(f)
+            assert summary["first_chunk"] == 1, summary
+            if name == "same":
+                np.testing.assert_array_equal(load_latents(out), want[:, 1:])
+            else:
+                np.testing.assert_allclose(load_latents(out), want[:, 1:], **TOL)
+        schedule = os.path.join(tmp, "schedule.json")
+        with open(schedule, "w") as f:
+            json.dump([{"chunk": 0, "prompt": "a"}], f)
+        bad = os.path.join(tmp, "bad")
+        argv = [*common, "--out", bad, "--mesh", "data=2,model=4", "--prompt-schedule", schedule, "--num-chunks", "1"]
+        assert main(argv) == 2 and not os.path.exists(bad)
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:

@@ -209,9 +209,9 @@ def run(args, stop: Stop | None = None) -> dict:
     stop = stop or Stop()
     options.check_text(args)
     given.check(args)  # --image / --video: their combinations (the file is read below)
-    if args.mesh is not None and (args.resume or args.save_state or args.prompt_schedule):
+    if args.mesh is not None and args.prompt_schedule:
         raise UsageError(
-            "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"
+            "--mesh cannot be combined with --prompt-schedule yet: switching prompts on a mesh is not built"
         )
     resumed = resume.apply_resume(args)  # --resume: the session's settings replace the flags
     options.check_model(args)
@@ -253,7 +253,7 @@ def run(args, stop: Stop | None = None) -> dict:
     if resumed is None and entries is not None:
         drawing = prompts.entry_text(entries[0])
     if resumed is not None:  # the session holds the cross-attention K/V: only a schedule's texts are encoded
-        session = resume.load(args, config, rc, schedule=entries is not None)
+        session = resume.load(args, config, rc, schedule=entries is not None, mesh=mesh)
         context, negative, text_info = None, None, {}
         if entries is not None:  # the schedule counts this run's chunks; its chunk-0 entry switches unless current
             scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
@@ -275,7 +275,10 @@ def run(args, stop: Stop | None = None) -> dict:
 
     if session is not None:
         try:
-            stream = R.Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
+            if mesh is None:
+                stream = R.Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
+            else:
+                stream = PL.MeshStream.from_session(params, config, rc, session, mesh=mesh, num_chunks=args.num_chunks)
         except ValueError as e:
             raise UsageError(f"--resume: {e}") from None
     else:

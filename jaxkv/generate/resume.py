@@ -16,12 +16,14 @@ holds no decoder state and its continuation's mp4 carries on all the same.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from jaxkv import files, recache
 from jaxkv import session as S
 from jaxkv.generate import options
 from jaxkv.generate.options import UsageError
+from jaxkv.parallel import checkpoint as CK
 
 _PATHS = ("checkpoint", "context", "negative_context", "text_encoder", "vae")
 
@@ -60,7 +62,7 @@ def apply_resume(args) -> dict | None:
     if not args.resume:
         return None
     try:
-        manifest = S.read_manifest(args.resume)
+        manifest = CK.read_manifest(args.resume)  # a single-device or a sharded (mesh) session
     except S.SessionError as e:
         raise UsageError(f"--resume: {e}") from None
     recorded = manifest.get("metadata", {}).get("generate")
@@ -104,17 +106,18 @@ def check_save_state(args, sources) -> None:
             sources=[*sources, args.out, *([args.resume] if args.resume else [])],
             force=args.overwrite,
             flag="--overwrite",
-            replaceable=S._is_session_dir,
+            replaceable=CK.session_dir_problem,
         )
     except files.DestinationError as e:
         raise UsageError(f"--save-state: {e}; nothing was touched") from None
 
 
-def load(args, config, rc, *, schedule: bool = False) -> S.Session:
-    """The ``--resume`` session, checked against the settings (UsageError naming any difference). With
+def load(args, config, rc, *, schedule: bool = False, mesh=None) -> S.Session:
+    """The ``--resume`` session (saved on one device or on a mesh of any shape), checked against the settings
+    (UsageError naming any difference); with ``mesh`` laid out on it (`jaxkv.parallel.checkpoint.load`). With
     ``schedule`` (a --prompt-schedule) it must hold the latent ring a prompt switch re-caches from."""
     try:
-        session = S.load(args.resume, config, rc)
+        session = CK.load(args.resume, config, rc, mesh=mesh)
     except S.SessionError as e:
         raise UsageError(f"--resume: {e}") from None
     if schedule and recache.RING_EXTRA not in session.extras:
@@ -144,8 +147,10 @@ def text_of(args, manifest: dict | None) -> dict | None:
 def keeps_ring(args, rc) -> bool:
     """Whether a run keeps the latent ring (clean latents of the retained chunks) to save with its session, so
     that the session can be resumed with a --prompt-schedule: with --save-state, on the caches prompt switching
-    supports."""
-    return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES and not rc.dilated_every
+    supports (not on a mesh: prompt switching does not run there)."""
+    return (
+        bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES and not rc.dilated_every and args.mesh is None
+    )
 
 
 def restore_ring(stream, session: S.Session) -> None:
@@ -188,7 +193,9 @@ def save(args, stream, video, chunks_written: int, *, text: dict | None = None) 
     if isinstance(stream, recache.SwitchableStream):
         extras[recache.RING_EXTRA] = stream.ring_extra()
     session = stream.session(copy=False, extras=extras)
-    return S.save(
+    mesh = getattr(stream, "mesh", None)  # a mesh stream's session is written shard by shard
+    save = S.save if mesh is None else functools.partial(CK.save, mesh=mesh)
+    return save(
         args.save_state,
         session,
         force=args.overwrite,
