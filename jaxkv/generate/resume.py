@@ -11,7 +11,8 @@ its first chunk) and ``"resumed_from"``. The runs' latents concatenated in order
 for bit. With video, the VAE decoder's feature caches are part of the session, so the continuation's mp4 carries on
 where the previous one stopped (4 frames per latent frame, no new first frame): the mp4 files played in order are
 the uninterrupted video. A toy-world video (`jaxkv.generate.toy`) decodes each latent frame alone, so its session
-holds no decoder state and its continuation's mp4 carries on all the same.
+holds no decoder state and its continuation's mp4 carries on all the same. A ``--mesh`` run's session is written
+shard by shard (`jaxkv.parallel.checkpoint`) and resumes with or without ``--mesh``, on any mesh shape.
 """
 
 from __future__ import annotations
