@@ -507,9 +507,13 @@ def check_checkpoint_errors():
                 data[-3] ^= 0xFF
                 open(file, "wb").write(bytes(data))
                 refused(lambda bad=bad: CK.load(bad, CONFIG, rc), "checksum")
+                refused(
+                    lambda bad=bad: CK.load(bad, CONFIG, rc, mesh=PL.make_mesh(1, 4, jax.devices()[:4])), "checksum"
+                )
             else:
                 os.remove(os.path.join(bad, "shards-00000.safetensors"))
                 refused(lambda bad=bad: CK.load(bad, CONFIG, rc, mesh=m22), "no shards-")
+        refused(lambda: CK.load(path, CONFIG, rc, mesh=PL.make_mesh(4, 2)), "batch 2", ValueError)  # before a read
         one = CK.load(path, CONFIG, rc)
         refused(
             lambda: PL.MeshStream.from_session(PARAMS, CONFIG, rc, one, mesh=m22, num_chunks=1),

@@ -42,13 +42,24 @@ from jaxkv import session as S
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.parallel.mesh import DATA
-from jaxkv.parallel.rollout import session_order, state_shardings
+from jaxkv.parallel.rollout import check_mesh, session_order, state_shardings
 from jaxkv.parallel.rules import put_global
 from jaxkv.rollout import RolloutConfig, RolloutState
 
 FORMAT = "jaxkv-sharded-session"
 FORMAT_VERSION = 1
 # The session axis of each row-holding tensor (k, v [layers, sessions, ...]; positions [sessions, capacity]; ...).
+# safetensors' dtype names -> NumPy's (the ones a session holds)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+_DTYPES |= {
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 ROWS_AXIS = {"cache/k": 1, "cache/v": 1, "cache/positions": 0, "cache/chunk_start": 0, "cross/k": 1, "cross/v": 1}
 
 
@@ -210,7 +221,9 @@ def read_manifest(path: str) -> dict[str, Any]:
 
 
 class _Reader:
-    """Reads index ranges of a saved session's logical tensors from its pieces (only the bytes asked for)."""
+    """Reads index ranges of a saved session's logical tensors from its pieces. A piece is read whole, and its
+    checksum verified, the first time a range touches it (so a process reads the pieces that overlap its shards,
+    each once, and no others)."""
 
     def __init__(self, path: str, manifest: dict):
         self.path = path
@@ -225,43 +238,56 @@ class _Reader:
             }
         self.tensors = manifest["tensors"]
         self._handles: dict[str, Any] = {}
+        self._read: dict[tuple[str, str], np.ndarray] = {}
 
-    def _slice(self, file: str, key: str):
+    def _file(self, file: str):
         from safetensors import safe_open
 
         if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.path, file), framework="numpy")
-        return self._handles[file].get_slice(key)
+            try:
+                self._handles[file] = safe_open(os.path.join(self.path, file), framework="numpy")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own types for missing / corrupt files
+                raise S.SessionError(f"{os.path.join(self.path, file)} is missing or corrupt ({e})") from None
+        return self._handles[file]
 
     def check(self) -> None:
-        """SessionError unless every tensor's pieces exist with their shapes and checksums and cover it once."""
-        from safetensors import safe_open
-
+        """SessionError unless every tensor's pieces are in their files with their shapes and dtypes (headers only)
+        and cover the tensor exactly once."""
         for name, t in self.tensors.items():
-            covered = 0
-            for piece in self.pieces.get(name, []):
+            pieces = self.pieces.get(name, [])
+            for piece in pieces:
                 shape = [b - a for a, b in piece["index"]]
-                file = os.path.join(self.path, piece["file"])
-                try:
-                    with safe_open(file, framework="numpy") as f:
-                        data = f.get_tensor(piece["key"])
-                except Exception as e:  # noqa: BLE001 - safetensors raises its own types for missing / corrupt data
-                    raise S.SessionError(f"{file}: piece {piece['key']} is missing or corrupt ({e})") from None
-                if list(data.shape) != shape or data.dtype.name != t["dtype"]:
+                f = self._file(piece["file"])
+                if piece["key"] not in f.keys():
+                    raise S.SessionError(f"{self.path}/{piece['file']} lacks the piece {piece['key']}")
+                got = f.get_slice(piece["key"])
+                dtype = _DTYPES.get(got.get_dtype(), got.get_dtype())
+                if list(got.get_shape()) != shape or dtype != t["dtype"]:
                     raise S.SessionError(
-                        f"{file}: piece {piece['key']} is {data.dtype.name}{list(data.shape)}, the manifest says "
-                        f"{t['dtype']}{shape}"
+                        f"{self.path}/{piece['file']}: piece {piece['key']} is {dtype}{list(got.get_shape())}, the "
+                        f"manifest says {t['dtype']}{shape}"
                     )
-                if S._digest(data) != piece["sha256"]:
-                    raise S.SessionError(
-                        f"{file}: piece {piece['key']} does not match the checksum saved with it: the file was "
-                        f"corrupted or changed after saving"
-                    )
-                covered += int(np.prod(shape))
+            for i, p in enumerate(pieces):  # disjoint, and as many elements as the tensor: an exact cover
+                for q in pieces[i + 1 :]:
+                    if all(max(a, c) < min(b, d) for (a, b), (c, d) in zip(p["index"], q["index"])):
+                        raise S.SessionError(f"{self.path}: pieces {p['key']} and {q['key']} of {name} overlap")
+            covered = sum(int(np.prod([b - a for a, b in p["index"]])) for p in pieces)
             if covered != int(np.prod(t["shape"])):
                 raise S.SessionError(
                     f"{self.path}: the pieces of {name} hold {covered} of its {int(np.prod(t['shape']))} elements"
                 )
+
+    def _piece(self, piece: dict) -> np.ndarray:
+        at = (piece["file"], piece["key"])
+        if at not in self._read:
+            data = self._file(piece["file"]).get_tensor(piece["key"])
+            if S._digest(data) != piece["sha256"]:
+                raise S.SessionError(
+                    f"{self.path}/{piece['file']}: piece {piece['key']} does not match the checksum saved with it: "
+                    f"the file was corrupted or changed after saving"
+                )
+            self._read[at] = data
+        return self._read[at]
 
     def read(self, name: str, bounds: list[tuple[int, int]]) -> np.ndarray:
         """tensor ``name``[bounds] (one (start, stop) per axis)."""
@@ -273,8 +299,7 @@ class _Reader:
                 continue
             src = tuple(slice(a - pa, b - pa) for (a, b), (pa, _) in zip(inter, piece["index"]))
             dst = tuple(slice(a - ba, b - ba) for (a, b), (ba, _) in zip(inter, bounds))
-            sl = self._slice(piece["file"], piece["key"])
-            out[dst] = sl[src] if src else sl[...]
+            out[dst] = self._piece(piece)[src]
         return out
 
     def read_rows(self, name: str, index: tuple, order: np.ndarray | None) -> np.ndarray:
@@ -309,6 +334,8 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
         sessions = int(tensors["cache/positions"]["shape"][0])
     except (KeyError, IndexError, TypeError):
         raise S.SessionError(f"{path}/{S.MANIFEST} lists no cache/positions tensor") from None
+    if mesh is not None:  # a batch the data axis does not divide, a model axis the heads do not: ValueError
+        check_mesh(mesh, config, rc, sessions // (2 if rc.guidance_scale is not None else 1))
     cache = S.expected_cache(config, rc, sessions)
     S._refuse(f"the session at {path}", manifest["fingerprint"], S.fingerprint(config, rc, cache))
     want = {f"cache/{f}": getattr(cache, f) for f in S._CACHE_FIELDS}
