@@ -525,8 +525,8 @@ def check_checkpoint_errors():
 def check_generate_save_resume():
     """``jaxkv generate --mesh data=2,model=4 --save-state`` after one chunk, then ``--resume``: on the same mesh the
     continuation is the uninterrupted mesh run's next chunk bit for bit; on ``data=4,model=2`` and on one device
-    it is that chunk to f32 rounding (generate uses every device: 8 here, so batch 4); ``--mesh`` with
-    ``--prompt-schedule`` is still a usage error."""
+    it is that chunk to f32 rounding (generate uses every device: 8 here, so batch 4). ``--prompt-schedule`` on a
+    mesh, and across a mesh save / resume on another mesh shape, gives the single-device run's chunks."""
     import json
 
     from jaxkv.generate import load_latents
@@ -563,12 +563,69 @@ def check_generate_save_resume():
                 np.testing.assert_array_equal(load_latents(out), want[:, 1:])
             else:
                 np.testing.assert_allclose(load_latents(out), want[:, 1:], **TOL)
-        schedule = os.path.join(tmp, "schedule.json")
-        with open(schedule, "w") as f:
-            json.dump([{"chunk": 0, "prompt": "a"}], f)
-        bad = os.path.join(tmp, "bad")
-        argv = [*common, "--out", bad, "--mesh", "data=2,model=4", "--prompt-schedule", schedule, "--num-chunks", "1"]
-        assert main(argv) == 2 and not os.path.exists(bad)
+        # a prompt schedule on the mesh (a switch at chunk 1), and across a resume: the single-device run's chunks
+        rng = np.random.default_rng(5)
+        for name in ("a", "b", "neg"):
+            np.save(os.path.join(tmp, f"{name}.npy"), rng.standard_normal((5, CONFIG.text_dim)).astype(np.float32))
+        for name, entries in (("ab", [(0, "a"), (1, "b")]), ("a", [(0, "a")]), ("b", [(0, "b")])):
+            with open(os.path.join(tmp, f"{name}.json"), "w") as f:
+                json.dump([{"chunk": c, "context": f"{e}.npy"} for c, e in entries], f)
+        common += ["--negative-context", os.path.join(tmp, "neg.npy")]
+        sched = ["--prompt-schedule", os.path.join(tmp, "ab.json"), "--num-chunks", "2"]
+        one, mesh = os.path.join(tmp, "sched_one"), os.path.join(tmp, "sched_mesh")
+        assert main([*common, *sched, "--out", one]) == 0
+        assert main([*common, *sched, "--out", mesh, "--mesh", "data=2,model=4"]) == 0
+        want = load_latents(one)
+        assert not np.allclose(want[:, 1:], load_latents(whole)[:, 1:], **TOL)  # the switch changed chunk 1
+        np.testing.assert_allclose(load_latents(mesh), want, **TOL)
+        first, state = os.path.join(tmp, "sched_first"), os.path.join(tmp, "sched_state")
+        argv = [*common, "--prompt-schedule", os.path.join(tmp, "a.json"), "--num-chunks", "1", "--out", first]
+        assert main([*argv, "--mesh", "data=2,model=4", "--save-state", state]) == 0
+        out = os.path.join(tmp, "sched_resumed")
+        argv = ["--resume", state, "--prompt-schedule", os.path.join(tmp, "b.json"), "--num-chunks", "1"]
+        assert main([*argv, "--out", out, "--no-video", "--no-progress", "--mesh", "data=4,model=2"]) == 0
+        np.testing.assert_allclose(load_latents(out), want[:, 1:], **TOL)
+
+
+def check_switch():
+    """A prompt switch after chunk 0 (guided, batch 2) on data=2,model=2 gives the single-device
+    `jaxkv.recache.SwitchableStream`'s chunks to f32 rounding, and on data=2,model=1 bit for bit; one program for
+    the switch and the step is not recompiled by it; a context of the wrong batch is refused before the state
+    changes."""
+    from jaxkv import recache
+
+    rc, batch = rc_of(guidance=3.0), 2
+    ctx, neg = contexts(batch)
+    other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
+
+    def run(mesh):
+        base = stream_of(mesh, rc, batch, CHUNKS)
+        stream = recache.SwitchableStream(base) if mesh is None else PL.MeshSwitchableStream(base)
+        xs = [np.asarray(next(stream))]
+        stream.switch(other, neg)
+        return xs + [np.asarray(x) for x in stream], stream
+
+    want, _ = run(None)
+    unswitched, _ = reference(rc, batch)
+    assert not np.allclose(want[1], unswitched[1], **TOL)  # the switch changes the next chunk
+    m22 = PL.make_mesh(2, 2, jax.devices()[:4])
+    step, switch = PL.mesh_step(m22, CONFIG, rc), PL.mesh_switch(m22, CONFIG, rc, True)
+    before = compile_count(step), compile_count(switch)
+    got, stream = run(m22)
+    assert (compile_count(step) - before[0], compile_count(switch) - before[1]) == (1, 1)
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=f"2x2 chunk {n}")
+    try:
+        stream.switch(other[:1], neg[:1])
+    except ValueError as e:
+        assert "the new context has 2 sessions but the state has 4" in str(e), str(e)
+    else:
+        raise AssertionError("a context of batch 1 was accepted")
+    assert not any(x.is_deleted() for x in jax.tree.leaves(stream.state))
+    m21 = PL.make_mesh(2, 1, jax.devices()[4:6])
+    got, _ = run(m21)
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
 
 
 if __name__ == "__main__":

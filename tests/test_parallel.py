@@ -62,13 +62,15 @@ def test_other_meshes_guidance_loading_hlo_errors():
 @pytest.mark.slow
 def test_mesh_session_saved_per_shard_resumes_on_other_meshes_and_one_device():
     """Saved on data=2,model=2 (with and without guidance), resumed on 2x2 (bit for bit), one device and 1x4 (the
-    saved state bit for bit); without tensor parallelism bit for bit to one device both ways; errors; generate."""
+    saved state bit for bit); without tensor parallelism bit for bit to one device both ways; errors; a prompt
+    switch on the mesh; generate --mesh with --save-state / --resume / --prompt-schedule."""
     run_checks(
         "save_resume",
         "save_resume_guided",
         "save_resume_exact",
         "checkpoint_errors",
         "generate_save_resume",
+        "switch",
         timeout=1800,
     )
 

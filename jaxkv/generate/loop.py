@@ -209,10 +209,6 @@ def run(args, stop: Stop | None = None) -> dict:
     stop = stop or Stop()
     options.check_text(args)
     given.check(args)  # --image / --video: their combinations (the file is read below)
-    if args.mesh is not None and args.prompt_schedule:
-        raise UsageError(
-            "--mesh cannot be combined with --prompt-schedule yet: switching prompts on a mesh is not built"
-        )
     resumed = resume.apply_resume(args)  # --resume: the session's settings replace the flags
     options.check_model(args)
     toy_dir = toy.prepare(args, fill=resumed is None)  # the toy world (the default): its settings fill the flags
@@ -300,7 +296,7 @@ def run(args, stop: Stop | None = None) -> dict:
                 negative_context=negative,
             )
     if entries is not None or resume.keeps_ring(args, rc):  # a saved session keeps the ring a switch needs
-        stream = recache.SwitchableStream(stream)
+        stream = recache.SwitchableStream(stream) if mesh is None else PL.MeshSwitchableStream(stream)
         if session is not None:
             resume.restore_ring(stream, session)
     given_context = given_info = None

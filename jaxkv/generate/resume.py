@@ -148,10 +148,8 @@ def text_of(args, manifest: dict | None) -> dict | None:
 def keeps_ring(args, rc) -> bool:
     """Whether a run keeps the latent ring (clean latents of the retained chunks) to save with its session, so
     that the session can be resumed with a --prompt-schedule: with --save-state, on the caches prompt switching
-    supports (not on a mesh: prompt switching does not run there)."""
-    return (
-        bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES and not rc.dilated_every and args.mesh is None
-    )
+    supports."""
+    return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES and not rc.dilated_every
 
 
 def restore_ring(stream, session: S.Session) -> None:
