@@ -50,15 +50,10 @@ FORMAT = "jaxkv-sharded-session"
 FORMAT_VERSION = 1
 # The session axis of each row-holding tensor (k, v [layers, sessions, ...]; positions [sessions, capacity]; ...).
 # safetensors' dtype names -> NumPy's (the ones a session holds)
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
-_DTYPES |= {
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
+_DTYPES = {"BF16": "bfloat16", "BOOL": "bool"} | {
+    f"{k}{bits}": f"{name}{bits}"
+    for k, name in (("F", "float"), ("I", "int"), ("U", "uint"))
+    for bits in (8, 16, 32, 64)
 }
 ROWS_AXIS = {"cache/k": 1, "cache/v": 1, "cache/positions": 0, "cache/chunk_start": 0, "cross/k": 1, "cross/v": 1}
 
@@ -319,6 +314,14 @@ class _Reader:
         return np.concatenate(parts, axis=axis)
 
 
+def _shardings_by_name(state, mesh: Mesh) -> dict[str, NamedSharding]:
+    """{tensor name: sharding} of a state's row tensors on ``mesh`` (`state_shardings`)."""
+    shardings = state_shardings(state, mesh)
+    out = {f"cache/{f}": getattr(shardings.cache, f) for f in S._CACHE_FIELDS}
+    out["cross/k"], out["cross/v"] = shardings.cross.k, shardings.cross.v
+    return out
+
+
 def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None = None) -> S.Session:
     """The session saved at ``path`` (sharded, or a single-device `jaxkv.session.save`) after checking it belongs
     to (config, rc) (SessionError naming every difference, before any tensor data is read).
@@ -364,9 +367,7 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
         abstract = RolloutState(
             cache, M.CrossKV(*(jax.ShapeDtypeStruct(tensors[n]["shape"], jnp.float32) for n in ("cross/k", "cross/v")))
         )
-        shardings = state_shardings(abstract, mesh)
-        by_name = {f"cache/{f}": getattr(shardings.cache, f) for f in S._CACHE_FIELDS}
-        by_name["cross/k"], by_name["cross/v"] = shardings.cross.k, shardings.cross.v
+        by_name = _shardings_by_name(abstract, mesh)
         replicated = NamedSharding(mesh, P())
         arrays = {}
         for name, t in tensors.items():
@@ -401,9 +402,7 @@ def to_mesh(session: S.Session, mesh: Mesh) -> S.Session:
     lays it (rows in `session_order`, `state_shardings`); its arrays are read to the host once."""
     guided = session.settings["sampler"]["guidance_scale"] is not None
     order = _order(session.sessions, guided, mesh.shape[DATA])
-    shardings = state_shardings(session.state, mesh)
-    by_name = {f"cache/{f}": getattr(shardings.cache, f) for f in S._CACHE_FIELDS}
-    by_name["cross/k"], by_name["cross/v"] = shardings.cross.k, shardings.cross.v
+    by_name = _shardings_by_name(session.state, mesh)
 
     def put(name, x):
         return put_global(np.take(np.asarray(x), order, axis=ROWS_AXIS[name]), by_name[name])
