@@ -303,6 +303,332 @@ def check_generate():
         assert not os.path.exists(bad)
 
 
+# ------------------------------------------------------------------------------------------------ save / resume
+
+
+def stream_of(mesh, rc, batch, num_chunks):
+    """The reference's stream (same context, key 7), on ``mesh`` or (None) on one device."""
+    ctx, neg = contexts(batch)
+    kw = dict(num_chunks=num_chunks, key=jax.random.key(7))
+    kw["negative_context"] = neg if rc.guidance_scale is not None else None
+    return (
+        R.Stream(PARAMS, CONFIG, rc, ctx, **kw)
+        if mesh is None
+        else PL.MeshStream(PARAMS, CONFIG, rc, ctx, mesh=mesh, **kw)
+    )
+
+
+def logical_tensors(session, mesh):
+    """{tensor name: host array} of a session, rows put back in `jaxkv.rollout`'s order with NumPy (the session's
+    rows are in ``mesh``'s `session_order`; None: already in that order)."""
+    from jaxkv import session as S
+    from jaxkv.parallel import checkpoint as CK
+
+    named, _ = S._tensors(session)
+    out = {name: np.asarray(x) for name, x in named.items()}
+    if mesh is not None:
+        guided = session.settings["sampler"]["guidance_scale"] is not None
+        order = PL.session_order(session.sessions // (2 if guided else 1), mesh.shape[PL.DATA], guided)
+        undo = np.argsort(order)
+        for name, axis in CK.ROWS_AXIS.items():
+            out[name] = np.take(out[name], undo, axis=axis)
+    return out
+
+
+def assert_same_tensors(got, want):
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def session_from_tensors(rc, tensors, key, next_chunk):
+    """A single-device Session built from host tensors in rollout order (independently of the checkpoint code)."""
+    from jaxkv import session as S
+
+    cache = S.expected_cache(CONFIG, rc, tensors["cache/positions"].shape[0])
+    cache = type(cache)(
+        **{f: jax.numpy.asarray(tensors[f"cache/{f}"]) for f in ("k", "v", "positions", "chunk_start")}, spec=cache.spec
+    )
+    state = R.RolloutState(
+        cache, M.CrossKV(jax.numpy.asarray(tensors["cross/k"]), jax.numpy.asarray(tensors["cross/v"]))
+    )
+    return S.Session.create(CONFIG, rc, state, key=key, next_chunk=next_chunk)
+
+
+def run_resumed(stream):
+    """(chunks as host arrays, programs compiled while running them)."""
+    before = compile_count(stream.step)
+    xs = [np.asarray(x) for x in stream]
+    return xs, compile_count(stream.step) - before
+
+
+def save_resume(guidance):
+    """A stream saved after its first chunk on data=2,model=2 resumes (a) on data=2,model=2: the uninterrupted
+    2x2 stream's chunks bit for bit, no new program; (b) on one device and (c) on data=1,model=4: its loaded state
+    is the saved one bit for bit (rows in rollout order), its chunks are those of the same state continued on that
+    layout from an independently built session, bit for bit, and the single-device stream's to f32 rounding (tensor
+    parallel sums associate differently). Each device's shard is written once (replicated copies skipped)."""
+    from jaxkv.parallel import checkpoint as CK
+
+    rc, batch = rc_of(guidance=guidance), 2
+    m22 = PL.make_mesh(2, 2, jax.devices()[:4])
+    m14 = PL.make_mesh(1, 4, jax.devices()[4:])
+    whole = [np.asarray(x) for x in stream_of(m22, rc, batch, CHUNKS)]
+    ref_xs, _ = reference(rc, batch)
+    first = stream_of(m22, rc, batch, 1)
+    assert np.array_equal(np.asarray(next(first)), whole[0])
+    session = first.session(copy=False)
+    saved = logical_tensors(session, m22)
+    groups = 2 if guidance is not None else 1  # with guidance a data group's rows are two runs of logical rows
+    with tempfile.TemporaryDirectory() as tmp:
+        path = CK.save(os.path.join(tmp, "s"), session, mesh=m22, metadata={"note": "x"})
+        assert sorted(os.listdir(path)) == ["session.json", "shards-00000.safetensors"], os.listdir(path)
+        manifest = CK.read_manifest(path)
+        pieces = {}
+        for piece in manifest["pieces"]:
+            pieces.setdefault(piece["tensor"], []).append(piece)
+        assert len(pieces["cache/k"]) == 4 * groups  # 4 distinct shards (data x model)
+        assert len(pieces["cache/positions"]) == 2 * groups  # 2 distinct shards: model copies written once
+        assert len(pieces["next_chunk"]) == 1 and manifest["next_chunk"] == 1
+
+        # (a) the same mesh shape
+        s22 = CK.load(path, CONFIG, rc, mesh=m22)
+        assert_same_tensors(logical_tensors(s22, m22), saved)
+        xs, compiled = run_resumed(PL.MeshStream.from_session(PARAMS, CONFIG, rc, s22, mesh=m22, num_chunks=CHUNKS - 1))
+        assert compiled == 0, compiled  # the 2x2 step compiled for the uninterrupted stream is reused
+        for n, (a, b) in enumerate(zip(xs, whole[1:], strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"2x2 chunk {n + 1}")
+
+        # (b) one device: a plain Session in rollout order
+        s1 = CK.load(path, CONFIG, rc)
+        assert_same_tensors(logical_tensors(s1, None), saved)
+        assert all(len(x.devices()) == 1 for x in jax.tree.leaves(s1.state))
+        same = session_from_tensors(rc, saved, jax.random.key(7), 1)
+        want = [np.asarray(x) for x in R.Stream.from_session(PARAMS, CONFIG, rc, same, num_chunks=CHUNKS - 1)]
+        xs = [np.asarray(x) for x in R.Stream.from_session(PARAMS, CONFIG, rc, s1, num_chunks=CHUNKS - 1)]
+        for n, (a, b, c) in enumerate(zip(xs, want, ref_xs[1:], strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"one-device chunk {n + 1}")
+            np.testing.assert_allclose(a, c, **TOL, err_msg=f"one-device chunk {n + 1} vs uninterrupted")
+
+        # (c) data=1, model=4
+        s14 = CK.load(path, CONFIG, rc, mesh=m14)
+        assert_same_tensors(logical_tensors(s14, m14), saved)
+        k = s14.cache.k
+        assert k.addressable_shards[0].data.shape == (CONFIG.num_layers, 2 * groups, k.shape[2], 1, CONFIG.head_dim)
+        xs, compiled = run_resumed(PL.MeshStream.from_session(PARAMS, CONFIG, rc, s14, mesh=m14, num_chunks=CHUNKS - 1))
+        assert compiled == 1, compiled
+        other = CK.to_mesh(session_from_tensors(rc, saved, jax.random.key(7), 1), m14)
+        want, compiled = run_resumed(
+            PL.MeshStream.from_session(PARAMS, CONFIG, rc, other, mesh=m14, num_chunks=CHUNKS - 1)
+        )
+        assert compiled == 0, compiled
+        for n, (a, b, c) in enumerate(zip(xs, want, ref_xs[1:], strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"1x4 chunk {n + 1}")
+            np.testing.assert_allclose(a, c, **TOL, err_msg=f"1x4 chunk {n + 1} vs uninterrupted")
+        assert not np.array_equal(xs[0], xs[1])
+
+
+def check_save_resume():
+    save_resume(None)
+
+
+def check_save_resume_guided():
+    save_resume(3.0)
+
+
+def check_save_resume_exact():
+    """Without tensor parallelism a mesh stream is the single-device stream bit for bit, and so is any resume:
+    saved on data=2 (guided) and resumed on one device, and saved on one device (`jaxkv.session.save`, the
+    single-device format) and resumed on data=2, the chunks are the uninterrupted single-device stream's exactly."""
+    from jaxkv import session as S
+    from jaxkv.parallel import checkpoint as CK
+
+    rc, batch = rc_of(guidance=3.0), 2
+    m21 = PL.make_mesh(2, 1, jax.devices()[:2])
+    ref_xs, _ = reference(rc, batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        first = stream_of(m21, rc, batch, 1)
+        next(first)
+        path = CK.save(os.path.join(tmp, "mesh"), first.session(copy=False), mesh=m21)
+        resumed = R.Stream.from_session(PARAMS, CONFIG, rc, CK.load(path, CONFIG, rc), num_chunks=CHUNKS - 1)
+        xs = [np.asarray(x) for x in resumed]
+        one = stream_of(None, rc, batch, 1)
+        next(one)
+        path = S.save(os.path.join(tmp, "one"), one.session())
+        s21 = CK.load(path, CONFIG, rc, mesh=m21)
+        ys, _ = run_resumed(PL.MeshStream.from_session(PARAMS, CONFIG, rc, s21, mesh=m21, num_chunks=CHUNKS - 1))
+    for n, (a, b, c) in enumerate(zip(xs, ys, ref_xs[1:], strict=True)):
+        np.testing.assert_array_equal(a, c, err_msg=f"mesh-saved, one-device chunk {n + 1}")
+        np.testing.assert_array_equal(b, c, err_msg=f"one-device-saved, mesh chunk {n + 1}")
+
+
+def check_checkpoint_errors():
+    """Other settings, an edited manifest, a corrupted or missing shard file, and a session not laid out on the
+    mesh are refused with errors that say so."""
+    import json
+    import shutil
+
+    from jaxkv import session as S
+    from jaxkv.parallel import checkpoint as CK
+
+    rc, batch = rc_of(), 2
+    m22 = PL.make_mesh(2, 2, jax.devices()[:4])
+    stream = stream_of(m22, rc, batch, 1)  # a fresh stream's session (before chunk 0): nothing to compile
+    session = stream.session()
+
+    def refused(make, words, kind=S.SessionError):
+        try:
+            make()
+        except kind as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"accepted: expected an error about {words!r}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = CK.save(os.path.join(tmp, "s"), session, mesh=m22)
+        refused(lambda: CK.save(path, session, mesh=m22), "already exists")
+        CK.save(path, session, mesh=m22, force=True)  # replaces a session directory
+        refused(lambda: CK.load(path, CONFIG, rc_of(window_frames=3), mesh=m22), "window_frames")
+        refused(lambda: S.load(path, CONFIG, rc), "not a complete jaxkv session")
+        for change in ("manifest", "shard", "missing"):
+            bad = os.path.join(tmp, change)
+            shutil.copytree(path, bad)
+            if change == "manifest":
+                with open(os.path.join(bad, "session.json")) as f:
+                    manifest = json.load(f)
+                manifest["next_chunk"] = 5
+                with open(os.path.join(bad, "session.json"), "w") as f:
+                    json.dump(manifest, f)
+                refused(lambda bad=bad: CK.load(bad, CONFIG, rc, mesh=m22), "changed after")
+            elif change == "shard":
+                file = os.path.join(bad, "shards-00000.safetensors")
+                data = bytearray(open(file, "rb").read())
+                data[-3] ^= 0xFF
+                open(file, "wb").write(bytes(data))
+                refused(lambda bad=bad: CK.load(bad, CONFIG, rc), "checksum")
+                refused(
+                    lambda bad=bad: CK.load(bad, CONFIG, rc, mesh=PL.make_mesh(1, 4, jax.devices()[:4])), "checksum"
+                )
+            else:
+                os.remove(os.path.join(bad, "shards-00000.safetensors"))
+                refused(lambda bad=bad: CK.load(bad, CONFIG, rc, mesh=m22), "no shards-")
+        refused(lambda: CK.load(path, CONFIG, rc, mesh=PL.make_mesh(4, 2)), "batch 2", ValueError)  # before a read
+        one = CK.load(path, CONFIG, rc)
+        refused(
+            lambda: PL.MeshStream.from_session(PARAMS, CONFIG, rc, one, mesh=m22, num_chunks=1),
+            "not laid out",
+            ValueError,
+        )
+
+
+def check_generate_save_resume():
+    """``jaxkv generate --mesh data=2,model=4 --save-state`` after one chunk, then ``--resume``: on the same mesh the
+    continuation is the uninterrupted mesh run's next chunk bit for bit; on ``data=4,model=2`` and on one device
+    it is that chunk to f32 rounding (generate uses every device: 8 here, so batch 4). ``--prompt-schedule`` on a
+    mesh, and across a mesh save / resume on another mesh shape, gives the single-device run's chunks."""
+    import json
+
+    from jaxkv.generate import load_latents
+    from jaxkv.generate.loop import main
+    from jaxkv.models.wan import checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        checkpoint.save(ckpt, CONFIG, PARAMS)
+        common = ["--height", "4", "--width", "4", "--chunk-frames", "1", "--window-frames", "2"]
+        common += ["--sink-frames", "1", "--steps", "1000,500", "--batch", "4", "--guidance-scale", "3"]
+        common += ["--checkpoint", ckpt, "--no-video", "--no-progress"]
+        whole, first, state = (os.path.join(tmp, n) for n in ("whole", "first", "state"))
+        assert main([*common, "--num-chunks", "2", "--out", whole, "--mesh", "data=2,model=4"]) == 0
+        assert (
+            main([*common, "--num-chunks", "1", "--out", first, "--mesh", "data=2,model=4", "--save-state", state]) == 0
+        )
+        assert any(f.startswith("shards-") for f in os.listdir(state)), os.listdir(state)
+        want = load_latents(whole)
+        np.testing.assert_array_equal(load_latents(first), want[:, :1])
+        for name, mesh in (
+            ("same", ["--mesh", "data=2,model=4"]),
+            ("other", ["--mesh", "data=4,model=2"]),
+            ("one", []),
+        ):
+            out = os.path.join(tmp, name)
+            assert (
+                main(["--resume", state, "--num-chunks", "1", "--out", out, "--no-video", "--no-progress", *mesh]) == 0
+            )
+            with open(os.path.join(out, "summary.json")) as f:
+                summary = json.load(f)
+            assert summary["first_chunk"] == 1, summary
+            if name == "same":
+                np.testing.assert_array_equal(load_latents(out), want[:, 1:])
+            else:
+                np.testing.assert_allclose(load_latents(out), want[:, 1:], **TOL)
+        # a prompt schedule on the mesh (a switch at chunk 1), and across a resume: the single-device run's chunks
+        rng = np.random.default_rng(5)
+        for name in ("a", "b", "neg"):
+            np.save(os.path.join(tmp, f"{name}.npy"), rng.standard_normal((5, CONFIG.text_dim)).astype(np.float32))
+        for name, entries in (("ab", [(0, "a"), (1, "b")]), ("a", [(0, "a")]), ("b", [(0, "b")])):
+            with open(os.path.join(tmp, f"{name}.json"), "w") as f:
+                json.dump([{"chunk": c, "context": f"{e}.npy"} for c, e in entries], f)
+        common += ["--negative-context", os.path.join(tmp, "neg.npy")]
+        sched = ["--prompt-schedule", os.path.join(tmp, "ab.json"), "--num-chunks", "2"]
+        one, mesh = os.path.join(tmp, "sched_one"), os.path.join(tmp, "sched_mesh")
+        assert main([*common, *sched, "--out", one]) == 0
+        assert main([*common, *sched, "--out", mesh, "--mesh", "data=2,model=4"]) == 0
+        want = load_latents(one)
+        assert not np.allclose(want[:, 1:], load_latents(whole)[:, 1:], **TOL)  # the switch changed chunk 1
+        np.testing.assert_allclose(load_latents(mesh), want, **TOL)
+        first, state = os.path.join(tmp, "sched_first"), os.path.join(tmp, "sched_state")
+        argv = [*common, "--prompt-schedule", os.path.join(tmp, "a.json"), "--num-chunks", "1", "--out", first]
+        assert main([*argv, "--mesh", "data=2,model=4", "--save-state", state]) == 0
+        out = os.path.join(tmp, "sched_resumed")
+        argv = ["--resume", state, "--prompt-schedule", os.path.join(tmp, "b.json"), "--num-chunks", "1"]
+        assert main([*argv, "--out", out, "--no-video", "--no-progress", "--mesh", "data=4,model=2"]) == 0
+        np.testing.assert_allclose(load_latents(out), want[:, 1:], **TOL)
+
+
+def check_switch():
+    """A prompt switch after chunk 0 (guided, batch 2) on data=2,model=2 gives the single-device
+    `jaxkv.recache.SwitchableStream`'s chunks to f32 rounding, and on data=2,model=1 bit for bit; one program for
+    the switch and the step is not recompiled by it; a context of the wrong batch is refused before the state
+    changes."""
+    from jaxkv import recache
+
+    rc, batch = rc_of(guidance=3.0), 2
+    ctx, neg = contexts(batch)
+    other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
+
+    def run(mesh):
+        base = stream_of(mesh, rc, batch, CHUNKS)
+        stream = recache.SwitchableStream(base) if mesh is None else PL.MeshSwitchableStream(base)
+        xs = [np.asarray(next(stream))]
+        stream.switch(other, neg)
+        before = compile_count(base.step)
+        xs += [np.asarray(x) for x in stream]
+        assert compile_count(base.step) == before  # the state a switch returns runs on the step's program
+        return xs, stream
+
+    want, _ = run(None)
+    unswitched, _ = reference(rc, batch)
+    assert not np.allclose(want[1], unswitched[1], **TOL)  # the switch changes the next chunk
+    m22 = PL.make_mesh(2, 2, jax.devices()[:4])
+    got, stream = run(m22)
+    assert compile_count(PL.mesh_switch(m22, CONFIG, rc, True)) == 1
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=f"2x2 chunk {n}")
+    try:
+        stream.switch(other[:1], neg[:1])
+    except ValueError as e:
+        assert "the new context has 2 sessions but the state has 4" in str(e), str(e)
+    else:
+        raise AssertionError("a context of batch 1 was accepted")
+    assert not any(x.is_deleted() for x in jax.tree.leaves(stream.state))
+    m21 = PL.make_mesh(2, 1, jax.devices()[4:6])
+    got, _ = run(m21)
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:

@@ -7,6 +7,7 @@ guidance, sharded loading, the HLO check and ``generate --mesh`` are slow.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -55,6 +56,22 @@ def test_data_x_model_mesh_matches_one_device():
 def test_other_meshes_guidance_loading_hlo_errors():
     run_checks(
         "model_only", "one_device", "data_only", "guided", "loading", "noise", "errors", "hlo", "generate", timeout=1800
+    )
+
+
+@pytest.mark.slow
+def test_mesh_session_saved_per_shard_resumes_on_other_meshes_and_one_device():
+    """Saved on data=2,model=2 (with and without guidance), resumed on 2x2 (bit for bit), one device and 1x4 (the
+    saved state bit for bit); without tensor parallelism bit for bit to one device both ways; errors; a prompt
+    switch on the mesh; generate --mesh with --save-state / --resume / --prompt-schedule."""
+    run_checks(
+        "save_resume",
+        "save_resume_guided",
+        "save_resume_exact",
+        "checkpoint_errors",
+        "generate_save_resume",
+        "switch",
+        timeout=1800,
     )
 
 
@@ -156,3 +173,39 @@ def test_read_slice_reads_only_the_slice(tmp_path, monkeypatch):
     assert cases == 250
     with pytest.raises(ValueError, match="step 2"):
         safetensors_io.read_slice(path, infos["a"], (slice(0, 3, 2),))
+
+
+def test_sharded_session_round_trip_on_one_device(tmp_path):
+    """In process (one device): a stream's session saved by `jaxkv.parallel.checkpoint` loads back bit for bit, as a
+    plain Session and on a 1x1 mesh, and both continue as the uninterrupted stream, bit for bit."""
+    import jax
+
+    from jaxkv import parallel as PL
+    from jaxkv import rollout as R
+    from jaxkv import session as S
+    from jaxkv.models.wan import model as M
+    from jaxkv.parallel import checkpoint as CK
+    from jaxkv.schedule import Schedule
+
+    config = C.preset("tiny")
+    params = M.init_params(config, jax.random.key(0))
+    rc = R.RolloutConfig(4, 4, chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500)))
+    ctx = np.random.default_rng(0).standard_normal((1, 5, config.text_dim)).astype(np.float32)
+    whole = [np.asarray(x) for x in R.Stream(params, config, rc, ctx, num_chunks=3, key=jax.random.key(7))]
+    stream = R.Stream(params, config, rc, ctx, num_chunks=1, key=jax.random.key(7))
+    next(stream)
+    session = stream.session()
+    path = CK.save(str(tmp_path / "s"), session)
+    assert CK.read_manifest(path)["format"] == CK.FORMAT
+    loaded = CK.load(path, config, rc)
+    named, _ = S._tensors(session)
+    for name, x in S._tensors(loaded)[0].items():
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(named[name]), err_msg=name)
+    on_mesh = CK.load(path, config, rc, mesh=PL.make_mesh(1, 1, jax.devices()[:1]))
+    for s, make in ((loaded, R.Stream.from_session), (on_mesh, PL.MeshStream.from_session)):
+        kw = {} if s is loaded else {"mesh": PL.make_mesh(1, 1, jax.devices()[:1])}
+        xs = [np.asarray(x) for x in make(params, config, rc, s, num_chunks=2, **kw)]
+        for a, b in zip(xs, whole[1:], strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(S.SessionError, match="window_frames"):
+        CK.load(path, config, dataclasses.replace(rc, window_frames=3))

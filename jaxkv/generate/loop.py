@@ -250,7 +250,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     if resumed is None and entries is not None:
         drawing = prompts.entry_text(entries[0])
     if resumed is not None:  # the session holds the cross-attention K/V: only a schedule's texts are encoded
-        session = resume.load(args, config, rc, schedule=entries is not None)
+        session = resume.load(args, config, rc, schedule=entries is not None, mesh=mesh)
         context, negative, text_info = None, None, {}
         if entries is not None:  # the schedule counts this run's chunks; its chunk-0 entry switches unless current
             scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
@@ -272,7 +272,10 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
 
     if session is not None:
         try:
-            stream = R.Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
+            if mesh is None:
+                stream = R.Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
+            else:
+                stream = PL.MeshStream.from_session(params, config, rc, session, mesh=mesh, num_chunks=args.num_chunks)
         except ValueError as e:
             raise UsageError(f"--resume: {e}") from None
     else:
@@ -294,7 +297,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 negative_context=negative,
             )
     if entries is not None or resume.keeps_ring(args, rc):  # a saved session keeps the ring a switch needs
-        stream = recache.SwitchableStream(stream)
+        stream = recache.SwitchableStream(stream) if mesh is None else PL.MeshSwitchableStream(stream)
         if session is not None:
             resume.restore_ring(stream, session)
     given_context = given_info = None

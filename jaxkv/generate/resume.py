@@ -11,17 +11,20 @@ its first chunk) and ``"resumed_from"``. The runs' latents concatenated in order
 for bit. With video, the VAE decoder's feature caches are part of the session, so the continuation's mp4 carries on
 where the previous one stopped (4 frames per latent frame, no new first frame): the mp4 files played in order are
 the uninterrupted video. A toy-world video (`jaxkv.generate.toy`) decodes each latent frame alone, so its session
-holds no decoder state and its continuation's mp4 carries on all the same.
+holds no decoder state and its continuation's mp4 carries on all the same. A ``--mesh`` run's session is written
+shard by shard (`jaxkv.parallel.checkpoint`) and resumes with or without ``--mesh``, on any mesh shape.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 from jaxkv import files, recache
 from jaxkv import session as S
 from jaxkv.generate import options
 from jaxkv.generate.options import UsageError
+from jaxkv.parallel import checkpoint as CK
 
 _PATHS = ("checkpoint", "context", "negative_context", "text_encoder", "vae")
 
@@ -61,7 +64,7 @@ def session_layer(args) -> tuple[dict | None, dict]:
     if not args.resume:
         return None, {}
     try:
-        manifest = S.read_manifest(args.resume)
+        manifest = CK.read_manifest(args.resume)  # a single-device or a sharded (mesh) session
     except S.SessionError as e:
         raise UsageError(f"--resume: {e}") from None
     recorded = manifest.get("metadata", {}).get("generate")
@@ -98,17 +101,18 @@ def check_save_state(args, sources) -> None:
             sources=[*sources, args.out, *([args.resume] if args.resume else [])],
             force=args.overwrite,
             flag="--overwrite",
-            replaceable=S._is_session_dir,
+            replaceable=CK.session_dir_problem,
         )
     except files.DestinationError as e:
         raise UsageError(f"--save-state: {e}; nothing was touched") from None
 
 
-def load(args, config, rc, *, schedule: bool = False) -> S.Session:
-    """The ``--resume`` session, checked against the settings (UsageError naming any difference). With
+def load(args, config, rc, *, schedule: bool = False, mesh=None) -> S.Session:
+    """The ``--resume`` session (saved on one device or on a mesh of any shape), checked against the settings
+    (UsageError naming any difference); with ``mesh`` laid out on it (`jaxkv.parallel.checkpoint.load`). With
     ``schedule`` (a --prompt-schedule) it must hold the latent ring a prompt switch re-caches from."""
     try:
-        session = S.load(args.resume, config, rc)
+        session = CK.load(args.resume, config, rc, mesh=mesh)
     except S.SessionError as e:
         raise UsageError(f"--resume: {e}") from None
     if schedule and recache.RING_EXTRA not in session.extras:
@@ -182,7 +186,9 @@ def save(args, stream, video, chunks_written: int, *, text: dict | None = None) 
     if isinstance(stream, recache.SwitchableStream):
         extras[recache.RING_EXTRA] = stream.ring_extra()
     session = stream.session(copy=False, extras=extras)
-    return S.save(
+    mesh = getattr(stream, "mesh", None)  # a mesh stream's session is written shard by shard
+    save = S.save if mesh is None else functools.partial(CK.save, mesh=mesh)
+    return save(
         args.save_state,
         session,
         force=args.overwrite,

@@ -155,10 +155,6 @@ def resolve(flags: Mapping[str, Any], *, backend: str | None = None) -> Settings
     s = _make(layers, explicit_flags=explicit)
     options.check_text(s)
     given.check(s)  # --image / --video: their combinations (the file is read by the loop)
-    if s.mesh is not None and (s.resume or s.save_state or s.prompt_schedule):
-        raise UsageError(
-            "--mesh runs a plain stream: it cannot be combined with --resume, --save-state or --prompt-schedule yet"
-        )
     manifest, layers["session"] = resume.session_layer(s)
     s = _make(layers, explicit_flags=explicit)
     options.check_model(s)

@@ -4,17 +4,20 @@
 * `RULES`, `param_shardings`, `shard_params`: parameter shardings from one rule table (`jaxkv.parallel.rules`).
 * `load_sharded`: a checkpoint read straight into its shards (`jaxkv.parallel.loading`).
 * `MeshStream`, `mesh_step`, `init_state`, `state_shardings`: the sharded streaming rollout
-  (`jaxkv.parallel.rollout`).
+  (`jaxkv.parallel.rollout`); `MeshSwitchableStream`, `mesh_switch`: prompt switching on the mesh.
+* `jaxkv.parallel.checkpoint`: a mesh session saved shard by shard, loaded onto any mesh shape or one device.
 """
 
 from jaxkv.parallel.loading import load_sharded
 from jaxkv.parallel.mesh import AXES, DATA, MODEL, make_mesh, mesh_sizes, parse_mesh
 from jaxkv.parallel.rollout import (
     MeshStream,
+    MeshSwitchableStream,
     check_mesh,
     init_state,
     local_rows,
     mesh_step,
+    mesh_switch,
     session_order,
     state_shardings,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "MODEL",
     "RULES",
     "MeshStream",
+    "MeshSwitchableStream",
     "check_mesh",
     "init_state",
     "load_sharded",
@@ -33,6 +37,7 @@ __all__ = [
     "make_mesh",
     "mesh_sizes",
     "mesh_step",
+    "mesh_switch",
     "param_shardings",
     "param_specs",
     "parse_mesh",

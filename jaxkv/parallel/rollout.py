@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.cache.sharding import cache_partition_specs
 from jaxkv.models.wan import model as M
@@ -200,6 +201,34 @@ class MeshStream(R.Stream):
             negative_context=negative_context,
         )
 
+    @classmethod
+    def from_session(
+        cls, params, config: WanConfig, rc: R.RolloutConfig, session, *, mesh: Mesh, num_chunks=None, noise=None
+    ) -> "MeshStream":
+        """A mesh stream that continues ``session``, a session laid out on ``mesh`` (rows in `session_order`, arrays
+        in `state_shardings`): `jaxkv.parallel.checkpoint.load` with this mesh, `jaxkv.parallel.checkpoint.to_mesh`
+        of a single-device session, or ``MeshStream.session()`` of a stream on the same mesh. Otherwise as
+        `jaxkv.rollout.Stream.from_session` (the session is consumed; SessionError for other settings), and
+        ValueError, before anything runs, for a session laid out otherwise."""
+        from jaxkv import session as S
+
+        if not isinstance(session, S.Session):
+            raise TypeError(f"from_session needs a jaxkv.session.Session, got {type(session).__name__}")
+        check_mesh(mesh, config, rc, session.sessions // (2 if rc.guidance_scale is not None else 1))
+        want = state_shardings(session.state, mesh)
+        for leaf, sharding in zip(jax.tree.leaves(session.state), jax.tree.leaves(want)):
+            if not (isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)):
+                raise ValueError(
+                    f"the session is not laid out on this mesh ({mesh_sizes(mesh)}): an array "
+                    f"{list(leaf.shape)} has sharding {getattr(leaf, 'sharding', 'none (host)')}; load it with "
+                    f"jaxkv.parallel.checkpoint.load(..., mesh=mesh) or place it with checkpoint.to_mesh"
+                )
+        self = super().from_session(shard_params(params, mesh), config, rc, session, num_chunks=num_chunks, noise=noise)
+        self.mesh = mesh
+        self.step = mesh_step(mesh, config, rc)
+        self._replicated = NamedSharding(mesh, P())
+        return self
+
     def _init_state(self, context, negative_context) -> R.RolloutState:
         return init_state(self.params, self.config, self.rc, self.mesh, context, negative_context)
 
@@ -226,3 +255,60 @@ def local_rows(x: jax.Array) -> tuple[slice, np.ndarray]:
     if any(a[0][1] != b[0][0] for a, b in zip(shards, shards[1:])):
         raise ValueError(f"this process's rows of {list(x.shape)} are not contiguous: {[s[0] for s in shards]}")
     return slice(start, stop), np.concatenate([np.asarray(s.data) for _, s in shards], axis=0)
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_switch(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, keep_sink: bool):
+    """The jitted, state-donating prompt switch on ``mesh`` (`jaxkv.recache.switch_prompt` run by each data group
+    on its own sessions, as `mesh_step` runs a chunk): ``switch(params, state, ring, context[, negative_context])
+    -> state`` with the ring (`jaxkv.recache.LatentRing`, rows in batch order) and the contexts
+    [batch, text_tokens, text_dim] split over ``data``; a data group's rows of the state are its cond rows then its
+    negative rows (`session_order`), which is the order `switch_prompt` expects of one group. The returned state
+    has the shardings of `state_shardings`."""
+
+    def local(params, state, ring, context, *negative):
+        return recache.switch_prompt(params, config, rc, state, ring, context, *negative, keep_sink=keep_sink)
+
+    def switch(params, state, ring, context, *negative):
+        specs = state_partition_specs(state, manual_only=True)
+        ring_specs = ring.replace(latents=P(DATA), chunks=P(DATA))
+        run = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), specs, ring_specs, P(DATA), *(P(DATA),) * len(negative)),
+            out_specs=specs,
+            axis_names=frozenset({DATA}),
+            check_vma=False,
+        )
+        return run(params, state, ring, context, *negative)
+
+    cache = jax.eval_shape(lambda: R.empty_cache(config, rc, 1))
+    return jax.jit(switch, out_shardings=state_shardings(R.RolloutState(cache, None), mesh), donate_argnums=(1,))
+
+
+class MeshSwitchableStream(recache.SwitchableStream):
+    """`jaxkv.recache.SwitchableStream` of a `MeshStream`: the same latent ring (kept in batch order) and prompt
+    switch, run on the mesh by `mesh_switch` (one program per keep_sink and shape; the step's program is kept)."""
+
+    def __init__(self, stream: MeshStream):
+        if not isinstance(stream, MeshStream):
+            raise TypeError(f"MeshSwitchableStream wraps a MeshStream, got {type(stream).__name__}")
+        super().__init__(stream)
+
+    def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
+        """`jaxkv.recache.SwitchableStream.switch` on the mesh: a new context [batch, text_tokens, text_dim]
+        (host or global arrays) before the next chunk. ValueError before the state changes for contexts, a ring or
+        a keep_sink that do not fit."""
+        s = self.stream
+        if not isinstance(keep_sink, bool):
+            raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
+        sessions = R._check_context(s.config, s.rc, jnp.asarray(context), negative_context)
+        if sessions.shape[0] != s.state.cache.batch:
+            raise ValueError(
+                f"the new context has {sessions.shape[0]} sessions but the state has {s.state.cache.batch}"
+            )
+        recache.check_ring(s.config, s.rc, s.state, self.ring)
+        rows = NamedSharding(s.mesh, P(DATA))
+        negative = () if negative_context is None else (put_global(negative_context, rows),)
+        step = mesh_switch(s.mesh, s.config, s.rc, keep_sink)
+        s.state = step(s.params, s.state, self.ring, put_global(context, rows), *negative)
