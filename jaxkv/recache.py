@@ -43,6 +43,7 @@ from jaxkv import rollout as R
 from jaxkv.cache import ChunkCache, RingSpec
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.stream import Stream
 from jaxkv.validate import is_concrete
 
 EMPTY = -1
@@ -243,12 +244,12 @@ def _push(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing:
 
 
 class SwitchableStream:
-    """A `jaxkv.rollout.Stream` that can switch prompts between chunks: it keeps the `LatentRing` of the clean
+    """A `jaxkv.stream.Stream` that can switch prompts between chunks: it keeps the `LatentRing` of the clean
     chunks it yields and re-caches on `switch`. Iterating yields each chunk's clean latents float32
     [batch, chunk_frames, h, w, in_dim], as the wrapped stream does (its step is the same compiled program).
     """
 
-    def __init__(self, stream: R.Stream):
+    def __init__(self, stream: Stream):
         self.stream = stream
         batch = stream.state.cache.batch // (2 if stream.rc.guidance_scale is not None else 1)
         self.ring = LatentRing.init(stream.rc.spec(stream.config), stream.rc.chunk_shape(stream.config, batch))
@@ -299,7 +300,7 @@ class SwitchableStream:
         return x
 
     def commit(self, latents) -> None:
-        """`jaxkv.rollout.Stream.commit` (given clean latents [batch, n * chunk_frames, h, w, in_dim] as the
+        """`jaxkv.stream.Stream.commit` (given clean latents [batch, n * chunk_frames, h, w, in_dim] as the
         stream's first n chunks), keeping each committed chunk in the ring, so that a later switch re-caches the
         given frames the cache retains as it re-caches generated ones."""
         self.stream.commit(latents)

@@ -2,7 +2,7 @@
 (JAX fixes its device count when it initialises): ``python tests/parallel_checks.py CHECK [CHECK ...]`` prints
 ``OK CHECK`` for each check that passed and exits non-zero at the first failure.
 
-Every sharded result is compared with the single-device `jaxkv.rollout.Stream` on the same params, context and key.
+Every sharded result is compared with the single-device `jaxkv.stream.Stream` on the same params, context and key.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from jaxkv.compilation import compile_count
 from jaxkv.models.wan import config as C
 from jaxkv.models.wan import model as M
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 CONFIG = C.preset("tiny")  # 4 heads, ffn 128: model axes of 1, 2, 4 divide it
 PARAMS = M.init_params(CONFIG, jax.random.key(0))
@@ -61,7 +62,7 @@ def reference(rc, batch):
     """Single-device chunks and final state (cache rows in rollout order)."""
     if (rc, batch) not in _REFERENCE:
         ctx, neg = contexts(batch)
-        stream = R.Stream(
+        stream = Stream(
             PARAMS,
             CONFIG,
             rc,
@@ -174,7 +175,7 @@ def check_noise():
     mesh, rc, batch = PL.make_mesh(2, 4), rc_of(), 2
     ctx, _ = contexts(batch)
     noise = np.random.default_rng(3).standard_normal(rc.noise_shape(CONFIG, batch, CHUNKS)).astype(np.float32)
-    want = [np.asarray(x) for x in R.Stream(PARAMS, CONFIG, rc, ctx, noise=noise)]
+    want = [np.asarray(x) for x in Stream(PARAMS, CONFIG, rc, ctx, noise=noise)]
     stream = PL.MeshStream(PARAMS, CONFIG, rc, ctx, mesh=mesh, noise=noise)
     before = compile_count(stream.step)  # the step is shared with any key-driven stream of this mesh
     got = [np.asarray(x) for x in stream]

@@ -70,7 +70,7 @@ def apply_resume(args) -> dict | None:
         raise UsageError(
             f"--resume {args.resume} is a jaxkv session but not one saved by this jaxkv generate (its "
             f"recorded settings are missing or of another version); continue it from Python with "
-            f"jaxkv.rollout.Stream.from_session"
+            f"jaxkv.stream.Stream.from_session"
         )
     explicit = options.explicit(args)
     conflicts = []
