@@ -40,15 +40,14 @@ from flax import struct
 from jax import lax
 
 from jaxkv import rollout as R
-from jaxkv.cache import ChunkCache, RingSpec
+from jaxkv.cache import RECACHE_POLICIES, ChunkCache, RingSpec
+from jaxkv.cache.clock import ring_slot
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.stream import Stream
 from jaxkv.validate import is_concrete
 
 EMPTY = -1
-# Policies whose slots hold whole chunks at their positions (what `recompute_cache` re-runs).
-RECACHE_POLICIES = frozenset({"ring", "rolling"})
 RING_EXTRA = "latent_ring"  # the session extras entry of a saved `LatentRing` (`SwitchableStream.ring_extra`)
 
 
@@ -94,8 +93,7 @@ class LatentRing:
 
     def slot_of_chunk(self, chunk_index):
         """int32 [...]: the slot of chunk ``chunk_index`` (the `jaxkv.RingCache` rule)."""
-        s, w = self.sink_chunks, self.window_chunks
-        return jnp.where(chunk_index < s, chunk_index, s + jnp.mod(chunk_index - s, w)).astype(jnp.int32)
+        return ring_slot(chunk_index, self.sink_chunks, self.window_chunks)
 
     def push(self, latents, chunk_index) -> "LatentRing":
         """Stores each row's clean chunk ``latents`` [batch, chunk_frames, h, w, c] as chunk ``chunk_index`` int32

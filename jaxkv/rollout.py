@@ -36,7 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cache import WINDOW_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
+from jaxkv.cache import WINDOW_POLICIES, WRAPPING_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
+from jaxkv.cache.clock import check_chunk_room, wrap_clock
+from jaxkv.cache.clock import wrap_period as wrap_period  # re-exported: callers read it as jaxkv.rollout.wrap_period
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer
@@ -218,9 +220,6 @@ class RolloutConfig:
 RolloutConfig.cache_dtype = property(
     lambda self: self.precision.cache_dtype, doc="The KV cache dtype name: ``precision.cache_dtype``."
 )
-# Policies whose slot of chunk n depends on n only through n mod window_chunks once past the sink (ring) or not at
-# all once full (rolling): shifting a full stream's clock by whole windows keeps every slot (`wrap_clock`).
-WRAPPING_POLICIES = frozenset({"ring", "rolling"})
 
 
 class RolloutState(NamedTuple):
@@ -331,54 +330,11 @@ def check_position_room(config: WanConfig, rc: RolloutConfig, num_chunks: int, c
     A stream holds `RingSpec.max_chunks` chunks (Wan 2.1 at 480p, 4,680-token chunks: 458,864, about 95 hours of
     16 fps video); past it positions would wrap and, under jit, the writes be dropped without an error. The chunks
     already in ``cache`` count when its positions are concrete (under `jit_rollout` a passed state is traced and
-    only ``num_chunks`` itself is checked; the cache's own `begin_chunk` check covers eager steps).
+    only ``num_chunks`` itself is checked; the cache's own `begin_chunk` check covers eager steps). The rule is the
+    cache's (`jaxkv.cache.clock.check_chunk_room`); this applies it to the stream ``rc`` configures.
     """
-    if not rc.bounded:
-        return
-    limit = rc.spec(config).max_chunks
-    done = 0
-    if cache is not None and is_concrete(cache.chunk_start):
-        done = int(jnp.max(cache.next_chunk_index()))
-    if done + num_chunks > limit:
-        raise ValueError(
-            f"num_chunks={num_chunks} after {done} chunks would pass the int32 position limit: chunks of "
-            f"{rc.spec(config).chunk} tokens fit {limit} to a stream; generate at most "
-            f"{limit - done} more (or start a new stream)"
-        )
-
-
-def wrap_period(spec: RingSpec) -> int:
-    """Chunks the wrapped clock moves back by (`wrap_clock`): a whole number of windows, about half the int32 range,
-    so a stream's positions equal its absolute positions for its first `RingSpec.max_chunks` chunks."""
-    period = spec.window_chunks * ((spec.max_chunks // 2) // spec.window_chunks)
-    # after the shift the oldest window chunk, (max_chunks - 1) - (window_chunks - 1) - period, must stay past the sink
-    if period < spec.window_chunks or spec.max_chunks - spec.window_chunks - period < spec.sink_chunks:
-        raise ValueError(
-            f"chunks of {spec.chunk} tokens with a {spec.window_chunks}-chunk window leave no room for "
-            f"a wrapped clock within int32 positions"
-        )
-    return period
-
-
-def wrap_clock(cache: ChunkCache) -> ChunkCache:
-    """Moves a session's clock back by `wrap_period` chunks when its next chunk would pass the int32 positions.
-
-    For cache-relative RoPE only differences of positions matter: ranks (their order), the chunk-causal and window
-    clauses (differences of chunk starts), and the sink (positions below ``spec.sink``, never moved). Shifting every
-    non-sink position and the reserved chunk by a whole number of windows therefore changes nothing the model
-    sees, and keeps every chunk's slot (`WRAPPING_POLICIES`). A session whose reserved chunk is the last that fits
-    (``chunk_start >= (max_chunks - 1) * chunk``) is shifted; others are returned as they are. O(capacity) int32
-    work per call, no K/V touched. Call it before ``begin_chunk``.
-    """
-    spec = cache.spec
-    shift_tokens = wrap_period(spec) * spec.chunk  # <= 2**30: no overflow
-    due = cache.chunk_start >= (spec.max_chunks - 1) * spec.chunk
-    shift = jnp.where(due, shift_tokens, 0).astype(jnp.int32)
-    moved = cache.positions >= spec.sink  # window slots (the sink and empty slots stay)
-    return cache.replace(
-        positions=jnp.where(moved, cache.positions - shift[:, None], cache.positions),
-        chunk_start=jnp.where(cache.chunk_start >= 0, cache.chunk_start - shift, cache.chunk_start),
-    )
+    if rc.bounded:
+        check_chunk_room(rc.spec(config), num_chunks, cache)
 
 
 # ------------------------------------------------------------------------------------------------ one chunk

@@ -63,8 +63,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import files
-from jaxkv.cache import ChunkCache, RingCache, RollingCache
-from jaxkv.cache.dilated import DilatedCache
+from jaxkv.cache import CACHE_CLASSES, ChunkCache, RingCache, RollingCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.rollout import RolloutConfig, RolloutState, check_position_room, empty_cache, jit_rollout
@@ -76,8 +75,6 @@ MANIFEST = "session.json"
 ARRAYS = "arrays.safetensors"
 VAE_DECODER = "vae_decoder"  # the extras entry of the VAE decoder's feature caches (`vae_extra`)
 
-# The cache classes a session may hold, by name (`load` rebuilds the one its settings name, with their spec).
-CACHE_CLASSES: dict[str, type[ChunkCache]] = {c.__name__: c for c in (RingCache, RollingCache, DilatedCache)}
 _CACHE_FIELDS = ("k", "v", "positions", "chunk_start")
 
 
