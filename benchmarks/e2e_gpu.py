@@ -150,6 +150,7 @@ def pipeline(s: dict, offload: bool, out_dir: str) -> dict:
     from jaxkv.models.wan_vae import StreamDecoder
     from jaxkv.models.wan_vae.params import flat_param_shapes as vae_shapes
     from jaxkv.precision import Precision
+    from jaxkv.stream import Stream
 
     bf16 = jnp.bfloat16
     n_chunks = s["chunks"]["offload" if offload else "keep"]
@@ -198,7 +199,7 @@ def pipeline(s: dict, offload: bool, out_dir: str) -> dict:
     total = 1 + n_chunks + s["alone"]
 
     def new_stream():
-        return R.Stream(params, config, rc, context, num_chunks=total, key=jax.random.key(3))
+        return Stream(params, config, rc, context, num_chunks=total, key=jax.random.key(3))
 
     # compile: the first chunk of a throw-away stream, and the VAE's warm-up
     t0 = time.perf_counter()

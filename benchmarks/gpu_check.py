@@ -15,7 +15,7 @@ part that fails or times out is recorded and the others still run):
    merge logic runs at tiny shapes.
 3. ``chunk:BACKEND:PRECISION`` (one part per row of ``--rows``): Wan 2.1 1.3B with random weights, 480x832 (60x104
    latents, 1,560 tokens/frame), 3-frame chunks, sink 3 + window 18 frames, 4 steps + the context pass,
-   `jaxkv.rollout.Stream`: ms/chunk (median after the cache has filled and wrapped), latent and video frames per
+   `jaxkv.stream.Stream`: ms/chunk (median after the cache has filled and wrapped), latent and video frames per
    second, first-chunk (compile) seconds, peak device memory, the KV cache's bytes. PRECISION is ``bf16``
    (`Precision.bf16()`), ``fp8`` (`Precision.fp8()`: FP8 cache + cuDNN FP8 attention) or ``bf16+fp8_kv`` (the FP8
    cache alone). The weights are held per layer (the unrolled layer loop: every weight and K/V read where it lies)
@@ -63,6 +63,7 @@ from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.params import per_layer_params
 from jaxkv.precision import Precision
+from jaxkv.stream import Stream
 
 PRECISIONS = {
     "bf16": Precision.bf16(),
@@ -263,7 +264,7 @@ def wan_chunk(s: dict, timed: int, backend: str = "auto", precision_name: str = 
         rope=None,
         logits=config.num_heads * 3 * tpf * (s["window"] + s["sink"]) * tpf,
     )
-    stream = R.Stream(params, config, rc, context, key=jax.random.key(2))
+    stream = Stream(params, config, rc, context, key=jax.random.key(2))
     fill = (s["window"] + s["sink"]) // 3 + 1
     t0 = time.perf_counter()
     jax.block_until_ready(next(stream))

@@ -31,6 +31,7 @@ from jaxkv import rollout as R
 from jaxkv.compilation import compile_count
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.stream import Stream
 
 try:
     from jaxkv.models.wan.params import per_layer_params
@@ -42,7 +43,7 @@ LATENT_HW, CHUNK_FRAMES = (16, 16), 3
 
 def measure(config: WanConfig, params, rc, context, timed: int) -> dict:
     before = compile_count(R.stream_step)
-    stream = R.Stream(params, config, rc, context, key=jax.random.key(0))
+    stream = Stream(params, config, rc, context, key=jax.random.key(0))
     t0 = time.perf_counter()
     first = np.asarray(jax.block_until_ready(next(stream)))
     first_s = time.perf_counter() - t0

@@ -14,7 +14,7 @@ cross-attention caches, warped denoising steps) run unmodified, except for what 
 
 Per chunk, the Self-Forcing side runs the body of ``CausalInferencePipeline.inference`` (its steps 3.1-3.3: four
 denoising passes with re-noising by ``scheduler.add_noise``, then the context pass at ``context_noise``) with the
-eps drawn here instead of ``torch.randn_like``. jaxkv runs `jaxkv.rollout.Stream` (one jitted, cache-donating step
+eps drawn here instead of ``torch.randn_like``. jaxkv runs `jaxkv.stream.Stream` (one jitted, cache-donating step
 per chunk) on the weights converted from the PyTorch model's state dict by this repo's converters. Chunks alternate
 (torch, jaxkv, torch, ...) in this one process; every chunk's latents are compared (float32), and the table shows the
 median ms per chunk of the timed chunks (after both caches have filled and wrapped) and torch / jaxkv (> 1: jaxkv is
@@ -64,6 +64,7 @@ from jaxkv import rollout as R
 from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig, preset
+from jaxkv.stream import Stream
 
 CONFIG = WanConfig(
     dim=256, ffn_dim=1024, num_heads=2, num_layers=4, in_dim=16, out_dim=16, text_dim=256, text_len=512, freq_dim=256
@@ -343,7 +344,7 @@ def run_row(name: str, sf_src: str | None, timed: int, backends: tuple[str, ...]
         params = M.init_params(CONFIG, jax.random.key(seed))
 
     streams = {
-        b: R.Stream(params, CONFIG, rollout_config(local, sink, b), jnp.asarray(context), noise=jnp.asarray(noise))
+        b: Stream(params, CONFIG, rollout_config(local, sink, b), jnp.asarray(context), noise=jnp.asarray(noise))
         for b in backends
     }
     times = {k: [] for k in (["torch"] if pipe is not None else []) + list(backends)}

@@ -28,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from jaxkv import rollout as R
+from jaxkv.stream import Stream
 from jaxkv.toyworld import metric, quality, sample
 from jaxkv.toyworld import model as toy_model
 
@@ -61,7 +61,7 @@ def run(release: str, chunks: int, window_chunks: int, seed: int, policies: dict
     streams, frames, times = {}, {}, {}
     for name, overrides in policies.items():
         rc = sample.rollout_config(model, **overrides)
-        streams[name] = R.Stream(model.params, model.config, rc, context, num_chunks=chunks, key=jax.random.key(seed))
+        streams[name] = Stream(model.params, model.config, rc, context, num_chunks=chunks, key=jax.random.key(seed))
         frames[name], times[name] = [], []
     chunk_frames = next(iter(streams.values())).rc.chunk_frames
     truth = quality.world_videos(model, frames=chunks * chunk_frames, seed=seed, canonical=True)

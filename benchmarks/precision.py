@@ -49,6 +49,7 @@ from jaxkv import rollout as R
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.precision import Precision
+from jaxkv.stream import Stream
 
 MODELS = {
     "tiny": (wan.preset("tiny"), (8, 8)),
@@ -118,7 +119,7 @@ def toyworld_streams(num_chunks: int, seed: int, precisions=TOY_PRECISIONS) -> d
     for name, precision in precisions.items():
         params = jax.tree.map(lambda a: a.astype(precision.param_dtype), model.params)  # noqa: B023 - called in the iteration that defines it
         rc = model.settings.rollout_config(precision=precision)
-        stream = R.Stream(
+        stream = Stream(
             params,
             model.config,
             rc,

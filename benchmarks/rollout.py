@@ -1,7 +1,7 @@
 """Per-chunk latency of streaming Wan rollouts on the ring cache vs the rolling (shift-by-copy) cache, as the window
 grows.
 
-The same model, weights, context and noise run through `jaxkv.rollout.Stream` (jitted step, cache donated) once
+The same model, weights, context and noise run through `jaxkv.stream.Stream` (jitted step, cache donated) once
 with ``policy="ring"`` and once with ``policy="rolling"``. For every window both streams are first advanced until
 their caches are full and wrapping (the first chunk compiles the step), then timed chunks alternate between the
 two (ring, rolling, ring, ...) in this one process, each waited for; the table shows the median per chunk. Every
@@ -40,6 +40,7 @@ from jaxkv.cache import WINDOW_POLICIES as POLICIES
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.stream import Stream
 
 MODELS = {
     "tiny": wan.preset("tiny"),
@@ -85,7 +86,7 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
     for policy in ("ring", "rolling"):
         rc = R.RolloutConfig(*LATENT_HW, chunk_frames=CHUNK_FRAMES, window_frames=window_frames, policy=policy)
         before = compile_count(R.stream_step)
-        stream = R.Stream(params, config, rc, context, key=jax.random.key(0))
+        stream = Stream(params, config, rc, context, key=jax.random.key(0))
         t0 = time.perf_counter()
         jax.block_until_ready(next(stream))
         first[policy] = time.perf_counter() - t0

@@ -4,7 +4,7 @@ shared CPU, so more of them cannot be faster; on GPUs see docs/scaling.md's plan
 
 One process with 8 host devices (set before JAX initialises). For each device count n the same model, weights,
 context and key run on a ``model=n`` mesh (tensor parallel, batch 1) and a ``data=n`` mesh (n sessions, one per
-device) next to the single-device `jaxkv.rollout.Stream`; after a warm-up chunk (compilation) the timed chunks are
+device) next to the single-device `jaxkv.stream.Stream`; after a warm-up chunk (compilation) the timed chunks are
 waited for one by one and the table shows the median. Every chunk is the whole Self-Forcing sampler (4 denoising
 passes + the context pass). "max |diff|" is the largest difference of the mesh's latents from the single-device ones.
 
@@ -34,6 +34,7 @@ from jaxkv import rollout as R
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.stream import Stream
 
 # 8 heads of 32 so model=8 still holds a whole head per device
 MODEL = WanConfig(dim=256, ffn_dim=1024, num_heads=8, num_layers=4, text_dim=64, text_len=16, freq_dim=64)
@@ -179,7 +180,7 @@ def main() -> None:
             batch = sizes["data"]
             context = rng.standard_normal((batch, 8, config.text_dim)).astype(np.float32)
             mesh = PL.make_mesh(**sizes, devices=jax.devices()[:n])
-            one_t, one_x = timed_stream(R.Stream(params, config, rc, context, num_chunks=chunks + 1, key=key), chunks)
+            one_t, one_x = timed_stream(Stream(params, config, rc, context, num_chunks=chunks + 1, key=key), chunks)
             stream = PL.MeshStream(params, config, rc, context, mesh=mesh, num_chunks=chunks + 1, key=key)
             mesh_t, mesh_x = timed_stream(stream, chunks)
             row = {

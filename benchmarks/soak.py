@@ -1,6 +1,6 @@
 """Soak: one long stream of the tiny model, checked for the slow failures a short test cannot see.
 
-One `jaxkv.rollout.Stream` (jitted step, cache donated) runs ``--num-chunks`` chunks (default 10,000) of the
+One `jaxkv.stream.Stream` (jitted step, cache donated) runs ``--num-chunks`` chunks (default 10,000) of the
 ``tiny`` preset with seeded random weights, a seeded stand-in context, 16x16 latent frames, 3-frame chunks, a 3-frame
 sink + 9-frame window ring (the `jaxkv generate` defaults) and the 4-step Self-Forcing schedule. Chunk k+1 is
 dispatched before chunk k is fetched, as `jaxkv generate` does. Every ``num_chunks / samples`` chunks a row records:
@@ -39,6 +39,7 @@ from jaxkv import session as S
 from jaxkv.compilation import count_compiles
 from jaxkv.generate.inputs import standin_context
 from jaxkv.models import wan
+from jaxkv.stream import Stream
 
 LATENT_HW = (16, 16)
 
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     )
     print(f"{'chunks':>8} {'rss_mib':>9} {'ms_median':>10} {'mean':>10} {'std':>8} {'nonfinite':>9}")
     wall = time.perf_counter()
-    stream = R.Stream(params, config, rc, context, num_chunks=n, key=key)
+    stream = Stream(params, config, rc, context, num_chunks=n, key=key)
     with count_compiles(R.stream_step) as compiles:
         _drive(stream, n, on_chunk, save_at)
     run_s = time.perf_counter() - wall
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
         if hashlib.sha256(x.tobytes()).hexdigest() != digests[resume_at + i]:
             mismatches.append(resume_at + i)
 
-    resumed = R.Stream.from_session(params, config, rc, loaded, num_chunks=n - resume_at)
+    resumed = Stream.from_session(params, config, rc, loaded, num_chunks=n - resume_at)
     with count_compiles(R.stream_step) as resume_compiles:
         _drive(resumed, n - resume_at, check)
 

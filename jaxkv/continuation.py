@@ -17,7 +17,7 @@ the stream commits the chunks it generates, and the stream generates on from the
    frame), the first frame is **repeated in front** up to one chunk, so a picture is a still clip of one chunk;
 3. **encode** (`ToyEncoder`, `WanEncoder`): uint8 frames -> the DiT's latents (the VAE's posterior mean,
    normalised as the DiT's latents are);
-4. **commit** (`jaxkv.rollout.Stream.commit`): each chunk goes through the pass at ``schedule.context_noise`` that
+4. **commit** (`jaxkv.stream.Stream.commit`): each chunk goes through the pass at ``schedule.context_noise`` that
    commits a generated chunk, so the cache holds what a stream that had generated these latents would hold; the
    stream's next chunk is chunk ``n`` (its noise, a session saved later, ``--resume`` all count from there).
 
@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import rollout as R
+from jaxkv.stream import Stream
 from jaxkv.validate import check_int
 
 __all__ = [
@@ -323,11 +324,11 @@ def start_stream(
     negative_context=None,
     switchable: bool = False,
 ):
-    """A `jaxkv.rollout.Stream` (a `jaxkv.recache.SwitchableStream` with ``switchable``, whose prompt switches then
+    """A `jaxkv.stream.Stream` (a `jaxkv.recache.SwitchableStream` with ``switchable``, whose prompt switches then
     re-cache the given frames too) that continues ``latents`` float32 [batch, n * chunk_frames, h, w, in_dim]
     (`Context.latents`): they are committed as its chunks 0 .. n - 1 (`Stream.commit`) and its first ``next()``
     yields chunk n. ``num_chunks`` counts the chunks it generates; the other arguments are `Stream`'s."""
-    stream = R.Stream(
+    stream = Stream(
         params, config, rc, context, num_chunks=num_chunks, key=key, noise=noise, negative_context=negative_context
     )
     if switchable:

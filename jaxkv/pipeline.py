@@ -9,7 +9,7 @@
 Nothing is reimplemented here: the model, its settings and its decoder are resolved by the same functions
 ``jaxkv generate`` uses (`jaxkv.generate.toy`, `jaxkv.generate.inputs`), so a pipeline stream of a prompt and seed
 draws exactly the chunks ``jaxkv generate --prompt P --seed S`` writes; a stream is a `jaxkv.recache.SwitchableStream`
-(prompt switches re-cache the retained frames as ``--prompt-schedule`` does) over a `jaxkv.rollout.Stream`; the
+(prompt switches re-cache the retained frames as ``--prompt-schedule`` does) over a `jaxkv.stream.Stream`; the
 frames come from the release's decoder (the toy world's latent map, or a converted release's Wan VAE, whose feature
 caches continue from chunk to chunk); `save` / `Pipeline.resume` are `jaxkv.session` sessions.
 
@@ -38,6 +38,7 @@ import numpy as np
 from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv import session as S
+from jaxkv.stream import Stream
 from jaxkv.validate import check_int, shorten, utf8_problem
 
 RING = recache.RING_EXTRA  # the session extras entry of the latent ring
@@ -267,7 +268,7 @@ class Pipeline:
             self.check_prompt(negative, "negative_prompt")
         encoded = self.encode([prompt] + ([negative] if guided else []))
         try:
-            stream = R.Stream(
+            stream = Stream(
                 self.params,
                 self.config,
                 self.rc,
@@ -392,7 +393,7 @@ class Pipeline:
             decoder.state = S.vae_state(vae_extra)
             decoder.first = bool(decoder.state.first)
         stream = recache.SwitchableStream(
-            R.Stream.from_session(pipe.params, pipe.config, pipe.rc, session, num_chunks=num_chunks)
+            Stream.from_session(pipe.params, pipe.config, pipe.rc, session, num_chunks=num_chunks)
         )
         if ring_extra is not None:
             try:
@@ -429,7 +430,7 @@ def _recorded(meta: dict, path: str) -> dict:
         }
     raise ValueError(
         f"resume: {path} is a jaxkv session but records no pipeline (nor a jaxkv generate run with --prompt); "
-        f"continue it with jaxkv.rollout.Stream.from_session"
+        f"continue it with jaxkv.stream.Stream.from_session"
     )
 
 
@@ -549,7 +550,7 @@ class PipelineStream:
         s = self._stream
         if self.remaining == 0:
             raise ValueError("fork: the stream has generated all its num_chunks; there is nothing left to fork")
-        inner = R.Stream.from_session(s.params, s.config, s.rc, s.session(copy=True), num_chunks=self.remaining)
+        inner = Stream.from_session(s.params, s.config, s.rc, s.session(copy=True), num_chunks=self.remaining)
         twin = recache.SwitchableStream(inner)
         twin.ring = jax.tree.map(lambda a: jnp.array(a, copy=True), s.ring)
         decoder = self._decoder

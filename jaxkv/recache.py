@@ -42,14 +42,14 @@ from jax import lax
 
 from jaxkv import recache_dilated as D
 from jaxkv import rollout as R
-from jaxkv.cache import ChunkCache, RingSpec
+from jaxkv.cache import RECACHE_POLICIES, ChunkCache, RingSpec
+from jaxkv.cache.clock import ring_slot
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.stream import Stream
 from jaxkv.validate import is_concrete
 
 EMPTY = -1
-# Policies whose slots hold whole chunks at their positions (what `recompute_cache` re-runs).
-RECACHE_POLICIES = frozenset({"ring", "rolling"})
 RING_EXTRA = "latent_ring"  # the session extras entry of a saved `LatentRing` (`SwitchableStream.ring_extra`)
 
 
@@ -95,8 +95,7 @@ class LatentRing:
 
     def slot_of_chunk(self, chunk_index):
         """int32 [...]: the slot of chunk ``chunk_index`` (the `jaxkv.RingCache` rule)."""
-        s, w = self.sink_chunks, self.window_chunks
-        return jnp.where(chunk_index < s, chunk_index, s + jnp.mod(chunk_index - s, w)).astype(jnp.int32)
+        return ring_slot(chunk_index, self.sink_chunks, self.window_chunks)
 
     def push(self, latents, chunk_index) -> "LatentRing":
         """Stores each row's clean chunk ``latents`` [batch, chunk_frames, h, w, c] as chunk ``chunk_index`` int32
@@ -257,12 +256,12 @@ def _push(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing:
 
 
 class SwitchableStream:
-    """A `jaxkv.rollout.Stream` that can switch prompts between chunks: it keeps the `LatentRing` of the clean
+    """A `jaxkv.stream.Stream` that can switch prompts between chunks: it keeps the `LatentRing` of the clean
     chunks it yields and re-caches on `switch`. Iterating yields each chunk's clean latents float32
     [batch, chunk_frames, h, w, in_dim], as the wrapped stream does (its step is the same compiled program).
     """
 
-    def __init__(self, stream: R.Stream):
+    def __init__(self, stream: Stream):
         self.stream = stream
         batch = stream.state.cache.batch // (2 if stream.rc.guidance_scale is not None else 1)
         rc, config = stream.rc, stream.config
@@ -314,7 +313,7 @@ class SwitchableStream:
         return x
 
     def commit(self, latents) -> None:
-        """`jaxkv.rollout.Stream.commit` (given clean latents [batch, n * chunk_frames, h, w, in_dim] as the
+        """`jaxkv.stream.Stream.commit` (given clean latents [batch, n * chunk_frames, h, w, in_dim] as the
         stream's first n chunks), keeping each committed chunk in the ring, so that a later switch re-caches the
         given frames the cache retains as it re-caches generated ones."""
         self.stream.commit(latents)

@@ -13,13 +13,13 @@ compiled program. Cross-attention K/V are computed once per rollout (`jaxkv.mode
 
 Two forms, each compiling once per shape:
   * `rollout`: the whole rollout as a ``lax.scan`` over chunks (jit it with `jit_rollout`); differentiable.
-  * `Stream`: an iterator that yields each chunk's latents as soon as they are ready, from a jitted step that
-    donates the cache (updated in place).
+  * `stream_step`: one chunk, jitted, the cache donated (updated in place); `jaxkv.stream.Stream` drives it as an
+    iterator that yields each chunk's latents as soon as they are ready.
 
 Noise: pass it explicitly (``noise [num_chunks, steps, batch, chunk_frames, height, width, in_dim]``; ``noise[n, 0]``
 is chunk n's initial x, ``noise[n, i]`` the eps mixed in before step i) to compare runs step for step with another
 implementation; otherwise it is drawn from a key, ``jax.random.normal(fold_in(key, n), ...)`` for chunk n, in the
-same way by both forms, so `rollout` and `Stream` agree given the same key.
+same way by both forms, so `rollout` and `jaxkv.stream.Stream` agree given the same key.
 
 Classifier-free guidance runs the negative context as a second session (cache rows [batch:2*batch]) next to the
 conditional one: ``v = v_neg + scale * (v_cond - v_neg)``; both sessions commit their own K/V.
@@ -29,21 +29,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cache import WINDOW_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
+from jaxkv.cache import WINDOW_POLICIES, WRAPPING_POLICIES, ChunkCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
+from jaxkv.cache.clock import check_chunk_room, wrap_clock
+from jaxkv.cache.clock import wrap_period as wrap_period  # re-exported: callers read it as jaxkv.rollout.wrap_period
 from jaxkv.defaults import ROLLOUT
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer
 from jaxkv.precision import Precision, as_precision
 from jaxkv.schedule import Schedule
-from jaxkv.validate import check_int, is_concrete, is_int, is_real
+from jaxkv.validate import check_int, is_concrete, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +221,6 @@ class RolloutConfig:
 RolloutConfig.cache_dtype = property(
     lambda self: self.precision.cache_dtype, doc="The KV cache dtype name: ``precision.cache_dtype``."
 )
-# Policies whose slot of chunk n depends on n only through n mod window_chunks once past the sink (ring) or not at
-# all once full (rolling): shifting a full stream's clock by whole windows keeps every slot (`wrap_clock`).
-WRAPPING_POLICIES = frozenset({"ring", "rolling"})
 
 
 class RolloutState(NamedTuple):
@@ -332,54 +331,11 @@ def check_position_room(config: WanConfig, rc: RolloutConfig, num_chunks: int, c
     A stream holds `RingSpec.max_chunks` chunks (Wan 2.1 at 480p, 4,680-token chunks: 458,864, about 95 hours of
     16 fps video); past it positions would wrap and, under jit, the writes be dropped without an error. The chunks
     already in ``cache`` count when its positions are concrete (under `jit_rollout` a passed state is traced and
-    only ``num_chunks`` itself is checked; the cache's own `begin_chunk` check covers eager steps).
+    only ``num_chunks`` itself is checked; the cache's own `begin_chunk` check covers eager steps). The rule is the
+    cache's (`jaxkv.cache.clock.check_chunk_room`); this applies it to the stream ``rc`` configures.
     """
-    if not rc.bounded:
-        return
-    limit = rc.spec(config).max_chunks
-    done = 0
-    if cache is not None and is_concrete(cache.chunk_start):
-        done = int(jnp.max(cache.next_chunk_index()))
-    if done + num_chunks > limit:
-        raise ValueError(
-            f"num_chunks={num_chunks} after {done} chunks would pass the int32 position limit: chunks of "
-            f"{rc.spec(config).chunk} tokens fit {limit} to a stream; generate at most "
-            f"{limit - done} more (or start a new stream)"
-        )
-
-
-def wrap_period(spec: RingSpec) -> int:
-    """Chunks the wrapped clock moves back by (`wrap_clock`): a whole number of windows, about half the int32 range,
-    so a stream's positions equal its absolute positions for its first `RingSpec.max_chunks` chunks."""
-    period = spec.window_chunks * ((spec.max_chunks // 2) // spec.window_chunks)
-    # after the shift the oldest window chunk, (max_chunks - 1) - (window_chunks - 1) - period, must stay past the sink
-    if period < spec.window_chunks or spec.max_chunks - spec.window_chunks - period < spec.sink_chunks:
-        raise ValueError(
-            f"chunks of {spec.chunk} tokens with a {spec.window_chunks}-chunk window leave no room for "
-            f"a wrapped clock within int32 positions"
-        )
-    return period
-
-
-def wrap_clock(cache: ChunkCache) -> ChunkCache:
-    """Moves a session's clock back by `wrap_period` chunks when its next chunk would pass the int32 positions.
-
-    For cache-relative RoPE only differences of positions matter: ranks (their order), the chunk-causal and window
-    clauses (differences of chunk starts), and the sink (positions below ``spec.sink``, never moved). Shifting every
-    non-sink position and the reserved chunk by a whole number of windows therefore changes nothing the model
-    sees, and keeps every chunk's slot (`WRAPPING_POLICIES`). A session whose reserved chunk is the last that fits
-    (``chunk_start >= (max_chunks - 1) * chunk``) is shifted; others are returned as they are. O(capacity) int32
-    work per call, no K/V touched. Call it before ``begin_chunk``.
-    """
-    spec = cache.spec
-    shift_tokens = wrap_period(spec) * spec.chunk  # <= 2**30: no overflow
-    due = cache.chunk_start >= (spec.max_chunks - 1) * spec.chunk
-    shift = jnp.where(due, shift_tokens, 0).astype(jnp.int32)
-    moved = cache.positions >= spec.sink  # window slots (the sink and empty slots stay)
-    return cache.replace(
-        positions=jnp.where(moved, cache.positions - shift[:, None], cache.positions),
-        chunk_start=jnp.where(cache.chunk_start >= 0, cache.chunk_start - shift, cache.chunk_start),
-    )
+    if rc.bounded:
+        check_chunk_room(rc.spec(config), num_chunks, cache)
 
 
 # ------------------------------------------------------------------------------------------------ one chunk
@@ -495,7 +451,7 @@ def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, la
 jit_commit = jax.jit(commit, static_argnums=(1, 2))
 jit_commit.__doc__ = "`commit` under jax.jit (config and rc static)."
 
-# One chunk at a time, the cache donated: `Stream.commit` runs one program however many chunks it is given.
+# One chunk at a time, the cache donated: `jaxkv.stream.Stream.commit` runs one program however many chunks it is given.
 commit_step = jax.jit(commit, static_argnums=(1, 2), donate_argnames=("state",))
 
 
@@ -504,7 +460,7 @@ commit_step = jax.jit(commit, static_argnums=(1, 2), donate_argnames=("state",))
 
 class Rollout(NamedTuple):
     latents: jax.Array  # float32 [batch, num_chunks * chunk_frames, h, w, in_dim]
-    state: RolloutState  # the state after the last chunk (continue with `generate_chunk` or `Stream`)
+    state: RolloutState  # the state after the last chunk (continue with `generate_chunk` or `jaxkv.stream.Stream`)
 
 
 def rollout(
@@ -599,202 +555,3 @@ _init_state_jit = jax.jit(init_state, static_argnums=(1, 2))
 
 # The cache is donated: XLA writes the chunk into the caller's buffers instead of copying the cache per chunk.
 stream_step = jax.jit(_stream_step, static_argnums=(0, 1), donate_argnames=("state",))
-
-
-def _stream_noise(config: WanConfig, rc: RolloutConfig, batch: int, noise, num_chunks):
-    """A stream's (explicit noise or None, num_chunks) after checking both: num_chunks None or > 0, noise
-    [chunks, steps, batch, chunk_frames, h, w, in_dim] holding at least num_chunks chunks (num_chunks defaults to
-    all of them)."""
-    if num_chunks is not None and not (is_int(num_chunks) and num_chunks > 0):
-        raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
-    if noise is None:
-        return None, num_chunks
-    noise = jnp.asarray(noise)
-    if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
-        raise ValueError(
-            f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
-            f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got {list(noise.shape)}"
-        )
-    if num_chunks is None:
-        num_chunks = noise.shape[0]
-    elif num_chunks > noise.shape[0]:
-        raise ValueError(
-            f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
-            f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}"
-        )
-    return noise, num_chunks
-
-
-def _check_finite(name: str, x) -> None:
-    """ValueError when the concrete array ``x`` (None and traced values pass) holds NaN or Inf: a stream of it would
-    return NaN latents for every chunk."""
-    if x is None or not is_concrete(x):
-        return
-    bad = int(jnp.size(x) - jnp.count_nonzero(jnp.isfinite(jnp.asarray(x))))
-    if bad:
-        raise ValueError(
-            f"{name} holds {bad} non-finite value(s) (NaN or Inf) of {jnp.size(x)}: every chunk would be NaN"
-        )
-
-
-class Stream:
-    """Iterator over chunks of a streaming rollout: each ``next()`` runs one jitted, cache-donating step and returns
-    that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
-
-    The step compiles once per shape (positions and slots are traced), so an unbounded stream runs one program;
-    ``jaxkv.compilation.compile_count(stream_step)`` counts its compilations. With absolute RoPE a stream holds at
-    most `RingSpec.max_chunks` chunks (int32 positions): a larger ``num_chunks`` is a ValueError here, and an
-    endless stream raises OverflowError at that chunk instead of wrapping; with ``rope="cache-relative"`` the
-    clock wraps (`wrap_clock`) and the stream is unbounded. ``num_chunks=None`` streams forever (with explicit
-    ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
-    ValueError). The state after the
-    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``); ``stream.index`` is the stream index of the
-    next chunk. `Stream.from_session` continues a saved `jaxkv.session.Session` (``num_chunks`` then counts the
-    continuation's chunks); ``stream.session()`` takes one.
-    """
-
-    def __init__(
-        self,
-        params,
-        config: WanConfig,
-        rc: RolloutConfig,
-        context,
-        *,
-        num_chunks: int | None = None,
-        key=None,
-        noise=None,
-        negative_context=None,
-    ):
-        if (key is None) == (noise is None):
-            raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
-        noise, num_chunks = _stream_noise(config, rc, jnp.shape(context)[0], noise, num_chunks)
-        if num_chunks is not None:
-            check_position_room(config, rc, int(num_chunks))
-        for name, x in (("context", context), ("negative_context", negative_context)):
-            _check_finite(name, x)
-        self.params, self.config, self.rc = params, config, rc
-        self.key, self.noise, self.num_chunks = key, noise, num_chunks
-        self.state = self._init_state(context, negative_context)
-        self.index = self.start = 0  # chunk index of the next chunk / of this Stream's first one
-
-    @classmethod
-    def from_session(
-        cls, params, config: WanConfig, rc: RolloutConfig, session, *, num_chunks: int | None = None, noise=None
-    ) -> "Stream":
-        """A stream that continues ``session`` (`jaxkv.session.Session`, e.g. `jaxkv.session.load`ed): its chunks
-        are those an uninterrupted stream yields from chunk ``session.next_chunk`` on, bit for bit.
-
-        ``num_chunks`` counts the chunks of this continuation (None: endless); ``noise`` [chunks, steps, batch, ...]
-        is this continuation's explicit noise (required iff the session has no key). The session is **consumed**:
-        its buffers are donated to the first step; continue from ``session.fork()`` to keep it.
-        SessionError when the session's settings differ from (config, rc)."""
-        from jaxkv import session as S
-
-        if not isinstance(session, S.Session):
-            raise TypeError(f"from_session needs a jaxkv.session.Session, got {type(session).__name__}")
-        session.check(config, rc)
-        if session.on_host:
-            raise S.SessionError("the session's caches are offloaded; jaxkv.session.reload() it first")
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(session.state)):
-            raise S.SessionError(
-                "the session was consumed: an earlier Stream.from_session donated its buffers to its first step; "
-                "continue from session.fork() to keep a session for more than one stream"
-            )
-        if (session.key is None) == (noise is None):
-            raise ValueError(
-                "a session with a noise key continues from its key (pass no noise=); one without "
-                "(made from explicit noise) needs noise="
-            )
-        batch = session.sessions // (2 if rc.guidance_scale is not None else 1)
-        noise, num_chunks = _stream_noise(config, rc, batch, noise, num_chunks)
-        if num_chunks is not None:
-            check_position_room(config, rc, int(num_chunks), session.cache)
-        self = cls.__new__(cls)
-        self.params, self.config, self.rc = params, config, rc
-        self.key, self.noise, self.num_chunks = session.key, noise, num_chunks
-        # Sessions hold stacked states; per-layer params run on a per-layer state (a copy, made once here).
-        self.state = per_layer_state(session.state) if is_per_layer(params) else session.state
-        self.index = self.start = int(session.next_chunk)
-        return self
-
-    def commit(self, latents) -> None:
-        """Commits given clean latents float32 [batch, n * chunk_frames, h, w, in_dim] as the stream's first ``n``
-        chunks, before it generates any: each chunk goes through the pass at ``rc.schedule.context_noise`` that
-        commits a generated chunk (`commit`, one chunk per call of one compiled program, the cache donated), so
-        the cache holds what a stream that had generated these latents would hold. The stream then continues
-        them: ``index`` and ``start`` become ``n`` (the key's noise of its first chunk is chunk n's, a session
-        taken later resumes at the right chunk) and ``num_chunks`` still counts the chunks it generates.
-
-        ValueError, before the cache is touched, when the stream has already started (generated, committed or
-        resumed: ``index`` > 0), the latents are not whole chunks of the stream's shape, hold NaN/Inf, or would
-        leave no int32 position room for ``num_chunks`` more chunks."""
-        if self.index != 0:
-            raise ValueError(
-                f"commit gives a stream its first chunks; this one is already at chunk {self.index} "
-                f"(commit before the first next(), on a fresh Stream)"
-            )
-        if hasattr(self, "mesh"):
-            raise NotImplementedError("committing given latents to a stream on a mesh is not supported yet")
-        latents = jnp.asarray(latents, jnp.float32)
-        cf = self.rc.chunk_frames
-        batch = self.state.cache.batch // (2 if self.rc.guidance_scale is not None else 1)
-        frame = self.rc.chunk_shape(self.config, batch)[2:]
-        if latents.ndim != 5 or latents.shape[0] != batch or latents.shape[1] % cf or latents.shape[1] == 0:
-            raise ValueError(
-                f"commit needs latents [batch, n * chunk_frames, h, w, in_dim] = [{batch}, n * {cf}, "
-                f"{', '.join(map(str, frame))}] (whole chunks, n >= 1), got {list(latents.shape)}"
-            )
-        if tuple(latents.shape[2:]) != tuple(frame):
-            raise ValueError(
-                f"commit needs latent frames [h, w, in_dim] = {list(frame)} (the stream's), got "
-                f"{list(latents.shape[2:])}"
-            )
-        _check_finite("latents", latents)
-        n = latents.shape[1] // cf
-        check_position_room(self.config, self.rc, n + (self.num_chunks or 0), self.state.cache)
-        for c in range(n):
-            self.state = self._commit_chunk(latents[:, c * cf : (c + 1) * cf])
-        self.index = self.start = n
-
-    def _commit_chunk(self, chunk) -> RolloutState:
-        return commit_step(self.params, self.config, self.rc, self.state, chunk)
-
-    def session(self, *, copy: bool = True, extras: dict | None = None):
-        """The stream's state before its next chunk as a `jaxkv.session.Session` (with ``extras``, e.g. the VAE
-        decoder's). ``copy`` (default): in buffers of its own, valid whatever the stream does next; without it the
-        session shares the stream's buffers, which its next step donates (save it before stepping again). A stream
-        on per-layer params holds its state per layer: the session gets a stacked copy either way."""
-        from jaxkv import session as S
-
-        state = stacked_state(self.state)
-        s = S.Session.create(self.config, self.rc, state, key=self.key, next_chunk=self.index, extras=extras)
-        return s.fork() if copy and state is self.state else s
-
-    # The two hooks a mesh stream (`jaxkv.parallel.MeshStream`) replaces; ``step`` is the jitted step function
-    # (count its programs with `jaxkv.compilation.compile_count`).
-    step = staticmethod(stream_step)
-
-    def _init_state(self, context, negative_context) -> RolloutState:
-        return _init_state_jit(self.params, self.config, self.rc, context, negative_context)
-
-    def _run_step(self, key, index, noise):
-        return self.step(self.config, self.rc, self.params, self.state, key, index, noise)
-
-    def __iter__(self) -> Iterator[jax.Array]:
-        return self
-
-    def __next__(self) -> jax.Array:
-        if self.num_chunks is not None and self.index - self.start >= self.num_chunks:
-            raise StopIteration
-        if self.rc.bounded and self.index >= self.rc.spec(self.config).max_chunks:  # an endless stream's int32 limit
-            raise OverflowError(
-                f"chunk {self.index} would pass the int32 position limit "
-                f"({self.rc.spec(self.config).max_chunks} chunks to a stream); start a new Stream"
-            )
-        index = jnp.asarray(self.index, jnp.int32)
-        if self.noise is not None:
-            x, self.state = self._run_step(None, None, self.noise[self.index - self.start])
-        else:
-            x, self.state = self._run_step(self.key, index, None)
-        self.index += 1
-        return x

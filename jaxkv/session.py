@@ -1,6 +1,6 @@
 """`Session`: everything a stream needs to continue, as one pytree; saved to disk, resumed, forked, offloaded.
 
-A session is the state of a `jaxkv.rollout.Stream` (or of the scan `rollout`) between two chunks:
+A session is the state of a `jaxkv.stream.Stream` (or of the scan `rollout`) between two chunks:
 
   cache:       the stacked self-attention cache of every layer, any policy (`RingCache`, `RollingCache`,
                `jaxkv.cache.dilated.DilatedCache`): k, v [layers, sessions, capacity, heads, head_dim] in the cache
@@ -65,8 +65,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import files
-from jaxkv.cache import ChunkCache, MixedCache, RingCache, RollingCache
-from jaxkv.cache.dilated import DilatedCache
+from jaxkv.cache import CACHE_CLASSES, ChunkCache, MixedCache, RingCache, RollingCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.rollout import RolloutConfig, RolloutState, check_position_room, empty_cache, jit_rollout
@@ -78,9 +77,6 @@ MANIFEST = "session.json"
 ARRAYS = "arrays.safetensors"
 VAE_DECODER = "vae_decoder"  # the extras entry of the VAE decoder's feature caches (`vae_extra`)
 
-# The cache classes a session may hold, by name (`load` rebuilds the one its settings name, with their spec).
-# A `MixedCache` holds two of them, a dense stack (ring or rolling) and a dilated one.
-CACHE_CLASSES: dict[str, type] = {c.__name__: c for c in (RingCache, RollingCache, DilatedCache, MixedCache)}
 _CACHE_FIELDS = ("k", "v", "positions", "chunk_start")
 
 

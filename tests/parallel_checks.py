@@ -2,7 +2,7 @@
 (JAX fixes its device count when it initialises): ``python tests/parallel_checks.py CHECK [CHECK ...]`` prints
 ``OK CHECK`` for each check that passed and exits non-zero at the first failure.
 
-Every sharded result is compared with the single-device `jaxkv.rollout.Stream` on the same params, context and key.
+Every sharded result is compared with the single-device `jaxkv.stream.Stream` on the same params, context and key.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from jaxkv.compilation import compile_count
 from jaxkv.models.wan import config as C
 from jaxkv.models.wan import model as M
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 CONFIG = C.preset("tiny")  # 4 heads, ffn 128: model axes of 1, 2, 4 divide it
 PARAMS = M.init_params(CONFIG, jax.random.key(0))
@@ -61,7 +62,7 @@ def reference(rc, batch):
     """Single-device chunks and final state (cache rows in rollout order)."""
     if (rc, batch) not in _REFERENCE:
         ctx, neg = contexts(batch)
-        stream = R.Stream(
+        stream = Stream(
             PARAMS,
             CONFIG,
             rc,
@@ -174,7 +175,7 @@ def check_noise():
     mesh, rc, batch = PL.make_mesh(2, 4), rc_of(), 2
     ctx, _ = contexts(batch)
     noise = np.random.default_rng(3).standard_normal(rc.noise_shape(CONFIG, batch, CHUNKS)).astype(np.float32)
-    want = [np.asarray(x) for x in R.Stream(PARAMS, CONFIG, rc, ctx, noise=noise)]
+    want = [np.asarray(x) for x in Stream(PARAMS, CONFIG, rc, ctx, noise=noise)]
     stream = PL.MeshStream(PARAMS, CONFIG, rc, ctx, mesh=mesh, noise=noise)
     before = compile_count(stream.step)  # the step is shared with any key-driven stream of this mesh
     got = [np.asarray(x) for x in stream]
@@ -312,7 +313,7 @@ def stream_of(mesh, rc, batch, num_chunks):
     kw = dict(num_chunks=num_chunks, key=jax.random.key(7))
     kw["negative_context"] = neg if rc.guidance_scale is not None else None
     return (
-        R.Stream(PARAMS, CONFIG, rc, ctx, **kw)
+        Stream(PARAMS, CONFIG, rc, ctx, **kw)
         if mesh is None
         else PL.MeshStream(PARAMS, CONFIG, rc, ctx, mesh=mesh, **kw)
     )
@@ -405,8 +406,8 @@ def save_resume(guidance):
         assert_same_tensors(logical_tensors(s1, None), saved)
         assert all(len(x.devices()) == 1 for x in jax.tree.leaves(s1.state))
         same = session_from_tensors(rc, saved, jax.random.key(7), 1)
-        want = [np.asarray(x) for x in R.Stream.from_session(PARAMS, CONFIG, rc, same, num_chunks=CHUNKS - 1)]
-        xs = [np.asarray(x) for x in R.Stream.from_session(PARAMS, CONFIG, rc, s1, num_chunks=CHUNKS - 1)]
+        want = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, same, num_chunks=CHUNKS - 1)]
+        xs = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, s1, num_chunks=CHUNKS - 1)]
         for n, (a, b, c) in enumerate(zip(xs, want, ref_xs[1:], strict=True)):
             np.testing.assert_array_equal(a, b, err_msg=f"one-device chunk {n + 1}")
             np.testing.assert_allclose(a, c, **TOL, err_msg=f"one-device chunk {n + 1} vs uninterrupted")
@@ -451,7 +452,7 @@ def check_save_resume_exact():
         first = stream_of(m21, rc, batch, 1)
         next(first)
         path = CK.save(os.path.join(tmp, "mesh"), first.session(copy=False), mesh=m21)
-        resumed = R.Stream.from_session(PARAMS, CONFIG, rc, CK.load(path, CONFIG, rc), num_chunks=CHUNKS - 1)
+        resumed = Stream.from_session(PARAMS, CONFIG, rc, CK.load(path, CONFIG, rc), num_chunks=CHUNKS - 1)
         xs = [np.asarray(x) for x in resumed]
         one = stream_of(None, rc, batch, 1)
         next(one)

@@ -34,6 +34,7 @@ from jaxkv.models.wan import checkpoint
 from jaxkv.models.wan import config as C
 from jaxkv.models.wan import model as M
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 assert jax.process_count() == num_processes and len(jax.local_devices()) == 2 and len(jax.devices()) == 4
 
@@ -51,7 +52,7 @@ mesh = PL.make_mesh(2, 2)
 assert {d.process_index for d in mesh.devices[process_id]} == {process_id}  # a data group is one process
 _, sharded = PL.load_sharded(path, mesh)
 stream = PL.MeshStream(sharded, config, rc, context, mesh=mesh, num_chunks=3, key=jax.random.key(7))
-reference = R.Stream(params, config, rc, context, num_chunks=3, key=jax.random.key(7))
+reference = Stream(params, config, rc, context, num_chunks=3, key=jax.random.key(7))
 for n, (x, want) in enumerate(zip(stream, reference)):
     rows, local = PL.local_rows(x)
     assert rows == slice(process_id, process_id + 1), rows

@@ -22,6 +22,7 @@ from jaxkv.generate.png import write_png
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 from jaxkv.video import VideoWriter
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
@@ -174,7 +175,7 @@ def test_a_continued_stream_commits_what_a_generating_stream_holds():
     # a stream generates 4 chunks (past the first eviction: sink 1 + window 2); another starts from those latents:
     # its cache (K/V, positions, clock) is the first's, and both generate the same next chunks
     params, ctx, key = _params(20), _ctx(21, batch=2), jax.random.key(22)
-    first = R.Stream(params, CFG, RC, ctx, num_chunks=6, key=key)
+    first = Stream(params, CFG, RC, ctx, num_chunks=6, key=key)
     latents = jnp.concatenate([next(first) for _ in range(4)], axis=1)  # [2, 4, 2, 4, 4]
     continued = C.start_stream(params, CFG, RC, ctx, latents, num_chunks=2, key=key)
     assert continued.index == continued.start == 4 and first.index == 4
@@ -192,9 +193,9 @@ def test_a_continued_switchable_stream_recaches_the_given_chunks():
     # a switchable continued stream holds the given chunks in its latent ring, as one that generated them, so a
     # prompt switch re-caches them alike
     params, ctx, key = _params(20), _ctx(21, batch=2), jax.random.key(22)
-    first = R.Stream(params, CFG, RC, ctx, num_chunks=4, key=key)
+    first = Stream(params, CFG, RC, ctx, num_chunks=4, key=key)
     latents = jnp.concatenate(list(first), axis=1)
-    gen = recache.SwitchableStream(R.Stream(params, CFG, RC, ctx, num_chunks=5, key=key))
+    gen = recache.SwitchableStream(Stream(params, CFG, RC, ctx, num_chunks=5, key=key))
     for _ in range(4):
         next(gen)
     sw = C.start_stream(params, CFG, RC, ctx, latents, num_chunks=1, key=key, switchable=True)
@@ -208,7 +209,7 @@ def test_a_continued_switchable_stream_recaches_the_given_chunks():
 def test_commit_checks_before_touching_the_cache():
     params, ctx, key = _params(), _ctx(batch=2), jax.random.key(0)
     latents = jax.random.normal(jax.random.key(1), (2, 2, 2, 4, 4))
-    stream = R.Stream(params, CFG, RC, ctx, num_chunks=2, key=key)
+    stream = Stream(params, CFG, RC, ctx, num_chunks=2, key=key)
     before = [np.asarray(x) for x in jax.tree.leaves(stream.state.cache)]
     for bad, message in (
         (latents[:1], "batch"),
@@ -234,7 +235,7 @@ def test_a_continued_stream_saves_and_resumes(tmp_path):
     part = C.start_stream(params, CFG, RC, ctx, latents, num_chunks=4, key=key)
     got = [np.asarray(next(part)) for _ in range(2)]
     path = S.save(str(tmp_path / "s"), part.session())
-    resumed = R.Stream.from_session(params, CFG, RC, S.load(path, CFG, RC), num_chunks=2)
+    resumed = Stream.from_session(params, CFG, RC, S.load(path, CFG, RC), num_chunks=2)
     assert resumed.start == 5  # 3 given + 2 generated
     got += [np.asarray(x) for x in resumed]
     for a, b in zip(got, want):

@@ -18,6 +18,7 @@ from jaxkv.cache import RingCache, RingSpec
 from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models import wan
 from jaxkv.precision import Precision
+from jaxkv.stream import Stream
 
 CFG = wan.preset("tiny")
 HW = (8, 8)
@@ -251,4 +252,4 @@ def test_the_fp8_cache_refuses_the_per_layer_layout_before_anything_runs():
     flow, written = wan.forward_chunk(params, CFG, cache, cross, x, t, precision=precision)  # stacked: runs
     assert bool(jnp.all(jnp.isfinite(flow))) and isinstance(written, Fp8Cache)
     with pytest.raises(ValueError, match="an FP8 KV cache .* does not support"):
-        R.Stream(per_layer, CFG, rc, ctx, num_chunks=1, key=jax.random.key(2))
+        Stream(per_layer, CFG, rc, ctx, num_chunks=1, key=jax.random.key(2))

@@ -19,6 +19,7 @@ from jaxkv import rollout as R
 from jaxkv import session as S
 from jaxkv.generate import options, settings, toy
 from jaxkv.generate.options import UsageError
+from jaxkv.stream import Stream
 from jaxkv.toyworld import model as toy_model
 from jaxkv.toyworld import world
 
@@ -264,7 +265,7 @@ def test_a_toy_run_is_the_toy_models_own_stream_decoded_by_its_latent_map(runs):
     # the reference: the release loaded by jaxkv.toyworld itself, streamed with its own settings and prompt
     m = toy_model.load(RELEASE)
     rc = sample.rollout_config(m)
-    stream = R.Stream(m.params, m.config, rc, m.context([m.settings.prompt]), num_chunks=4, key=jax.random.key(0))
+    stream = Stream(m.params, m.config, rc, m.context([m.settings.prompt]), num_chunks=4, key=jax.random.key(0))
     want = np.concatenate([np.asarray(c) for c in stream], axis=1)
     np.testing.assert_allclose(latents, want, rtol=1e-5, atol=1e-5)
     # video: one 64x64 frame per latent frame, the latent map's decode
@@ -351,7 +352,7 @@ def test_preset_tiny_random_weights_is_the_old_default_path(tmp_path):
         schedule=Schedule(steps=(1000, 750, 500, 250), shift=5.0),
     )
     context = G.standin_context(0, config.text_dim, config.text_len)[None]
-    stream = R.Stream(
+    stream = Stream(
         wan.init_params(config, jax.random.key(0)), config, rc, context, num_chunks=2, key=jax.random.key(0)
     )
     want = np.concatenate([np.asarray(c) for c in stream], axis=1)

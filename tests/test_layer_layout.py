@@ -21,6 +21,7 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer, per_layer_params, stacked_params
 from jaxkv.precision import Precision
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 from tests.helpers.cudnn_standin import standin
 
 # Distinctive sizes (5 layers, 7 text tokens) so a stacked buffer is known by its shape in the compiled program.
@@ -73,7 +74,7 @@ def test_per_layer_stream_equals_the_stacked_stream_bit_for_bit_with_one_compila
     runs = {}
     for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
         before = compile_count(R.stream_step)
-        stream = R.Stream(p, CFG, rc, ctx, negative_context=neg, num_chunks=7, key=key)
+        stream = Stream(p, CFG, rc, ctx, negative_context=neg, num_chunks=7, key=key)
         chunks = np.concatenate([np.asarray(c) for c in stream], axis=1)
         assert compile_count(R.stream_step) - before == 1
         assert stream.state.cache.is_per_layer == (name == "per_layer")
@@ -87,12 +88,12 @@ def test_per_layer_stream_equals_the_stacked_stream_bit_for_bit_with_one_compila
 def test_a_per_layer_stream_saves_stacked_sessions_and_continues_from_them():
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500)))
     pl, ctx, key = per_layer_params(_params(6)), _ctx(7), jax.random.key(8)
-    whole = np.concatenate([np.asarray(c) for c in R.Stream(pl, CFG, rc, ctx, num_chunks=5, key=key)], axis=1)
-    first = R.Stream(pl, CFG, rc, ctx, num_chunks=3, key=key)
+    whole = np.concatenate([np.asarray(c) for c in Stream(pl, CFG, rc, ctx, num_chunks=5, key=key)], axis=1)
+    first = Stream(pl, CFG, rc, ctx, num_chunks=3, key=key)
     head = [np.asarray(c) for c in first]
     session = first.session()
     assert not session.cache.is_per_layer and not session.cross.is_per_layer  # sessions hold the stacked layout
-    rest = R.Stream.from_session(pl, CFG, rc, session, num_chunks=2)
+    rest = Stream.from_session(pl, CFG, rc, session, num_chunks=2)
     assert rest.state.cache.is_per_layer
     got = np.concatenate(head + [np.asarray(c) for c in rest], axis=1)
     np.testing.assert_array_equal(got, whole)

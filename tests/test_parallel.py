@@ -23,6 +23,7 @@ from jaxkv.models.wan.params import flat_param_shapes, param_shapes
 from jaxkv.parallel import mesh as mesh_lib
 from jaxkv.parallel import rules
 from jaxkv.parallel.rollout import session_order
+from jaxkv.stream import Stream
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -191,8 +192,8 @@ def test_sharded_session_round_trip_on_one_device(tmp_path):
     params = M.init_params(config, jax.random.key(0))
     rc = R.RolloutConfig(4, 4, chunk_frames=1, window_frames=2, sink_frames=1, schedule=Schedule(steps=(1000, 500)))
     ctx = np.random.default_rng(0).standard_normal((1, 5, config.text_dim)).astype(np.float32)
-    whole = [np.asarray(x) for x in R.Stream(params, config, rc, ctx, num_chunks=3, key=jax.random.key(7))]
-    stream = R.Stream(params, config, rc, ctx, num_chunks=1, key=jax.random.key(7))
+    whole = [np.asarray(x) for x in Stream(params, config, rc, ctx, num_chunks=3, key=jax.random.key(7))]
+    stream = Stream(params, config, rc, ctx, num_chunks=1, key=jax.random.key(7))
     next(stream)
     session = stream.session()
     path = CK.save(str(tmp_path / "s"), session)
@@ -202,7 +203,7 @@ def test_sharded_session_round_trip_on_one_device(tmp_path):
     for name, x in S._tensors(loaded)[0].items():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(named[name]), err_msg=name)
     on_mesh = CK.load(path, config, rc, mesh=PL.make_mesh(1, 1, jax.devices()[:1]))
-    for s, make in ((loaded, R.Stream.from_session), (on_mesh, PL.MeshStream.from_session)):
+    for s, make in ((loaded, Stream.from_session), (on_mesh, PL.MeshStream.from_session)):
         kw = {} if s is loaded else {"mesh": PL.make_mesh(1, 1, jax.devices()[:1])}
         xs = [np.asarray(x) for x in make(params, config, rc, s, num_chunks=2, **kw)]
         for a, b in zip(xs, whole[1:], strict=True):

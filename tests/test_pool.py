@@ -14,6 +14,7 @@ from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4
@@ -35,7 +36,7 @@ def _solo(params, rc, seed, num_chunks):
     """The stream alone: batch 1, its own Stream."""
     return [
         np.asarray(x[0])
-        for x in R.Stream(params, CFG, rc, _ctx(seed), num_chunks=num_chunks, key=jax.random.key(100 + seed))
+        for x in Stream(params, CFG, rc, _ctx(seed), num_chunks=num_chunks, key=jax.random.key(100 + seed))
     ]
 
 

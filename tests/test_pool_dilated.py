@@ -10,8 +10,8 @@ import pytest
 
 from jaxkv import pool as P
 from jaxkv import recache as RC
-from jaxkv import rollout as R
 from jaxkv.models import wan
+from jaxkv.stream import Stream
 from tests.test_pool import CFG, _ctx, _rc
 
 
@@ -24,7 +24,7 @@ def _dilated_rc(every):
 def _solo(params, rc, seed, num_chunks):
     return [
         np.asarray(x[0])
-        for x in R.Stream(params, CFG, rc, _ctx(seed), num_chunks=num_chunks, key=jax.random.key(100 + seed))
+        for x in Stream(params, CFG, rc, _ctx(seed), num_chunks=num_chunks, key=jax.random.key(100 + seed))
     ]
 
 
@@ -67,7 +67,7 @@ def test_dilated_pool_rows_equal_their_solo_streams_and_a_reused_row_starts_clea
     # a row switches its prompt as its solo SwitchableStream does: the dilated layers are replayed from the row's ring
     pool.switch_prompt(where[3], _ctx(7))
     switched = [np.asarray(pool.step()[where[3]]) for _ in range(2)]
-    solo = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(3), key=jax.random.key(103)))
+    solo = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(3), key=jax.random.key(103)))
     want = []
     for i in range(6):
         if i == 4:
@@ -79,7 +79,7 @@ def test_dilated_pool_rows_equal_their_solo_streams_and_a_reused_row_starts_clea
 
     # its rows go out as sessions (mixed caches included) and come back bit for bit
     session = pool.session(where[3])
-    tail = [np.asarray(x[0]) for x in R.Stream.from_session(params, CFG, rc, session.fork(), num_chunks=2)]
+    tail = [np.asarray(x[0]) for x in Stream.from_session(params, CFG, rc, session.fork(), num_chunks=2)]
     pool.finish(where[2])
     row = pool.admit_session(session)
     for i in range(2):

@@ -17,10 +17,10 @@ import pytest
 
 from jaxkv import pool as P
 from jaxkv import recache as RC
-from jaxkv import rollout as R
 from jaxkv import session as S
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
+from jaxkv.stream import Stream
 from tests.test_pool import CFG, _ctx, _rc
 
 
@@ -46,7 +46,7 @@ def _solo(params, rc, seed, switches, num_chunks, negatives=None):
     """Stream ``seed`` alone (batch 1): a SwitchableStream on _ctx(seed), switched to _ctx(c) before chunk n for
     each (n, c) in ``switches``. With guidance ``negatives`` = (first negative seed, {n: negative seed})."""
     neg = None if negatives is None else _ctx(negatives[0])
-    s = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed), negative_context=neg))
+    s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed), negative_context=neg))
     out = []
     for i in range(num_chunks):
         if i in switches:
@@ -87,7 +87,7 @@ def test_a_row_that_switches_at_chunk_n_is_its_solo_switchable_stream_and_other_
     assert len(got[a]) == 7 and len(got[b]) == 5
 
     def solo(seed, switches, n):
-        s = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed)))
+        s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed)))
         out = []
         for i in range(n):
             if i in switches:
@@ -144,7 +144,7 @@ def test_a_row_taken_out_resumes_solo_and_a_solo_session_joins_a_pool_bit_for_bi
     other = pool.admit(_ctx(2), jax.random.key(102))
     pool.step()
     # a solo SwitchableStream, 3 chunks in, saved with its ring, joins the pool (row 1) at chunk 3
-    solo = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(1), key=jax.random.key(101)))
+    solo = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(1), key=jax.random.key(101)))
     head = [np.asarray(next(solo)[0]) for _ in range(3)]
     saved = solo.session(extras={RC.RING_EXTRA: solo.ring_extra()})
     row = pool.admit_session(saved)
@@ -158,7 +158,7 @@ def test_a_row_taken_out_resumes_solo_and_a_solo_session_joins_a_pool_bit_for_bi
     # the pool row taken out at chunk 6 resumes solo, as a SwitchableStream, exactly where the row goes on
     out = pool.session(row)
     assert int(out.next_chunk) == 6 and len(head) == 3
-    resumed = RC.SwitchableStream(R.Stream.from_session(params, CFG, rc, out.fork(), num_chunks=3))
+    resumed = RC.SwitchableStream(Stream.from_session(params, CFG, rc, out.fork(), num_chunks=3))
     resumed.restore_ring(out.extras[RC.RING_EXTRA])
     resumed.switch(_ctx(8))
     pool.switch_prompt(row, _ctx(8))
@@ -178,20 +178,20 @@ def test_admit_session_refuses_what_a_row_cannot_hold_before_anything_changes():
     params = _params()
     pool = P.StreamPool(params, CFG, rc, rows=2)
     pool.admit(_ctx(1), jax.random.key(101))
-    stream = R.Stream(params, CFG, rc, _ctx(1), key=jax.random.key(1))
+    stream = Stream(params, CFG, rc, _ctx(1), key=jax.random.key(1))
     next(stream), next(stream)
     ok = stream.session()  # saved without its ring
     before = _row(pool, 1)
     other_rc = _rc(window_frames=3)
     with pytest.raises(S.SessionError, match="window_frames"):
-        pool.admit_session(R.Stream(params, CFG, other_rc, _ctx(1), key=jax.random.key(1)).session())
+        pool.admit_session(Stream(params, CFG, other_rc, _ctx(1), key=jax.random.key(1)).session())
     with pytest.raises(S.SessionError, match="one stream"):
         pool.admit_session(
-            R.Stream(params, CFG, rc, jnp.concatenate([_ctx(1), _ctx(2)]), key=jax.random.key(1)).session()
+            Stream(params, CFG, rc, jnp.concatenate([_ctx(1), _ctx(2)]), key=jax.random.key(1)).session()
         )
     noise = jnp.zeros(rc.noise_shape(CFG, 1, 1))
     with pytest.raises(S.SessionError, match="explicit noise"):
-        pool.admit_session(R.Stream(params, CFG, rc, _ctx(1), noise=noise).session())
+        pool.admit_session(Stream(params, CFG, rc, _ctx(1), noise=noise).session())
     with pytest.raises(S.SessionError, match="vae_decoder"):
         pool.admit_session(ok.replace(extras={S.VAE_DECODER: {"first": jnp.ones((), bool)}}))
     with pytest.raises(TypeError, match="Session"):

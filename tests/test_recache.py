@@ -21,6 +21,7 @@ from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame
@@ -95,7 +96,7 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
 def _stream_then_switch(params, rc, ctx_a, ctx_b, noise, before, keep_sink):
     """A SwitchableStream on prompt A for ``before`` chunks, switched to B, continued to the end of ``noise``.
     Returns (clean chunks, the state just before the switch's copy, the state right after the switch)."""
-    s = RC.SwitchableStream(R.Stream(params, CFG, rc, ctx_a, noise=noise))
+    s = RC.SwitchableStream(Stream(params, CFG, rc, ctx_a, noise=noise))
     chunks = [next(s) for _ in range(before)]
     snapshot = jax.tree.map(jnp.copy, s.state)  # the switch donates the state
     s.switch(ctx_b, keep_sink=keep_sink)
@@ -155,7 +156,7 @@ def test_switching_to_the_same_prompt_before_the_window_wraps_changes_nothing():
     rc = _rc()  # 3 slots: chunks 0..2 are held before the first eviction
     params, ctx = _params(), _ctx(1, 2)
     noise = jax.random.normal(jax.random.key(4), rc.noise_shape(CFG, 2, 5))
-    plain = list(R.Stream(params, CFG, rc, ctx, noise=noise))
+    plain = list(Stream(params, CFG, rc, ctx, noise=noise))
     chunks, old, switched = _stream_then_switch(params, rc, ctx, ctx, noise, 3, keep_sink=False)
     np.testing.assert_allclose(switched.cache.k, old.cache.k, atol=1e-5)
     np.testing.assert_allclose(switched.cache.v, old.cache.v, atol=1e-5)
@@ -166,7 +167,7 @@ def test_switches_compile_once_and_never_recompile_the_step():
     rc = _rc()
     params = _params()
     noise = jax.random.normal(jax.random.key(5), rc.noise_shape(CFG, 2, 8))
-    s = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(1, 2), noise=noise))
+    s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(1, 2), noise=noise))
     next(s), next(s)
     s.switch(_ctx(12, 2))  # the first switch and step compile (or were compiled by another test)
     steps, switches = compile_count(R.stream_step), compile_count(RC.jit_switch_prompt)
@@ -184,7 +185,7 @@ def test_guided_switch_recaches_both_sessions():
     rc = _rc(guidance_scale=2.0)
     params = _params()
     neg = jnp.zeros((1, 2, CFG.text_dim))
-    s = RC.SwitchableStream(R.Stream(params, CFG, rc, _ctx(1), negative_context=neg, key=jax.random.key(0)))
+    s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(1), negative_context=neg, key=jax.random.key(0)))
     for _ in range(3):
         next(s)
     before = jax.tree.map(jnp.copy, s.state)
@@ -197,7 +198,7 @@ def test_guided_switch_recaches_both_sessions():
 
 def _stream(rc, chunks=2):
     noise = jax.random.normal(jax.random.key(6), rc.noise_shape(CFG, 2, 4))
-    s = RC.SwitchableStream(R.Stream(_params(), CFG, rc, _ctx(1, 2), noise=noise))
+    s = RC.SwitchableStream(Stream(_params(), CFG, rc, _ctx(1, 2), noise=noise))
     for _ in range(chunks):
         next(s)
     return s

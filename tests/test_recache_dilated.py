@@ -16,6 +16,7 @@ from jaxkv import recache as RC
 from jaxkv import rollout as R
 from jaxkv.cache import MixedCache
 from jaxkv.models.wan import model as M
+from jaxkv.stream import Stream
 from tests.test_rollout_mixed import CFG, SCHEDULE, H, W, _ctx, _params, layer_masks
 
 
@@ -117,7 +118,7 @@ def test_switch_rebuilds_every_layer_as_the_cache_free_reference(name, keep_sink
     params, ctx_a, ctx_b = _params(), _ctx(1), _ctx(2)
     neg_a, neg_b = (_ctx(4), _ctx(5)) if guided else (None, None)
     noise = jax.random.normal(jax.random.key(3), rc.noise_shape(CFG, 1, before + 1))
-    s = RC.SwitchableStream(R.Stream(params, CFG, rc, ctx_a, noise=noise, negative_context=neg_a))
+    s = RC.SwitchableStream(Stream(params, CFG, rc, ctx_a, noise=noise, negative_context=neg_a))
     chunks = [next(s) for _ in range(before)]
     old = jax.tree.map(jnp.copy, s.state)  # the switch donates the state
     s.switch(ctx_b, neg_b, keep_sink=keep_sink)

@@ -16,6 +16,7 @@ from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame
@@ -145,7 +146,7 @@ def test_stream_equals_scan_rollout_for_20_chunks_with_one_compilation():
             H, W, chunk_frames=1, window_frames=2, sink_frames=1, policy=policy, schedule=Schedule(steps=(1000, 500))
         )
         before = compile_count(R.stream_step)
-        stream = R.Stream(params, CFG, rc, ctx, num_chunks=20, key=key)
+        stream = Stream(params, CFG, rc, ctx, num_chunks=20, key=key)
         chunks = list(stream)
         assert len(chunks) == 20 and stream.index == 20
         assert compile_count(R.stream_step) - before == 1  # one program for all 20 chunks
@@ -375,9 +376,9 @@ def test_stream_rejects_more_chunks_than_the_noise_holds():
     rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=2, schedule=Schedule(steps=(1000, 500)))
     noise = jnp.zeros(rc.noise_shape(CFG, 1, 2))
     with pytest.raises(ValueError, match="num_chunks=3 but the noise holds only 2"):
-        R.Stream(params, CFG, rc, ctx, num_chunks=3, noise=noise)
-    assert R.Stream(params, CFG, rc, ctx, noise=noise).num_chunks == 2
-    assert R.Stream(params, CFG, rc, ctx, num_chunks=1, noise=noise).num_chunks == 1
+        Stream(params, CFG, rc, ctx, num_chunks=3, noise=noise)
+    assert Stream(params, CFG, rc, ctx, noise=noise).num_chunks == 2
+    assert Stream(params, CFG, rc, ctx, num_chunks=1, noise=noise).num_chunks == 1
 
 
 @pytest.mark.slow
@@ -419,7 +420,7 @@ def test_rollout_and_stream_refuse_to_pass_the_int32_position_limit():
     with pytest.raises(ValueError, match="int32 position limit"):
         R.rollout(params, CFG, rc, ctx, num_chunks=limit + 1, key=jax.random.key(0))
     with pytest.raises(ValueError, match="int32 position limit"):
-        R.Stream(params, CFG, rc, ctx, num_chunks=limit + 1, key=jax.random.key(0))
+        Stream(params, CFG, rc, ctx, num_chunks=limit + 1, key=jax.random.key(0))
     # Continuing a state: the chunks it already holds count.
     state = R.init_state(params, CFG, rc, ctx)
     chunk = rc.spec(CFG).chunk
@@ -427,7 +428,7 @@ def test_rollout_and_stream_refuse_to_pass_the_int32_position_limit():
     with pytest.raises(ValueError, match="generate at most 1 more"):
         R.rollout(params, CFG, rc, ctx, num_chunks=2, key=jax.random.key(0), state=late)
     # An endless stream stops with an error at the limit instead of wrapping.
-    stream = R.Stream(params, CFG, rc, ctx, key=jax.random.key(0))
+    stream = Stream(params, CFG, rc, ctx, key=jax.random.key(0))
     stream.index = limit
     with pytest.raises(OverflowError, match="int32 position limit"):
         next(stream)

@@ -18,6 +18,7 @@ from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 from tests.helpers.dilated_reference import DilatedHistory
 from tests.helpers.masked_reference import chunk_rows, dense_window_rows, reference_rollout
 
@@ -147,7 +148,7 @@ def test_mixed_stream_compiles_once_and_its_memory_does_not_grow_with_the_dilate
         H, W, chunk_frames=1, window_frames=2, schedule=SCHEDULE, dilated_every=2, dilation=2, buckets=2
     )
     before = compile_count(R.stream_step)
-    chunks = list(R.Stream(params, CFG, rc, ctx, num_chunks=7, key=jax.random.key(4)))
+    chunks = list(Stream(params, CFG, rc, ctx, num_chunks=7, key=jax.random.key(4)))
     assert len(chunks) == 7 and compile_count(R.stream_step) - before == 1
     noise = jnp.stack([R.chunk_noise(jax.random.key(4), CFG, rc, 1, n) for n in range(7)])
     scan = R.jit_rollout(params, CFG, rc, ctx, num_chunks=7, noise=noise).latents

@@ -18,6 +18,7 @@ from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame
@@ -94,13 +95,13 @@ def test_cache_relative_stream_equals_rerotating_a_chronological_copy():
     rc = _rc(rope="cache-relative")
     params, ctx = _params(), _ctx(1)
     noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, 6))  # the window wraps twice
-    got = list(R.Stream(params, CFG, rc, ctx, noise=noise))
+    got = list(Stream(params, CFG, rc, ctx, noise=noise))
     want = reference_relative_stream(params, rc, ctx, noise)
     for n, (g, w) in enumerate(zip(got, want)):
         err = float(jnp.abs(g - w).max() / jnp.abs(w).max())
         assert err <= 1e-4, (n, err)
     # the mode matters: absolute RoPE gives another stream once the frames the model sees differ (chunk 2 on)
-    absolute = list(R.Stream(params, CFG, _rc(), ctx, noise=noise))
+    absolute = list(Stream(params, CFG, _rc(), ctx, noise=noise))
     assert float(jnp.abs(absolute[0] - got[0]).max()) <= 1e-5  # chunk 0: frame 0 in both modes
     assert float(jnp.abs(absolute[-1] - got[-1]).max()) > 1e-3
 
@@ -111,8 +112,8 @@ def test_cache_relative_keys_are_cached_unrotated():
     absolute positions gives the absolute-mode cache (frame 0: rank = position)."""
     params, ctx = _params(), _ctx(1)
     noise = jax.random.normal(jax.random.key(3), _rc().noise_shape(CFG, 2, 2))
-    rel = R.Stream(params, CFG, _rc(rope="cache-relative"), ctx, noise=noise)
-    ab = R.Stream(params, CFG, _rc(), ctx, noise=noise)
+    rel = Stream(params, CFG, _rc(rope="cache-relative"), ctx, noise=noise)
+    ab = Stream(params, CFG, _rc(), ctx, noise=noise)
     next(rel), next(ab)
     c = rel.state.cache.spec.chunk
     pos = jnp.broadcast_to(jnp.arange(c), (2, c))
@@ -207,7 +208,7 @@ def test_cache_relative_stream_runs_past_the_int32_limit_unchanged():
     rc = _rc(rope="cache-relative")
     params, ctx = _params(), _ctx(1)
     noise = jax.random.normal(jax.random.key(4), rc.noise_shape(CFG, 2, 8))
-    base = R.Stream(params, CFG, rc, ctx, noise=noise)
+    base = Stream(params, CFG, rc, ctx, noise=noise)
     for _ in range(4):
         next(base)
     spec = rc.spec(CFG)

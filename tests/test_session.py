@@ -22,6 +22,7 @@ from jaxkv.compilation import count_compiles
 from jaxkv.models import wan
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame
@@ -55,7 +56,7 @@ def _dilated_state(rc, batch=1):
 
 def _dilated_stream(rc, num_chunks, key=KEY):
     """A Stream over a DilatedCache (RolloutConfig builds only ring / rolling caches): same step, another cache."""
-    stream = R.Stream(PARAMS, CFG, rc, CTX, num_chunks=num_chunks, key=key)
+    stream = Stream(PARAMS, CFG, rc, CTX, num_chunks=num_chunks, key=key)
     stream.state = _dilated_state(rc)
     return stream
 
@@ -101,7 +102,7 @@ def _stream(rc, kind, num_chunks):
     if kind == "dilated":
         return _dilated_stream(rc, num_chunks)
     neg = jnp.zeros_like(CTX) if kind == "guided" else None
-    return R.Stream(PARAMS, CFG, rc, CTX, num_chunks=num_chunks, key=KEY, negative_context=neg)
+    return Stream(PARAMS, CFG, rc, CTX, num_chunks=num_chunks, key=KEY, negative_context=neg)
 
 
 @pytest.mark.parametrize(
@@ -131,7 +132,7 @@ def test_save_and_resume_equals_the_uninterrupted_stream(tmp_path, name):
         with pytest.raises(S.SessionError, match="cache.spec.dilated.dilation: saved 2, now 3"):
             S.load(str(tmp_path / "s"), CFG, dataclasses.replace(rc, dilation=3))
     with count_compiles(R.stream_step) as compiles:
-        tail = _chunks(R.Stream.from_session(PARAMS, CFG, rc, loaded, num_chunks=3))
+        tail = _chunks(Stream.from_session(PARAMS, CFG, rc, loaded, num_chunks=3))
     assert compiles() == 0
     assert len(tail) == 3
     for i, (a, b) in enumerate(zip(whole, head + tail)):
@@ -143,14 +144,14 @@ def test_save_and_resume_equals_the_uninterrupted_stream(tmp_path, name):
 @pytest.mark.slow  # compiles another program (~20 s on 2 busy cores)
 def test_resume_from_a_stream_with_explicit_noise():
     noise = jax.random.normal(jax.random.key(3), RC.noise_shape(CFG, 1, 5))
-    whole = _chunks(R.Stream(PARAMS, CFG, RC, CTX, noise=noise))
-    first = R.Stream(PARAMS, CFG, RC, CTX, noise=noise[:2])
+    whole = _chunks(Stream(PARAMS, CFG, RC, CTX, noise=noise))
+    first = Stream(PARAMS, CFG, RC, CTX, noise=noise[:2])
     head = _chunks(first)
     s = first.session()
     assert s.key is None
     with pytest.raises(ValueError, match="needs noise="):
-        R.Stream.from_session(PARAMS, CFG, RC, s)
-    tail = _chunks(R.Stream.from_session(PARAMS, CFG, RC, s, noise=noise[2:]))
+        Stream.from_session(PARAMS, CFG, RC, s)
+    tail = _chunks(Stream.from_session(PARAMS, CFG, RC, s, noise=noise[2:]))
     assert [c.tobytes() for c in whole] == [c.tobytes() for c in head + tail]
 
 
@@ -158,8 +159,8 @@ def test_resume_from_a_stream_with_explicit_noise():
 def test_scan_rollout_continues_a_session():
     """`advance` (the scan rollout from the session's state and next chunk) equals the stream's chunks 3..5, and
     continues itself (advance twice == advance once over both)."""
-    whole = _chunks(R.Stream(PARAMS, CFG, RC, CTX, num_chunks=6, key=KEY))
-    first = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=3, key=KEY)
+    whole = _chunks(Stream(PARAMS, CFG, RC, CTX, num_chunks=6, key=KEY))
+    first = Stream(PARAMS, CFG, RC, CTX, num_chunks=3, key=KEY)
     _chunks(first)
     s = first.session()
     latents, s6 = S.advance(PARAMS, CFG, RC, s.fork(), 3)
@@ -172,7 +173,7 @@ def test_scan_rollout_continues_a_session():
 
 
 def _saved(tmp_path):
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
     _chunks(st)
     path = S.save(str(tmp_path / "s"), st.session(), metadata={"note": "x"})
     return st, path
@@ -238,11 +239,11 @@ def test_load_refuses_other_settings_naming_the_difference(tmp_path, change, nam
 
 
 def test_from_session_refuses_other_settings_and_a_dilated_cache_of_another_spec(tmp_path):
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
     _chunks(st)
     other = R.RolloutConfig(H, W, chunk_frames=1, window_frames=4, sink_frames=1, schedule=RC.schedule)
     with pytest.raises(S.SessionError, match="window_frames: saved 2, now 4"):
-        R.Stream.from_session(PARAMS, CFG, other, st.session())
+        Stream.from_session(PARAMS, CFG, other, st.session())
     d = _dilated_stream(RC, 1)
     _chunks(d)
     S.save(str(tmp_path / "d"), d.session())
@@ -269,7 +270,7 @@ def test_manifest_and_files(tmp_path):
 
 
 def test_extras_round_trip(tmp_path):
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
     _chunks(st)
     extras = {
         "vae_decoder": {
@@ -292,7 +293,7 @@ def test_save_is_atomic_and_never_overwrites_silently(tmp_path, monkeypatch):
     existing path is refused without force, and force replaces only a session directory."""
     import safetensors.numpy
 
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
     _chunks(st)
     session = st.session()
     real = safetensors.numpy.save_file
@@ -317,7 +318,7 @@ def test_save_is_atomic_and_never_overwrites_silently(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="refusing to replace"):
         S.save(str(tmp_path / "other"), session, force=True)
     assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
-    _chunks(R.Stream.from_session(PARAMS, CFG, RC, session.fork(), num_chunks=1))
+    _chunks(Stream.from_session(PARAMS, CFG, RC, session.fork(), num_chunks=1))
     S.save(path, session, force=True)  # a session directory may be replaced
     assert int(S.load(path, CFG, RC).next_chunk) == 1
 
@@ -338,7 +339,7 @@ def test_incomplete_or_corrupt_directories_are_refused(tmp_path):
 
 
 def test_inconsistent_clock_is_refused(tmp_path):
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
     _chunks(st)
     bad = st.session().replace(next_chunk=jnp.asarray(5, jnp.int32))
     S.save(str(tmp_path / "s"), bad)
@@ -349,22 +350,22 @@ def test_inconsistent_clock_is_refused(tmp_path):
 def test_forks_diverge_and_survive_each_others_donated_steps():
     """Two forks of one history: stepping one (its buffers donated, so deleted) leaves the other and the original
     valid; a fork with another key diverges, a fork with the same key repeats the first fork's chunks."""
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
     _chunks(st)
     base = st.session()
     before = _bits(base)
     a, b, c = base.fork(), base.fork(), base.fork().replace(key=jax.random.key(99))
-    sa = R.Stream.from_session(PARAMS, CFG, RC, a, num_chunks=2)
+    sa = Stream.from_session(PARAMS, CFG, RC, a, num_chunks=2)
     xa = _chunks(sa)
     assert a.cache.k.is_deleted()  # the step donated fork a's buffers ...
     assert not b.cache.k.is_deleted() and not base.cache.k.is_deleted()
-    xb = _chunks(R.Stream.from_session(PARAMS, CFG, RC, b, num_chunks=2))
-    xc = _chunks(R.Stream.from_session(PARAMS, CFG, RC, c, num_chunks=2))
+    xb = _chunks(Stream.from_session(PARAMS, CFG, RC, b, num_chunks=2))
+    xc = _chunks(Stream.from_session(PARAMS, CFG, RC, c, num_chunks=2))
     assert [x.tobytes() for x in xa] == [x.tobytes() for x in xb]
     assert all(x.tobytes() != y.tobytes() for x, y in zip(xa, xc))
     assert _bits(base) == before
     # without copy the session shares the stream's buffers (and is invalidated by its next step)
-    st2 = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
+    st2 = Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
     next(st2)
     shared = st2.session(copy=False)
     next(st2)
@@ -374,7 +375,7 @@ def test_forks_diverge_and_survive_each_others_donated_steps():
 @pytest.mark.parametrize("memory_kind", ["auto", None])
 @pytest.mark.slow
 def test_offload_and_reload_are_bit_identical(memory_kind):
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
     _chunks(st)
     s = st.session(extras={"ring": jnp.arange(4.0)})
     before = _bits(s)
@@ -386,17 +387,17 @@ def test_offload_and_reload_are_bit_identical(memory_kind):
         assert host.cache.k.sharding.memory_kind == S.host_memory_kind()
     assert _bits(host) == before
     with pytest.raises(S.SessionError, match="offloaded"):
-        R.Stream.from_session(PARAMS, CFG, RC, host)
+        Stream.from_session(PARAMS, CFG, RC, host)
     back = S.reload(host)
     assert not back.on_host and _bits(back) == before
     assert back.cache.k.sharding.memory_kind == jax.devices()[0].default_memory().kind
-    whole = _chunks(R.Stream(PARAMS, CFG, RC, CTX, num_chunks=4, key=KEY))
-    tail = _chunks(R.Stream.from_session(PARAMS, CFG, RC, back, num_chunks=2))
+    whole = _chunks(Stream(PARAMS, CFG, RC, CTX, num_chunks=4, key=KEY))
+    tail = _chunks(Stream.from_session(PARAMS, CFG, RC, back, num_chunks=2))
     assert [x.tobytes() for x in whole[2:]] == [x.tobytes() for x in tail]
 
 
 def test_failed_offload_raises_and_keeps_the_device_copy(monkeypatch):
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=KEY)
     _chunks(st)
     s = st.session()
     before = _bits(s)
@@ -414,21 +415,21 @@ def test_failed_offload_raises_and_keeps_the_device_copy(monkeypatch):
     assert not any(x.is_deleted() for x in jax.tree.leaves(s.state))
     assert not s.on_host and _bits(s) == before
     monkeypatch.setattr(S, "_to_host", real)
-    tail = _chunks(R.Stream.from_session(PARAMS, CFG, RC, s, num_chunks=1))
-    whole = _chunks(R.Stream(PARAMS, CFG, RC, CTX, num_chunks=3, key=KEY))
+    tail = _chunks(Stream.from_session(PARAMS, CFG, RC, s, num_chunks=1))
+    whole = _chunks(Stream(PARAMS, CFG, RC, CTX, num_chunks=3, key=KEY))
     assert tail[0].tobytes() == whole[2].tobytes()
 
 
 def test_bad_arguments():
-    st = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
     with pytest.raises(S.SessionError, match="RolloutState"):
         S.Session.create(CFG, RC, (st.state.cache, st.state.cross), key=KEY, next_chunk=0)
     with pytest.raises(S.SessionError, match=">= 0"):
         S.Session.create(CFG, RC, st.state, key=KEY, next_chunk=-1)
     with pytest.raises(TypeError, match="Session"):
-        R.Stream.from_session(PARAMS, CFG, RC, st.state)
+        Stream.from_session(PARAMS, CFG, RC, st.state)
     with pytest.raises(ValueError, match="positive int"):
-        R.Stream.from_session(PARAMS, CFG, RC, st.session(), num_chunks=0)
+        Stream.from_session(PARAMS, CFG, RC, st.session(), num_chunks=0)
     with pytest.raises(S.SessionError, match="not offloaded"):
         S.reload(st.session())
     with pytest.raises(S.SessionError, match="memory_kind"):
@@ -436,14 +437,14 @@ def test_bad_arguments():
 
 
 def test_a_consumed_session_is_named_as_consumed_not_as_a_deleted_buffer():
-    stream = R.Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=jax.random.key(2))
+    stream = Stream(PARAMS, CFG, RC, CTX, num_chunks=2, key=jax.random.key(2))
     _chunks(stream)
     session = stream.session()
     kept = session.fork()
-    next(R.Stream.from_session(PARAMS, CFG, RC, session, num_chunks=1))  # donates the session's buffers
+    next(Stream.from_session(PARAMS, CFG, RC, session, num_chunks=1))  # donates the session's buffers
     with pytest.raises(S.SessionError, match="the session was consumed.*session.fork"):
-        R.Stream.from_session(PARAMS, CFG, RC, session, num_chunks=1)
-    assert next(R.Stream.from_session(PARAMS, CFG, RC, kept, num_chunks=1)).shape[0] == 1  # a fork is its own
+        Stream.from_session(PARAMS, CFG, RC, session, num_chunks=1)
+    assert next(Stream.from_session(PARAMS, CFG, RC, kept, num_chunks=1)).shape[0] == 1  # a fork is its own
 
 
 @pytest.mark.parametrize("which", ["context", "negative_context"])
@@ -464,7 +465,7 @@ def test_a_stream_refuses_a_non_finite_context_before_any_step(which):
         )
     )
     with pytest.raises(ValueError, match=f"{which} holds \\d non-finite value"):
-        R.Stream(PARAMS, CFG, rc, num_chunks=1, key=jax.random.key(2), **kw)
+        Stream(PARAMS, CFG, rc, num_chunks=1, key=jax.random.key(2), **kw)
 
 
 def test_corrupted_tensor_bytes_are_refused_naming_the_tensor(tmp_path):

@@ -7,10 +7,16 @@ scratch chunk, for long-range layers; `MixedCache` (`MixedSpec`) puts both kinds
 dilated. `WindowSchedule` is the arithmetic of windowed generation and `jaxkv.cache.prefix` the protected prefix
 (the sink) with its `PrefixEpoch` and the `release` of what a schedule frees.
 
-`POLICIES` maps the policy names that models and the CLI accept to the classes. Every class is created by the same
-``init(spec, batch, heads, head_dim, dtype, layers)``; the spec's type is the class's `spec_type` (`RingSpec` for
-"ring" and "rolling", `DilatedSpec` for "dilated"), which `policy_class(name, spec)` checks. `WINDOW_POLICIES`
-names those of a sink + window (what a model's dense layers and ``--policy`` choose from).
+`POLICIES` maps the policy names that models and the CLI accept to the classes: the one registry. Every class is
+created by the same ``init(spec, batch, heads, head_dim, dtype, layers)``; the spec's type is the class's
+`spec_type` (`RingSpec` for "ring" and "rolling", `DilatedSpec` for "dilated"), which `policy_class(name, spec)`
+checks. Derived from it and the classes' attributes: `WINDOW_POLICIES` names those of a sink + window (what a
+model's dense layers and ``--policy`` choose from), `WRAPPING_POLICIES` those whose clock wraps (``wraps``:
+cache-relative RoPE without end, `jaxkv.cache.clock`), `RECACHE_POLICIES` those a prompt switch can re-cache
+(``recaches``), `CACHE_CLASSES` the classes by class name (what a saved session records).
+
+The cache rules a stream follows live here too: the slot of a chunk, the int32 position limit and the wrapped
+clock in `jaxkv.cache.clock`, the per-layer layout of a mixed model in `MixedCache`.
 """
 
 from jaxkv.cache.base import EMPTY, ChunkCache
@@ -23,7 +29,14 @@ from jaxkv.cache.spec import RingSpec
 from jaxkv.cache.window_schedule import Window, WindowSchedule
 
 POLICIES: dict[str, type[ChunkCache]] = {"ring": RingCache, "rolling": RollingCache, "dilated": DilatedCache}
+# Every other view of the policies is derived here, from the classes' own attributes (`ChunkCache.spec_type`,
+# ``wraps``, ``recaches``): a new policy or capability is one class, not an edit in each module that asks.
 WINDOW_POLICIES: tuple[str, ...] = tuple(sorted(n for n, c in POLICIES.items() if c.spec_type is RingSpec))
+WRAPPING_POLICIES: frozenset[str] = frozenset(n for n, c in POLICIES.items() if c.wraps)
+RECACHE_POLICIES: frozenset[str] = frozenset(n for n, c in POLICIES.items() if c.recaches)
+# The classes by name, as a session file names them: every policy's, and a `MixedCache` (two of them, a dense stack
+# and a dilated one).
+CACHE_CLASSES: dict[str, type] = {c.__name__: c for c in (*POLICIES.values(), MixedCache)}
 
 
 def policy_class(name: str, spec=None) -> type[ChunkCache]:
@@ -43,9 +56,12 @@ def policy_class(name: str, spec=None) -> type[ChunkCache]:
 
 
 __all__ = [
+    "CACHE_CLASSES",
     "EMPTY",
     "POLICIES",
+    "RECACHE_POLICIES",
     "WINDOW_POLICIES",
+    "WRAPPING_POLICIES",
     "ChunkCache",
     "DilatedCache",
     "DilatedSpec",

@@ -191,6 +191,12 @@ class ChunkCache:
 
     # The type of ``spec`` that `init` takes (a class attribute, not a field).
     spec_type: ClassVar[type] = RingSpec
+    # What a policy supports, read by the registries in `jaxkv.cache` (class attributes; a policy opts in):
+    # ``wraps``: shifting a full stream's clock by whole windows keeps every chunk's slot (`jaxkv.cache.clock`), so
+    # cache-relative RoPE streams without end; ``recaches``: its slots hold whole chunks at their positions, which
+    # `jaxkv.recache.recompute_cache` re-runs from the latents of the same chunks on a prompt switch.
+    wraps: ClassVar[bool] = False
+    recaches: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- construction
 

@@ -12,7 +12,8 @@ Layout: two stacked caches, one per policy, each indexed by its own layer count:
 Why two stacks and not one buffer both policies index: positions are shared by all layers of a stack (every layer
 sees the same chunk), and the two policies keep different slots, so one stack would need per-layer positions and a
 capacity of the larger of the two for every layer. A model scans its layers period by period with both stacks in
-the carry (`jaxkv.models.wan` does), so each write stays an in-place O(chunk) update of its own stack.
+the carry (`MixedCache.scan_layers`, which `jaxkv.models.wan` runs), so each write stays an in-place O(chunk)
+update of its own stack.
 
 Both stacks advance together: `begin_chunk` and `reset` act on both, and they hold the same chunk (the same
 ``chunk_start``), so `chunk_positions` is one answer.
@@ -25,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 from jaxkv.cache.base import ChunkCache
 from jaxkv.cache.dilated import DilatedCache, DilatedSpec
@@ -183,3 +185,28 @@ class MixedCache:
         if self.spec.is_dilated(layer):
             return "dilated", layer // k
         return "dense", (layer // k) * (k - 1) + layer % k
+
+    def scan_layers(self, layer_fn, x):
+        """Runs a model's layers over this cache in model order: (x, the updated cache).
+
+        ``layer_fn(x, stack, layer, index) -> (x, stack)`` runs model layer ``layer`` (int32, traced) on ``stack``
+        (``self.dense`` or ``self.dilated``) as its layer ``index`` (int32, traced) in that stack. A ``lax.scan``
+        over the L / k periods, and in each an inner ``lax.scan`` over its k - 1 dense layers, then its dilated
+        layer (model layer i*k + j, j < k - 1, is dense layer i*(k - 1) + j; layer i*k + k - 1 is dilated layer i).
+        Both stacks ride in the carries, so every write is an in-place update of its own stack."""
+        k = self.spec.period
+
+        def period(carry, i):
+            x, dense, dilated = carry
+
+            def dense_layer(carry, j):
+                x, dense = carry
+                return layer_fn(x, dense, i * k + j, i * (k - 1) + j), None
+
+            (x, dense), _ = lax.scan(dense_layer, (x, dense), jnp.arange(k - 1, dtype=jnp.int32))
+            x, dilated = layer_fn(x, dilated, i * k + k - 1, i)
+            return (x, dense, dilated), None
+
+        periods = jnp.arange(self.layers // k, dtype=jnp.int32)
+        (x, dense, dilated), _ = lax.scan(period, (x, self.dense, self.dilated), periods)
+        return x, self.replace(dense=dense, dilated=dilated)

@@ -8,20 +8,20 @@ positions (which jaxkv's attention always does) and a chronological copy exists 
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.cache.base import ChunkCache
+from jaxkv.cache.clock import ring_slot
 
 
 @struct.dataclass
 class RingCache(ChunkCache):
     """Circular sink + window KV cache (see `jaxkv.cache.base` for the layout and the shared methods)."""
 
+    wraps = recaches = True  # chunk n's slot depends on n mod window_chunks past the sink; slots hold whole chunks
+
     def slot_of_chunk(self, chunk_index):
-        s, w = self.spec.sink_chunks, self.spec.window_chunks
-        ring = s + jnp.mod(chunk_index - s, w)
-        return jnp.where(chunk_index < s, chunk_index, ring).astype(jnp.int32)
+        return ring_slot(chunk_index, self.spec.sink_chunks, self.spec.window_chunks)
 
     def begin_chunk(self, active=None):
         """Reserves the next chunk of every session (or of those where ``active``, bool [batch], is True).

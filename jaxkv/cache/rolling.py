@@ -35,6 +35,8 @@ def _shift_window_left(x, shift, sink: int, chunk: int, axis: int):
 class RollingCache(ChunkCache):
     """Chronological sink + window KV cache that evicts by copying (see `jaxkv.cache.base`)."""
 
+    wraps = recaches = True  # once full a chunk's slot no longer depends on n; slots hold whole chunks
+
     def slot_of_chunk(self, chunk_index):
         # Once full, the newest chunk always sits in the last slot.
         return jnp.minimum(chunk_index, self.spec.num_slots - 1).astype(jnp.int32)

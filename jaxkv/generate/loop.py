@@ -41,6 +41,7 @@ from jaxkv.generate.settings import Settings
 from jaxkv.generate.video import Mp4Sink
 from jaxkv.models.checkpoint_dir import CheckpointError
 from jaxkv.schedule import Schedule
+from jaxkv.stream import Stream
 
 # Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
 # its own limit; use it here when it does.)
@@ -273,7 +274,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     if session is not None:
         try:
             if mesh is None:
-                stream = R.Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
+                stream = Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
             else:
                 stream = PL.MeshStream.from_session(params, config, rc, session, mesh=mesh, num_chunks=args.num_chunks)
         except ValueError as e:
@@ -282,7 +283,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         key = jax.random.key(args.seed)
         negative = None if negative is None else jnp.asarray(negative)
         if mesh is None:
-            stream = R.Stream(
+            stream = Stream(
                 params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key, negative_context=negative
             )
         else:

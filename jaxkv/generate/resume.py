@@ -74,7 +74,7 @@ def session_layer(args) -> tuple[dict | None, dict]:
         raise UsageError(
             f"--resume {args.resume} is a jaxkv session but not one saved by this jaxkv generate (its "
             f"recorded settings are missing or of another version); continue it from Python with "
-            f"jaxkv.rollout.Stream.from_session"
+            f"jaxkv.stream.Stream.from_session"
         )
     explicit = options.explicit(args)
     conflicts = []

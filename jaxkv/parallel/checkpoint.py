@@ -328,7 +328,7 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
 
     With ``mesh``: its arrays are global arrays in `state_shardings`, rows in `session_order`, each device's shard
     read alone (`MeshStream.from_session` continues it). Without: a plain single-device `Session` in
-    `jaxkv.rollout`'s order (`jaxkv.rollout.Stream.from_session`)."""
+    `jaxkv.rollout`'s order (`jaxkv.stream.Stream.from_session`)."""
     manifest = read_manifest(path)
     if manifest.get("format") != FORMAT and mesh is None:
         return S.load(path, config, rc)

@@ -19,7 +19,7 @@ With classifier-free guidance a session's conditional and negative rows must sit
 of group 1, ...]`` (on one data group that is `jaxkv.rollout`'s order). The latents come back in batch order.
 
 Noise drawn from a key is drawn for the global batch (``jax_threefry_partitionable``: the values do not depend on
-the sharding), so a mesh stream and `jaxkv.rollout.Stream` give the same chunks for the same key.
+the sharding), so a mesh stream and `jaxkv.stream.Stream` give the same chunks for the same key.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.parallel.mesh import DATA, MODEL, mesh_sizes
 from jaxkv.parallel.rules import put_global, shard_params
+from jaxkv.stream import Stream
 
 CROSS_SPEC = P(None, DATA, None, MODEL, None)  # [layers, sessions, text_tokens, heads, head_dim]
 
@@ -163,8 +164,8 @@ def mesh_step(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
     return jax.jit(step, out_shardings=(out_sharding, shardings), donate_argnums=(1,))
 
 
-class MeshStream(R.Stream):
-    """`jaxkv.rollout.Stream` on a mesh: the same iterator (``next()`` -> the chunk's latents float32
+class MeshStream(Stream):
+    """`jaxkv.stream.Stream` on a mesh: the same iterator (``next()`` -> the chunk's latents float32
     [batch, chunk_frames, h, w, in_dim], a global array sharded on ``data``; ``stream.state``), run by `mesh_step`.
 
     ``params`` may be host/single-device arrays (placed by the rule table) or already on the mesh
@@ -208,7 +209,7 @@ class MeshStream(R.Stream):
         """A mesh stream that continues ``session``, a session laid out on ``mesh`` (rows in `session_order`, arrays
         in `state_shardings`): `jaxkv.parallel.checkpoint.load` with this mesh, `jaxkv.parallel.checkpoint.to_mesh`
         of a single-device session, or ``MeshStream.session()`` of a stream on the same mesh. Otherwise as
-        `jaxkv.rollout.Stream.from_session` (the session is consumed; SessionError for other settings), and
+        `jaxkv.stream.Stream.from_session` (the session is consumed; SessionError for other settings), and
         ValueError, before anything runs, for a session laid out otherwise."""
         from jaxkv import session as S
 

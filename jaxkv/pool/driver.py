@@ -131,7 +131,7 @@ class StreamPool:
 
     def session(self, row: int) -> S.Session:
         """The stream in ``row`` as a `jaxkv.session.Session` of batch 1 (in buffers of its own; the row goes
-        on): `jaxkv.rollout.Stream.from_session` continues it solo bit for bit as the row would. Its typed key is
+        on): `jaxkv.stream.Stream.from_session` continues it solo bit for bit as the row would. Its typed key is
         rebuilt from the row's key data (the default PRNG impl); its ring, when the pool keeps rings, is in
         ``extras[jaxkv.recache.RING_EXTRA]`` (`SwitchableStream.restore_ring`)."""
         row = self._busy(row)

@@ -7,7 +7,7 @@ A stream is *admitted* into a free row (the row's sessions are reset, its cross-
 and *finished* (the row reset, freed). Row indices are traced, so admitting, finishing and stepping each compile
 once per pool shape, never per row or per position.
 
-What a row computes is exactly its solo stream's (`jaxkv.rollout.Stream` with the same context and key): its
+What a row computes is exactly its solo stream's (`jaxkv.stream.Stream` with the same context and key): its
 noise is ``chunk_noise(key, ..., batch=1, n)`` at the row's own chunk count n, and a row sees only its own
 sessions. Free rows run through the step too (a fixed-shape batch) on empty caches; their outputs are
 meaningless, they stay empty, and nothing they compute can reach another row. Any cache a rollout runs works:

@@ -94,7 +94,7 @@ def measure(
     import jax
 
     from jaxkv import continuation as C
-    from jaxkv import rollout as R
+    from jaxkv.stream import Stream
 
     clips = check_int("clips", clips, minimum=1)
     cf = model.settings.chunk_frames
@@ -130,7 +130,7 @@ def measure(
     )
     continued = np.concatenate([np.asarray(decode(x)) for x in stream], axis=1)
     # the same prompt from noise, same key: its chunks after the first given // cf draw the continuation's noise
-    noise_stream = R.Stream(
+    noise_stream = Stream(
         model.params, model.config, rc, text, num_chunks=(given + ahead) // cf, key=key, negative_context=negative
     )
     noise = np.concatenate([np.asarray(decode(x)) for x in noise_stream], axis=1)[:, given:]

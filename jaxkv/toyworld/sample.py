@@ -1,4 +1,4 @@
-"""Streaming a toy model to frames: the prompt through its text encoder, chunks from `jaxkv.rollout.Stream` on the
+"""Streaming a toy model to frames: the prompt through its text encoder, chunks from `jaxkv.stream.Stream` on the
 cache its settings (or a caller's `RolloutConfig`) name, each chunk decoded by the latent map as it arrives.
 
 Used by the quality test, `benchmarks/policy_quality.py` and training checks; ``jaxkv generate`` runs the same
@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jaxkv import rollout as R
+from jaxkv.stream import Stream
 from jaxkv.toyworld.model import ToyModel
 
 
@@ -29,7 +30,7 @@ def stream_frames(
     rc = rc if rc is not None else rollout_config(model)
     context = model.context(prompts)
     negative = model.negative_context(len(prompts), rc)
-    stream = R.Stream(
+    stream = Stream(
         model.params,
         model.config,
         rc,

@@ -469,12 +469,9 @@ def _dit(
 
 
 def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_attention):
-    """The layers of a `MixedCache` model, period by period: ``lax.scan`` over the L / k periods, and in each an
-    inner ``lax.scan`` over its k - 1 dense layers, then its dilated layer. Both stacks ride in the carries, so every
-    write is an in-place update of its own stack (as the plain scan does with one stack); the layer's params and
-    cross K/V are read by a dynamic index of the model layer (no stacked copy of the params per period).
-    Model layer i*k + j (j < k - 1) is dense layer i*(k - 1) + j; layer i*k + k - 1 is dilated layer i."""
-    k = cache.spec.period
+    """The layers of a `MixedCache` model in the order and layout the cache sets (`MixedCache.scan_layers`: period
+    by period, both stacks in the carries); the layer's params and cross K/V are read by a dynamic index of the
+    model layer (no stacked copy of the params per period)."""
     take = lambda tree, layer: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), tree)
 
     def one(x, stack, layer, index):
@@ -482,20 +479,7 @@ def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_
             x, stack, take(blocks, layer), take(cross.k, layer), take(cross.v, layer), index, self_attention
         )
 
-    def period(carry, i):
-        x, dense, dilated = carry
-
-        def dense_layer(carry, j):
-            x, dense = carry
-            return one(x, dense, i * k + j, i * (k - 1) + j), None
-
-        (x, dense), _ = lax.scan(dense_layer, (x, dense), jnp.arange(k - 1, dtype=jnp.int32))
-        x, dilated = one(x, dilated, i * k + k - 1, i)
-        return (x, dense, dilated), None
-
-    periods = jnp.arange(cache.layers // k, dtype=jnp.int32)
-    (x, dense, dilated), _ = lax.scan(period, (x, cache.dense, cache.dilated), periods)
-    return x, cache.replace(dense=dense, dilated=dilated)
+    return cache.scan_layers(one, x)
 
 
 def _forward_sequence(

@@ -1,0 +1,225 @@
+"""`Stream`: a streaming rollout as an iterator, one jitted, cache-donating step per ``next()``.
+
+The step itself is `jaxkv.rollout.stream_step` (one chunk: `jaxkv.rollout.generate_chunk` on noise drawn from the
+key or given); this module drives it chunk by chunk, checks what a stream is given (noise, context, position room),
+commits given latents (`Stream.commit`) and moves a stream's state to and from a `jaxkv.session.Session`
+(`Stream.session`, `Stream.from_session`). It sits above both `jaxkv.rollout` and `jaxkv.session`, which know
+nothing of it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import session as S
+from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.params import is_per_layer
+from jaxkv.rollout import (
+    RolloutConfig,
+    RolloutState,
+    _init_state_jit,
+    check_position_room,
+    commit_step,
+    per_layer_state,
+    stacked_state,
+    stream_step,
+)
+from jaxkv.validate import is_concrete, is_int
+
+
+def _stream_noise(config: WanConfig, rc: RolloutConfig, batch: int, noise, num_chunks):
+    """A stream's (explicit noise or None, num_chunks) after checking both: num_chunks None or > 0, noise
+    [chunks, steps, batch, chunk_frames, h, w, in_dim] holding at least num_chunks chunks (num_chunks defaults to
+    all of them)."""
+    if num_chunks is not None and not (is_int(num_chunks) and num_chunks > 0):
+        raise ValueError(f"num_chunks must be None or a positive int, got {num_chunks!r}")
+    if noise is None:
+        return None, num_chunks
+    noise = jnp.asarray(noise)
+    if noise.ndim != 7 or tuple(noise.shape[1:]) != rc.noise_shape(config, batch, 1)[1:]:
+        raise ValueError(
+            f"noise must be [num_chunks, steps, batch, chunk_frames, h, w, in_dim] with "
+            f"[steps, ...] = {list(rc.noise_shape(config, batch, 1)[1:])}, got {list(noise.shape)}"
+        )
+    if num_chunks is None:
+        num_chunks = noise.shape[0]
+    elif num_chunks > noise.shape[0]:
+        raise ValueError(
+            f"num_chunks={num_chunks} but the noise holds only {noise.shape[0]} chunks; pass "
+            f"noise [num_chunks, ...] for every chunk, or num_chunks <= {noise.shape[0]}"
+        )
+    return noise, num_chunks
+
+
+def _check_finite(name: str, x) -> None:
+    """ValueError when the concrete array ``x`` (None and traced values pass) holds NaN or Inf: a stream of it would
+    return NaN latents for every chunk."""
+    if x is None or not is_concrete(x):
+        return
+    bad = int(jnp.size(x) - jnp.count_nonzero(jnp.isfinite(jnp.asarray(x))))
+    if bad:
+        raise ValueError(
+            f"{name} holds {bad} non-finite value(s) (NaN or Inf) of {jnp.size(x)}: every chunk would be NaN"
+        )
+
+
+class Stream:
+    """Iterator over chunks of a streaming rollout: each ``next()`` runs one jitted, cache-donating step and returns
+    that chunk's clean latents float32 [batch, chunk_frames, h, w, in_dim].
+
+    The step compiles once per shape (positions and slots are traced), so an unbounded stream runs one program;
+    ``jaxkv.compilation.compile_count(stream_step)`` counts its compilations. With absolute RoPE a stream holds at
+    most `RingSpec.max_chunks` chunks (int32 positions): a larger ``num_chunks`` is a ValueError here, and an
+    endless stream raises OverflowError at that chunk instead of wrapping; with ``rope="cache-relative"`` the
+    clock wraps (`wrap_clock`) and the stream is unbounded. ``num_chunks=None`` streams forever (with explicit
+    ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
+    ValueError). The state after the
+    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``); ``stream.index`` is the stream index of the
+    next chunk. `Stream.from_session` continues a saved `jaxkv.session.Session` (``num_chunks`` then counts the
+    continuation's chunks); ``stream.session()`` takes one.
+    """
+
+    def __init__(
+        self,
+        params,
+        config: WanConfig,
+        rc: RolloutConfig,
+        context,
+        *,
+        num_chunks: int | None = None,
+        key=None,
+        noise=None,
+        negative_context=None,
+    ):
+        if (key is None) == (noise is None):
+            raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
+        noise, num_chunks = _stream_noise(config, rc, jnp.shape(context)[0], noise, num_chunks)
+        if num_chunks is not None:
+            check_position_room(config, rc, int(num_chunks))
+        for name, x in (("context", context), ("negative_context", negative_context)):
+            _check_finite(name, x)
+        self.params, self.config, self.rc = params, config, rc
+        self.key, self.noise, self.num_chunks = key, noise, num_chunks
+        self.state = self._init_state(context, negative_context)
+        self.index = self.start = 0  # chunk index of the next chunk / of this Stream's first one
+
+    @classmethod
+    def from_session(
+        cls, params, config: WanConfig, rc: RolloutConfig, session, *, num_chunks: int | None = None, noise=None
+    ) -> "Stream":
+        """A stream that continues ``session`` (`jaxkv.session.Session`, e.g. `jaxkv.session.load`ed): its chunks
+        are those an uninterrupted stream yields from chunk ``session.next_chunk`` on, bit for bit.
+
+        ``num_chunks`` counts the chunks of this continuation (None: endless); ``noise`` [chunks, steps, batch, ...]
+        is this continuation's explicit noise (required iff the session has no key). The session is **consumed**:
+        its buffers are donated to the first step; continue from ``session.fork()`` to keep it.
+        SessionError when the session's settings differ from (config, rc)."""
+        if not isinstance(session, S.Session):
+            raise TypeError(f"from_session needs a jaxkv.session.Session, got {type(session).__name__}")
+        session.check(config, rc)
+        if session.on_host:
+            raise S.SessionError("the session's caches are offloaded; jaxkv.session.reload() it first")
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(session.state)):
+            raise S.SessionError(
+                "the session was consumed: an earlier Stream.from_session donated its buffers to its first step; "
+                "continue from session.fork() to keep a session for more than one stream"
+            )
+        if (session.key is None) == (noise is None):
+            raise ValueError(
+                "a session with a noise key continues from its key (pass no noise=); one without "
+                "(made from explicit noise) needs noise="
+            )
+        batch = session.sessions // (2 if rc.guidance_scale is not None else 1)
+        noise, num_chunks = _stream_noise(config, rc, batch, noise, num_chunks)
+        if num_chunks is not None:
+            check_position_room(config, rc, int(num_chunks), session.cache)
+        self = cls.__new__(cls)
+        self.params, self.config, self.rc = params, config, rc
+        self.key, self.noise, self.num_chunks = session.key, noise, num_chunks
+        # Sessions hold stacked states; per-layer params run on a per-layer state (a copy, made once here).
+        self.state = per_layer_state(session.state) if is_per_layer(params) else session.state
+        self.index = self.start = int(session.next_chunk)
+        return self
+
+    def commit(self, latents) -> None:
+        """Commits given clean latents float32 [batch, n * chunk_frames, h, w, in_dim] as the stream's first ``n``
+        chunks, before it generates any: each chunk goes through the pass at ``rc.schedule.context_noise`` that
+        commits a generated chunk (`commit`, one chunk per call of one compiled program, the cache donated), so
+        the cache holds what a stream that had generated these latents would hold. The stream then continues
+        them: ``index`` and ``start`` become ``n`` (the key's noise of its first chunk is chunk n's, a session
+        taken later resumes at the right chunk) and ``num_chunks`` still counts the chunks it generates.
+
+        ValueError, before the cache is touched, when the stream has already started (generated, committed or
+        resumed: ``index`` > 0), the latents are not whole chunks of the stream's shape, hold NaN/Inf, or would
+        leave no int32 position room for ``num_chunks`` more chunks."""
+        if self.index != 0:
+            raise ValueError(
+                f"commit gives a stream its first chunks; this one is already at chunk {self.index} "
+                f"(commit before the first next(), on a fresh Stream)"
+            )
+        if hasattr(self, "mesh"):
+            raise NotImplementedError("committing given latents to a stream on a mesh is not supported yet")
+        latents = jnp.asarray(latents, jnp.float32)
+        cf = self.rc.chunk_frames
+        batch = self.state.cache.batch // (2 if self.rc.guidance_scale is not None else 1)
+        frame = self.rc.chunk_shape(self.config, batch)[2:]
+        if latents.ndim != 5 or latents.shape[0] != batch or latents.shape[1] % cf or latents.shape[1] == 0:
+            raise ValueError(
+                f"commit needs latents [batch, n * chunk_frames, h, w, in_dim] = [{batch}, n * {cf}, "
+                f"{', '.join(map(str, frame))}] (whole chunks, n >= 1), got {list(latents.shape)}"
+            )
+        if tuple(latents.shape[2:]) != tuple(frame):
+            raise ValueError(
+                f"commit needs latent frames [h, w, in_dim] = {list(frame)} (the stream's), got "
+                f"{list(latents.shape[2:])}"
+            )
+        _check_finite("latents", latents)
+        n = latents.shape[1] // cf
+        check_position_room(self.config, self.rc, n + (self.num_chunks or 0), self.state.cache)
+        for c in range(n):
+            self.state = self._commit_chunk(latents[:, c * cf : (c + 1) * cf])
+        self.index = self.start = n
+
+    def _commit_chunk(self, chunk) -> RolloutState:
+        return commit_step(self.params, self.config, self.rc, self.state, chunk)
+
+    def session(self, *, copy: bool = True, extras: dict | None = None):
+        """The stream's state before its next chunk as a `jaxkv.session.Session` (with ``extras``, e.g. the VAE
+        decoder's). ``copy`` (default): in buffers of its own, valid whatever the stream does next; without it the
+        session shares the stream's buffers, which its next step donates (save it before stepping again). A stream
+        on per-layer params holds its state per layer: the session gets a stacked copy either way."""
+        state = stacked_state(self.state)
+        s = S.Session.create(self.config, self.rc, state, key=self.key, next_chunk=self.index, extras=extras)
+        return s.fork() if copy and state is self.state else s
+
+    # The two hooks a mesh stream (`jaxkv.parallel.MeshStream`) replaces; ``step`` is the jitted step function
+    # (count its programs with `jaxkv.compilation.compile_count`).
+    step = staticmethod(stream_step)
+
+    def _init_state(self, context, negative_context) -> RolloutState:
+        return _init_state_jit(self.params, self.config, self.rc, context, negative_context)
+
+    def _run_step(self, key, index, noise):
+        return self.step(self.config, self.rc, self.params, self.state, key, index, noise)
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        return self
+
+    def __next__(self) -> jax.Array:
+        if self.num_chunks is not None and self.index - self.start >= self.num_chunks:
+            raise StopIteration
+        if self.rc.bounded and self.index >= self.rc.spec(self.config).max_chunks:  # an endless stream's int32 limit
+            raise OverflowError(
+                f"chunk {self.index} would pass the int32 position limit "
+                f"({self.rc.spec(self.config).max_chunks} chunks to a stream); start a new Stream"
+            )
+        index = jnp.asarray(self.index, jnp.int32)
+        if self.noise is not None:
+            x, self.state = self._run_step(None, None, self.noise[self.index - self.start])
+        else:
+            x, self.state = self._run_step(self.key, index, None)
+        self.index += 1
+        return x
