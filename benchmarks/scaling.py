@@ -3,10 +3,11 @@ mesh step runs, compiles once and stays equal to one device, not a speed claim (
 shared CPU, so more of them cannot be faster; on GPUs see docs/scaling.md's plan).
 
 One process with 8 host devices (set before JAX initialises). For each device count n the same model, weights,
-context and key run on a ``model=n`` mesh (tensor parallel, batch 1) and a ``data=n`` mesh (n sessions, one per
-device) next to the single-device `jaxkv.stream.Stream`; after a warm-up chunk (compilation) the timed chunks are
-waited for one by one and the table shows the median. Every chunk is the whole Self-Forcing sampler (4 denoising
-passes + the context pass). "max |diff|" is the largest difference of the mesh's latents from the single-device ones.
+context and key run on a ``model=n`` mesh (tensor parallel, batch 1), a ``data=n`` mesh (n sessions, one per
+device) and a ``seq=n`` mesh (Ulysses sequence parallel, batch 1) next to the single-device
+`jaxkv.stream.Stream`; after a warm-up chunk (compilation) the timed chunks are waited for one by one and the table
+shows the median. Every chunk is the whole Self-Forcing sampler (4 denoising passes + the context pass).
+"max |diff|" is the largest difference of the mesh's latents from the single-device ones.
 
     python benchmarks/scaling.py [--quick] [--chunks N] [--json PATH]
     python benchmarks/scaling.py --plan      # the arithmetic plan of docs/scaling.md for Wan 1.3B / 14B on 1, 4, 8 GPUs
@@ -173,10 +174,10 @@ def main() -> None:
         f"{'compiles':>8} {'max |diff|':>10}"
     )
     for n in counts:
-        for layout in ("model", "data"):
-            if n == 1 and layout == "data":
+        for layout in ("model", "data", "seq"):
+            if n == 1 and layout != "model":
                 continue
-            sizes = {"data": n, "model": 1} if layout == "data" else {"data": 1, "model": n}
+            sizes = {"data": 1, "model": 1, "seq": 1} | {layout: n}
             batch = sizes["data"]
             context = rng.standard_normal((batch, 8, config.text_dim)).astype(np.float32)
             mesh = PL.make_mesh(**sizes, devices=jax.devices()[:n])

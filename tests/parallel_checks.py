@@ -212,6 +212,37 @@ def check_hlo():
     assert temp_big - temp_small < (kv_big - kv_small) / 4, temps
 
 
+def check_seq_hlo():
+    """Ulysses (data=2, seq=2, model=2): the compiled step exchanges tokens for heads by all-to-all, no collective
+    moves as much as one layer of a device's cache shard (the ring stays whole per head group, split over
+    model x seq), and the donated state aliases the outputs."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, num_layers=8)
+    mesh = PL.make_mesh(2, 2, seq=2)
+    state, exe = compiled(mesh, config, rc_of(16), 2)
+    shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)  # [layers, sessions, slots, heads, d]
+    assert shard[3] == CONFIG.num_heads // 4, shard  # heads split over model x seq
+    cross = state.cross.k.sharding.shard_shape(state.cross.k.shape)
+    assert cross[3] == CONFIG.num_heads // 4, cross
+    layer_shard = int(np.prod(shard[1:]))
+    hlo = exe.as_text()
+    sizes = largest_collectives(hlo)
+    print("seq_hlo collectives (most elements):", sizes, "cache layer shard:", layer_shard, flush=True)
+    assert sizes.get("all-to-all", 0) > 0, sizes  # Ulysses: tokens <-> heads
+    # inside the layer loop activations are exchanged (all-to-all), never gathered: an all-gather there would mean
+    # the partitioner replicates tokens (e.g. projects v from all-gathered inputs) instead of the Ulysses layout
+    in_loop = [line for line in hlo.splitlines() if "all-gather" in line and "/while/body/" in line]
+    assert not in_loop, in_loop
+    for op, elements in sizes.items():
+        assert elements < layer_shard, (op, elements, layer_shard)
+    stats = exe.memory_analysis()
+    state_bytes = sum(
+        int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+    )
+    assert stats.alias_size_in_bytes >= state_bytes, (stats.alias_size_in_bytes, state_bytes)
+
+
 def check_loading():
     """A checkpoint loaded into its shards equals the params, each device holds only its slice, and the sharded
     rollout on it equals the single-device one."""
@@ -232,9 +263,21 @@ def check_loading():
     compare(mesh, rc_of(), 2, params)
 
 
+def check_seq():
+    """Ulysses on every axis: data x seq x model, seq alone, data x seq (4 heads, 4 tokens per chunk)."""
+    compare(PL.make_mesh(2, 2, seq=2), rc_of(), 2)
+    compare(PL.make_mesh(1, 1, jax.devices()[:4], seq=4), rc_of(), 1)
+    compare(PL.make_mesh(2, 1, seq=4), rc_of(), 2)
+
+
+def check_seq_guided():
+    compare(PL.make_mesh(2, 2, seq=2), rc_of(guidance=3.0), 2)
+
+
 def check_errors():
     mesh = PL.make_mesh(2, 4)
     ctx, _ = contexts(3)
+    odd_tokens = R.RolloutConfig(2, 6, chunk_frames=1, window_frames=4, sink_frames=1, schedule=Schedule(steps=(1000,)))
     cases = [
         (lambda: PL.MeshStream(PARAMS, CONFIG, rc_of(), ctx, mesh=mesh, key=jax.random.key(0)), "batch 3"),
         (lambda: PL.make_mesh(1, 8), None),
@@ -243,6 +286,15 @@ def check_errors():
             "num_heads (4)",
         ),
         (lambda: PL.make_mesh(2, 2), "needs 4 devices"),
+        (lambda: PL.make_mesh(2, 2, seq=4), "needs 16 devices"),
+        (  # 4 heads cannot split over model 2 x seq 4
+            lambda: PL.MeshStream(PARAMS, CONFIG, rc_of(), ctx[:1], mesh=PL.make_mesh(1, 2, seq=4), key=None),
+            "model x seq axes (2 x 4)",
+        ),
+        (  # a 2 x 6 latent is 1 x 3 patches: 3 tokens per chunk cannot split over seq 2
+            lambda: PL.check_mesh(PL.make_mesh(1, 1, jax.devices()[:2], seq=2), CONFIG, odd_tokens, 1),
+            "chunk's 3 tokens",
+        ),
     ]
     for make, words in cases:
         if words is None:
@@ -257,8 +309,9 @@ def check_errors():
 
 
 def check_generate():
-    """``jaxkv generate --mesh data=2,model=4`` (with guidance, from a checkpoint read into its shards) writes the
-    latents of the same run on one device; a mesh that does not fit is a usage error before anything is written."""
+    """``jaxkv generate --mesh data=2,model=4`` and ``--mesh data=2,model=2,seq=2`` (with guidance, from a
+    checkpoint read into its shards) write the latents of the same run on one device; a mesh that does not fit is
+    a usage error before anything is written."""
     import json
 
     from jaxkv.generate import load_latents
@@ -298,9 +351,16 @@ def check_generate():
         np.testing.assert_allclose(load_latents(mesh), load_latents(one), **TOL)
         with open(os.path.join(mesh, "summary.json")) as f:
             summary = json.load(f)
-        assert summary["mesh"] == {"data": 2, "model": 4} and summary["compilations"] == 1, summary
+        assert summary["mesh"] == {"data": 2, "seq": 1, "model": 4} and summary["compilations"] == 1, summary
+        seq = os.path.join(tmp, "seq")  # Ulysses with data and model
+        assert main([*common, "--out", seq, "--mesh", "data=2,model=2,seq=2"]) == 0
+        np.testing.assert_allclose(load_latents(seq), load_latents(one), **TOL)
+        with open(os.path.join(seq, "summary.json")) as f:
+            summary = json.load(f)
+        assert summary["mesh"] == {"data": 2, "seq": 2, "model": 2} and summary["compilations"] == 1, summary
         bad = os.path.join(tmp, "bad")
         assert main([*common, "--out", bad, "--mesh", "data=4,model=2"]) == 2  # batch 2 on data=4
+        assert main([*common, "--out", bad, "--mesh", "data=1,model=2,seq=4"]) == 2  # 4 heads on model x seq = 8
         assert not os.path.exists(bad)
 
 

@@ -49,7 +49,7 @@ if process_id == 0:
 jax.experimental.multihost_utils.sync_global_devices("checkpoint written")
 
 mesh = PL.make_mesh(2, 2)
-assert {d.process_index for d in mesh.devices[process_id]} == {process_id}  # a data group is one process
+assert {d.process_index for d in mesh.devices[process_id].flat} == {process_id}  # a data group is one process
 _, sharded = PL.load_sharded(path, mesh)
 stream = PL.MeshStream(sharded, config, rc, context, mesh=mesh, num_chunks=3, key=jax.random.key(7))
 reference = Stream(params, config, rc, context, num_chunks=3, key=jax.random.key(7))

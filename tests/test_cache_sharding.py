@@ -42,6 +42,12 @@ SCRIPT = textwrap.dedent("""
         sh = cache_shardings(cache, mesh)
         return jax.jit(fn, in_shardings=(sh, None, None), out_shardings=sh, donate_argnums=0), sh
 
+    mesh3 = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "seq", "model"))
+
+    def heads_over_two_axes(cache):  # plain jit, heads split over model x seq (Ulysses' cache layout)
+        sh = cache_shardings(cache, mesh3, data_axis=None, head_axis=("model", "seq"))
+        return jax.jit(step, in_shardings=(sh, None, None), out_shardings=sh, donate_argnums=0), sh
+
     spec = jaxkv.RingSpec(chunk=4, window=12, sink=4)
     rng = np.random.default_rng(0)
     data = [jnp.asarray(rng.standard_normal((2, 4, 8, 16)), jnp.float32) for _ in range(11)]
@@ -50,7 +56,7 @@ SCRIPT = textwrap.dedent("""
     for k in data:  # several wraps of the 3-chunk window
         plain = step_plain(plain, k, -k)
 
-    for make, shard_bytes_div in ((heads_only, 4), (sessions_and_heads, 8)):
+    for make, shard_bytes_div in ((heads_only, 4), (sessions_and_heads, 8), (heads_over_two_axes, 4)):
         cache = jaxkv.RingCache.init(spec, 2, 8, 16, layers=LAYERS)
         fn, sh = make(cache)
         cache = jax.device_put(cache, sh)
@@ -77,6 +83,12 @@ SCRIPT = textwrap.dedent("""
         assert "not divisible" in str(e)
     else:
         raise AssertionError("batch 3 on a data axis of 2 was accepted")
+    try:
+        cache_shardings(jaxkv.RingCache.init(spec, 2, 6, 16), mesh3, head_axis=("model", "seq"))
+    except ValueError as e:
+        assert "heads = 6 is not divisible by mesh axis ('model', 'seq') of size 4" in str(e), str(e)
+    else:
+        raise AssertionError("6 heads on model x seq = 4 were accepted")
     print("OK")
 """)
 

@@ -54,6 +54,13 @@ def test_data_x_model_mesh_matches_one_device():
 
 
 @pytest.mark.slow
+def test_seq_meshes_match_one_device_with_all_to_all_hlo():
+    """Ulysses: data=2,model=2,seq=2 / seq=4 / data=2,seq=4 (and guided) equal the single-device stream, compile once,
+    keep their shardings; the compiled step exchanges tokens for heads by all-to-all and moves no cache layer."""
+    run_checks("seq", "seq_guided", "seq_hlo", timeout=1800)
+
+
+@pytest.mark.slow
 def test_other_meshes_guidance_loading_hlo_errors():
     run_checks(
         "model_only", "one_device", "data_only", "guided", "loading", "noise", "errors", "hlo", "generate", timeout=1800
@@ -80,13 +87,15 @@ def test_mesh_session_saved_per_shard_resumes_on_other_meshes_and_one_device():
 
 
 def test_parse_mesh():
-    assert mesh_lib.parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
-    assert mesh_lib.parse_mesh(" model=8 ") == {"data": 1, "model": 8}
+    assert mesh_lib.parse_mesh("data=2,model=4") == {"data": 2, "seq": 1, "model": 4}
+    assert mesh_lib.parse_mesh(" model=8 ") == {"data": 1, "seq": 1, "model": 8}
+    assert mesh_lib.parse_mesh("data=2,model=2,seq=2") == {"data": 2, "seq": 2, "model": 2}
     for bad, words in (
         ("data=2,modl=4", "'modl=4'"),
         ("data=0", ">= 1"),
         ("data=x", "positive int"),
         ("data=2,data=2", "twice"),
+        ("seq=0", ">= 1"),
         ("", "data=N"),
         ("data", "AXIS=SIZE"),
     ):
@@ -101,8 +110,11 @@ def test_make_mesh_needs_every_device():
     n = len(jax.devices())
     with pytest.raises(ValueError, match=f"needs {n + 1} devices"):
         mesh_lib.make_mesh(n + 1, 1)
+    with pytest.raises(ValueError, match=f"needs {2 * n} devices"):
+        mesh_lib.make_mesh(1, n, seq=2)
     mesh = mesh_lib.make_mesh(1, n)
-    assert mesh_lib.mesh_sizes(mesh) == {"data": 1, "model": n}
+    assert mesh_lib.mesh_sizes(mesh) == {"data": 1, "seq": 1, "model": n}
+    assert mesh_lib.mesh_sizes(mesh_lib.make_mesh(seq=n)) == {"data": 1, "seq": n, "model": 1}
 
 
 def test_rule_table_is_megatron_and_every_rule_is_used():

@@ -1,7 +1,8 @@
 """Placing a cache on a device mesh with `jax.sharding`.
 
-Attention heads are independent, so the cache shards on the kv-head axis; sessions (batch rows) are independent, so
-it shards on a data axis too. Slots are never sharded. These are ordinary `NamedSharding`s / `PartitionSpec`s:
+Attention heads are independent, so the cache shards on the kv-head axis (over one mesh axis or several, e.g.
+``("model", "seq")`` for tensor x sequence parallel); sessions (batch rows) are independent, so it shards on a data
+axis too. Slots are never sharded. These are ordinary `NamedSharding`s / `PartitionSpec`s:
 
 * heads only: pass `cache_shardings` to ``jax.jit(in_shardings=..., out_shardings=..., donate_argnums=...)``; the
   SPMD partitioner keeps every chunk write local and in place.
@@ -13,39 +14,46 @@ it shards on a data axis too. Slots are never sharded. These are ordinary `Named
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache.base import ChunkCache
 
+Axis = str | tuple[str, ...] | None
 
-def cache_shardings(cache: ChunkCache, mesh: Mesh, *, data_axis: str | None = "data", head_axis: str | None = "model"):
+
+def cache_shardings(cache: ChunkCache, mesh: Mesh, *, data_axis: Axis = "data", head_axis: Axis = "model"):
     """A pytree of `NamedSharding` with the structure of ``cache``.
 
     k, v [(layers,) batch, capacity, heads, head_dim] -> P((None,) data_axis, None, head_axis, None);
     positions [batch, capacity] -> P(data_axis, None); chunk_start [batch] -> P(data_axis).
-    Pass ``None`` for an axis to replicate along it. Raises ValueError when a mesh axis is unknown or does not
-    divide the dimension it shards.
+    Pass ``None`` for an axis to replicate along it, a tuple of mesh axes to split over their product. Raises
+    ValueError when a mesh axis is unknown or does not divide the dimension it shards.
     """
     for name, axis, size in (("data_axis", data_axis, cache.batch), ("head_axis", head_axis, cache.heads)):
         if axis is None:
             continue
-        if axis not in mesh.shape:
-            raise ValueError(f"{name}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
-        if size % mesh.shape[axis]:
+        names = axis if isinstance(axis, tuple) else (axis,)
+        unknown = [a for a in names if a not in mesh.shape]
+        if unknown:
+            raise ValueError(f"{name}={axis!r}: {unknown[0]!r} is not an axis of the mesh {dict(mesh.shape)}")
+        parts = math.prod(mesh.shape[a] for a in names)
+        if size % parts:
             what = "batch (sessions)" if name == "data_axis" else "heads"
-            raise ValueError(f"{what} = {size} is not divisible by mesh axis {axis!r} of size {mesh.shape[axis]}")
+            raise ValueError(f"{what} = {size} is not divisible by mesh axis {axis!r} of size {parts}")
     specs = cache_partition_specs(cache, data_axis=data_axis, head_axis=head_axis)
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def shard_cache(cache: ChunkCache, mesh: Mesh, *, data_axis: str | None = "data", head_axis: str | None = "model"):
+def shard_cache(cache: ChunkCache, mesh: Mesh, *, data_axis: Axis = "data", head_axis: Axis = "model"):
     """``cache`` placed on ``mesh`` (see `cache_shardings`)."""
     return jax.device_put(cache, cache_shardings(cache, mesh, data_axis=data_axis, head_axis=head_axis))
 
 
-def cache_partition_specs(cache: ChunkCache, *, data_axis: str | None = "data", head_axis: str | None = "model"):
+def cache_partition_specs(cache: ChunkCache, *, data_axis: Axis = "data", head_axis: Axis = "model"):
     """The `PartitionSpec`s of `cache_shardings` without a mesh, for ``jax.shard_map`` in_specs / out_specs."""
     lead = (None,) if cache.layers is not None else ()
     kv = P(*lead, data_axis, None, head_axis, None)

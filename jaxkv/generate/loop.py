@@ -551,7 +551,8 @@ def print_summary(s: dict) -> None:
         f"{s['chunk_frames']}; {mib:.2f} MiB for {s['cache_sessions']} session(s)"
     )
     if s.get("mesh"):
-        print(f"mesh         data={s['mesh']['data']} x model={s['mesh']['model']} devices")
+        m = s["mesh"]
+        print(f"mesh         data={m['data']} x model={m['model']} x seq={m.get('seq', 1)} devices")
     print(
         f"sampler      steps {s['steps']} -> timesteps {s['timesteps']}"
         + (f", guidance {s['guidance_scale']}" if s["guidance_scale"] is not None else "")

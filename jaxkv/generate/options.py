@@ -76,7 +76,7 @@ _seed = _int_in(0, SEED_MAX)
 
 
 def _mesh(text: str) -> dict[str, int]:
-    """argparse type of --mesh: 'data=2,model=4' -> {"data": 2, "model": 4}."""
+    """argparse type of --mesh: 'data=2,model=4' -> {"data": 2, "seq": 1, "model": 4}."""
     from jaxkv.parallel.mesh import parse_mesh
 
     try:
@@ -132,10 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--mesh",
         type=_mesh,
-        metavar="data=N,model=M",
+        metavar="data=N,model=M,seq=S",
         help="run on a device mesh: N data groups (sessions; divides --batch) x M-way tensor parallelism "
-        "(heads and FFN; divides the model's heads). N*M must equal the device count. A checkpoint "
-        "is read straight into its shards. Default: one device",
+        "(heads and FFN) x S-way Ulysses sequence parallelism (a chunk's tokens; divides them); M*S divides the "
+        "model's heads. N*M*S must equal the device count. A checkpoint is read straight into its shards. "
+        "Default: one device",
     )
     m.add_argument(
         "--weights-seed",

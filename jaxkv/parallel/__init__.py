@@ -1,6 +1,7 @@
-"""The Wan rollout past one device, on a ``jax.sharding`` mesh: ``data`` (sessions) x ``model`` (tensor parallel).
+"""The Wan rollout past one device, on a ``jax.sharding`` mesh: ``data`` (sessions) x ``seq`` (Ulysses sequence
+parallel) x ``model`` (tensor parallel).
 
-* `make_mesh`, `parse_mesh` (``"data=2,model=4"``): the mesh (`jaxkv.parallel.mesh`).
+* `make_mesh`, `parse_mesh` (``"data=2,model=4,seq=2"``): the mesh (`jaxkv.parallel.mesh`).
 * `RULES`, `param_shardings`, `shard_params`: parameter shardings from one rule table (`jaxkv.parallel.rules`).
 * `load_sharded`: a checkpoint read straight into its shards (`jaxkv.parallel.loading`).
 * `MeshStream`, `mesh_step`, `init_state`, `state_shardings`: the sharded streaming rollout
@@ -9,7 +10,7 @@
 """
 
 from jaxkv.parallel.loading import load_sharded
-from jaxkv.parallel.mesh import AXES, DATA, MODEL, make_mesh, mesh_sizes, parse_mesh
+from jaxkv.parallel.mesh import AXES, DATA, MODEL, SEQ, make_mesh, mesh_sizes, parse_mesh
 from jaxkv.parallel.rollout import (
     MeshStream,
     MeshSwitchableStream,
@@ -28,6 +29,7 @@ __all__ = [
     "DATA",
     "MODEL",
     "RULES",
+    "SEQ",
     "MeshStream",
     "MeshSwitchableStream",
     "check_mesh",

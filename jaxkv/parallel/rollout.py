@@ -1,18 +1,32 @@
-"""The streaming rollout on a ``(data, model)`` mesh: the same `jaxkv.rollout.generate_chunk`, one compiled step.
+"""The streaming rollout on a ``(data, seq, model)`` mesh: the same `jaxkv.rollout.generate_chunk`, one compiled
+step.
 
 Layout:
-  * params: the rule table of `jaxkv.parallel.rules` (Megatron tensor parallel over ``model``, copies over ``data``);
-  * KV ring k, v [layers, sessions, capacity, heads, head_dim]: sessions on ``data``, heads on ``model``;
+  * params: the rule table of `jaxkv.parallel.rules` (Megatron tensor parallel over ``model``, copies over ``data``
+    and ``seq``);
+  * KV ring k, v [layers, sessions, capacity, heads, head_dim]: sessions on ``data``, heads on ``(model, seq)``;
     positions [sessions, capacity] and chunk_start [sessions] on ``data``;
-  * cross-attention K/V [layers, sessions, text_tokens, heads, head_dim]: sessions on ``data``, heads on ``model``;
+  * cross-attention K/V [layers, sessions, text_tokens, heads, head_dim]: sessions on ``data``, heads on
+    ``(model, seq)``;
   * noise [steps, batch, ...] and the chunk latents [batch, ...]: batch on ``data``.
 
 The step is ``jit`` over a ``shard_map`` that is manual on ``data`` only: each data group runs `generate_chunk` on
 its own sessions (so a chunk write is a per-session dynamic update slice, in place, instead of the whole-shard select
-the partitioner makes of a write into a row of a batch-sharded buffer), while ``model`` stays automatic and the
-partitioner inserts the all-reduces after each o projection and FFN. The state is created sharded (`init_state`,
-under ``jit`` with ``out_shardings``), donated to every step and returned with the same shardings, so no cache is
-ever gathered (tests/test_parallel.py checks the compiled HLO).
+the partitioner makes of a write into a row of a batch-sharded buffer), while ``model`` and ``seq`` stay automatic
+and the partitioner inserts the all-reduces after each o projection and FFN.
+
+Ulysses sequence parallelism (``seq`` = s > 1): outside attention (patch embedding, norms, modulation, FFN, head)
+the chunk's activations [batch, tokens, dim] are split by tokens over ``seq``. Around self- and cross-attention q,
+k, v go from token-split to head-split (an all-to-all within each sequence group): each device then holds every
+token of the chunk for heads / (model * s) heads, writes them into its own heads of the ring and attends against
+that head group's whole ring (and its heads of the cross K/V); the output goes back to token-split by another
+all-to-all before the o projection. No cache layer ever moves. The layouts are pinned by sharding constraints at
+the model's hooks (`jaxkv.models.wan.activation_sharding`, entered by `mesh_step` while tracing when s > 1) and the
+partitioner inserts the all-to-alls. Needs heads % (model * s) == 0 and the chunk's tokens % s == 0 (`check_mesh`).
+With s = 1 no constraint is added and the step traces exactly as on a ``(data, model)`` mesh.
+
+The state is created sharded (`init_state`, under ``jit`` with ``out_shardings``), donated to every step and
+returned with the same shardings, so no cache is ever gathered (tests/test_parallel.py checks the compiled HLO).
 
 With classifier-free guidance a session's conditional and negative rows must sit in the same data group:
 `init_state` orders the state's rows shard by shard, ``[cond rows of group 0, negative rows of group 0, cond rows
@@ -36,12 +50,20 @@ from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.cache.sharding import cache_partition_specs
 from jaxkv.models.wan import model as M
+from jaxkv.models.wan.activation_sharding import HEADS, TOKEN_HEADS, TOKENS, activation_layout
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.parallel.mesh import DATA, MODEL, mesh_sizes
+from jaxkv.parallel.mesh import DATA, MODEL, SEQ, mesh_sizes
 from jaxkv.parallel.rules import put_global, shard_params
 from jaxkv.stream import Stream
 
-CROSS_SPEC = P(None, DATA, None, MODEL, None)  # [layers, sessions, text_tokens, heads, head_dim]
+HEAD_AXES = (MODEL, SEQ)  # heads split model-major: a model group's heads, split again over its sequence group
+CROSS_SPEC = P(None, DATA, None, HEAD_AXES, None)  # [layers, sessions, text_tokens, heads, head_dim]
+# the Ulysses layouts inside a data group (the data axis is manual there): see the module docstring
+ULYSSES = {
+    TOKENS: P(None, SEQ, None),  # [batch, tokens, dim]
+    HEADS: P(None, None, HEAD_AXES, None),  # [batch, tokens, heads, head_dim]
+    TOKEN_HEADS: P(None, SEQ, MODEL, None),  # [batch, tokens, heads, head_dim]
+}
 
 
 def session_order(batch: int, data: int, guided: bool) -> np.ndarray:
@@ -56,9 +78,9 @@ def session_order(batch: int, data: int, guided: bool) -> np.ndarray:
 
 
 def state_partition_specs(state: R.RolloutState, *, manual_only: bool = False) -> R.RolloutState:
-    """The `PartitionSpec`s of a mesh state; ``manual_only`` drops the ``model`` axis (the specs of the
-    shard_map, which is manual on ``data`` only)."""
-    head = None if manual_only else MODEL
+    """The `PartitionSpec`s of a mesh state; ``manual_only`` drops the head axes ``model`` and ``seq`` (the specs
+    of the shard_map, which is manual on ``data`` only)."""
+    head = None if manual_only else HEAD_AXES
     cross = P(None, DATA, None, head, None)
     return R.RolloutState(cache_partition_specs(state.cache, data_axis=DATA, head_axis=head), M.CrossKV(cross, cross))
 
@@ -67,7 +89,14 @@ def _canonical(spec: P, mesh: Mesh) -> P:
     """``spec`` in the form jit gives its outputs (axes of size 1 dropped, no trailing Nones), so the state that
     `init_state` makes and the one a step returns have equal (not merely equivalent) shardings and hit one
     compiled program."""
-    parts = [None if axis is not None and mesh.shape[axis] == 1 else axis for axis in spec]
+
+    def keep(axis):
+        if isinstance(axis, tuple):
+            axis = tuple(a for a in axis if mesh.shape[a] > 1)
+            return axis[0] if len(axis) == 1 else axis or None
+        return None if axis is not None and mesh.shape[axis] == 1 else axis
+
+    parts = [keep(axis) for axis in spec]
     while parts and parts[-1] is None:
         parts.pop()
     return P(*parts)
@@ -83,8 +112,8 @@ def state_shardings(state, mesh: Mesh) -> R.RolloutState:
 
 
 def check_mesh(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, batch: int) -> dict[str, int]:
-    """The mesh sizes, after checking that batch divides over ``data`` and heads and FFN over ``model``
-    (ValueError naming the one that does not)."""
+    """The mesh sizes, after checking that batch divides over ``data``, heads over ``model * seq``, FFN over
+    ``model`` and the chunk's tokens over ``seq`` (ValueError naming the one that does not)."""
     sizes = mesh_sizes(mesh)
     if rc.dilated_every:
         raise ValueError(
@@ -102,6 +131,18 @@ def check_mesh(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, batch: int) -
                 f"the model's {what} ({n}) is not divisible by the mesh's model axis ({sizes[MODEL]}): "
                 f"tensor parallelism splits whole heads and FFN columns"
             )
+    if config.num_heads % (sizes[MODEL] * sizes[SEQ]):
+        raise ValueError(
+            f"the model's num_heads ({config.num_heads}) is not divisible by the mesh's model x seq axes "
+            f"({sizes[MODEL]} x {sizes[SEQ]}): sequence parallelism gives each device whole heads of its model group"
+        )
+    tokens = rc.tokens_per_frame(config) * rc.chunk_frames
+    if tokens % sizes[SEQ]:
+        raise ValueError(
+            f"the chunk's {tokens} tokens ({rc.chunk_frames} frames x {rc.tokens_per_frame(config)} tokens per "
+            f"frame) are not divisible by the mesh's seq axis ({sizes[SEQ]}): sequence parallelism splits a "
+            f"chunk's tokens evenly"
+        )
     return sizes
 
 
@@ -137,9 +178,13 @@ def mesh_step(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
     """
     noise_sharding = NamedSharding(mesh, P(None, DATA))
     out_sharding = NamedSharding(mesh, P(DATA))
+    ulysses = mesh_sizes(mesh)[SEQ] > 1
 
     def chunk(params, state, noise):
-        return R.generate_chunk(params, config, rc, state, noise)
+        if not ulysses:
+            return R.generate_chunk(params, config, rc, state, noise)
+        with activation_layout(ULYSSES):  # read while this traces: the model's constraints
+            return R.generate_chunk(params, config, rc, state, noise)
 
     def step(params, state, key_data, index, noise):
         batch = state.cache.batch // (2 if rc.guidance_scale is not None else 1)

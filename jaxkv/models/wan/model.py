@@ -60,6 +60,7 @@ from jaxkv.attention.fp8 import fp8_attend
 from jaxkv.cache import MixedCache, MixedSpec, RingSpec, policy_class
 from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models.wan import layers as L
+from jaxkv.models.wan.activation_sharding import HEADS, TOKEN_HEADS, TOKENS, constrain
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer, param_shapes
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
@@ -353,11 +354,12 @@ def _cross_attention(p, x, k, v, config: WanConfig, backend: str, act=jnp.float3
     ``act`` [batch, tokens, dim]."""
     b, n, _ = x.shape
     q = _heads(L.rms_norm(L.linear(p["q"], x, act), p["norm_q"]["scale"], config.eps, act), config)
+    q = constrain(constrain(q, TOKEN_HEADS), HEADS)  # Ulysses: all tokens, the heads of the cross K/V held here
     zeros_q = jnp.zeros((b, n), jnp.int32)
     zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
     # Every text key is visible to every query: cuDNN runs with no mask, no check and no branch.
     out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend, plan=ALL_VISIBLE_PLAN).astype(act)
-    return L.linear(p["o"], out.reshape(b, n, config.dim), act)
+    return L.linear(p["o"], constrain(out, TOKEN_HEADS).reshape(b, n, config.dim), act)
 
 
 def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, backend: str, act=jnp.float32):
@@ -428,18 +430,22 @@ def _dit(
     rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta)) if rotate else None
     top = _compute_params(params, precision)
     act = _activation_dtype(precision)
-    x = L.patchify(top, config, latents, act).astype(jnp.float32)  # the residual stream is float32
+    x = constrain(L.patchify(top, config, latents, act).astype(jnp.float32), TOKENS)  # the residual stream: float32
     e, e0 = L.time_embedding(top, config, t)
 
     def run_block(x, state, p, ck, cv, layer, attend_layer):
         p = _block_params(p, precision)
 
         def attention(pa, h):
-            q, k, v = _self_qkv(pa, h, rope, config, act)
+            # Ulysses (`activation_sharding`): q, k, v projected per token, then all-to-all tokens -> heads for the
+            # cache and the ring; the output back heads -> tokens
+            q, k, v = (constrain(constrain(t, TOKEN_HEADS), HEADS) for t in _self_qkv(pa, h, rope, config, act))
             out, new_state = attend_layer(q, k, v, state, layer)
-            return L.linear(pa["o"], out.astype(act).reshape(b, n, config.dim), act), new_state
+            out = constrain(out.astype(act), TOKEN_HEADS)
+            return L.linear(pa["o"], out.reshape(b, n, config.dim), act), new_state
 
-        return _block(p, x, e0, ck, cv, gf, attention, config, backend, act)
+        x, state = _block(p, x, e0, ck, cv, gf, attention, config, backend, act)
+        return constrain(x, TOKENS), state
 
     unrolled = is_per_layer(params) or cross.is_per_layer or getattr(state, "is_per_layer", False)
     if remat:
