@@ -830,8 +830,6 @@ def check_commit():
     stream's chunks after committing the same latents: plain on data=2,model=4, guided with a mixed cache on
     data=2,model=2 and on data=2,model=2,seq=2; one commit program, the state keeps its shardings; bad latents are
     refused before the state changes."""
-    from jaxkv.parallel.rollout import mesh_commit
-
     batch = 2
     for mesh, rc in (
         (PL.make_mesh(2, 4), rc_of()),
@@ -848,9 +846,9 @@ def check_commit():
         assert not np.allclose(want[0], ref_xs[2], **TOL)  # committing changed what follows
         stream = stream_of(mesh, rc, batch, CHUNKS)
         shardings = PL.state_shardings(stream.state, mesh)
-        before = compile_count(mesh_commit(mesh, CONFIG, rc))
+        before = compile_count(PL.mesh_commit(mesh, CONFIG, rc))
         stream.commit(given)
-        assert compile_count(mesh_commit(mesh, CONFIG, rc)) - before == 1
+        assert compile_count(PL.mesh_commit(mesh, CONFIG, rc)) - before == 1
         assert stream.index == stream.start == 2
         for leaf, sharding in zip(jax.tree.leaves(stream.state), jax.tree.leaves(shardings)):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
