@@ -746,7 +746,8 @@ def compare_dilated(mesh, rc, batch):
 def check_dilated():
     """Dilated layers on data=2,model=2: all dilated (k = 1) and mixed (k = 2, also guided) equal the single-device
     stream chunk by chunk, compile once and keep the state shardings (heads split on model); mixed on
-    data=2,model=2,seq=2 (Ulysses) too. Each stack of the mixed cache is sharded as a ring cache is."""
+    data=2,model=2,seq=2 (Ulysses) too, and on data=2 bit for bit. Each stack of the mixed cache is sharded as a
+    ring cache is."""
     from jaxkv.cache import DilatedCache, MixedCache
 
     m22 = PL.make_mesh(2, 2, jax.devices()[:4])
@@ -762,6 +763,10 @@ def check_dilated():
             assert shard[1] == part.k.shape[1] // 2 and shard[3] == CONFIG.num_heads // 2, shard
             assert part.positions.sharding.is_equivalent_to(NamedSharding(m22, P(PL.DATA)), 2)
     compare_dilated(PL.make_mesh(2, 2, seq=2), rc_dilated(2), 2)
+    # without tensor parallelism nothing is summed differently: data=2 is the single-device stream bit for bit
+    xs, _ = run_mesh(PL.make_mesh(2, 1, jax.devices()[:2]), rc_dilated(2), 2)
+    for n, (a, b) in enumerate(zip(xs, reference(rc_dilated(2), 2)[0], strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
 
 
 def check_dilated_save_resume():
