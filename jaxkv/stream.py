@@ -160,8 +160,6 @@ class Stream:
                 f"commit gives a stream its first chunks; this one is already at chunk {self.index} "
                 f"(commit before the first next(), on a fresh Stream)"
             )
-        if hasattr(self, "mesh"):
-            raise NotImplementedError("committing given latents to a stream on a mesh is not supported yet")
         latents = jnp.asarray(latents, jnp.float32)
         cf = self.rc.chunk_frames
         batch = self.state.cache.batch // (2 if self.rc.guidance_scale is not None else 1)
@@ -183,7 +181,7 @@ class Stream:
             self.state = self._commit_chunk(latents[:, c * cf : (c + 1) * cf])
         self.index = self.start = n
 
-    def _commit_chunk(self, chunk) -> RolloutState:
+    def _commit_chunk(self, chunk) -> RolloutState:  # a mesh stream's own: `jaxkv.parallel.MeshStream`
         return commit_step(self.params, self.config, self.rc, self.state, chunk)
 
     def session(self, *, copy: bool = True, extras: dict | None = None):

@@ -391,8 +391,9 @@ def logical_tensors(session, mesh):
         guided = session.settings["sampler"]["guidance_scale"] is not None
         order = PL.session_order(session.sessions // (2 if guided else 1), mesh.shape[PL.DATA], guided)
         undo = np.argsort(order)
-        for name, axis in CK.ROWS_AXIS.items():
-            out[name] = np.take(out[name], undo, axis=axis)
+        for name in out:
+            if CK.rows_axis(name) is not None:
+                out[name] = np.take(out[name], undo, axis=CK.rows_axis(name))
     return out
 
 
@@ -688,6 +689,227 @@ def check_switch():
     got, _ = run(m21)
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
+
+
+# ------------------------------------------------------------------------------------------------ dilated layers
+
+
+def rc_dilated(every, guidance=None):
+    """``dilated_every`` = 1 (an all-dilated `DilatedCache`) or k >= 2 (a `MixedCache`): dilation 2, 2 buckets,
+    one-frame chunks, a dense window of 2 frames (+ 1 sink frame when there are dense layers)."""
+    return R.RolloutConfig(
+        4,
+        4,
+        chunk_frames=1,
+        window_frames=2,
+        sink_frames=0 if every == 1 else 1,
+        schedule=Schedule(steps=(1000, 500)),
+        guidance_scale=guidance,
+        dilated_every=every,
+        dilation=2,
+        buckets=2,
+    )
+
+
+def cache_rows(cache, order=None):
+    """{tensor name: host array} of a cache of any class (a `MixedCache`: both stacks), rows put back in
+    `jaxkv.rollout`'s order when ``order`` (a mesh's `session_order`) is given."""
+    from jaxkv import session as S
+    from jaxkv.parallel import checkpoint as CK
+
+    out = {name: np.asarray(x) for name, x in S._cache_tensors(cache).items()}
+    if order is not None:
+        out = {name: np.take(x, np.argsort(order), axis=CK.rows_axis(name)) for name, x in out.items()}
+    return out
+
+
+def compare_dilated(mesh, rc, batch):
+    """As `compare`, for a dilated or mixed cache: chunks to TOL, every stack's positions exact and K/V to TOL."""
+    ref_xs, ref_state = reference(rc, batch)
+    xs, stream = run_mesh(mesh, rc, batch)
+    assert type(stream.state.cache) is type(ref_state.cache), (type(stream.state.cache), type(ref_state.cache))
+    for n, (a, b) in enumerate(zip(xs, ref_xs, strict=True)):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=f"chunk {n}")
+    assert not any(np.array_equal(xs[0], x) for x in xs[1:])
+    order = PL.session_order(batch, mesh.shape[PL.DATA], rc.guidance_scale is not None)
+    got, want = cache_rows(stream.state.cache, order), cache_rows(ref_state.cache)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for name in want:
+        if name.endswith(("positions", "chunk_start")):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=name)
+    np.testing.assert_allclose(np.asarray(stream.state.cross.v), ref_state.cross.v[:, order], **TOL)
+    return stream
+
+
+def check_dilated():
+    """Dilated layers on data=2,model=2: all dilated (k = 1) and mixed (k = 2, also guided) equal the single-device
+    stream chunk by chunk, compile once and keep the state shardings (heads split on model); mixed on
+    data=2,model=2,seq=2 (Ulysses) too, and on data=2 bit for bit. Each stack of the mixed cache is sharded as a
+    ring cache is."""
+    from jaxkv.cache import DilatedCache, MixedCache
+
+    m22 = PL.make_mesh(2, 2, jax.devices()[:4])
+    stream = compare_dilated(m22, rc_dilated(1), 2)
+    assert isinstance(stream.state.cache, DilatedCache)
+    assert stream.state.cache.k.addressable_shards[0].data.shape[1:4:2] == (1, CONFIG.num_heads // 2)
+    for guidance in (None, 3.0):
+        stream = compare_dilated(m22, rc_dilated(2, guidance), 2)
+        cache = stream.state.cache
+        assert isinstance(cache, MixedCache)
+        for part in (cache.dense, cache.dilated):
+            shard = part.k.addressable_shards[0].data.shape  # [layers, sessions, capacity, heads, head_dim]
+            assert shard[1] == part.k.shape[1] // 2 and shard[3] == CONFIG.num_heads // 2, shard
+            assert part.positions.sharding.is_equivalent_to(NamedSharding(m22, P(PL.DATA)), 2)
+    compare_dilated(PL.make_mesh(2, 2, seq=2), rc_dilated(2), 2)
+    # without tensor parallelism nothing is summed differently: data=2 is the single-device stream bit for bit
+    xs, _ = run_mesh(PL.make_mesh(2, 1, jax.devices()[:2]), rc_dilated(2), 2)
+    for n, (a, b) in enumerate(zip(xs, reference(rc_dilated(2), 2)[0], strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
+
+
+def check_dilated_save_resume():
+    """A mixed (k = 2, guided) stream saved on data=2,model=2 after its first chunk resumes on one device: the loaded
+    state is the saved one bit for bit (rows in rollout order), its chunks are those of the same state continued
+    from an independently built session bit for bit and the uninterrupted single-device stream's to TOL; it also
+    resumes on the same mesh, bit for bit with the uninterrupted mesh stream. A prompt switch on the mesh equals
+    the single-device `jaxkv.recache.SwitchableStream`'s."""
+    from jaxkv import recache
+    from jaxkv import session as S
+    from jaxkv.parallel import checkpoint as CK
+
+    rc, batch = rc_dilated(2, 3.0), 2
+    m22 = PL.make_mesh(2, 2, jax.devices()[:4])
+    whole = [np.asarray(x) for x in stream_of(m22, rc, batch, CHUNKS)]
+    ref_xs, _ = reference(rc, batch)
+    first = stream_of(m22, rc, batch, 1)
+    assert np.array_equal(np.asarray(next(first)), whole[0])
+    session = first.session(copy=False)
+    saved = logical_tensors(session, m22)
+    assert "cache/dense/k" in saved and "cache/dilated/k" in saved, sorted(saved)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = CK.save(os.path.join(tmp, "s"), session, mesh=m22)
+        assert CK.read_manifest(path)["cache_class"] == "MixedCache"
+        s1 = CK.load(path, CONFIG, rc)
+        assert_same_tensors(logical_tensors(s1, None), saved)
+        named = {n: jax.numpy.asarray(saved[n]) for n in saved if n.startswith("cache/")}
+        cache = S._cache_from(S.expected_cache(CONFIG, rc, 2 * batch), named)
+        state = R.RolloutState(
+            cache, M.CrossKV(jax.numpy.asarray(saved["cross/k"]), jax.numpy.asarray(saved["cross/v"]))
+        )
+        same = S.Session.create(CONFIG, rc, state, key=jax.random.key(7), next_chunk=1)
+        want = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, same, num_chunks=CHUNKS - 1)]
+        xs = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, s1, num_chunks=CHUNKS - 1)]
+        for n, (a, b, c) in enumerate(zip(xs, want, ref_xs[1:], strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"one-device chunk {n + 1}")
+            np.testing.assert_allclose(a, c, **TOL, err_msg=f"one-device chunk {n + 1} vs uninterrupted")
+        s22 = CK.load(path, CONFIG, rc, mesh=m22)
+        assert_same_tensors(logical_tensors(s22, m22), saved)
+        xs, compiled = run_resumed(PL.MeshStream.from_session(PARAMS, CONFIG, rc, s22, mesh=m22, num_chunks=CHUNKS - 1))
+        assert compiled == 0, compiled
+        for n, (a, b) in enumerate(zip(xs, whole[1:], strict=True)):
+            np.testing.assert_array_equal(a, b, err_msg=f"2x2 chunk {n + 1}")
+
+    ctx, neg = contexts(batch)
+    other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
+
+    def switched(mesh):
+        base = stream_of(mesh, rc, batch, CHUNKS)
+        stream = recache.SwitchableStream(base) if mesh is None else PL.MeshSwitchableStream(base)
+        out = [np.asarray(next(stream))]
+        stream.switch(other, neg)
+        return out + [np.asarray(x) for x in stream]
+
+    want = switched(None)
+    assert not np.allclose(want[1], ref_xs[1], **TOL)  # the switch changes the next chunk
+    for n, (a, b) in enumerate(zip(switched(m22), want, strict=True)):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=f"switched chunk {n}")
+
+
+# ------------------------------------------------------------------------------------------------ given latents
+
+
+def check_commit():
+    """Given latents committed on the mesh (`MeshStream.commit`: 2 chunks) and continued give the single-device
+    stream's chunks after committing the same latents: plain on data=2,model=4, guided with a mixed cache on
+    data=2,model=2 and on data=2,model=2,seq=2; one commit program, the state keeps its shardings; bad latents are
+    refused before the state changes."""
+    batch = 2
+    for mesh, rc in (
+        (PL.make_mesh(2, 4), rc_of()),
+        (PL.make_mesh(2, 2, jax.devices()[:4]), rc_dilated(2, 3.0)),
+        (PL.make_mesh(2, 2, seq=2), rc_of(guidance=3.0)),
+    ):
+        given = np.random.default_rng(4).standard_normal(rc.chunk_shape(CONFIG, batch)).astype(np.float32)
+        given = np.concatenate([given, 2 * given], axis=1)  # 2 chunks
+        one = stream_of(None, rc, batch, CHUNKS)
+        one.commit(given)
+        want_commit = cache_rows(one.state.cache)
+        want = [np.asarray(x) for x in one]
+        ref_xs, _ = reference(rc, batch)
+        assert not np.allclose(want[0], ref_xs[2], **TOL)  # committing changed what follows
+        stream = stream_of(mesh, rc, batch, CHUNKS)
+        shardings = PL.state_shardings(stream.state, mesh)
+        before = compile_count(PL.mesh_commit(mesh, CONFIG, rc))
+        stream.commit(given)
+        assert compile_count(PL.mesh_commit(mesh, CONFIG, rc)) - before == 1
+        assert stream.index == stream.start == 2
+        for leaf, sharding in zip(jax.tree.leaves(stream.state), jax.tree.leaves(shardings)):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+        order = PL.session_order(batch, mesh.shape[PL.DATA], rc.guidance_scale is not None)
+        committed = cache_rows(stream.state.cache, order)  # before any chunk is generated: the commit alone
+        got = [np.asarray(x) for x in stream]
+        for name, x in committed.items():
+            assert_close = np.testing.assert_array_equal if x.dtype == np.int32 else np.testing.assert_allclose
+            assert_close(x, want_commit[name], err_msg=name, **({} if x.dtype == np.int32 else TOL))
+        for n, (a, b) in enumerate(zip(got, want, strict=True)):
+            np.testing.assert_allclose(a, b, **TOL, err_msg=f"{dict(mesh.shape)} chunk {n}")
+    fresh = stream_of(PL.make_mesh(2, 4), rc_of(), batch, CHUNKS)
+    for bad, words in ((given[:1], "[batch, n * chunk_frames"), (given * np.nan, "non-finite")):
+        try:
+            fresh.commit(bad)
+        except ValueError as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"accepted: expected an error about {words!r}")
+    assert fresh.index == 0 and not any(x.is_deleted() for x in jax.tree.leaves(fresh.state))
+
+
+def check_generate_dilated_given():
+    """``jaxkv generate --mesh`` with ``--dilated-every 2`` (a mixed cache, guided) and with ``--image`` (the
+    frames encoded by the tiny random VAE and committed on the mesh) write the latents of the same run on one
+    device, one compiled step each."""
+    import json
+
+    from PIL import Image
+
+    from jaxkv.generate import load_latents
+    from jaxkv.generate.loop import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        common = ["--random-weights", "--height", "4", "--width", "4", "--chunk-frames", "1", "--window-frames", "2"]
+        common += ["--sink-frames", "1", "--steps", "1000,500", "--batch", "2", "--guidance-scale", "3"]
+        common += ["--num-chunks", "3", "--no-video", "--no-progress"]
+        picture = np.random.default_rng(2).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        png = os.path.join(tmp, "given.png")
+        Image.fromarray(picture).save(png)
+        runs = {
+            "dilated": ["--dilated-every", "2", "--dilation", "2", "--buckets", "2"],
+            "image": ["--image", png],
+        }
+        for name, extra in runs.items():
+            one, mesh = os.path.join(tmp, f"{name}_one"), os.path.join(tmp, f"{name}_mesh")
+            assert main([*common, *extra, "--out", one]) == 0
+            assert main([*common, *extra, "--out", mesh, "--mesh", "data=2,model=4"]) == 0
+            np.testing.assert_allclose(load_latents(mesh), load_latents(one), **TOL, err_msg=name)
+            with open(os.path.join(mesh, "summary.json")) as f:
+                summary = json.load(f)
+            assert summary["mesh"] == {"data": 2, "seq": 1, "model": 4} and summary["compilations"] == 1, summary
+            if name == "dilated":
+                assert summary["dilated_every"] == 2, summary
+            else:
+                assert summary["first_chunk"] > 0 and summary["given"]["kind"] == "image", summary
 
 
 if __name__ == "__main__":

@@ -99,3 +99,30 @@ def test_sharded_cache_matches_unsharded_in_place():
     env.pop("XLA_FLAGS", None)
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_dilated_and_mixed_caches_shard_as_the_ring_cache():
+    """A `DilatedCache` gets the ring cache's specs (sessions on data, heads on the head axes, slots whole); a
+    `MixedCache` gets them for each of its two stacks, in a pytree of its own structure (in-process: no mesh)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.cache import DilatedCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
+    from jaxkv.cache.sharding import cache_partition_specs
+
+    def assert_ring_specs(specs, head):
+        assert specs.k == specs.v == P(None, "data", None, head, None), specs.k
+        assert specs.positions == P("data", None) and specs.chunk_start == P("data")
+
+    dilated = DilatedSpec(tokens_per_frame=2, chunk_frames=1, dilation=2, buckets=2)
+    cache = DilatedCache.init(dilated, 2, 4, 8, layers=2)
+    specs = cache_partition_specs(cache)
+    assert_ring_specs(specs, "model")
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(cache)
+    mixed = MixedCache.init(MixedSpec(RingSpec(chunk=2, window=4, sink=2), dilated, 2), 2, 4, 8, layers=4)
+    specs = cache_partition_specs(mixed, head_axis=("model", "seq"))
+    assert isinstance(specs, MixedCache) and specs.spec == mixed.spec
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(mixed)
+    for part in (specs.dense, specs.dilated):
+        assert_ring_specs(part, ("model", "seq"))
+    assert cache_partition_specs(mixed, data_axis=None).dilated.positions == P(None, None)

@@ -83,6 +83,15 @@ def test_mesh_session_saved_per_shard_resumes_on_other_meshes_and_one_device():
     )
 
 
+@pytest.mark.slow
+def test_dilated_layers_and_given_latents_on_a_mesh():
+    """Dilated layers (all dilated, mixed, mixed guided; data=2,model=2 and with seq=2) equal the single-device
+    stream, compile once, keep their shardings; a mixed session saved on the mesh resumes on one device and the
+    mesh, and switches prompt; given latents committed on the mesh equal one device's commit; ``jaxkv generate
+    --mesh`` with ``--dilated-every`` and with ``--image``."""
+    run_checks("dilated", "dilated_save_resume", "commit", "generate_dilated_given", timeout=1800)
+
+
 # ------------------------------------------------------------------------------------------------ in-process
 
 

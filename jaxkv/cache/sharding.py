@@ -2,7 +2,9 @@
 
 Attention heads are independent, so the cache shards on the kv-head axis (over one mesh axis or several, e.g.
 ``("model", "seq")`` for tensor x sequence parallel); sessions (batch rows) are independent, so it shards on a data
-axis too. Slots are never sharded. These are ordinary `NamedSharding`s / `PartitionSpec`s:
+axis too. Slots are never sharded. A `DilatedCache` has the same fields and the same
+layout (its ring and scratch are slots); a `MixedCache` is two such stacks, each sharded the same way. These are
+ordinary `NamedSharding`s / `PartitionSpec`s:
 
 * heads only: pass `cache_shardings` to ``jax.jit(in_shardings=..., out_shardings=..., donate_argnums=...)``; the
   SPMD partitioner keeps every chunk write local and in place.
@@ -21,11 +23,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.cache.base import ChunkCache
+from jaxkv.cache.mixed import MixedCache
 
 Axis = str | tuple[str, ...] | None
 
 
-def cache_shardings(cache: ChunkCache, mesh: Mesh, *, data_axis: Axis = "data", head_axis: Axis = "model"):
+def cache_shardings(cache: ChunkCache | MixedCache, mesh: Mesh, *, data_axis: Axis = "data", head_axis: Axis = "model"):
     """A pytree of `NamedSharding` with the structure of ``cache``.
 
     k, v [(layers,) batch, capacity, heads, head_dim] -> P((None,) data_axis, None, head_axis, None);
@@ -48,13 +51,19 @@ def cache_shardings(cache: ChunkCache, mesh: Mesh, *, data_axis: Axis = "data", 
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def shard_cache(cache: ChunkCache, mesh: Mesh, *, data_axis: Axis = "data", head_axis: Axis = "model"):
+def shard_cache(cache: ChunkCache | MixedCache, mesh: Mesh, *, data_axis: Axis = "data", head_axis: Axis = "model"):
     """``cache`` placed on ``mesh`` (see `cache_shardings`)."""
     return jax.device_put(cache, cache_shardings(cache, mesh, data_axis=data_axis, head_axis=head_axis))
 
 
-def cache_partition_specs(cache: ChunkCache, *, data_axis: Axis = "data", head_axis: Axis = "model"):
-    """The `PartitionSpec`s of `cache_shardings` without a mesh, for ``jax.shard_map`` in_specs / out_specs."""
+def cache_partition_specs(cache: ChunkCache | MixedCache, *, data_axis: Axis = "data", head_axis: Axis = "model"):
+    """The `PartitionSpec`s of `cache_shardings` without a mesh, for ``jax.shard_map`` in_specs / out_specs (a
+    `MixedCache`: its dense and its dilated stack each as a `ChunkCache`)."""
+    if isinstance(cache, MixedCache):
+        kw = dict(data_axis=data_axis, head_axis=head_axis)
+        return cache.replace(
+            dense=cache_partition_specs(cache.dense, **kw), dilated=cache_partition_specs(cache.dilated, **kw)
+        )
     lead = (None,) if cache.layers is not None else ()
     kv = P(*lead, data_axis, None, head_axis, None)
     return cache.replace(k=kv, v=kv, positions=P(data_axis, None), chunk_start=P(data_axis))

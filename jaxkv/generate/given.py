@@ -7,7 +7,8 @@ encoder: ``--vae``, a release's ``vae/``, or the tiny random VAE of ``--random-w
 stream's first chunks; the mp4's decoder runs over them first (their frames are not written), so the video carries on
 from the given frames. ``--out`` holds the generated chunks only, numbered from 0, as a ``--resume`` run's;
 ``summary.json`` records ``"first_chunk"`` (the given chunks) and ``"given"``; a ``--prompt-schedule`` counts the
-generated chunks. Not with ``--resume`` (the session holds its own past) nor ``--mesh``.
+generated chunks. Not with ``--resume`` (the session holds its own past). With ``--mesh`` the frames are encoded on
+one device and committed on the mesh (`jaxkv.parallel.MeshStream.commit`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def flag(args) -> str | None:
 
 
 def check(args) -> None:
-    """The combinations (no file read): UsageError for both flags, or either with --resume or --mesh."""
+    """The combinations (no file read): UsageError for both flags, or either with --resume."""
     given = flag(args)
     if given is None:
         return
@@ -39,8 +40,6 @@ def check(args) -> None:
         raise UsageError("--image and --video both give the frames to continue; pass one")
     if args.resume:
         raise UsageError(f"{given}: --resume continues a saved session, which holds its own past; not with {given}")
-    if args.mesh is not None:
-        raise UsageError(f"{given}: continuing given frames is not supported with --mesh yet")
 
 
 def vae_config(args, config, toy_dir, mp4_vae):

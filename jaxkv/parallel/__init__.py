@@ -5,7 +5,8 @@ parallel) x ``model`` (tensor parallel).
 * `RULES`, `param_shardings`, `shard_params`: parameter shardings from one rule table (`jaxkv.parallel.rules`).
 * `load_sharded`: a checkpoint read straight into its shards (`jaxkv.parallel.loading`).
 * `MeshStream`, `mesh_step`, `init_state`, `state_shardings`: the sharded streaming rollout
-  (`jaxkv.parallel.rollout`); `MeshSwitchableStream`, `mesh_switch`: prompt switching on the mesh.
+  (`jaxkv.parallel.rollout`); `MeshSwitchableStream`, `mesh_switch`: prompt switching on the mesh; `mesh_commit`:
+  given latents committed on the mesh (`MeshStream.commit`).
 * `jaxkv.parallel.checkpoint`: a mesh session saved shard by shard, loaded onto any mesh shape or one device.
 """
 
@@ -17,6 +18,7 @@ from jaxkv.parallel.rollout import (
     check_mesh,
     init_state,
     local_rows,
+    mesh_commit,
     mesh_step,
     mesh_switch,
     session_order,
@@ -36,6 +38,7 @@ __all__ = [
     "init_state",
     "load_sharded",
     "local_rows",
+    "mesh_commit",
     "make_mesh",
     "mesh_sizes",
     "mesh_step",

@@ -15,7 +15,8 @@ On disk, a directory (written atomically, `jaxkv.files.atomic_directory`):
                              "tensors": {name: {"dtype", "shape" (global), "rows_axis" (the session axis, or null)}};
                              "pieces": [{"tensor", "file", "key", "index": [[start, stop] per axis], "sha256"}]:
                              which index range of which tensor each file entry holds; "manifest_sha256"}
-  shards-PPPPP.safetensors   process P's pieces (tensor names as in `jaxkv.session`: "cache/k", "cross/v", ...)
+  shards-PPPPP.safetensors   process P's pieces (tensor names as in `jaxkv.session`: "cache/k", "cross/v", ...;
+                             a `jaxkv.cache.MixedCache`'s stacks "cache/dense/k", "cache/dilated/k", ...)
 
 The pieces of a tensor cover it exactly once (checked on load). A single-device session directory
 (`jaxkv.session.save`) also loads, onto a mesh too: its one file is one piece of every tensor.
@@ -39,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv import files
 from jaxkv import session as S
+from jaxkv.cache import MixedCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.parallel.mesh import DATA
@@ -48,14 +50,23 @@ from jaxkv.rollout import RolloutConfig, RolloutState
 
 FORMAT = "jaxkv-sharded-session"
 FORMAT_VERSION = 1
-# The session axis of each row-holding tensor (k, v [layers, sessions, ...]; positions [sessions, capacity]; ...).
 # safetensors' dtype names -> NumPy's (the ones a session holds)
 _DTYPES = {"BF16": "bfloat16", "BOOL": "bool"} | {
     f"{k}{bits}": f"{name}{bits}"
     for k, name in (("F", "float"), ("I", "int"), ("U", "uint"))
     for bits in (8, 16, 32, 64)
 }
-ROWS_AXIS = {"cache/k": 1, "cache/v": 1, "cache/positions": 0, "cache/chunk_start": 0, "cross/k": 1, "cross/v": 1}
+
+
+def rows_axis(name: str) -> int | None:
+    """The session axis of a session tensor (None: it has none): k, v [layers, sessions, ...] of the cache (of each
+    stack of a `jaxkv.cache.MixedCache`: "cache/dense/k", ...) and of the cross K/V -> 1; positions
+    [sessions, capacity], chunk_start [sessions] -> 0; the key, next_chunk and the VAE's extras -> None."""
+    if name.startswith("cross/"):
+        return 1
+    if name.startswith("cache/"):
+        return 1 if name.rsplit("/", 1)[1] in ("k", "v") else 0
+    return None
 
 
 def shard_file(process: int) -> str:
@@ -115,7 +126,7 @@ def _pieces(name: str, x, order: np.ndarray | None) -> list[tuple[list[list[int]
     """This process's pieces of ``x`` (a global array with rows in mesh order, or a host / one-device array):
     [(index range in the logical array, a host-readable block)], each distinct shard once."""
     x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-    axis = ROWS_AXIS.get(name)
+    axis = rows_axis(name)
     out = []
     for shard in x.addressable_shards:
         if shard.replica_id != 0:  # another device (maybe another process) holds the copy that is written
@@ -165,7 +176,7 @@ def save(
     blocks, pieces, tensors = {}, [], {}
     for name, x in named.items():
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-        tensors[name] = {"dtype": np.dtype(x.dtype).name, "shape": list(x.shape), "rows_axis": ROWS_AXIS.get(name)}
+        tensors[name] = {"dtype": np.dtype(x.dtype).name, "shape": list(x.shape), "rows_axis": rows_axis(name)}
         for n, (index, data) in enumerate(_pieces(name, x, order)):
             key = f"{name}@{n}"
             blocks[key] = np.array(data, order="C")  # (0-d stays 0-d)
@@ -317,7 +328,7 @@ class _Reader:
 def _shardings_by_name(state, mesh: Mesh) -> dict[str, NamedSharding]:
     """{tensor name: sharding} of a state's row tensors on ``mesh`` (`state_shardings`)."""
     shardings = state_shardings(state, mesh)
-    out = {f"cache/{f}": getattr(shardings.cache, f) for f in S._CACHE_FIELDS}
+    out = S._cache_tensors(shardings.cache)
     out["cross/k"], out["cross/v"] = shardings.cross.k, shardings.cross.v
     return out
 
@@ -333,15 +344,17 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
     if manifest.get("format") != FORMAT and mesh is None:
         return S.load(path, config, rc)
     tensors = manifest["tensors"]
+    mixed = manifest["fingerprint"].get("cache", {}).get("class") == MixedCache.__name__
+    rows = "cache/dense/positions" if mixed else "cache/positions"  # as `jaxkv.session.load`
     try:
-        sessions = int(tensors["cache/positions"]["shape"][0])
+        sessions = int(tensors[rows]["shape"][0])
     except (KeyError, IndexError, TypeError):
-        raise S.SessionError(f"{path}/{S.MANIFEST} lists no cache/positions tensor") from None
+        raise S.SessionError(f"{path}/{S.MANIFEST} lists no {rows} tensor") from None
     if mesh is not None:  # a batch the data axis does not divide, a model axis the heads do not: ValueError
         check_mesh(mesh, config, rc, sessions // (2 if rc.guidance_scale is not None else 1))
     cache = S.expected_cache(config, rc, sessions)
     S._refuse(f"the session at {path}", manifest["fingerprint"], S.fingerprint(config, rc, cache))
-    want = {f"cache/{f}": getattr(cache, f) for f in S._CACHE_FIELDS}
+    want = S._cache_tensors(cache)
     for name, like in want.items():
         got = tensors.get(name, {})
         if got.get("shape") != list(like.shape) or got.get("dtype") != np.dtype(like.dtype).name:
@@ -355,7 +368,7 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
         if len(s) != 5 or any(w is not None and w != g for w, g in zip(cross, s)):
             raise S.SessionError(f"{path}: tensor {name} is {s}, the settings need {list(cross)} (None: any)")
     for name in tensors:  # a single-device file names no rows axis: these are the same
-        tensors[name].setdefault("rows_axis", ROWS_AXIS.get(name))
+        tensors[name].setdefault("rows_axis", rows_axis(name))
     reader = _Reader(path, manifest)
     reader.check()
     if mesh is None:
@@ -388,7 +401,7 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
         if manifest.get("key_impl"):
             key = jax.random.wrap_key_data(key, impl=manifest["key_impl"])
     return S.Session(
-        type(cache)(**{f: arrays[f"cache/{f}"] for f in S._CACHE_FIELDS}, spec=cache.spec),
+        S._cache_from(cache, arrays),
         M.CrossKV(arrays["cross/k"], arrays["cross/v"]),
         key,
         nxt,
@@ -405,11 +418,9 @@ def to_mesh(session: S.Session, mesh: Mesh) -> S.Session:
     by_name = _shardings_by_name(session.state, mesh)
 
     def put(name, x):
-        return put_global(np.take(np.asarray(x), order, axis=ROWS_AXIS[name]), by_name[name])
+        return put_global(np.take(np.asarray(x), order, axis=rows_axis(name)), by_name[name])
 
-    cache = type(session.cache)(
-        **{f: put(f"cache/{f}", getattr(session.cache, f)) for f in S._CACHE_FIELDS}, spec=session.cache.spec
-    )
+    cache = S._cache_from(session.cache, {name: put(name, x) for name, x in S._cache_tensors(session.cache).items()})
     return session.replace(
         cache=cache, cross=M.CrossKV(put("cross/k", session.cross.k), put("cross/v", session.cross.v))
     )

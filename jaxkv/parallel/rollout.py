@@ -5,7 +5,8 @@ Layout:
   * params: the rule table of `jaxkv.parallel.rules` (Megatron tensor parallel over ``model``, copies over ``data``
     and ``seq``);
   * KV ring k, v [layers, sessions, capacity, heads, head_dim]: sessions on ``data``, heads on ``(model, seq)``;
-    positions [sessions, capacity] and chunk_start [sessions] on ``data``;
+    positions [sessions, capacity] and chunk_start [sessions] on ``data`` (with dilated layers, ``dilated_every``:
+    the `DilatedCache`, or each stack of the `MixedCache`, the same way: `jaxkv.cache.sharding`);
   * cross-attention K/V [layers, sessions, text_tokens, heads, head_dim]: sessions on ``data``, heads on
     ``(model, seq)``;
   * noise [steps, batch, ...] and the chunk latents [batch, ...]: batch on ``data``.
@@ -27,6 +28,8 @@ With s = 1 no constraint is added and the step traces exactly as on a ``(data, m
 
 The state is created sharded (`init_state`, under ``jit`` with ``out_shardings``), donated to every step and
 returned with the same shardings, so no cache is ever gathered (tests/test_parallel.py checks the compiled HLO).
+Given latents (`MeshStream.commit`, e.g. ``jaxkv generate --image``) are committed the same way: `mesh_commit` runs
+`jaxkv.rollout.commit` per data group, one program, the state donated.
 
 With classifier-free guidance a session's conditional and negative rows must sit in the same data group:
 `init_state` orders the state's rows shard by shard, ``[cond rows of group 0, negative rows of group 0, cond rows
@@ -38,6 +41,7 @@ the sharding), so a mesh stream and `jaxkv.stream.Stream` give the same chunks f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -115,11 +119,6 @@ def check_mesh(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, batch: int) -
     """The mesh sizes, after checking that batch divides over ``data``, heads over ``model * seq``, FFN over
     ``model`` and the chunk's tokens over ``seq`` (ValueError naming the one that does not)."""
     sizes = mesh_sizes(mesh)
-    if rc.dilated_every:
-        raise ValueError(
-            f"dilated layers (RolloutConfig.dilated_every={rc.dilated_every}) do not run on a mesh yet: "
-            f"their cache's partition specs are not defined"
-        )
     if batch % sizes[DATA]:
         raise ValueError(
             f"batch {batch} is not divisible by the mesh's data axis ({sizes[DATA]}): each data group "
@@ -178,12 +177,9 @@ def mesh_step(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
     """
     noise_sharding = NamedSharding(mesh, P(None, DATA))
     out_sharding = NamedSharding(mesh, P(DATA))
-    ulysses = mesh_sizes(mesh)[SEQ] > 1
 
     def chunk(params, state, noise):
-        if not ulysses:
-            return R.generate_chunk(params, config, rc, state, noise)
-        with activation_layout(ULYSSES):  # read while this traces: the model's constraints
+        with _layout(mesh):
             return R.generate_chunk(params, config, rc, state, noise)
 
     def step(params, state, key_data, index, noise):
@@ -202,11 +198,48 @@ def mesh_step(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
         )
         return local(params, state, noise)
 
-    # out_shardings pin the returned state to the shardings it came in with (heads on model included); they need
-    # the cache's pytree structure, which the config and rc fix (the batch does not change it)
+    return jax.jit(step, out_shardings=(out_sharding, _out_state(mesh, config, rc)), donate_argnums=(1,))
+
+
+def _layout(mesh: Mesh):
+    """The context a data group's model runs in: the Ulysses activation layouts when ``seq`` > 1 (read while the
+    step traces: the model's constraints), nothing otherwise (the step then traces as on a (data, model) mesh)."""
+    return activation_layout(ULYSSES) if mesh_sizes(mesh)[SEQ] > 1 else contextlib.nullcontext()
+
+
+def _out_state(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig) -> R.RolloutState:
+    """The `state_shardings` a mesh program pins its returned state to (heads on model included). They need the
+    cache's pytree structure, which the config and rc fix (the batch does not change it)."""
     cache = jax.eval_shape(lambda: R.empty_cache(config, rc, 1))
-    shardings = state_shardings(R.RolloutState(cache, None), mesh)
-    return jax.jit(step, out_shardings=(out_sharding, shardings), donate_argnums=(1,))
+    return state_shardings(R.RolloutState(cache, None), mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_commit(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig):
+    """The jitted, state-donating commit of given clean latents on ``mesh`` (`jaxkv.rollout.commit` run by each
+    data group on its own sessions, as `mesh_step` runs a chunk): ``commit(params, state, latents) -> state`` with
+    latents float32 [batch, n * chunk_frames, h, w, in_dim] split over ``data`` (batch order). With guidance a data
+    group's rows are its cond rows then its negative rows (`session_order`), the order in which `commit` gives each
+    row's frames to both its sessions. One program per (mesh, config, rc) and shape; the returned state has the
+    shardings of `state_shardings`."""
+
+    def local(params, state, latents):
+        with _layout(mesh):
+            return R.commit(params, config, rc, state, latents)
+
+    def commit(params, state, latents):
+        specs = state_partition_specs(state, manual_only=True)
+        run = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(), specs, P(DATA)),
+            out_specs=specs,
+            axis_names=frozenset({DATA}),
+            check_vma=False,
+        )
+        return run(params, state, latents)
+
+    return jax.jit(commit, out_shardings=_out_state(mesh, config, rc), donate_argnums=(1,))
 
 
 class MeshStream(Stream):
@@ -278,6 +311,11 @@ class MeshStream(Stream):
     def _init_state(self, context, negative_context) -> R.RolloutState:
         return init_state(self.params, self.config, self.rc, self.mesh, context, negative_context)
 
+    def _commit_chunk(self, chunk) -> R.RolloutState:
+        # `jaxkv.stream.Stream.commit` checks the latents and calls this once per chunk [batch, chunk_frames, ...]
+        step = mesh_commit(self.mesh, self.config, self.rc)
+        return step(self.params, self.state, put_global(chunk, NamedSharding(self.mesh, P(DATA))))
+
     def _run_step(self, key, index, noise):
         if noise is not None:
             return self.step(
@@ -328,8 +366,7 @@ def mesh_switch(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, keep_sink: b
         )
         return run(params, state, ring, context, *negative)
 
-    cache = jax.eval_shape(lambda: R.empty_cache(config, rc, 1))
-    return jax.jit(switch, out_shardings=state_shardings(R.RolloutState(cache, None), mesh), donate_argnums=(1,))
+    return jax.jit(switch, out_shardings=_out_state(mesh, config, rc), donate_argnums=(1,))
 
 
 class MeshSwitchableStream(recache.SwitchableStream):
