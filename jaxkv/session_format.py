@@ -1,0 +1,177 @@
+"""The on-disk format of a `jaxkv.session.Session`: file names, tensor naming, checksums and the manifest.
+
+`jaxkv.session.save` / `load` write and read it (and `jaxkv.parallel.checkpoint` reuses its naming and checksums
+for sharded sessions); this module knows nothing of the `Session` class itself, only the fields it reads.
+`SessionError` lives here because the format's checks raise it; `jaxkv.session` re-exports it.
+
+On disk (`save` / `load`) a session is a directory of two files, written atomically (`jaxkv.files.atomic_directory`:
+built in a hidden temporary sibling and renamed into place when complete, so a killed save never leaves a
+directory that loads):
+
+  session.json        {"format": "jaxkv-session", "format_version": 1, "fingerprint": {...}, "cache_class",
+                      "next_chunk", "key_impl" (null: raw or no key), "has_key", "tensors": {name: {dtype,
+                      shape, sha256}}, "metadata": {...} (the caller's, e.g. the generate command's settings),
+                      "manifest_sha256": the checksum of all the rest}: `load` refuses a tensor whose bytes, or a
+                      manifest whose entries, changed after saving
+  arrays.safetensors  one tensor per leaf: "cache/k", "cache/v", "cache/positions", "cache/chunk_start"
+                      (a MixedCache: "cache/dense/k", ..., "cache/dilated/k", ...),
+                      "cross/k", "cross/v", "key" (the key's uint32 data), "next_chunk", "extras/NAME/SUB/..."
+
+Why safetensors + a JSON manifest rather than orbax-checkpoint: the project already reads and writes safetensors
+(checkpoints, latents) and has one atomic-directory writer for every output, so a session adds no dependency and no
+second notion of "complete"; the files are plain (any safetensors reader opens them, the manifest is readable
+text) and `load` checks the settings from the manifest before reading a byte of tensor data. What orbax would add
+(asynchronous and multi-host writes of sharded arrays) a single-process stream does not need: here every array is
+fetched to the host whole, so a sharded cache is gathered on save (fine for one host, not for a multi-host pod).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import files
+from jaxkv.cache import ChunkCache, MixedCache
+from jaxkv.models.wan.config import WanConfig
+
+FORMAT = "jaxkv-session"
+FORMAT_VERSION = 1
+MANIFEST = "session.json"
+ARRAYS = "arrays.safetensors"
+MANIFEST_DIGEST = "manifest_sha256"  # the manifest's own checksum, over every other entry
+_CACHE_FIELDS = ("k", "v", "positions", "chunk_start")
+
+
+class SessionError(ValueError):
+    """A session (or a session directory) does not match the settings it is used with, or is not a complete
+    jaxkv session."""
+
+
+def _stacks(cache) -> dict[str, ChunkCache]:
+    """The stacked `ChunkCache`s a session's cache is made of, by file-name prefix: {"cache": cache}, or for a
+    `MixedCache` {"cache/dense": its dense stack, "cache/dilated": its dilated stack}."""
+    if isinstance(cache, MixedCache):
+        return {"cache/dense": cache.dense, "cache/dilated": cache.dilated}
+    return {"cache": cache}
+
+
+def _flat_extras(extras: dict, prefix: str = "extras") -> dict[str, Any]:
+    """{"extras/a/b": leaf} of nested dicts (keys: non-empty strings without '/')."""
+    out = {}
+    for name, value in extras.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise SessionError(f"extras keys must be non-empty strings without '/', got {name!r} under {prefix}")
+        if isinstance(value, dict):
+            out.update(_flat_extras(value, f"{prefix}/{name}"))
+        elif value is None:
+            continue
+        else:
+            out[f"{prefix}/{name}"] = value
+    return out
+
+
+def _nest_extras(flat: dict[str, Any]) -> dict:
+    root: dict = {}
+    for name, value in flat.items():
+        parts = name.split("/")[1:]
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return root
+
+
+def _is_typed_key(key) -> bool:
+    return key is not None and jnp.issubdtype(
+        jnp.asarray(key).dtype if not hasattr(key, "dtype") else key.dtype, jax.dtypes.prng_key
+    )
+
+
+def _tensors(session) -> tuple[dict[str, Any], str | None]:
+    """A `jaxkv.session.Session`'s leaves by file name (device arrays), and the key's impl name (None for a raw
+    key)."""
+    out = _cache_tensors(session.cache)
+    out["cross/k"], out["cross/v"] = session.cross.k, session.cross.v
+    impl = None
+    if session.key is not None:
+        if _is_typed_key(session.key):
+            impl = str(jax.random.key_impl(session.key))
+            out["key"] = jax.random.key_data(session.key)
+        else:
+            out["key"] = session.key
+    out["next_chunk"] = session.next_chunk
+    out.update(_flat_extras(session.extras))
+    return out, impl
+
+
+def _cache_tensors(cache) -> dict[str, Any]:
+    """The cache's arrays by file name: "cache/k", ... or, for a `MixedCache`, "cache/dense/k", "cache/dilated/k",
+    ... (each stack's k, v, positions and chunk_start)."""
+    return {f"{prefix}/{f}": getattr(part, f) for prefix, part in _stacks(cache).items() for f in _CACHE_FIELDS}
+
+
+def _cache_from(like, arrays: dict[str, Any]):
+    """A cache of ``like``'s class and spec (a `MixedCache`: and its dense class) from `_cache_tensors` names."""
+    parts = {
+        prefix: type(part)(**{f: arrays[f"{prefix}/{f}"] for f in _CACHE_FIELDS}, spec=part.spec)
+        for prefix, part in _stacks(like).items()
+    }
+    if isinstance(like, MixedCache):
+        return MixedCache(dense=parts["cache/dense"], dilated=parts["cache/dilated"], spec=like.spec)
+    return parts["cache"]
+
+
+def _empty_like(like, sessions: int, config: WanConfig):
+    """The abstract empty cache of ``like``'s class, spec and dtype for ``sessions`` sessions of this model."""
+    dtype = jnp.dtype(next(iter(_stacks(like).values())).k.dtype)
+    extra = {"dense_policy": type(like.dense)} if isinstance(like, MixedCache) else {}
+    return jax.eval_shape(
+        lambda: type(like).init(
+            like.spec, sessions, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers, **extra
+        )
+    )
+
+
+def _is_session_dir(path: str) -> str | None:
+    return files.directory_problem(path, required=(MANIFEST, ARRAYS), formats=(FORMAT,), marker_file=MANIFEST)
+
+
+def _digest(a: np.ndarray) -> str:
+    """sha256 of an array's bytes (C order)."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of the session directory ``path`` (checked: format marker, version, both files present)."""
+    problem = _is_session_dir(path)
+    if problem is not None:
+        raise SessionError(f"{path} is not a complete jaxkv session: {problem}")
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if MANIFEST_DIGEST in manifest and manifest[MANIFEST_DIGEST] != _manifest_digest(manifest):
+        raise SessionError(
+            f"{os.path.join(path, MANIFEST)} was changed after the session was saved (its checksum does not match "
+            f"its content): next_chunk, the seed and the settings are read from it, so an edited copy is refused"
+        )
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise SessionError(
+            f"{os.path.join(path, MANIFEST)} has format_version {manifest.get('format_version')!r}; "
+            f"this jaxkv reads version {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """The ``metadata`` a session was saved with."""
+    return read_manifest(path).get("metadata", {})
