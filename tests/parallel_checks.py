@@ -1031,6 +1031,43 @@ def check_scan_errors():
         PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, key=key, state=one_device, **kw)
 
 
+def check_scan_dilated_hlo():
+    """`mesh_rollout` with a mixed dense/dilated cache (dilated_every=2, guided) on data=2,model=2 equals
+    `jaxkv.rollout.rollout` on one device (every stack's positions exact, K/V and latents to TOL); the compiled scan
+    program gathers no cache (no all-gather; no collective as large as one layer of a device's cache shard) and the
+    donated state aliases its outputs."""
+    mesh, rc, batch, key = PL.make_mesh(2, 2, jax.devices()[:4]), rc_dilated(2, guidance=3.0), 2, jax.random.key(7)
+    ctx, neg = contexts(batch)
+    want = R.jit_rollout(PARAMS, CONFIG, rc, ctx, num_chunks=CHUNKS, key=key, negative_context=neg)
+    got = PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, mesh=mesh, num_chunks=CHUNKS, key=key, negative_context=neg)
+    np.testing.assert_allclose(np.asarray(got.latents), np.asarray(want.latents), **TOL)
+    order = PL.session_order(batch, mesh.shape[PL.DATA], True)
+    rows, ref = cache_rows(got.state.cache, order), cache_rows(want.state.cache)
+    assert set(rows) == set(ref) and any("dilated" in name for name in ref), sorted(ref)
+    for name in ref:
+        if name.endswith(("positions", "chunk_start")):
+            np.testing.assert_array_equal(rows[name], ref[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(rows[name], ref[name], **TOL, err_msg=name)
+
+    rc = rc_of(16)
+    params = PL.shard_params(PARAMS, mesh)
+    state = PL.init_state(params, CONFIG, rc, mesh, ctx)
+    replicated = NamedSharding(mesh, P())
+    key_data = PL.put_global(jax.random.key_data(key), replicated)
+    first = PL.put_global(np.int32(0), replicated)
+    exe = PL.mesh_rollout_program(mesh, CONFIG, rc, CHUNKS).lower(params, state, key_data, first, None).compile()
+    shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)  # [layers, sessions, slots, heads, d]
+    sizes = largest_collectives(exe.as_text())
+    assert sizes.get("all-reduce", 0) > 0 and "all-gather" not in sizes, sizes
+    for op, elements in sizes.items():
+        assert elements < int(np.prod(shard[1:])), (op, elements, shard)
+    state_bytes = sum(
+        int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+    )
+    assert exe.memory_analysis().alias_size_in_bytes >= state_bytes, (exe.memory_analysis(), state_bytes)
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:
