@@ -912,6 +912,162 @@ def check_generate_dilated_given():
                 assert summary["first_chunk"] > 0 and summary["given"]["kind"] == "image", summary
 
 
+def check_scan():
+    """`mesh_rollout` (the scan rollout) on data=2,model=2 (and guided; and data=2,seq=2,model=2 guided) equals
+    `jaxkv.rollout.rollout` on one device (latents and final state, rows mapped back; TOL), equals the MeshStream on
+    the same mesh, continues its state at a chunk offset as one device does, and compiles once; on data=2,model=1
+    (guided) it equals one device and the MeshStream bit for bit; explicit noise as one device."""
+    from jaxkv.compilation import count_compiles
+
+    key = jax.random.key(7)
+    for mesh, guidance, exact in (
+        (PL.make_mesh(2, 2, jax.devices()[:4]), None, False),
+        (PL.make_mesh(2, 2, jax.devices()[:4]), 3.0, False),
+        (PL.make_mesh(2, 1, jax.devices()[:2]), 3.0, True),
+        (PL.make_mesh(2, 2, seq=2), 3.0, False),  # Ulysses inside the scan
+    ):
+        rc, batch = rc_of(guidance=guidance), 2
+        ctx, neg = contexts(batch)
+        neg = neg if guidance is not None else None
+        order = PL.session_order(batch, mesh.shape[PL.DATA], guidance is not None)
+        same = (
+            np.testing.assert_array_equal if exact else lambda a, b, **kw: np.testing.assert_allclose(a, b, **TOL, **kw)
+        )
+        want = R.jit_rollout(PARAMS, CONFIG, rc, ctx, num_chunks=CHUNKS, key=key, negative_context=neg)
+        want_next = R.jit_rollout(
+            PARAMS, CONFIG, rc, None, num_chunks=CHUNKS, key=key, state=want.state, first_chunk=CHUNKS
+        )
+        run = PL.mesh_rollout_program(mesh, CONFIG, rc, CHUNKS)
+        with count_compiles(run) as new:
+            got = PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, mesh=mesh, num_chunks=CHUNKS, key=key, negative_context=neg)
+            assert got.latents.sharding.is_equivalent_to(NamedSharding(mesh, P(PL.DATA)), got.latents.ndim)
+            latents = np.asarray(got.latents)
+            same(latents, np.asarray(want.latents), err_msg=str(mesh.shape))
+            frames = latents.reshape(batch, CHUNKS, -1)
+            assert not any(np.array_equal(frames[:, 0], frames[:, n]) for n in range(1, CHUNKS))  # chunks differ
+            for leaf, sharding in zip(jax.tree.leaves(got.state), jax.tree.leaves(PL.state_shardings(got.state, mesh))):
+                assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+            state, ref = jax.device_get(got.state), jax.device_get(want.state)
+            np.testing.assert_array_equal(state.cache.positions, ref.cache.positions[order])
+            same(state.cache.k, ref.cache.k[:, order])
+            same(state.cache.v, ref.cache.v[:, order])
+            same(state.cross.k, ref.cross.k[:, order])
+            # continued at a traced chunk offset: the same program
+            after = PL.mesh_rollout(
+                PARAMS, CONFIG, rc, None, mesh=mesh, num_chunks=CHUNKS, key=key, state=got.state, first_chunk=CHUNKS
+            )
+            same(np.asarray(after.latents), np.asarray(want_next.latents))
+            same(np.asarray(after.state.cache.k), np.asarray(want_next.state.cache.k)[:, order])
+            assert new() == 1, new()
+        # the MeshStream on the same mesh, same key: the same chunks
+        stream = PL.MeshStream(PARAMS, CONFIG, rc, ctx, mesh=mesh, num_chunks=CHUNKS, key=key, negative_context=neg)
+        chunks = np.concatenate([np.asarray(x) for x in stream], axis=1)
+        same(latents, chunks)
+        same(np.asarray(stream.state.cache.k), state.cache.k)
+    # explicit noise (batch order) instead of a key, on data=2,model=2
+    mesh, rc = PL.make_mesh(2, 2, jax.devices()[:4]), rc_of()
+    ctx, _ = contexts(2)
+    noise = np.random.default_rng(3).standard_normal(rc.noise_shape(CONFIG, 2, CHUNKS)).astype(np.float32)
+    want = R.jit_rollout(PARAMS, CONFIG, rc, ctx, num_chunks=CHUNKS, noise=noise)
+    got = PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, mesh=mesh, num_chunks=CHUNKS, noise=noise)
+    np.testing.assert_allclose(np.asarray(got.latents), np.asarray(want.latents), **TOL)
+
+
+def check_scan_grad():
+    """The gradient of a loss of `mesh_rollout_program`'s latents on data=2 (fresh state from the sharded params, so
+    the cross K/V's path counts too) equals the single-device gradient of `jaxkv.rollout.rollout` (same scale-relative
+    tolerance as tests/helpers/gradients.py); every parameter gets a non-zero gradient."""
+    import jax.numpy as jnp
+
+    mesh, rc, batch, key = PL.make_mesh(2, 1, jax.devices()[:2]), rc_of(), 2, jax.random.key(7)
+    ctx, _ = contexts(batch)
+    weights = np.random.default_rng(5).standard_normal((batch, CHUNKS * rc.chunk_frames, 4, 4, CONFIG.in_dim))
+    weights = weights.astype(np.float32)
+
+    def one_device(params):
+        return jnp.sum(R.rollout(params, CONFIG, rc, ctx, num_chunks=CHUNKS, key=key).latents * weights)
+
+    run = PL.mesh_rollout_program(mesh, CONFIG, rc, CHUNKS)
+    replicated = NamedSharding(mesh, P())
+    key_data = PL.put_global(jax.random.key_data(key), replicated)
+    first = PL.put_global(np.int32(0), replicated)
+
+    def on_mesh(params):
+        state = PL.init_state(params, CONFIG, rc, mesh, ctx)
+        return jnp.sum(run(params, state, key_data, first, None).latents * weights)
+
+    v0, g0 = jax.jit(jax.value_and_grad(one_device))(PARAMS)
+    v1, g1 = jax.value_and_grad(on_mesh)(PL.shard_params(PARAMS, mesh))
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
+    assert scale > 0
+    assert jax.tree.structure(g1) == jax.tree.structure(g0)
+    for (path, a), b in zip(jax.tree.leaves_with_path(g0), jax.tree.leaves(g1)):
+        assert np.abs(np.asarray(a)).max() > 0, path
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0, err_msg=str(path))
+
+
+def check_scan_errors():
+    """`mesh_rollout` refuses, before anything runs, what does not fit the mesh or the rollout."""
+    import pytest
+
+    mesh, rc, key = PL.make_mesh(2, 2, jax.devices()[:4]), rc_of(), jax.random.key(7)
+    ctx, _ = contexts(2)
+    kw = dict(mesh=mesh, num_chunks=CHUNKS)
+    with pytest.raises(ValueError, match="not divisible by the mesh's data axis"):
+        PL.mesh_rollout(PARAMS, CONFIG, rc, contexts(3)[0], key=key, **kw)
+    with pytest.raises(ValueError, match="exactly one of key"):
+        PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, **kw)
+    with pytest.raises(ValueError, match="noise must be"):
+        PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, noise=np.zeros((CHUNKS, 2, 1, 1, 4, 4, 16), np.float32), **kw)
+    with pytest.raises(ValueError, match="first_chunk"):
+        PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, key=key, first_chunk=-1, **kw)
+    with pytest.raises(ValueError, match="num_chunks"):
+        PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, key=key, mesh=mesh, num_chunks=0)
+    one_device = R.init_state(PARAMS, CONFIG, rc, ctx)
+    with pytest.raises(ValueError, match="not laid out on this mesh"):
+        PL.mesh_rollout(PARAMS, CONFIG, rc, None, key=key, state=one_device, **kw)
+    with pytest.raises(ValueError, match="exactly one of a context"):
+        PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, key=key, state=one_device, **kw)
+
+
+def check_scan_dilated_hlo():
+    """`mesh_rollout` with a mixed dense/dilated cache (dilated_every=2, guided) on data=2,model=2 equals
+    `jaxkv.rollout.rollout` on one device (every stack's positions exact, K/V and latents to TOL); the compiled scan
+    program gathers no cache (no all-gather; no collective as large as one layer of a device's cache shard) and the
+    donated state aliases its outputs."""
+    mesh, rc, batch, key = PL.make_mesh(2, 2, jax.devices()[:4]), rc_dilated(2, guidance=3.0), 2, jax.random.key(7)
+    ctx, neg = contexts(batch)
+    want = R.jit_rollout(PARAMS, CONFIG, rc, ctx, num_chunks=CHUNKS, key=key, negative_context=neg)
+    got = PL.mesh_rollout(PARAMS, CONFIG, rc, ctx, mesh=mesh, num_chunks=CHUNKS, key=key, negative_context=neg)
+    np.testing.assert_allclose(np.asarray(got.latents), np.asarray(want.latents), **TOL)
+    order = PL.session_order(batch, mesh.shape[PL.DATA], True)
+    rows, ref = cache_rows(got.state.cache, order), cache_rows(want.state.cache)
+    assert set(rows) == set(ref) and any("dilated" in name for name in ref), sorted(ref)
+    for name in ref:
+        if name.endswith(("positions", "chunk_start")):
+            np.testing.assert_array_equal(rows[name], ref[name], err_msg=name)
+        else:
+            np.testing.assert_allclose(rows[name], ref[name], **TOL, err_msg=name)
+
+    rc = rc_of(16)
+    params = PL.shard_params(PARAMS, mesh)
+    state = PL.init_state(params, CONFIG, rc, mesh, ctx)
+    replicated = NamedSharding(mesh, P())
+    key_data = PL.put_global(jax.random.key_data(key), replicated)
+    first = PL.put_global(np.int32(0), replicated)
+    exe = PL.mesh_rollout_program(mesh, CONFIG, rc, CHUNKS).lower(params, state, key_data, first, None).compile()
+    shard = state.cache.k.sharding.shard_shape(state.cache.k.shape)  # [layers, sessions, slots, heads, d]
+    sizes = largest_collectives(exe.as_text())
+    assert sizes.get("all-reduce", 0) > 0 and "all-gather" not in sizes, sizes
+    for op, elements in sizes.items():
+        assert elements < int(np.prod(shard[1:])), (op, elements, shard)
+    state_bytes = sum(
+        int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+    )
+    assert exe.memory_analysis().alias_size_in_bytes >= state_bytes, (exe.memory_analysis(), state_bytes)
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     for name in sys.argv[1:]:

@@ -231,3 +231,13 @@ def test_sharded_session_round_trip_on_one_device(tmp_path):
             np.testing.assert_array_equal(a, b)
     with pytest.raises(S.SessionError, match="window_frames"):
         CK.load(path, config, dataclasses.replace(rc, window_frames=3))
+
+
+@pytest.mark.slow
+def test_scan_rollout_on_mesh_matches_one_device_and_mesh_stream():
+    """`mesh_rollout` on data=2,model=2 (and guided, and data=2,seq=2,model=2 guided) equals `jaxkv.rollout.rollout`
+    on one device and the MeshStream (latents, final state, a continuation at a chunk offset; one compilation); bit
+    for bit on data=2,model=1; its gradient on data=2 equals the single-device gradient; a mixed dense/dilated cache
+    equals one device; the compiled program gathers no cache and aliases the donated state; bad arguments refused
+    before anything runs."""
+    run_checks("scan", "scan_grad", "scan_dilated_hlo", "scan_errors", timeout=1800)

@@ -7,6 +7,8 @@ parallel) x ``model`` (tensor parallel).
 * `MeshStream`, `mesh_step`, `init_state`, `state_shardings`: the sharded streaming rollout
   (`jaxkv.parallel.rollout`); `MeshSwitchableStream`, `mesh_switch`: prompt switching on the mesh; `mesh_commit`:
   given latents committed on the mesh (`MeshStream.commit`).
+* `mesh_rollout`, `mesh_rollout_program`: the scan rollout (`jaxkv.rollout.rollout`) on the mesh
+  (`jaxkv.parallel.scan`).
 * `jaxkv.parallel.checkpoint`: a mesh session saved shard by shard, loaded onto any mesh shape or one device.
 """
 
@@ -25,6 +27,7 @@ from jaxkv.parallel.rollout import (
     state_shardings,
 )
 from jaxkv.parallel.rules import RULES, param_shardings, param_specs, put_global, shard_params
+from jaxkv.parallel.scan import mesh_rollout, mesh_rollout_program
 
 __all__ = [
     "AXES",
@@ -39,6 +42,8 @@ __all__ = [
     "load_sharded",
     "local_rows",
     "mesh_commit",
+    "mesh_rollout",
+    "mesh_rollout_program",
     "make_mesh",
     "mesh_sizes",
     "mesh_step",
