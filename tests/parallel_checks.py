@@ -418,6 +418,16 @@ def session_from_tensors(rc, tensors, key, next_chunk):
     return S.Session.create(CONFIG, rc, state, key=key, next_chunk=next_chunk)
 
 
+def assert_resumes_on_one_device(rc, loaded, rebuilt, ref_xs):
+    """A session loaded on one device continues bit for bit as ``rebuilt`` (the same tensors put into a Session
+    independently of the checkpoint code) and as the uninterrupted stream ``ref_xs`` (chunk 0 on) within TOL."""
+    want = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, rebuilt, num_chunks=CHUNKS - 1)]
+    xs = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, loaded, num_chunks=CHUNKS - 1)]
+    for n, (a, b, c) in enumerate(zip(xs, want, ref_xs[1:], strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"one-device chunk {n + 1}")
+        np.testing.assert_allclose(a, c, **TOL, err_msg=f"one-device chunk {n + 1} vs uninterrupted")
+
+
 def run_resumed(stream):
     """(chunks as host arrays, programs compiled while running them)."""
     before = compile_count(stream.step)
@@ -467,11 +477,7 @@ def save_resume(guidance):
         assert_same_tensors(logical_tensors(s1, None), saved)
         assert all(len(x.devices()) == 1 for x in jax.tree.leaves(s1.state))
         same = session_from_tensors(rc, saved, jax.random.key(7), 1)
-        want = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, same, num_chunks=CHUNKS - 1)]
-        xs = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, s1, num_chunks=CHUNKS - 1)]
-        for n, (a, b, c) in enumerate(zip(xs, want, ref_xs[1:], strict=True)):
-            np.testing.assert_array_equal(a, b, err_msg=f"one-device chunk {n + 1}")
-            np.testing.assert_allclose(a, c, **TOL, err_msg=f"one-device chunk {n + 1} vs uninterrupted")
+        assert_resumes_on_one_device(rc, s1, same, ref_xs)
 
         # (c) data=1, model=4
         s14 = CK.load(path, CONFIG, rc, mesh=m14)
@@ -799,11 +805,7 @@ def check_dilated_save_resume():
             cache, M.CrossKV(jax.numpy.asarray(saved["cross/k"]), jax.numpy.asarray(saved["cross/v"]))
         )
         same = S.Session.create(CONFIG, rc, state, key=jax.random.key(7), next_chunk=1)
-        want = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, same, num_chunks=CHUNKS - 1)]
-        xs = [np.asarray(x) for x in Stream.from_session(PARAMS, CONFIG, rc, s1, num_chunks=CHUNKS - 1)]
-        for n, (a, b, c) in enumerate(zip(xs, want, ref_xs[1:], strict=True)):
-            np.testing.assert_array_equal(a, b, err_msg=f"one-device chunk {n + 1}")
-            np.testing.assert_allclose(a, c, **TOL, err_msg=f"one-device chunk {n + 1} vs uninterrupted")
+        assert_resumes_on_one_device(rc, s1, same, ref_xs)
         s22 = CK.load(path, CONFIG, rc, mesh=m22)
         assert_same_tensors(logical_tensors(s22, m22), saved)
         xs, compiled = run_resumed(PL.MeshStream.from_session(PARAMS, CONFIG, rc, s22, mesh=m22, num_chunks=CHUNKS - 1))
