@@ -15,6 +15,7 @@ import pytest
 import jaxkv
 from jaxkv import rollout as R
 from jaxkv.attention import cudnn, dispatch
+from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.compilation import compile_count
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
@@ -97,6 +98,54 @@ def test_a_per_layer_stream_saves_stacked_sessions_and_continues_from_them():
     assert rest.state.cache.is_per_layer
     got = np.concatenate(head + [np.asarray(c) for c in rest], axis=1)
     np.testing.assert_array_equal(got, whole)
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [Precision(fp8_kv=True), pytest.param(Precision.fp8(), marks=pytest.mark.slow)],
+    ids=["float32-fp8-kv", "fp8"],
+)
+def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from_its_session(precision):
+    """An FP8 KV cache (`Precision.fp8_kv`) held per layer under per-layer params: 6 chunks on a 2-chunk window + 1
+    sink chunk (the ring wraps), with guidance, equal the stacked FP8 stream's chunks and final state (FP8 bytes and
+    scales) bit for bit, one compilation each; a per-layer stream's state, stacked and back, continues per layer as
+    the uninterrupted stream. float32 read dtype, and `Precision.fp8()` (bf16 + FP8 attention, slow)."""
+    rc = R.RolloutConfig(
+        H,
+        W,
+        chunk_frames=1,
+        window_frames=2,
+        sink_frames=1,
+        guidance_scale=3.0,
+        schedule=Schedule(steps=(1000, 500)),
+        precision=precision,
+    )
+    dtype = jnp.dtype(precision.param_dtype)
+    params, ctx, neg, key = _params(11, dtype), _ctx(12), _ctx(13), jax.random.key(14)
+    runs = {}
+    for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
+        before = compile_count(R.stream_step)
+        stream = Stream(p, CFG, rc, ctx, negative_context=neg, num_chunks=6, key=key)
+        chunks = np.concatenate([np.asarray(c, np.float32) for c in stream], axis=1)
+        assert compile_count(R.stream_step) - before == 1
+        assert isinstance(stream.state.cache, Fp8Cache)
+        assert stream.state.cache.is_per_layer == stream.state.cross.is_per_layer == (name == "per_layer")
+        runs[name] = (chunks, R.stacked_state(stream.state))
+    np.testing.assert_array_equal(runs["per_layer"][0], runs["stacked"][0])
+    for a, b in zip(jax.tree.leaves(runs["per_layer"][1]), jax.tree.leaves(runs["stacked"][1])):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    # the per-layer FP8 stream's state after 4 chunks, stacked (as a session holds it) and back per layer,
+    # continues as the uninterrupted stream (FP8 sessions themselves are not built: jaxkv.session refuses them)
+    pl = per_layer_params(params)
+    first = Stream(pl, CFG, rc, ctx, negative_context=neg, num_chunks=4, key=key)
+    head = [np.asarray(c, np.float32) for c in first]
+    saved = R.stacked_state(first.state)
+    assert isinstance(saved.cache, Fp8Cache) and not saved.cache.is_per_layer
+    resumed = R.per_layer_state(saved)
+    assert resumed.cache.is_per_layer and resumed.cross.is_per_layer
+    rest = R.jit_rollout(pl, CFG, rc, None, num_chunks=2, key=key, state=resumed, first_chunk=4).latents
+    got = np.concatenate([*head, np.asarray(rest, np.float32)], axis=1)
+    np.testing.assert_array_equal(got, runs["stacked"][0])
 
 
 # ------------------------------------------------------------------ what the compiled chunk step does
