@@ -21,6 +21,7 @@ def test_every_registry_is_read_from_the_policy_classes():
         "RollingCache": C.RollingCache,
         "DilatedCache": C.DilatedCache,
         "MixedCache": C.MixedCache,
+        "Fp8Cache": C.Fp8Cache,
     }
     # the modules that ask hold the registry's own objects, not copies that could drift
     assert rollout.WRAPPING_POLICIES is C.WRAPPING_POLICIES and recache.RECACHE_POLICIES is C.RECACHE_POLICIES

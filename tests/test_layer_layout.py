@@ -14,6 +14,7 @@ import pytest
 
 import jaxkv
 from jaxkv import rollout as R
+from jaxkv import session as S
 from jaxkv.attention import cudnn, dispatch
 from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.compilation import compile_count
@@ -105,11 +106,11 @@ def test_a_per_layer_stream_saves_stacked_sessions_and_continues_from_them():
     [Precision(fp8_kv=True), pytest.param(Precision.fp8(), marks=pytest.mark.slow)],
     ids=["float32-fp8-kv", "fp8"],
 )
-def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from_its_session(precision):
+def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from_its_session(precision, tmp_path):
     """An FP8 KV cache (`Precision.fp8_kv`) held per layer under per-layer params: 6 chunks on a 2-chunk window + 1
     sink chunk (the ring wraps), with guidance, equal the stacked FP8 stream's chunks and final state (FP8 bytes and
-    scales) bit for bit, one compilation each; a per-layer stream's state, stacked and back, continues per layer as
-    the uninterrupted stream. float32 read dtype, and `Precision.fp8()` (bf16 + FP8 attention, slow)."""
+    scales) bit for bit, one compilation each; a per-layer stream's session (stacked), saved and loaded, continues
+    per layer as the uninterrupted stream. float32 read dtype, and `Precision.fp8()` (bf16 + FP8 attention, slow)."""
     rc = R.RolloutConfig(
         H,
         W,
@@ -134,17 +135,20 @@ def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from
     np.testing.assert_array_equal(runs["per_layer"][0], runs["stacked"][0])
     for a, b in zip(jax.tree.leaves(runs["per_layer"][1]), jax.tree.leaves(runs["stacked"][1])):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
-    # the per-layer FP8 stream's state after 4 chunks, stacked (as a session holds it) and back per layer,
-    # continues as the uninterrupted stream (FP8 sessions themselves are not built: jaxkv.session refuses them)
+    # a session of the per-layer FP8 stream after 4 chunks (stacked: FP8 bytes and scales), saved and loaded,
+    # continues per layer as the uninterrupted stream
     pl = per_layer_params(params)
     first = Stream(pl, CFG, rc, ctx, negative_context=neg, num_chunks=4, key=key)
     head = [np.asarray(c, np.float32) for c in first]
-    saved = R.stacked_state(first.state)
-    assert isinstance(saved.cache, Fp8Cache) and not saved.cache.is_per_layer
-    resumed = R.per_layer_state(saved)
-    assert resumed.cache.is_per_layer and resumed.cross.is_per_layer
-    rest = R.jit_rollout(pl, CFG, rc, None, num_chunks=2, key=key, state=resumed, first_chunk=4).latents
-    got = np.concatenate([*head, np.asarray(rest, np.float32)], axis=1)
+    session = first.session()
+    assert isinstance(session.cache, Fp8Cache) and not session.cache.is_per_layer  # sessions hold the stacked layout
+    loaded = S.load(S.save(str(tmp_path / "s"), session), CFG, rc)
+    for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(session.state)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    rest = Stream.from_session(pl, CFG, rc, loaded, num_chunks=2)
+    assert rest.state.cache.is_per_layer and isinstance(rest.state.cache, Fp8Cache)
+    got = np.concatenate(head + [np.asarray(c, np.float32) for c in rest], axis=1)
     np.testing.assert_array_equal(got, runs["stacked"][0])
 
 
