@@ -203,6 +203,32 @@ def test_compiled_chunk_step_slices_nothing_out_of_a_stack():
     assert aliases["per_layer"] >= 2 * CFG.num_layers + 1, aliases
 
 
+@pytest.mark.slow  # compiles two 5-layer FP8 steps
+def test_compiled_per_layer_fp8_step_slices_nothing_out_of_a_stack():
+    """As above with an FP8 KV cache (`Precision(fp8_kv=True)`): the stacked program slices its FP8 K/V, scales and
+    weights out of their stacks; the per-layer program reads every layer's FP8 bytes and scales where they lie,
+    and its per-layer K, V and scale buffers alias the step's outputs."""
+    params = _params(9)
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=3, sink_frames=1, precision=Precision(fp8_kv=True))
+    noise = jnp.zeros((rc.steps, 1, 1, H, W, CFG.in_dim))
+    spec = rc.spec(CFG)
+    cache_shape = (CFG.num_layers, 1, spec.capacity, CFG.num_heads, CFG.head_dim)
+    stacked_shapes = {tuple(x.shape) for x in jax.tree.leaves(params["blocks"])}
+    stacked_shapes.add((CFG.num_layers, 1, CFG.text_len, CFG.num_heads, CFG.head_dim))  # cross K/V
+    stacked_shapes.add((CFG.num_layers, 1, spec.num_slots, CFG.num_heads))  # the FP8 scales
+    counts, aliases = {}, {}
+    for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
+        state = R.init_state(p, CFG, rc, _ctx(10))
+        assert isinstance(state.cache, Fp8Cache) and state.cache.is_per_layer == (name == "per_layer")
+        step = jax.jit(lambda p, s, n: R.generate_chunk(p, CFG, rc, s, n), donate_argnums=1)
+        text = step.lower(p, state, noise).compile().as_text()
+        counts[name] = _slices_of_stacks(text, cache_shape, stacked_shapes)
+        aliases[name] = text.count("may-alias") + text.count("must-alias")
+    assert counts["stacked"][0] >= 2 and counts["stacked"][1] >= 20, counts
+    assert counts["per_layer"] == (0, 0), counts
+    assert aliases["per_layer"] >= 4 * CFG.num_layers + 1, aliases  # K, V, k_scale, v_scale per layer; positions
+
+
 @pytest.mark.slow  # compiles two 4-layer steps
 def test_per_layer_step_updates_the_cache_in_place():
     """As the stacked cache's test in test_wan_streaming: scratch stays well below the cache at a long window."""
