@@ -162,7 +162,7 @@ def check_ring(config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ri
     """ValueError (eager, concrete arrays) when the cache holds a chunk whose clean latents the ring lacks: a
     re-cache would otherwise run those slots on zeros. Traced arguments are not checked."""
     if D.has_dilated_layers(state.cache):
-        D.check_history(state.cache, ring.chunks)
+        D.check_history(state.cache, ring.chunks, D.period_of(rc, state.cache))
         return
     if not (is_concrete(state.cache.positions) and is_concrete(ring.chunks)):
         return

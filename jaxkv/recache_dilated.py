@@ -17,7 +17,10 @@ The history: a chunk is held as long as a dense layer's window or sink holds it 
 kept frames, so the latent ring keeps the sink chunks and `history_window_chunks` chunks. Costs: one chunk forward
 per held chunk (a ``lax.scan`` over the ring's slots, a ``lax.cond`` skipping the slots not to replay).
 
-All rows of a stream are in step (one clock), which the replay relies on: `check_history` checks it eagerly.
+All rows of a stream are in step (one clock), which the replay relies on: `check_history` checks it eagerly. With
+cache-relative RoPE the clock wraps (`jaxkv.cache.clock.wrap_clock`): the history's chunks pushed before a wrap are
+matched to the cache's modulo the wrap period (`on_clock`), whose multiple of the history's window also keeps
+their history slots.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 from jax import lax
 
 from jaxkv import rollout as R
-from jaxkv.cache import DilatedCache, MixedCache, RingSpec
+from jaxkv.cache import DilatedCache, DilatedSpec, MixedCache, MixedSpec, RingSpec
+from jaxkv.cache.clock import history_chunks, wrap_period
 from jaxkv.cache.dilated import stored_positions
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
@@ -44,10 +48,13 @@ def has_dilated_layers(cache) -> bool:
 
 def history_window_chunks(rc: R.RolloutConfig) -> int:
     """Non-sink chunks the latent history keeps: the dense window's, or enough for the dilated horizon (after
-    chunk n - 1, kept frames back to about frame n*c - (buckets + 1) * dilation are held), whichever is more."""
-    dense = rc.window_frames // rc.chunk_frames if rc.dilated_every != 1 else 1
-    dilated = -(-(rc.buckets + 1) * rc.dilation // rc.chunk_frames) + 1
-    return max(dense, dilated)
+    chunk n - 1, kept frames back to about frame n*c - (buckets + 1) * dilation are held), whichever is more
+    (the cache's rule, `jaxkv.cache.clock.history_chunks`, which the wrapped clock's period also keeps)."""
+    dilated = DilatedSpec(1, rc.chunk_frames, rc.dilation, rc.buckets)
+    if rc.dilated_every == 1:
+        return history_chunks(dilated)
+    dense = RingSpec.from_frames(1, rc.chunk_frames, rc.window_frames, rc.sink_frames)
+    return history_chunks(MixedSpec(dense, dilated, rc.dilated_every))
 
 
 def history_spec(config: WanConfig, rc: R.RolloutConfig) -> RingSpec:
@@ -76,16 +83,38 @@ def held_chunks(cache) -> jax.Array:
     return jnp.where(pos >= 0, pos // chunk, EMPTY)
 
 
-def check_history(cache, chunks) -> None:
+def period_of(rc: R.RolloutConfig, cache) -> int | None:
+    """Chunks by which the cache's clock may have wrapped (`jaxkv.cache.clock.wrap_period`; cache-relative RoPE),
+    None when it never wraps (absolute RoPE)."""
+    return None if rc.bounded else wrap_period(cache.spec)
+
+
+def on_clock(cache, chunks, period: int | None):
+    """int32 [rows, slots]: the history's chunk indices (``chunks``, -1 empty) on the cache's clock now. The
+    history was pushed with the clock of its time; after a wrap (`jaxkv.cache.clock.wrap_clock`) the chunks pushed
+    before it are ``period`` ahead of the cache's: each non-sink chunk is taken to the one congruent modulo
+    ``period`` among the ``period`` chunks before the cache's next (the history reaches fewer chunks back than
+    that); sink chunks never move. ``period`` None: as they are."""
+    chunks = jnp.asarray(chunks)
+    if period is None:
+        return chunks
+    sink = cache.dense.spec.sink_chunks if isinstance(cache, MixedCache) else 0
+    last = cache.next_chunk_index()[: chunks.shape[0], None] - 1
+    moved = last - jnp.mod(last - chunks, period)
+    return jnp.where((chunks >= 0) & (chunks >= sink), moved, chunks).astype(jnp.int32)
+
+
+def check_history(cache, chunks, period: int | None = None) -> None:
     """ValueError (eager, concrete arrays) when the rows are not in step or the history (``chunks`` int32 [rows,
-    slots], a `LatentRing`'s) lacks a chunk some layer holds. Traced arguments are not checked."""
+    slots], a `LatentRing`'s) lacks a chunk some layer holds (matched modulo ``period`` on a wrapped clock,
+    `on_clock`). Traced arguments are not checked."""
     if not (is_concrete(cache.chunk_start) and is_concrete(chunks)):
         return
     start = np.asarray(cache.chunk_start)
     if (start != start[0]).any():
         raise ValueError(f"a dilated cache's rows must be in step to re-cache (one clock), got chunk_start {start}")
     held = np.asarray(held_chunks(cache))[: chunks.shape[0]]
-    have = np.asarray(chunks)
+    have = np.asarray(on_clock(cache, chunks, period))
     for row in range(held.shape[0]):
         missing = sorted(set(held[row][held[row] >= 0].tolist()) - set(have[row].tolist()))
         if missing:
@@ -103,13 +132,13 @@ def replay_recache(params, config: WanConfig, rc: R.RolloutConfig, cache, cross,
         many with guidance: the negative rows follow and share the positions).
       cross: the new cross K/V [layers, sessions, text_tokens, heads, head_dim].
       latents: float32 [rows, slots, chunk_frames, h, w, in_dim]: the history's clean chunks (`LatentRing.latents`).
-      chunks: int32 [rows, slots]: the chunk each history slot holds, -1 empty (`LatentRing.chunks`).
+      chunks: int32 [rows, slots]: the chunk each history slot holds, -1 empty (`LatentRing.chunks`), on the
+        clock of its push: matched to the cache's modulo the wrap period with cache-relative RoPE (`on_clock`).
       keep_sink: keep the sink chunks' K/V as they were.
     Returns:
       the cache with every held chunk's K/V recomputed; positions and clock as before.
     """
-    if rc.rope != "absolute":
-        raise ValueError("a cache with dilated layers is re-cached with absolute RoPE only")
+    chunks = on_clock(cache, chunks, period_of(rc, cache))
     chunk = cache.spec.chunk
     keep_tokens = rc.sink_frames * rc.tokens_per_frame(config) if keep_sink and rc.dilated_every != 1 else 0
     sessions = cache.batch

@@ -115,11 +115,6 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     _check_model(config)
     sessions = _check_context(config, rc, context, negative_context)
     per_layer = is_per_layer(params)
-    if per_layer and rc.precision.fp8_kv:
-        raise ValueError(
-            "per-layer params run on a per-layer state, which an FP8 KV cache (precision.fp8_kv) does not support: "
-            "pass stacked params (jaxkv.models.wan.params.stacked_params) or a precision without fp8_kv"
-        )
     cross = M.cross_kv(params, config, sessions, precision=rc.precision)  # per layer iff the params are
     return RolloutState(empty_cache(config, rc, sessions.shape[0], per_layer=per_layer), cross)
 

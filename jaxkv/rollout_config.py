@@ -115,11 +115,10 @@ class RolloutConfig:
                 f"an FP8 KV cache (precision.fp8_kv) is a ring cache: policy must be 'ring' with no dilated layers, "
                 f"got policy {self.policy!r}, dilated_every {self.dilated_every}"
             )
-        if self.rope == "cache-relative" and (self.policy not in WRAPPING_POLICIES or self.dilated_every):
+        if self.rope == "cache-relative" and self.policy not in WRAPPING_POLICIES:
             raise ValueError(
                 f"rope='cache-relative' runs the positions on a wrapped clock, which keeps the slot of "
-                f"every chunk only for the policies {sorted(WRAPPING_POLICIES)} without dilated "
-                f"layers; got policy {self.policy!r}, dilated_every={self.dilated_every}"
+                f"every chunk only for the policies {sorted(WRAPPING_POLICIES)}; got policy {self.policy!r}"
             )
 
     def _check_dilated(self):

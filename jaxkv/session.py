@@ -47,7 +47,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv import files
-from jaxkv.cache import CACHE_CLASSES, ChunkCache, MixedCache, RingCache, RollingCache
+from jaxkv.cache import CACHE_CLASSES, ChunkCache, Fp8Cache, MixedCache, RingCache, RollingCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.rollout import RolloutConfig, RolloutState, check_position_room, empty_cache, jit_rollout
@@ -215,7 +215,7 @@ class Session:
             # A policy cache is what rc builds; any other (e.g. a DilatedCache) is checked against its own class,
             # spec and dtype as recorded.
             # (rc builds the cache when it has dilated layers, or for a ring / rolling cache)
-            builds = rc.dilated_every or type(self.cache) in (RingCache, RollingCache)
+            builds = rc.dilated_every or type(self.cache) in (RingCache, RollingCache, Fp8Cache)
             cache_like = expected_cache(config, rc, self.sessions) if builds else self.cache
         _refuse(where, self.settings, fingerprint(config, rc, cache_like))
 

@@ -14,7 +14,9 @@ directory that loads):
                       "manifest_sha256": the checksum of all the rest}: `load` refuses a tensor whose bytes, or a
                       manifest whose entries, changed after saving
   arrays.safetensors  one tensor per leaf: "cache/k", "cache/v", "cache/positions", "cache/chunk_start"
-                      (a MixedCache: "cache/dense/k", ..., "cache/dilated/k", ...),
+                      (a MixedCache: "cache/dense/k", ..., "cache/dilated/k", ...; an FP8 cache (`Fp8Cache`):
+                      its FP8 k and v as their uint8 bytes, which every safetensors reader opens, and
+                      "cache/k_scale", "cache/v_scale"),
                       "cross/k", "cross/v", "key" (the key's uint32 data), "next_chunk", "extras/NAME/SUB/..."
 
 Why safetensors + a JSON manifest rather than orbax-checkpoint: the project already reads and writes safetensors
@@ -38,6 +40,7 @@ import numpy as np
 
 from jaxkv import files
 from jaxkv.cache import ChunkCache, MixedCache
+from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models.wan.config import WanConfig
 
 FORMAT = "jaxkv-session"
@@ -55,9 +58,12 @@ class SessionError(ValueError):
 
 def _stacks(cache) -> dict[str, ChunkCache]:
     """The stacked `ChunkCache`s a session's cache is made of, by file-name prefix: {"cache": cache}, or for a
-    `MixedCache` {"cache/dense": its dense stack, "cache/dilated": its dilated stack}."""
+    `MixedCache` {"cache/dense": its dense stack, "cache/dilated": its dilated stack}, or for an `Fp8Cache`
+    {"cache": its FP8 ring} (its scales: `_cache_tensors`)."""
     if isinstance(cache, MixedCache):
         return {"cache/dense": cache.dense, "cache/dilated": cache.dilated}
+    if isinstance(cache, Fp8Cache):
+        return {"cache": cache.inner}
     return {"cache": cache}
 
 
@@ -110,14 +116,32 @@ def _tensors(session) -> tuple[dict[str, Any], str | None]:
     return out, impl
 
 
+_FP8_SCALES = ("k_scale", "v_scale")
+
+
+def _fp8_bytes(x, to):
+    """An FP8 array (or abstract one) as its uint8 bytes (``to`` uint8), or back (``to`` float8): the same bits."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, to)
+    return jax.lax.bitcast_convert_type(jnp.asarray(x), to)
+
+
 def _cache_tensors(cache) -> dict[str, Any]:
     """The cache's arrays by file name: "cache/k", ... or, for a `MixedCache`, "cache/dense/k", "cache/dilated/k",
-    ... (each stack's k, v, positions and chunk_start)."""
-    return {f"{prefix}/{f}": getattr(part, f) for prefix, part in _stacks(cache).items() for f in _CACHE_FIELDS}
+    ... (each stack's k, v, positions and chunk_start); for an `Fp8Cache` also its scales, and k, v as uint8."""
+    out = {f"{prefix}/{f}": getattr(part, f) for prefix, part in _stacks(cache).items() for f in _CACHE_FIELDS}
+    if isinstance(cache, Fp8Cache):
+        out.update({f"cache/{f}": _fp8_bytes(out[f"cache/{f}"], jnp.uint8) for f in ("k", "v")})
+        out.update({f"cache/{f}": getattr(cache, f) for f in _FP8_SCALES})
+    return out
 
 
 def _cache_from(like, arrays: dict[str, Any]):
     """A cache of ``like``'s class and spec (a `MixedCache`: and its dense class) from `_cache_tensors` names."""
+    if isinstance(like, Fp8Cache):
+        fp8 = {f"cache/{f}": _fp8_bytes(arrays[f"cache/{f}"], like.k.dtype) for f in ("k", "v")}
+        inner = _cache_from(like.inner, {**arrays, **fp8})
+        return Fp8Cache(inner, *(arrays[f"cache/{f}"] for f in _FP8_SCALES), like.read_dtype)
     parts = {
         prefix: type(part)(**{f: arrays[f"{prefix}/{f}"] for f in _CACHE_FIELDS}, spec=part.spec)
         for prefix, part in _stacks(like).items()
@@ -129,7 +153,7 @@ def _cache_from(like, arrays: dict[str, Any]):
 
 def _empty_like(like, sessions: int, config: WanConfig):
     """The abstract empty cache of ``like``'s class, spec and dtype for ``sessions`` sessions of this model."""
-    dtype = jnp.dtype(next(iter(_stacks(like).values())).k.dtype)
+    dtype = like.dtype if isinstance(like, Fp8Cache) else jnp.dtype(next(iter(_stacks(like).values())).k.dtype)
     extra = {"dense_policy": type(like.dense)} if isinstance(like, MixedCache) else {}
     return jax.eval_shape(
         lambda: type(like).init(

@@ -15,18 +15,19 @@ from jaxkv.generate import options
 
 def test_every_registry_is_read_from_the_policy_classes():
     assert set(C.POLICIES) == {"ring", "rolling", "dilated"}
-    assert C.WRAPPING_POLICIES == C.RECACHE_POLICIES == {"ring", "rolling"}
+    assert C.RECACHE_POLICIES == {"ring", "rolling"} and C.WRAPPING_POLICIES == {"ring", "rolling", "dilated"}
     assert C.CACHE_CLASSES == {
         "RingCache": C.RingCache,
         "RollingCache": C.RollingCache,
         "DilatedCache": C.DilatedCache,
         "MixedCache": C.MixedCache,
+        "Fp8Cache": C.Fp8Cache,
     }
     # the modules that ask hold the registry's own objects, not copies that could drift
     assert rollout.WRAPPING_POLICIES is C.WRAPPING_POLICIES and recache.RECACHE_POLICIES is C.RECACHE_POLICIES
     assert session.CACHE_CLASSES is C.CACHE_CLASSES and options.POLICIES is C.WINDOW_POLICIES
     assert rollout.wrap_period is C.clock.wrap_period and rollout.wrap_clock is C.clock.wrap_clock
-    assert not C.DilatedCache.wraps and not C.DilatedCache.recaches
+    assert C.DilatedCache.wraps and not C.DilatedCache.recaches
 
 
 @pytest.mark.parametrize("sink_chunks, window_chunks", [(0, 1), (0, 3), (1, 2), (2, 5)])

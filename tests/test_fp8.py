@@ -18,7 +18,6 @@ from jaxkv.cache import RingCache, RingSpec
 from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models import wan
 from jaxkv.precision import Precision
-from jaxkv.stream import Stream
 
 CFG = wan.preset("tiny")
 HW = (8, 8)
@@ -226,30 +225,36 @@ def test_fp8_rollout_stays_within_the_measured_distance_of_bf16():
         assert max(rel[1:]) <= 2 * max(rel[0], 1e-3), (name, rel)
 
 
-def test_the_fp8_cache_refuses_the_per_layer_layout_before_anything_runs():
-    """The FP8 cache keeps its K/V and scales as [layers, ...] stacks: per-layer params, per-layer cross K/V or a
-    per-layer cache with fp8_kv are each a ValueError naming the layout; stacked params still run on it."""
-    from jaxkv.models.wan.params import per_layer_params
-
-    precision = Precision.fp8()
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), wan.init_params(CFG, jax.random.key(0)))
-    per_layer = per_layer_params(params)
-    ctx = jax.random.normal(jax.random.key(1), (1, CFG.text_len, CFG.text_dim))
-    rc = R.RolloutConfig(*HW, chunk_frames=1, window_frames=2, precision=precision)
-    with pytest.raises(ValueError, match="per_layer=True and fp8=True cannot be combined"):
-        wan.init_cache(CFG, rc.spec(CFG), 1, dtype=jnp.bfloat16, fp8=True, per_layer=True)
-    cache = wan.init_cache(CFG, rc.spec(CFG), 1, dtype=jnp.bfloat16, fp8=True).begin_chunk()
-    assert not cache.is_per_layer and cache.stacked() is cache
-    with pytest.raises(ValueError, match="an Fp8Cache is kept stacked"):
-        cache.per_layer()
-    x, t = jnp.zeros((1, 1, *HW, CFG.in_dim)), jnp.zeros((1,))
-    cross = wan.cross_kv(params, CFG, ctx, precision=precision)
-    for p, c in ((per_layer, cross), (params, cross.per_layer()), (per_layer, cross.per_layer())):
-        with pytest.raises(ValueError, match="the per-layer layout is not supported with fp8_kv"):
-            wan.forward_chunk(p, CFG, cache, c, x, t, precision=precision)
-    with pytest.raises(ValueError, match="an FP8 KV cache .* does not support"):
-        R.init_state(per_layer, CFG, rc, ctx)
-    flow, written = wan.forward_chunk(params, CFG, cache, cross, x, t, precision=precision)  # stacked: runs
-    assert bool(jnp.all(jnp.isfinite(flow))) and isinstance(written, Fp8Cache)
-    with pytest.raises(ValueError, match="an FP8 KV cache .* does not support"):
-        Stream(per_layer, CFG, rc, ctx, num_chunks=1, key=jax.random.key(2))
+def test_the_per_layer_fp8_cache_holds_the_stacked_bytes_and_scales():
+    """The FP8 cache per layer (tuples of per-layer K/V and scale buffers, for the unrolled layer loop): the same
+    begin/write/reset sequence as on the stacked cache (3 layers, 2 sessions, the ring wrapping, a row inactive)
+    leaves the same FP8 bytes, scales and positions, bit for bit; the layouts convert both ways; a traced layer is
+    refused by the per-layer form (its layers are separate buffers)."""
+    spec = RingSpec(chunk=4, window=8, sink=4)
+    b, h, d, layers = 2, 3, 16, 3
+    stacked = Fp8Cache.init(spec, b, h, d, dtype=jnp.float32, layers=layers)
+    per_layer = Fp8Cache.init(spec, b, h, d, dtype=jnp.float32, layers=layers, per_layer=True)
+    assert per_layer.is_per_layer and not stacked.is_per_layer and per_layer.per_layer() is per_layer
+    assert len(per_layer.k) == len(per_layer.k_scale) == layers and per_layer.k_scale[0].shape == (b, 3, h)
+    assert per_layer.nbytes == stacked.nbytes and stacked.stacked() is stacked
+    key = jax.random.key(3)
+    for n in range(5):
+        active = jnp.array([True, n != 2])
+        stacked, per_layer = stacked.begin_chunk(active), per_layer.begin_chunk(active)
+        for layer in range(layers):
+            key, sub = jax.random.split(key)
+            k, v = (x.astype(jnp.float32) for x in _chunk(sub, b, 4, h, d))
+            stacked = stacked.write(k, v, layer=jnp.int32(layer), active=active)
+            per_layer = per_layer.write(k, v, layer=layer, active=active)
+            for got, want in zip(per_layer.layer_fp8(layer), stacked.layer_fp8(layer)):
+                np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    back = per_layer.stacked()
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(stacked)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    for got, want in zip(jax.tree.leaves(stacked.per_layer()), jax.tree.leaves(per_layer)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    k = jnp.zeros((b, 4, h, d), jnp.float32)
+    with pytest.raises(ValueError, match="addressed by a Python int layer"):
+        jax.jit(lambda c, i: c.write(k, k, layer=i))(per_layer.begin_chunk(), jnp.int32(0))
+    with pytest.raises(ValueError, match="not stacked"):
+        Fp8Cache.init(spec, b, h, d, dtype=jnp.float32, per_layer=True)

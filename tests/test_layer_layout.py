@@ -14,7 +14,9 @@ import pytest
 
 import jaxkv
 from jaxkv import rollout as R
+from jaxkv import session as S
 from jaxkv.attention import cudnn, dispatch
+from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.compilation import compile_count
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
@@ -99,6 +101,57 @@ def test_a_per_layer_stream_saves_stacked_sessions_and_continues_from_them():
     np.testing.assert_array_equal(got, whole)
 
 
+@pytest.mark.parametrize(
+    "precision",
+    [Precision(fp8_kv=True), pytest.param(Precision.fp8(), marks=pytest.mark.slow)],
+    ids=["float32-fp8-kv", "fp8"],
+)
+def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from_its_session(precision, tmp_path):
+    """An FP8 KV cache (`Precision.fp8_kv`) held per layer under per-layer params: 6 chunks on a 2-chunk window + 1
+    sink chunk (the ring wraps), with guidance, equal the stacked FP8 stream's chunks and final state (FP8 bytes and
+    scales) bit for bit, one compilation each; a per-layer stream's session (stacked), saved and loaded, continues
+    per layer as the uninterrupted stream. float32 read dtype, and `Precision.fp8()` (bf16 + FP8 attention, slow)."""
+    rc = R.RolloutConfig(
+        H,
+        W,
+        chunk_frames=1,
+        window_frames=2,
+        sink_frames=1,
+        guidance_scale=3.0,
+        schedule=Schedule(steps=(1000, 500)),
+        precision=precision,
+    )
+    dtype = jnp.dtype(precision.param_dtype)
+    params, ctx, neg, key = _params(11, dtype), _ctx(12), _ctx(13), jax.random.key(14)
+    runs = {}
+    for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
+        before = compile_count(R.stream_step)
+        stream = Stream(p, CFG, rc, ctx, negative_context=neg, num_chunks=6, key=key)
+        chunks = np.concatenate([np.asarray(c, np.float32) for c in stream], axis=1)
+        assert compile_count(R.stream_step) - before == 1
+        assert isinstance(stream.state.cache, Fp8Cache)
+        assert stream.state.cache.is_per_layer == stream.state.cross.is_per_layer == (name == "per_layer")
+        runs[name] = (chunks, R.stacked_state(stream.state))
+    np.testing.assert_array_equal(runs["per_layer"][0], runs["stacked"][0])
+    for a, b in zip(jax.tree.leaves(runs["per_layer"][1]), jax.tree.leaves(runs["stacked"][1])):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    # a session of the per-layer FP8 stream after 4 chunks (stacked: FP8 bytes and scales), saved and loaded,
+    # continues per layer as the uninterrupted stream
+    pl = per_layer_params(params)
+    first = Stream(pl, CFG, rc, ctx, negative_context=neg, num_chunks=4, key=key)
+    head = [np.asarray(c, np.float32) for c in first]
+    session = first.session()
+    assert isinstance(session.cache, Fp8Cache) and not session.cache.is_per_layer  # sessions hold the stacked layout
+    loaded = S.load(S.save(str(tmp_path / "s"), session), CFG, rc)
+    for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(session.state)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    rest = Stream.from_session(pl, CFG, rc, loaded, num_chunks=2)
+    assert rest.state.cache.is_per_layer and isinstance(rest.state.cache, Fp8Cache)
+    got = np.concatenate(head + [np.asarray(c, np.float32) for c in rest], axis=1)
+    np.testing.assert_array_equal(got, runs["stacked"][0])
+
+
 # ------------------------------------------------------------------ what the compiled chunk step does
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]")
@@ -148,6 +201,32 @@ def test_compiled_chunk_step_slices_nothing_out_of_a_stack():
     assert counts["per_layer"] == (0, 0), counts
     # Donation: every per-layer K and V buffer (and the positions) alias an output.
     assert aliases["per_layer"] >= 2 * CFG.num_layers + 1, aliases
+
+
+@pytest.mark.slow  # compiles two 5-layer FP8 steps
+def test_compiled_per_layer_fp8_step_slices_nothing_out_of_a_stack():
+    """As above with an FP8 KV cache (`Precision(fp8_kv=True)`): the stacked program slices its FP8 K/V, scales and
+    weights out of their stacks; the per-layer program reads every layer's FP8 bytes and scales where they lie,
+    and its per-layer K, V and scale buffers alias the step's outputs."""
+    params = _params(9)
+    rc = R.RolloutConfig(H, W, chunk_frames=1, window_frames=3, sink_frames=1, precision=Precision(fp8_kv=True))
+    noise = jnp.zeros((rc.steps, 1, 1, H, W, CFG.in_dim))
+    spec = rc.spec(CFG)
+    cache_shape = (CFG.num_layers, 1, spec.capacity, CFG.num_heads, CFG.head_dim)
+    stacked_shapes = {tuple(x.shape) for x in jax.tree.leaves(params["blocks"])}
+    stacked_shapes.add((CFG.num_layers, 1, CFG.text_len, CFG.num_heads, CFG.head_dim))  # cross K/V
+    stacked_shapes.add((CFG.num_layers, 1, spec.num_slots, CFG.num_heads))  # the FP8 scales
+    counts, aliases = {}, {}
+    for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
+        state = R.init_state(p, CFG, rc, _ctx(10))
+        assert isinstance(state.cache, Fp8Cache) and state.cache.is_per_layer == (name == "per_layer")
+        step = jax.jit(lambda p, s, n: R.generate_chunk(p, CFG, rc, s, n), donate_argnums=1)
+        text = step.lower(p, state, noise).compile().as_text()
+        counts[name] = _slices_of_stacks(text, cache_shape, stacked_shapes)
+        aliases[name] = text.count("may-alias") + text.count("must-alias")
+    assert counts["stacked"][0] >= 2 and counts["stacked"][1] >= 20, counts
+    assert counts["per_layer"] == (0, 0), counts
+    assert aliases["per_layer"] >= 4 * CFG.num_layers + 1, aliases  # K, V, k_scale, v_scale per layer; positions
 
 
 @pytest.mark.slow  # compiles two 4-layer steps

@@ -21,6 +21,7 @@ clock in `jaxkv.cache.clock`, the per-layer layout of a mixed model in `MixedCac
 
 from jaxkv.cache.base import EMPTY, ChunkCache
 from jaxkv.cache.dilated import DilatedCache, DilatedSpec
+from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.cache.mixed import MixedCache, MixedSpec
 from jaxkv.cache.prefix import PrefixEpoch, prefix_complete, release, rewrite_prefix
 from jaxkv.cache.ring import RingCache
@@ -34,9 +35,9 @@ POLICIES: dict[str, type[ChunkCache]] = {"ring": RingCache, "rolling": RollingCa
 WINDOW_POLICIES: tuple[str, ...] = tuple(sorted(n for n, c in POLICIES.items() if c.spec_type is RingSpec))
 WRAPPING_POLICIES: frozenset[str] = frozenset(n for n, c in POLICIES.items() if c.wraps)
 RECACHE_POLICIES: frozenset[str] = frozenset(n for n, c in POLICIES.items() if c.recaches)
-# The classes by name, as a session file names them: every policy's, and a `MixedCache` (two of them, a dense stack
-# and a dilated one).
-CACHE_CLASSES: dict[str, type] = {c.__name__: c for c in (*POLICIES.values(), MixedCache)}
+# The classes by name, as a session file names them: every policy's, a `MixedCache` (two of them, a dense stack
+# and a dilated one) and the FP8 ring (`Fp8Cache`).
+CACHE_CLASSES: dict[str, type] = {c.__name__: c for c in (*POLICIES.values(), MixedCache, Fp8Cache)}
 
 
 def policy_class(name: str, spec=None) -> type[ChunkCache]:
@@ -58,6 +59,7 @@ def policy_class(name: str, spec=None) -> type[ChunkCache]:
 __all__ = [
     "CACHE_CLASSES",
     "EMPTY",
+    "Fp8Cache",
     "POLICIES",
     "RECACHE_POLICIES",
     "WINDOW_POLICIES",

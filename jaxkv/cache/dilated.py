@@ -154,6 +154,7 @@ class DilatedCache(ChunkCache):
     """
 
     spec_type: ClassVar[type] = DilatedSpec
+    wraps = True  # a wrap period moving frames by a multiple of dilation * buckets keeps every frame's rule
 
     @classmethod
     def init(

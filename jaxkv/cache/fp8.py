@@ -6,6 +6,10 @@ head) for K and one for V beside it:
   inner:          RingCache, k, v float8_e4m3fn [(layers,) batch, capacity, heads, head_dim]
   k_scale, v_scale: float32 [(layers,) batch, num_slots, heads]   the scale of each slot's chunk, per head
 
+A stack of layers may be held per layer (`per_layer`, for the unrolled layer loop of per-layer params): the inner
+ring's k and v and both scales are then tuples of ``layers`` buffers, [batch, ...] each, addressed by a Python int
+layer; the same bytes and scales as the stacked form (`stacked` converts back).
+
 `write` takes K/V in the read dtype (the policy's ``cache_dtype``, e.g. bfloat16), takes each head's amax over the
 written chunk (its tokens and head_dim) as that chunk's scale (`jaxkv.fp8`: ``amax / 448``), and stores the
 quantized chunk and its scales in the reserved slot, both O(chunk). `layer_kv` dequantizes a layer on read (``x8 *
@@ -59,16 +63,29 @@ class Fp8Cache:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def init(cls, spec: RingSpec, batch: int, heads: int, head_dim: int, dtype=jnp.bfloat16, layers: int | None = None):
+    def init(
+        cls,
+        spec: RingSpec,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        dtype=jnp.bfloat16,
+        layers: int | None = None,
+        per_layer: bool = False,
+    ):
         """An empty FP8 cache: k, v float8_e4m3fn zeros [(layers,) batch, capacity, heads, head_dim], scales 1,
-        every position -1; ``dtype`` is the read dtype (float32, bfloat16 or float16)."""
+        every position -1; ``dtype`` is the read dtype (float32, bfloat16 or float16). ``per_layer``: held as
+        tuples of ``layers`` buffers (see the module docstring)."""
         name = jnp.dtype(dtype).name
         if name not in _READ_DTYPES:
             raise ValueError(f"Fp8Cache: the read dtype must be one of {_READ_DTYPES}, got {name}")
         inner = RingCache.init(spec, batch, heads, head_dim, dtype=fp8.FP8, layers=layers)
         lead = () if layers is None else (int(layers),)
         ones = jnp.ones((*lead, int(batch), spec.num_slots, int(heads)), jnp.float32)
-        return cls(inner, ones, ones, name)
+        if per_layer not in (True, False):
+            raise ValueError(f"per_layer must be a bool, got {per_layer!r}")
+        cache = cls(inner, ones, ones, name)
+        return cache.per_layer() if per_layer else cache  # (per_layer raises for an unstacked cache)
 
     def replace(self, **changes) -> "Fp8Cache":
         """A copy with fields replaced: ``inner``, ``k_scale``, ``v_scale`` here; ``positions`` and ``chunk_start``
@@ -102,23 +119,28 @@ class Fp8Cache:
     @property
     def nbytes(self) -> int:
         """Bytes held: FP8 k and v, positions and both scale arrays."""
-        return self.inner.nbytes + sum(int(np.prod(s.shape)) * 4 for s in (self.k_scale, self.v_scale))
+        scales = jax.tree.leaves((self.k_scale, self.v_scale))
+        return self.inner.nbytes + sum(int(np.prod(s.shape)) * 4 for s in scales)
 
     @property
     def is_per_layer(self) -> bool:
-        """Always False: an FP8 cache is held stacked (see `per_layer`)."""
-        return False
+        """True when K/V and scales are tuples of per-layer buffers (the unrolled layer loop's layout)."""
+        return self.inner.is_per_layer
 
-    def per_layer(self):
-        """Not available: K/V and their scales stay [layers, ...] stacks (the FP8 cache runs the stacked layer scan)."""
-        raise ValueError(
-            "per_layer: an Fp8Cache is kept stacked; the per-layer layout is not supported with an FP8 KV cache "
-            "(use stacked params, or a precision without fp8_kv)"
-        )
+    def per_layer(self) -> "Fp8Cache":
+        """This stacked cache with K/V and scales as tuples of per-layer buffers (a copy; the same bytes and
+        scales). A per-layer cache is returned as it is."""
+        if self.is_per_layer:
+            return self
+        inner = self.inner.per_layer()  # raises for an unstacked cache
+        split = lambda x: tuple(x[i] for i in range(x.shape[0]))
+        return Fp8Cache(inner, split(self.k_scale), split(self.v_scale), self.read_dtype)
 
     def stacked(self) -> "Fp8Cache":
-        """The cache itself (always stacked)."""
-        return self
+        """This cache with K/V and scales as [layers, ...] stacks (a copy when it is per-layer)."""
+        if not self.is_per_layer:
+            return self
+        return Fp8Cache(self.inner.stacked(), jnp.stack(self.k_scale), jnp.stack(self.v_scale), self.read_dtype)
 
     def chunk_positions(self):
         return self.inner.chunk_positions()
@@ -158,23 +180,29 @@ class Fp8Cache:
         inner = self.inner.write(k8, v8, layer=layer, active=active)  # checks shapes, layer, active, reservation
         slot = (self.inner.chunk_offsets() // self.spec.chunk).astype(jnp.int32)
         scales = []
-        for buf, new in ((self.k_scale, k_s), (self.v_scale, v_s)):
+        for bufs, new in ((self.k_scale, k_s), (self.v_scale, v_s)):
+            # per layer: that layer's own [batch, num_slots, heads] buffer (layer is a Python int, checked above)
+            buf, at = (bufs[layer], None) if self.is_per_layer else (bufs, layer)
             if active is not None:
-                old = read_chunk_rows(buf, slot, 1, layer)[:, 0]
+                old = read_chunk_rows(buf, slot, 1, at)[:, 0]
                 new = jnp.where(jnp.asarray(active)[:, None], new, old)
-            scales.append(write_chunk_rows(buf, new[:, None, :], slot, layer))
+            buf = write_chunk_rows(buf, new[:, None, :], slot, at)
+            scales.append(tuple(buf if i == layer else b for i, b in enumerate(bufs)) if self.is_per_layer else buf)
         return Fp8Cache(inner, *scales, self.read_dtype)
 
     # ---------------------------------------------------------------- reads
 
     def layer_fp8(self, layer=None):
         """(k8, v8 float8_e4m3fn [batch, capacity, heads, head_dim], k_scale, v_scale float32 [batch, num_slots,
-        heads]) of one layer (``layer`` None for an unstacked cache; may be traced)."""
+        heads]) of one layer (``layer`` None for an unstacked cache; may be traced when stacked; a Python int when
+        per layer: the layer's own buffers, no copy)."""
         if self.layers is None:
             if layer is not None:
                 raise ValueError("layer_fp8: layer was given but the cache is not stacked")
             return self.inner.k, self.inner.v, self.k_scale, self.v_scale
-        k8, v8 = self.inner.layer_kv(layer)
+        k8, v8 = self.inner.layer_kv(layer)  # checks the layer (a Python int per layer)
+        if self.is_per_layer:
+            return k8, v8, self.k_scale[layer], self.v_scale[layer]
         take = lambda s: lax.dynamic_index_in_dim(s, layer, 0, keepdims=False)
         return k8, v8, take(self.k_scale), take(self.v_scale)
 

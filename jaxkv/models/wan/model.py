@@ -687,7 +687,7 @@ def init_cache(
     only).
 
     fp8: store K/V in FP8 e4m3 with per-(chunk, head) float32 scales (`jaxkv.cache.fp8.Fp8Cache`, read and written
-    in ``dtype``; a `RingSpec` with policy "ring" only), as `jaxkv.precision.Precision.fp8_kv` asks.
+    in ``dtype``; a `RingSpec` with policy "ring" only; per layer too), as `jaxkv.precision.Precision.fp8_kv` asks.
 
     spec and policy:
       * a `RingSpec` with policy "ring" (`jaxkv.RingCache`, O(chunk) per chunk) or "rolling"
@@ -696,18 +696,15 @@ def init_cache(
       * a `jaxkv.cache.MixedSpec`: a `jaxkv.cache.MixedCache`, every ``spec.period``-th layer dilated and the others
         dense under ``policy`` ("ring" or "rolling"); num_layers must be a multiple of the period.
     """
-    if fp8 and per_layer:
-        raise ValueError(
-            "an FP8 cache is held stacked (its K/V and scales are [layers, ...] stacks): per_layer=True and fp8=True "
-            "cannot be combined; use stacked params (jaxkv.models.wan.params.stacked_params) with an FP8 cache"
-        )
     if fp8:
         if policy != "ring" or type(spec) is not RingSpec:
             raise ValueError(
                 f"an FP8 cache is a ring cache: pass a RingSpec with policy 'ring', got {type(spec).__name__} with "
                 f"policy {policy!r}"
             )
-        return Fp8Cache.init(spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers)
+        return Fp8Cache.init(
+            spec, batch, config.num_heads, config.head_dim, dtype=dtype, layers=config.num_layers, per_layer=per_layer
+        )
     if per_layer and (isinstance(spec, MixedSpec) or policy == "dilated"):
         raise ValueError(f"per_layer caches are ring or rolling sink + window caches, not {policy!r} / {spec!r}")
     if per_layer:
@@ -788,12 +785,6 @@ def forward_chunk(
         )
     _check_cross(config, cross, b)
     _check_cache_dtypes(cache, cross, precision)
-    if isinstance(cache, Fp8Cache) and (is_per_layer(params) or cross.is_per_layer):
-        raise ValueError(
-            "an FP8 cache (precision.fp8_kv) runs with stacked params and stacked cross K/V (the layer scan): the "
-            "per-layer layout is not supported with fp8_kv; pass jaxkv.models.wan.params.stacked_params(params) "
-            "and cross.stacked(), or a precision without fp8_kv"
-        )
     # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
     if is_concrete(cache.chunk_start) and bool(jnp.all(cache.chunk_start < 0)):
         raise ValueError(
