@@ -309,7 +309,8 @@ def test_resume_refuses_another_fps_for_the_continued_video(tmp_path, capsys):
 
 TOY = ["--no-progress", "--no-video"]  # the shipped toy world (the default model)
 P0, P1 = "a red circle and a blue square, slow", "a green triangle, fast"
-# the toy world's 4 layers, every 2nd dilated (dilated layers run absolute RoPE; the toy's own is cache-relative)
+# the toy world's 4 layers, every 2nd dilated, under absolute RoPE (the toy's own is cache-relative; this test
+# keeps the absolute clock it was written for)
 MIXED_FLAGS = ["--dilated-every", "2", "--dilation", "2", "--buckets", "2", "--rope", "absolute"]
 
 
