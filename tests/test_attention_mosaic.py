@@ -309,3 +309,46 @@ def test_compiled_kernel_stacked_cache_at_wan_shapes():
     out, _ = jax.jit(lambda *a: mosaic_attention(*a, layer=2, **mask))(q, k, v, qp, kp)
     want = dense_attention(q.astype(jnp.float32), k[2].astype(jnp.float32), v[2].astype(jnp.float32), qp, kp, **mask)
     assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - want))) < 3e-2
+
+
+# ------------------------------------------------------------------ dispatch
+
+
+def test_attend_mosaic_backend_runs_the_emulation_on_cpu_with_the_blockwise_gradient():
+    from jaxkv.attention import attend
+
+    q, k, v, qp, kp = _case(10, permute=True, nan_empty=True)
+    mask = dict(chunk=C, window=2 * C, sink=C)
+    run = lambda q, k, v: attend(q, k, v, qp, kp, backend="mosaic", interpret=True, block_sizes=SMALL, **mask)
+    np.testing.assert_array_equal(run(q, k, v), emulate_mosaic(q, k, v, qp, kp, block_sizes=SMALL, **mask)[0])
+    finite = [jnp.where((kp < 0)[:, :, None, None], 0.0, x) for x in (k, v)]  # the reference's gradient needs
+    f = lambda q, k, v: jnp.sum(jnp.sin(run(q, k, v)))  # finite empty slots (the NaN test is above)
+    g = lambda q, k, v: jnp.sum(jnp.sin(dense_attention(q, k, v, qp, kp, **mask)))
+    for a, b in zip(jax.grad(f, argnums=(0, 1, 2))(q, *finite), jax.grad(g, argnums=(0, 1, 2))(q, *finite)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_auto_picks_mosaic_only_where_the_hopper_table_says_so(monkeypatch):
+    from jaxkv.attention import mosaic_gpu
+    from jaxkv.attention.dispatch import resolve_backend
+
+    bf16 = (jnp.bfloat16,) * 3
+    pick = functools.partial(resolve_backend, "auto", head_dim=128, rope=None, logits=1 << 30, platform="gpu")
+    assert mosaic_gpu.MOSAIC_OVER_CUDNN == set() and mosaic_gpu.MOSAIC_OVER_TRITON == set()  # nothing measured yet
+    assert pick(dtypes=bf16, shape=(32760, 4680), hopper=True) == "cudnn"  # as before the kernel existed
+    monkeypatch.setattr(mosaic_gpu, "MOSAIC_OVER_CUDNN", {(32760, 4680, 128)})
+    assert pick(dtypes=bf16, shape=(32760, 4680), hopper=True) == "mosaic"
+    assert pick(dtypes=bf16, shape=(32760, 4680), hopper=False) == "cudnn"  # the table is Hopper's
+    assert pick(dtypes=bf16, shape=(9360, 4680), hopper=True) == "cudnn"  # another shape: not measured
+    assert pick(dtypes=(jnp.float32,) * 3, shape=(32760, 4680), hopper=True) == "pallas"  # not the kernel's dtype
+    assert resolve_backend("mosaic", head_dim=64, dtypes=bf16, rope=None, logits=1) == "mosaic"
+
+
+def test_attend_mosaic_backend_names_what_the_kernel_does_not_take():
+    from jaxkv.attention import CacheRope, attend
+
+    q, k, v, qp, kp = _case(11)
+    with pytest.raises(ValueError, match="bfloat16/float16 and head_dim"):
+        attend(q, k, v, qp, kp, backend="mosaic")  # float32, head_dim 16: only the emulation takes them
+    with pytest.raises(ValueError, match="no cache-relative rope"):
+        attend(q, k, v, qp, kp, backend="mosaic", interpret=True, rope=CacheRope())

@@ -36,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxkv.attention.checks import check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask, pair_visible
-from jaxkv.attention.mosaic_emulation import MosaicBlockSizes, check_mosaic_inputs
+from jaxkv.attention.mosaic_emulation import HEAD_DIMS, KERNEL_DTYPES, MosaicBlockSizes, check_mosaic_inputs
 from jaxkv.attention.tiles import FULL, PARTIAL_EMPTY, tile_plan
 
 _NEG = -1e30
@@ -252,3 +252,30 @@ def _mosaic_forward(q, k, v, q_positions, kv_positions, layer, *, spec, scale, b
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(layer, plan.count, plan.order, plan.kind, plan.q_positions, plan.kv_positions, q, k, v)
     return out, jnp.swapaxes(lse[:, :, :lq], 1, 2)
+
+
+# ------------------------------------------------------------------------------------------------ when `auto` uses it
+
+# Measured on Hopper, keyed (kv_len, q_len, head_dim) of a bf16/fp16 call without rope (heads, batch and GPU as the
+# entry was measured at). Both are empty until a GPU session measures (benchmarks/gpu_check.py's ``mosaic`` part
+# prints the entries its timings support), so `attend(backend="auto")` behaves as before the kernel existed:
+#   MOSAIC_OVER_CUDNN: shapes where the kernel beat cuDNN on a mask cuDNN can run (a full or filling ring, every key
+#     visible): `auto` runs the kernel for the whole call instead of the cuDNN path.
+#   MOSAIC_OVER_TRITON: shapes where the kernel beat the Triton kernel on a mask cuDNN cannot run (a filling ring
+#     with a sink, dilated layers, chunk-causal, stale slots): the cuDNN path's fallback is the kernel, not Triton.
+# Add an entry in place (``MOSAIC_OVER_CUDNN.add((32760, 4680, 128))``) before tracing to try it; record measured
+# ones here with the GPU, date and TFLOP/s as a comment (as `jaxkv.attention.cudnn.SPLIT_KV` does).
+MOSAIC_OVER_CUDNN: set[tuple[int, int, int]] = set()
+MOSAIC_OVER_TRITON: set[tuple[int, int, int]] = set()
+
+
+def static_ok(head_dim: int, dtypes, rope) -> bool:
+    """Whether the kernel takes a call of these static properties: one bf16/fp16 dtype, head_dim 64 or 128, no
+    cache-relative RoPE (apply RoPE before the cache write, as Wan does)."""
+    return rope is None and len(set(dtypes)) == 1 and dtypes[0] in KERNEL_DTYPES and head_dim in HEAD_DIMS
+
+
+def is_hopper(device=None) -> bool:
+    """Whether ``device`` (default: the first JAX device) is an sm_90 GPU, the one the kernel is written for."""
+    device = device or jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
