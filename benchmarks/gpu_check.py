@@ -1,8 +1,8 @@
 """One command for a lent GPU: kernel correctness at Wan shapes, the attention kernels, the Wan 1.3B chunk per backend
 and precision, a kernel-time breakdown from a device trace, and Self-Forcing's own pipeline on the same GPU; JSON out.
 Sized for < 6 minutes on one H200 without ``attention_plans`` and the ``mosaic_*`` parts (those not yet timed on a
-GPU; each has its own timeout, `PART_TIMEOUT`; ``--parts`` runs a subset). Every part runs in a fresh subprocess (so each one's peak memory is its own; a
-part that fails or times out is recorded and the others still run):
+GPU; each has its own timeout, `PART_TIMEOUT`; ``--parts`` runs a subset). Every part runs in a fresh subprocess
+(so each one's peak memory is its own; a part that fails or times out is recorded and the others still run):
 
 1. ``attention``: the Pallas ring kernel and the cuDNN path (`attend(backend=...)`) against the dense reference
    (float32 math on the same bf16 inputs) on a partially filled ring and a wrapped one with a sink, Wan 1.3B's
@@ -93,8 +93,9 @@ PART_TIMEOUT = {
     "trace": 90,
     "peer": 150,
 }
-# Mosaic kernel tunables tried at 32,760 keys besides the default: (block_q, block_k, stages).
-MOSAIC_SWEEP = [(64, 64, 2), (64, 128, 2), (64, 128, 3)]
+# Mosaic kernel tunables tried at 32,760 keys besides the default: (block_q, block_k, stages); each fits Hopper's
+# 227 KiB of shared memory at head_dim 128 (block_k 128 does not: see `MosaicBlockSizes`).
+MOSAIC_SWEEP = [(64, 64, 2), (64, 64, 3), (128, 64, 2), (128, 64, 3)]
 FULL = dict(
     heads=12,
     head_dim=128,

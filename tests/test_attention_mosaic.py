@@ -247,15 +247,15 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.parametrize(
-    "head_dim, dtype, mask, stacked, groups",
+    "head_dim, dtype, mask, stacked, groups, sizes",
     [
-        (128, jnp.bfloat16, dict(chunk=4680, window=28080, sink=4680), True, 1),
-        (128, jnp.bfloat16, dict(chunk=4680), False, 1),
-        (64, jnp.float16, dict(causal=True, window=9360, sink=4680), True, 2),
-        (128, jnp.float16, dict(), False, 3),
+        (128, jnp.bfloat16, dict(chunk=4680, window=28080, sink=4680), True, 1, None),
+        (128, jnp.bfloat16, dict(chunk=4680), False, 1, MosaicBlockSizes(128, 64, 3)),
+        (64, jnp.float16, dict(causal=True, window=9360, sink=4680), True, 2, None),
+        (128, jnp.float16, dict(), False, 3, MosaicBlockSizes(64, 64, 2)),
     ],
 )
-def test_kernel_lowers_for_cuda(head_dim, dtype, mask, stacked, groups):
+def test_kernel_lowers_for_cuda(head_dim, dtype, mask, stacked, groups, sizes):
     """Wan shapes: 4,680 queries and 32,760 slots, multiples of no block size; a stacked cache at a traced layer."""
     q = jax.ShapeDtypeStruct((1, 4680, 12, head_dim), dtype)
     kv_shape = (1, 32760, 12 // groups, head_dim)
@@ -264,10 +264,19 @@ def test_kernel_lowers_for_cuda(head_dim, dtype, mask, stacked, groups):
     layer = jax.ShapeDtypeStruct((), jnp.int32)
 
     def f(q, k, v, qp, kp, layer):
-        return mosaic_attention(q, k, v, qp, kp, layer=layer if stacked else None, **mask)
+        return mosaic_attention(q, k, v, qp, kp, layer=layer if stacked else None, block_sizes=sizes, **mask)
 
     text = jax.jit(f).trace(q, kv, kv, qp, kp, layer).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_kernel_refuses_blocks_over_the_shared_memory_budget_when_lowered():
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    qp, kp = jax.ShapeDtypeStruct((1, 256), jnp.int32), jax.ShapeDtypeStruct((1, 512), jnp.int32)
+    f = functools.partial(mosaic_attention, block_sizes=MosaicBlockSizes(64, 128, 2))
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        jax.jit(f).trace(q, kv, kv, qp, kp).lower(lowering_platforms=("cuda",))
 
 
 # ------------------------------------------------------------------ the kernel compiled on a GPU

@@ -50,6 +50,11 @@ class MosaicBlockSizes:
       block_q: query rows per consumer warpgroup (multiple of 64: a wgmma tile); a program owns 2 * block_q rows.
       block_k: keys per loop step (multiple of 64), also the granularity of skip / full / partial.
       stages: K/V tiles in flight (shared-memory ring buffer of the producer warpgroup), >= 2.
+
+    Shared memory: (2 * block_q + 2 * stages * block_k + 2 * block_k) * head_dim * 2 bytes (q tiles, K/V stages,
+    each consumer's zeroed-V tile) must stay under Hopper's 227 KiB; at head_dim 128 the default (64, 64, 4) takes
+    192 KiB, (128, 64, 3) 192 KiB, and block_k 128 does not fit with two stages. Lowering the kernel refuses a
+    size that does not fit ("exceeds available shared memory"), before it runs.
     """
 
     block_q: int = 64
