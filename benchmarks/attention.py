@@ -13,7 +13,11 @@ blockwise XLA path (block = chunk, so wrap-invariant) and the dense XLA path.
 GPU part (only when a GPU is present): full Wan 1.3B shapes, bf16 — queries 4,680, keys up to 32,760 + 4,680 —
 the Pallas kernel on the ring vs `jax.nn.dot_product_attention(implementation="cudnn")` on the same K/V, and vs
 gather + cuDNN. Each row also reports the largest difference between the ring result and the cuDNN result (CPU
-rows: of each ring path, blockwise and dense, against copy+sdpa).
+rows: of each ring path, blockwise and dense, against copy+sdpa). Then the per-backend rows (`backend_rows`):
+ms and TFLOP/s (over the visible pairs) of `attend` with backend "pallas" (Triton), "mosaic" (the Mosaic GPU
+kernel), "cudnn" and "xla_blockwise" at 9,360 / 23,400 / 32,760 / 37,440 keys, on a full (wrapped) ring and a
+filling one (half the chunks written; with a sink where the row has one), and on a dilated cache (every 2nd frame
+kept, 18 frame buckets + its scratch chunk: 32,760 keys), each path's largest difference to "xla_blockwise".
 
 Variants are jitted, warmed up, and timed alternately in this one process (the machines are shared and noisy: read
 the ratios). Median of the timed repetitions.
@@ -46,6 +50,10 @@ from jaxkv.attention.blockwise import choose_block
 WAN_TOKENS_PER_FRAME, HEADS, HEAD_DIM, CHUNK_FRAMES = 1560, 12, 128, 3
 CPU_ROWS = [(6, 0), (12, 0), (18, 3)]  # (window_frames, sink_frames), window including the chunk being denoised
 GPU_ROWS = [(6, 0), (12, 0), (21, 3)]  # (21, 3): 32,760 window + 4,680 sink keys = 37,440
+# Per-backend rows: (window_frames, sink_frames) -> 9,360 / 23,400 / 32,760 / 37,440 keys of 1,560-token frames.
+BACKEND_ROWS = [(6, 0), (15, 0), (18, 3), (21, 3)]
+BACKENDS = ("pallas", "mosaic", "cudnn", "xla_blockwise")
+DILATED_BUCKETS = 18  # frame slots of the dilated cache's ring: + a 3-frame scratch chunk = 21 frames of keys
 # Kernel tunables tried at the largest GPU row besides the default (block_q, block_k, num_warps, num_stages).
 GPU_SWEEP = [(64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2)]
 
@@ -197,6 +205,92 @@ def measure_gpu(
     }
 
 
+def _backend_cases(window_frames: int, sink_frames: int, tokens_per_frame: int, dtype, head_dim: int, heads: int):
+    """(name, (q, k, v, q_positions, kv_positions), mask) of a full (wrapped) ring and a filling one."""
+    spec = jaxkv.RingSpec.from_frames(tokens_per_frame, CHUNK_FRAMES, window_frames, sink_frames)
+    full, q = filled_ring(spec, dtype, head_dim, heads)
+    cache = jaxkv.RingCache.init(spec, 1, heads, head_dim, dtype=dtype)
+    step = jax.jit(lambda c, k, v: c.begin_chunk().write(k, v))
+    key = jax.random.key(1)
+    for _ in range(max(1, (spec.num_slots + 1) // 2)):
+        key, kk, kv = jax.random.split(key, 3)
+        shape = (1, spec.chunk, heads, head_dim)
+        cache = step(cache, jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype))
+    ring = lambda c: (c.k, c.v, c.chunk_positions(), c.positions)
+    return [
+        ("full", (q, *ring(full)), spec.mask()),
+        ("filling", (q, *ring(cache)), spec.mask()),
+    ]
+
+
+def _dilated_case(tokens_per_frame: int, dtype, head_dim: int, heads: int, buckets: int = DILATED_BUCKETS):
+    """A `DilatedCache` (every 2nd frame kept in ``buckets`` frame slots, plus the scratch chunk) streamed until its
+    ring has wrapped, and queries for the chunk in its scratch."""
+    spec = jaxkv.cache.DilatedSpec(tokens_per_frame, CHUNK_FRAMES, dilation=2, buckets=buckets)
+    cache = jaxkv.cache.DilatedCache.init(spec, 1, heads, head_dim, dtype=dtype)
+    step = jax.jit(lambda c, k, v: c.begin_chunk().write(k, v))
+    key = jax.random.key(2)
+    for _ in range(buckets + 2):  # 1.5 kept frames per 3-frame chunk: wrapped
+        key, kk, kv = jax.random.split(key, 3)
+        shape = (1, spec.chunk, heads, head_dim)
+        cache = step(cache, jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype))
+    q = jax.random.normal(key, (1, spec.chunk, heads, head_dim), dtype)
+    return "dilated", (q, cache.k, cache.v, cache.chunk_positions(), cache.positions), spec.mask()
+
+
+def _attend_fn(backend: str, mask, interpret: bool):
+    from jaxkv.attention.mosaic_emulation import MosaicBlockSizes
+
+    sizes = MosaicBlockSizes() if backend == "mosaic" else None
+    return jax.jit(lambda *a: attend(*a, backend=backend, mask=mask, interpret=interpret, block_sizes=sizes))
+
+
+def backend_rows(
+    tokens_per_frame: int,
+    reps: int,
+    *,
+    rows=BACKEND_ROWS,
+    dtype=jnp.bfloat16,
+    head_dim: int = HEAD_DIM,
+    heads: int = HEADS,
+    backends=BACKENDS,
+    interpret: bool = False,
+    dilated_buckets: int = DILATED_BUCKETS,
+) -> list[dict]:
+    """ms and TFLOP/s per `attend` backend on full / filling rings and a dilated cache. TFLOP/s count the visible
+    (query, key) pairs only (4 * pairs * heads * head_dim flops). ``interpret``: the Triton kernel interpreted and
+    the Mosaic GPU kernel emulated (CPU tests; cuDNN then fails and is reported in ``errors``)."""
+    from jaxkv.attention import visible
+
+    cases = [c for w, s in rows for c in _backend_cases(w, s, tokens_per_frame, dtype, head_dim, heads)]
+    cases.append(_dilated_case(tokens_per_frame, dtype, head_dim, heads, dilated_buckets))
+    out = []
+    for name, args, mask in cases:
+        variants = {b: _attend_fn(b, mask, interpret) for b in backends}
+        ms, outs, errors = _time(variants, args, reps)
+        pairs = int(jnp.sum(visible(args[3], args[4], mask)))
+        row = {
+            "part": "gpu_backends",
+            "case": name,
+            "dtype": jnp.dtype(dtype).name,
+            "queries": args[0].shape[1],
+            "keys": args[1].shape[1],
+            "visible_fraction": round(pairs / (args[0].shape[1] * args[1].shape[1]), 4),
+            "heads": heads,
+            "head_dim": head_dim,
+            "mask": dataclasses.asdict(mask),
+            "errors": errors,
+        }
+        base = outs.get("xla_blockwise")
+        for b in backends:
+            row[f"{b}_ms"] = round(ms[b], 3)
+            row[f"{b}_tflops"] = round(4 * pairs * heads * head_dim / ms[b] / 1e9, 1) if ms[b] == ms[b] else ms[b]
+            if b != "xla_blockwise":
+                row[f"{b}_max_abs_diff"] = _max_diff(outs.get(b), base)
+        out.append(row)
+    return out
+
+
 GPU_CHECKS = [  # (head_dim, dtype, mask, rope): compiled kernel vs the dense XLA reference on the device
     (128, "bfloat16", dict(), None),
     (128, "bfloat16", dict(chunk=60, window=120, sink=60), None),
@@ -328,6 +422,14 @@ def main(argv=None) -> int:
         for sizes in GPU_SWEEP:
             rows.append(measure_gpu(*GPU_ROWS[-1], WAN_TOKENS_PER_FRAME, reps, block_sizes=BlockSizes(*sizes)))
             print(f"{str(sizes):>20} " + _line(rows[-1], gpu_cols), flush=True)
+        print("\nTFLOP/s per backend (visible pairs only); max|diff| against xla_blockwise:")
+        backend_cols = [("case", "case", 8), ("keys", "keys", 6), ("visible", "visible_fraction", 7)]
+        backend_cols += [(f"{b[:6]} TF/s", f"{b}_tflops", 11) for b in BACKENDS]
+        backend_cols += [(f"{b[:6]} diff", f"{b}_max_abs_diff", 11) for b in BACKENDS[:-1]]
+        print(_header(backend_cols))
+        for row in backend_rows(WAN_TOKENS_PER_FRAME, reps):
+            rows.append(row)
+            print(_line(row, backend_cols) + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
     else:
         print("\nGPU part skipped (no GPU" + (", --no-gpu" if args.no_gpu else "") + ")")
 

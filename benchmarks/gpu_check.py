@@ -1,8 +1,8 @@
 """One command for a lent GPU: kernel correctness at Wan shapes, the attention kernels, the Wan 1.3B chunk per backend
 and precision, a kernel-time breakdown from a device trace, and Self-Forcing's own pipeline on the same GPU; JSON out.
-Sized for < 6 minutes on one H200 without ``attention_plans`` (that part
-not yet timed on a GPU). Every part runs in a fresh subprocess (so each one's peak memory is its own; a
-part that fails or times out is recorded and the others still run):
+Sized for < 6 minutes on one H200 without ``attention_plans`` and the ``mosaic_*`` parts (those not yet timed on a
+GPU; each has its own timeout, `PART_TIMEOUT`; ``--parts`` runs a subset). Every part runs in a fresh subprocess
+(so each one's peak memory is its own; a part that fails or times out is recorded and the others still run):
 
 1. ``attention``: the Pallas ring kernel and the cuDNN path (`attend(backend=...)`) against the dense reference
    (float32 math on the same bf16 inputs) on a partially filled ring and a wrapped one with a sink, Wan 1.3B's
@@ -13,23 +13,34 @@ part that fails or times out is recorded and the others still run):
    LSE, each against the dense reference and timed, plus the `SPLIT_KV` row to record
    (`jaxkv.attention.cudnn`). In a dry run a CPU stand-in takes cuDNN's place, so the plan, branch, split and
    merge logic runs at tiny shapes.
-3. ``chunk:BACKEND:PRECISION`` (one part per row of ``--rows``): Wan 2.1 1.3B with random weights, 480x832 (60x104
+3. ``mosaic_check``: the Mosaic GPU ring kernel (`jaxkv.attention.mosaic_gpu`) compiled and compared with the dense
+   reference (float32 math on the same bf16 inputs) and with its pure-JAX emulation (output and log-sum-exp) on a
+   partially filled ring, a wrapped one with a sink, a filling one with a sink under a causal mask, permuted slots
+   with NaN in the empty ones, and a stacked cache at a layer index; Wan's 12 x 128 heads, 4,680-token chunks.
+4. ``mosaic_time``: 4,680 queries x 9,360 / 23,400 / 32,760 / 37,440 keys: ms and TFLOP/s (visible pairs) of the
+   kernel, cuDNN and the Triton kernel (`attend(backend=...)`) on a full ring (cuDNN runs unmasked), a filling ring
+   with a sink (cuDNN runs with key lengths) and the same under a causal mask (cuDNN falls back to a ring kernel);
+   a block-size sweep of the kernel at 32,760 keys; and the entries of `mosaic_gpu.MOSAIC_OVER_CUDNN` (full ring:
+   the kernel beat cuDNN) and ``MOSAIC_OVER_TRITON`` (causal: it beat Triton) that the timings support.
+   In a dry run the emulation takes the kernel's place in both parts (the kernel cannot run on a CPU).
+5. ``chunk:BACKEND:PRECISION`` (one part per row of ``--rows``): Wan 2.1 1.3B with random weights, 480x832 (60x104
    latents, 1,560 tokens/frame), 3-frame chunks, sink 3 + window 18 frames, 4 steps + the context pass,
    `jaxkv.stream.Stream`: ms/chunk (median after the cache has filled and wrapped), latent and video frames per
    second, first-chunk (compile) seconds, peak device memory, the KV cache's bytes. PRECISION is ``bf16``
    (`Precision.bf16()`), ``fp8`` (`Precision.fp8()`: FP8 cache + cuDNN FP8 attention) or ``bf16+fp8_kv`` (the FP8
    cache alone). The weights are held per layer (the unrolled layer loop: every weight and K/V read where it lies)
    unless the precision stores an FP8 cache, which runs the stacked layer scan (the row's ``layout`` says which).
-4. ``trace``: the ``--trace-row`` chunk (default auto:bf16) run to its steady state, then ``--trace-chunks`` chunks
+6. ``trace``: the ``--trace-row`` chunk (default auto:bf16) run to its steady state, then ``--trace-chunks`` chunks
    under `jax.profiler.trace`; the trace file is parsed (`kernel_times`) into device time per chunk by kernel name,
    the top kernels and their share, and totals by kind (attention, GEMM, fusion, copy, other).
-5. ``peer``: Self-Forcing's own ``CausalInferencePipeline`` on the same GPU at the same shapes
+7. ``peer``: Self-Forcing's own ``CausalInferencePipeline`` on the same GPU at the same shapes
    (``benchmarks/peer_selfforcing.py --device cuda``, reading the checkout ``--sf-src`` or ``SF_SRC`` names; skipped,
    and said so, without one).
 
 ``summary`` gives the ratios: each row's ms/chunk and peak memory against auto:bf16 and against Self-Forcing's.
 
     python benchmarks/gpu_check.py [--json PATH] [--rows auto:bf16,auto:fp8,...] [--sf-src DIR] [--timed N]
+    python benchmarks/gpu_check.py --parts mosaic_check,mosaic_time --json mosaic.json   # the Mosaic kernel only
     python benchmarks/gpu_check.py --dry-run      # every part at toy sizes on CPU (Pallas interpreted, cuDNN
                                                   # reported unavailable, FP8 attention emulated), in a few minutes
 """
@@ -70,10 +81,21 @@ PRECISIONS = {
     "fp8": Precision.fp8(),
     "bf16+fp8_kv": dataclasses.replace(Precision.bf16(), fp8_kv=True),
 }
-ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,pallas:bf16,xla:bf16"
+ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,pallas:bf16,mosaic:bf16,xla:bf16"
 DRY_ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,xla:bf16"
 # seconds a part may take before it is stopped (and recorded as timed out)
-PART_TIMEOUT = {"attention": 120, "attention_plans": 120, "chunk": 110, "trace": 90, "peer": 150}
+PART_TIMEOUT = {
+    "attention": 120,
+    "attention_plans": 120,
+    "mosaic_check": 180,
+    "mosaic_time": 300,
+    "chunk": 110,
+    "trace": 90,
+    "peer": 150,
+}
+# Mosaic kernel tunables tried at 32,760 keys besides the default: (block_q, block_k, stages); each fits Hopper's
+# 227 KiB of shared memory at head_dim 128 (block_k 128 does not: see `MosaicBlockSizes`).
+MOSAIC_SWEEP = [(64, 64, 2), (64, 64, 3), (128, 64, 2), (128, 64, 3)]
 FULL = dict(
     heads=12,
     head_dim=128,
@@ -86,6 +108,8 @@ FULL = dict(
     sink=3,
     plan_keys=32760,
     plan_parts=(2, 3, 4),
+    mosaic_keys=(9360, 23400, 32760, 37440),
+    sweep_keys=32760,
 )
 DRY = dict(
     heads=2,
@@ -99,6 +123,8 @@ DRY = dict(
     sink=3,
     plan_keys=384,
     plan_parts=(2, 3, 4),
+    mosaic_keys=(128, 320),
+    sweep_keys=320,
 )
 
 
@@ -231,6 +257,126 @@ def attention_plans(s: dict, cudnn_ok: bool, reps: int) -> dict:
         out["suggested_split_kv"] = {"key": [keys, c], "parts": 1 if best == "no_mask" else int(best.split("_")[1])}
     out["table_now"] = cudnn.split_parts(keys, c)
     return out
+
+
+def _mosaic_fn(emulate: bool, mask: dict, sizes=None, layer=None):
+    """The Mosaic GPU kernel (or, ``emulate``, its pure-JAX emulation) jitted: (q, k, v, qp, kp) -> (out, lse)."""
+    from jaxkv.attention.mosaic_emulation import MosaicBlockSizes, emulate_mosaic
+    from jaxkv.attention.mosaic_gpu import mosaic_attention
+
+    run = emulate_mosaic if emulate else mosaic_attention
+    sizes = None if sizes is None else MosaicBlockSizes(*sizes)
+    return jax.jit(lambda *a: run(*a, block_sizes=sizes, layer=layer, **mask))
+
+
+def mosaic_check(s: dict, emulate: bool) -> dict:
+    """The kernel against the dense reference and its emulation on rings of every kind (see the module doc)."""
+    from jaxkv.attention.mosaic_emulation import emulate_mosaic
+
+    c, keys = s["chunk"], s["correctness_keys"]
+    sink_mask = dict(chunk=c, window=keys - c, sink=c)
+    cases = {
+        "partial": dict(filled=1, sink_chunks=0, mask=dict(chunk=c)),
+        "wrapped_sink": dict(filled=2 * keys // c + 1, sink_chunks=1, mask=sink_mask),
+        "filling_sink_causal": dict(
+            filled=keys // c // 2 + 1, sink_chunks=1, mask=dict(causal=True, window=keys - c, sink=c)
+        ),
+        "permuted_nan_empty": dict(filled=keys // c // 2 + 1, sink_chunks=1, mask=sink_mask, permute=True),
+        "stacked_layer": dict(filled=2 * keys // c + 1, sink_chunks=1, mask=sink_mask, stacked=True),
+    }
+    out = {"kernel": "emulation (dry run)" if emulate else "mosaic_gpu"}
+    for name, case in cases.items():
+        q, k, v, qp, kp = _ring(
+            jax.random.key(5), 1, keys, c, s["heads"], s["head_dim"], case["filled"], case["sink_chunks"]
+        )
+        if case.get("permute"):
+            perm = jax.random.permutation(jax.random.key(6), keys)
+            k, v, kp = k[:, perm], v[:, perm], kp[:, perm]
+            k, v = (jnp.where((kp < 0)[:, :, None, None], jnp.nan, x).astype(x.dtype) for x in (k, v))
+        mask = case["mask"]
+        ref = jax.jit(
+            lambda *a: dense_attention(
+                *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in a),
+                **mask,  # noqa: B023 - called in the iteration that defines it
+            )
+        )(q, k, v, qp, kp)
+        emu_out, emu_lse = jax.jit(lambda *a: emulate_mosaic(*a, **mask))(q, k, v, qp, kp)  # noqa: B023
+        try:
+            if case.get("stacked"):
+                stack = lambda x: jnp.stack([jnp.zeros_like(x), x, -x])
+                got, lse = _mosaic_fn(emulate, mask, layer=1)(q, stack(k), stack(v), qp, kp)
+            else:
+                got, lse = _mosaic_fn(emulate, mask)(q, k, v, qp, kp)
+            got = got.astype(jnp.float32)
+            finite = jnp.isfinite(emu_lse)
+            row = {
+                "max_abs_err": float(jnp.max(jnp.abs(got - ref))),
+                "max_abs_err_vs_emulation": float(jnp.max(jnp.abs(got - emu_out.astype(jnp.float32)))),
+                "lse_max_abs_err_vs_emulation": float(jnp.max(jnp.where(finite, jnp.abs(lse - emu_lse), 0.0))),
+                "lse_empty_rows_match": bool(jnp.all(jnp.isinf(lse) == jnp.isinf(emu_lse))),
+                "finite": bool(jnp.all(jnp.isfinite(got))),
+            }
+            row["ok"] = bool(
+                row["finite"]
+                and row["max_abs_err"] < 3e-2
+                and row["max_abs_err_vs_emulation"] < 1e-2
+                and row["lse_empty_rows_match"]
+                and row["lse_max_abs_err_vs_emulation"] < 1e-2
+            )
+        except Exception as e:  # noqa: BLE001 - report and go on: one failing case must not hide the others
+            row = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        out[name] = row
+    return out
+
+
+def mosaic_time(s: dict, emulate: bool, cudnn_ok: bool, reps: int) -> dict:
+    """ms and TFLOP/s of the kernel, cuDNN and Triton per ring case and key count; the sweep; table entries."""
+    from jaxkv.attention import visible
+
+    c, heads, d = s["chunk"], s["heads"], s["head_dim"]
+    rows, over_cudnn, over_triton = [], [], []
+    for keys in s["mosaic_keys"]:
+        cases = {
+            "full": (2 * keys // c, 0, dict(chunk=c)),
+            "filling_sink": (keys // c // 2 + 1, 1, dict(chunk=c, window=keys - c, sink=c)),
+            "filling_sink_causal": (keys // c // 2 + 1, 1, dict(causal=True, window=keys - c, sink=c)),
+        }
+        for name, (filled, sink_chunks, mask) in cases.items():
+            args = _ring(jax.random.key(7), 1, keys, c, heads, d, filled, sink_chunks)
+            pairs = int(jnp.sum(visible(args[3], args[4], **mask)))
+            fns = {
+                "mosaic": _mosaic_fn(emulate, mask),
+                "pallas": jax.jit(lambda *a, m=mask: attend(*a, backend="pallas", interpret=emulate, **m)),
+            }
+            if cudnn_ok:
+                fns["cudnn"] = jax.jit(lambda *a, m=mask: attend(*a, backend="cudnn", **m))
+            row = {"case": name, "queries": c, "keys": keys, "visible_pairs": pairs, "heads": heads, "head_dim": d}
+            for fn_name, fn in fns.items():
+                try:
+                    ms = _time(fn, *args, reps=reps)
+                    row[f"{fn_name}_ms"], row[f"{fn_name}_tflops"] = ms, 4 * pairs * heads * d / (ms * 1e-3) / 1e12
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    row[f"{fn_name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if name == "full" and "cudnn_ms" in row and row.get("mosaic_ms", float("inf")) < row["cudnn_ms"]:
+                over_cudnn.append([keys, c, d])
+            if name == "filling_sink_causal" and row.get("mosaic_ms", float("inf")) < row.get("pallas_ms", 0.0):
+                over_triton.append([keys, c, d])
+            rows.append(row)
+    sweep = []
+    args = _ring(jax.random.key(8), 1, s["sweep_keys"], c, heads, d, 2 * s["sweep_keys"] // c)
+    for sizes in MOSAIC_SWEEP:
+        entry = {"block_q_block_k_stages": list(sizes), "keys": s["sweep_keys"]}
+        try:
+            entry["ms"] = _time(_mosaic_fn(emulate, dict(chunk=c), sizes), *args, reps=reps)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        sweep.append(entry)
+    return {
+        "kernel": "emulation (dry run)" if emulate else "mosaic_gpu",
+        "rows": rows,
+        "sweep": sweep,
+        "suggested": {"MOSAIC_OVER_CUDNN": over_cudnn, "MOSAIC_OVER_TRITON": over_triton},
+    }
 
 
 def wan_chunk(s: dict, timed: int, backend: str = "auto", precision_name: str = "bf16", trace_dir=None) -> dict:
@@ -449,16 +595,17 @@ def cudnn_available() -> bool:
 def parse_row(row: str) -> tuple[str, str]:
     """ "BACKEND:PRECISION" -> (backend, precision name), checked."""
     backend, _, precision = row.partition(":")
-    if backend not in ("auto", "cudnn", "pallas", "xla") or precision not in PRECISIONS:
+    if backend not in ("auto", "cudnn", "pallas", "mosaic", "xla") or precision not in PRECISIONS:
         raise ValueError(
-            f"row {row!r}: expected BACKEND:PRECISION with BACKEND in auto, cudnn, pallas, xla and PRECISION in "
-            f"{sorted(PRECISIONS)}"
+            f"row {row!r}: expected BACKEND:PRECISION with BACKEND in auto, cudnn, pallas, mosaic, xla and "
+            f"PRECISION in {sorted(PRECISIONS)}"
         )
     return backend, precision
 
 
 def run_part(part: str, args) -> dict:
-    """One part, in this process: "attention", "attention_plans", "chunk:BACKEND:PRECISION", "trace" or "peer"."""
+    """One part, in this process: "attention", "attention_plans", "mosaic_check", "mosaic_time",
+    "chunk:BACKEND:PRECISION", "trace" or "peer"."""
     s = DRY if args.dry_run else FULL
     on_gpu = jax.default_backend() == "gpu"
     if part == "attention":
@@ -470,6 +617,10 @@ def run_part(part: str, args) -> dict:
         }
     if part == "attention_plans":
         return attention_plans(s, cudnn_available(), 2 if args.dry_run else args.reps)
+    if part == "mosaic_check":
+        return mosaic_check(s, emulate=not on_gpu)
+    if part == "mosaic_time":
+        return mosaic_time(s, not on_gpu, cudnn_available(), 2 if args.dry_run else args.reps)
     if part.startswith("chunk:"):
         backend, precision = parse_row(part[len("chunk:") :])
         timed = 2 if args.dry_run else (max(2, args.timed // 2) if backend == "xla" else args.timed)
@@ -540,6 +691,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trace-row", default="auto:bf16", help="the row the trace part runs")
     parser.add_argument("--trace-chunks", type=int, default=2, help="chunks under the profiler")
     parser.add_argument("--skip-trace", action="store_true")
+    parser.add_argument("--parts", help="run only these parts, comma-separated (e.g. mosaic_check,mosaic_time)")
     parser.add_argument("--sf-src", default=os.environ.get("SF_SRC"), help="Self-Forcing checkout (default $SF_SRC)")
     parser.add_argument("--in-process", action="store_true", help="run every part in this process (tests)")
     parser.add_argument("--json", help="write the results here (also printed)")
@@ -561,9 +713,16 @@ def main(argv=None) -> int:
             parse_row(row)
         except ValueError as e:
             parser.error(str(e))
-    parts = ["attention", "attention_plans"]
+    parts = ["attention", "attention_plans", "mosaic_check", "mosaic_time"]
     if not args.skip_wan:
         parts += [f"chunk:{r}" for r in rows] + ([] if args.skip_trace else ["trace"]) + ["peer"]
+    if args.parts:
+        chosen = args.parts.split(",")
+        known = {p.split(":")[0] for p in parts} | {"chunk"}
+        unknown = [p for p in chosen if p.split(":")[0] not in known]
+        if unknown:
+            parser.error(f"unknown parts {unknown}; expected some of {sorted(known)}")
+        parts = chosen
     child_argv = [a for a in argv if a not in ("--in-process",)]
     result = {
         "meta": {
@@ -600,6 +759,8 @@ def main(argv=None) -> int:
     failed = [k for k, v in attention.get("correctness", {}).items() if isinstance(v, dict) and not v.get("ok", True)]
     plans = result.get("attention_plans", {})
     failed += [f"attention_plans/{k}" for k, v in plans.items() if isinstance(v, dict) and v.get("ok") is False]
+    checks = result.get("mosaic_check", {})
+    failed += [f"mosaic_check/{k}" for k, v in checks.items() if isinstance(v, dict) and v.get("ok") is False]
     errors = [k for k in parts if isinstance(result.get(k), dict) and "error" in result[k]]
     return 1 if failed or errors else 0
 

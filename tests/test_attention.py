@@ -325,7 +325,7 @@ def test_resolve_backend():
     )
     assert resolve_backend("xla", **{**kw, "logits": 1 << 30}) == "xla_blockwise"
     assert resolve_backend("pallas", **kw) == "pallas"
-    assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas", "cudnn"}
+    assert set(BACKENDS) == {"auto", "xla", "xla_dense", "xla_blockwise", "xla_cpu", "pallas", "mosaic", "cudnn"}
 
 
 def test_attend_is_one_compilation_across_positions():

@@ -54,3 +54,16 @@ def test_gpu_checks_run_interpreted(bench):
     checks = [(16, "float32", dict(chunk=60, window=120, sink=60), "half"), (16, "float32", dict(), None)]
     rows = bench.gpu_checks(interpret=True, block_sizes=BlockSizes(32, 32), checks=checks)
     assert all(r["ok"] for r in rows), rows
+
+
+def test_backend_rows_run_on_cpu_with_the_kernels_interpreted_and_emulated(bench):
+    """The GPU part's per-backend rows: full / filling rings (with a sink) and a dilated cache; the Triton kernel
+    interpreted and the Mosaic GPU kernel emulated agree with the blockwise path; cuDNN reports its error."""
+    rows = bench.backend_rows(
+        8, 1, rows=[(6, 3)], dtype=jnp.float32, head_dim=16, heads=2, interpret=True, dilated_buckets=4
+    )
+    assert [r["case"] for r in rows] == ["full", "filling", "dilated"]
+    assert rows[0]["visible_fraction"] == 1.0 and rows[1]["visible_fraction"] < 1.0
+    for row in rows:
+        assert row["pallas_max_abs_diff"] < 1e-5 and row["mosaic_max_abs_diff"] < 1e-5, row
+        assert row["mosaic_ms"] > 0 and row["pallas_tflops"] >= 0 and "cudnn" in row["errors"]

@@ -125,6 +125,7 @@ def test_gpu_check_dry_run_runs_every_part_in_its_own_process(tmp_path):
     pallas = {k: v for k, v in attention["correctness"].items() if k.endswith("/pallas")}
     assert len(pallas) == 2 and all(v["ok"] and v["max_abs_err"] < 3e-2 for v in pallas.values())
     assert [row["keys"] for row in attention["timing"]] == [128, 320]
+    _check_mosaic_parts(result)
     rows = {k: v for k, v in result.items() if k.startswith("chunk:")}
     assert set(rows) == {"chunk:auto:bf16", "chunk:auto:fp8", "chunk:auto:bf16+fp8_kv", "chunk:xla:bf16"}
     assert all(r["ms_per_chunk"] > 0 and r["finite"] and r["wall_s"] > 0 for r in rows.values())
@@ -136,6 +137,40 @@ def test_gpu_check_dry_run_runs_every_part_in_its_own_process(tmp_path):
     assert trace["events_from"] == "host" and trace["kernel_ms_per_chunk"] > 0 and trace["top"]
     assert result["peer"]["skipped"].startswith("no Self-Forcing checkout")
     assert result["summary"]["auto:fp8"]["vs_auto_bf16"] > 0
+
+
+def _check_mosaic_parts(result):
+    """The Mosaic kernel's parts of a dry run: every check case against the dense reference, every timing row."""
+    check = result["mosaic_check"]
+    assert check["kernel"] == "emulation (dry run)"
+    cases = {"partial", "wrapped_sink", "filling_sink_causal", "permuted_nan_empty", "stacked_layer"}
+    assert cases <= set(check) and all(check[c]["ok"] and check[c]["max_abs_err"] < 3e-2 for c in cases), check
+    timing = result["mosaic_time"]
+    assert [(r["keys"], r["case"]) for r in timing["rows"]] == [
+        (k, c) for k in (128, 320) for c in ("full", "filling_sink", "filling_sink_causal")
+    ]
+    assert all(r["mosaic_ms"] > 0 and r["pallas_ms"] > 0 and "cudnn_ms" not in r for r in timing["rows"])
+    assert all(r["visible_pairs"] > 0 for r in timing["rows"])
+    assert [e["block_q_block_k_stages"] for e in timing["sweep"]] == [list(s) for s in _load("gpu_check").MOSAIC_SWEEP]
+    assert all(e["ms"] > 0 for e in timing["sweep"])
+    assert set(timing["suggested"]) == {"MOSAIC_OVER_CUDNN", "MOSAIC_OVER_TRITON"}
+
+
+@pytest.mark.slow  # two parts, a few dozen compilations
+def test_gpu_check_mosaic_parts_alone_dry_run(tmp_path):
+    """``--parts mosaic_check,mosaic_time``: the one command for the kernel on a GPU, here with its emulation."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU run the real check instead")
+    out = tmp_path / "mosaic.json"
+    rc = _load("gpu_check").main(["--dry-run", "--parts", "mosaic_check,mosaic_time", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["meta"]["parts"] == ["mosaic_check", "mosaic_time"]
+    _check_mosaic_parts(result)
+
+
+def test_gpu_check_rejects_unknown_parts():
+    with pytest.raises(SystemExit):
+        _load("gpu_check").main(["--dry-run", "--parts", "mosaic_check,nonsense"])
 
 
 def test_gpu_check_refuses_to_pretend_without_a_gpu(capsys):

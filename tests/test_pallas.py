@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import BlockSizes, CacheRope, MaskSpec, attend, dense_attention, pallas_attention, visible
-from jaxkv.attention.pallas_gpu import visit_lists
+from jaxkv.attention.tiles import visit_lists
 from tests.helpers.attention_cases import make_case, permuted, physical
 
 SMALL = BlockSizes(block_q=16, block_k=16)

@@ -3,21 +3,25 @@
 A path is a function ``(q, k, v, q_positions, kv_positions, cfg: AttendConfig) -> out`` registered in `PATHS`;
 "auto" and "xla" are policies that resolve to one of them (`resolve_backend`). A new path (another kernel) is one
 entry in `PATHS` and, if "auto" should pick it, one clause in `resolve_backend`.
+
+On Hopper, "auto" prefers the Mosaic GPU kernel ("mosaic") over cuDNN, and over the Triton kernel as cuDNN's
+fallback, only for the shapes its measured tables list (`jaxkv.attention.mosaic_gpu.MOSAIC_OVER_CUDNN`,
+``MOSAIC_OVER_TRITON``; empty until a GPU session measures), so until then "auto" runs what it ran before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import cudnn, pallas_gpu
+from jaxkv.attention import cudnn, mosaic_gpu, pallas_gpu
 from jaxkv.attention.blockwise import blockwise_attention
 from jaxkv.attention.checks import check_inputs, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask
+from jaxkv.attention.mosaic_emulation import MosaicBlockSizes, emulate_mosaic
 from jaxkv.attention.reference import dense_attention
 from jaxkv.attention.rope import CacheRope
 from jaxkv.attention.xla_cpu import xla_cpu_attention
@@ -36,7 +40,7 @@ class AttendConfig:
     rope: CacheRope | None
     block_k: int
     segments: tuple[int, ...] | None
-    block_sizes: pallas_gpu.BlockSizes | None
+    block_sizes: pallas_gpu.BlockSizes | MosaicBlockSizes | None
     interpret: bool
 
 
@@ -59,8 +63,25 @@ def _blockwise(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _blockwise_vjp(forward):
+    """``forward`` with the blockwise XLA path's gradient (the kernels are forward-only)."""
+    forward = jax.custom_vjp(forward, nondiff_argnums=(5,))
+
+    def fwd(q, k, v, q_positions, kv_positions, cfg):
+        return forward(q, k, v, q_positions, kv_positions, cfg), (q, k, v, q_positions, kv_positions)
+
+    def bwd(cfg, residuals, g):
+        q, k, v, q_positions, kv_positions = residuals
+        _, vjp = jax.vjp(lambda q_, k_, v_: _blockwise(q_, k_, v_, q_positions, kv_positions, cfg), q, k, v)
+        return (*vjp(g), None, None)
+
+    forward.defvjp(fwd, bwd)
+    return forward
+
+
+@_blockwise_vjp
 def _pallas(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
+    sizes = cfg.block_sizes if isinstance(cfg.block_sizes, pallas_gpu.BlockSizes) else None
     return pallas_gpu.pallas_attention(
         q,
         k,
@@ -70,23 +91,20 @@ def _pallas(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
         mask=cfg.mask,
         scale=cfg.scale,
         rope=cfg.rope,
-        block_sizes=cfg.block_sizes,
+        block_sizes=sizes,
         interpret=cfg.interpret,
     )
 
 
-def _pallas_fwd(q, k, v, q_positions, kv_positions, cfg):
-    return _pallas(q, k, v, q_positions, kv_positions, cfg), (q, k, v, q_positions, kv_positions)
-
-
-def _pallas_bwd(cfg, residuals, g):
-    # Forward-only kernel: the gradient is the blockwise XLA path's (same function, recomputed block by block).
-    q, k, v, q_positions, kv_positions = residuals
-    _, vjp = jax.vjp(lambda q_, k_, v_: _blockwise(q_, k_, v_, q_positions, kv_positions, cfg), q, k, v)
-    return (*vjp(g), None, None)
-
-
-_pallas.defvjp(_pallas_fwd, _pallas_bwd)
+@_blockwise_vjp
+def _mosaic(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
+    # interpret=True runs the kernel's pure-JAX emulation (the Mosaic GPU kernel has no interpreter on CPU).
+    sizes = cfg.block_sizes if isinstance(cfg.block_sizes, MosaicBlockSizes) else None
+    if cfg.rope is not None:
+        raise ValueError("backend 'mosaic' takes no cache-relative rope: rotate keys before the cache write")
+    run = emulate_mosaic if cfg.interpret else mosaic_gpu.mosaic_attention
+    out, _ = run(q, k, v, q_positions, kv_positions, mask=cfg.mask, scale=cfg.scale, block_sizes=sizes)
+    return out
 
 
 def _xla_cpu(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
@@ -94,8 +112,14 @@ def _xla_cpu(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
 
 
 def _cudnn(q, k, v, q_positions, kv_positions, cfg: AttendConfig, plan: cudnn.Plan | None = None):
-    # cuDNN where the mask reduces to no mask or valid lengths at run time, else the ring kernel (or blockwise XLA).
-    inner = _pallas if pallas_gpu.supported(q.shape[-1]) else _blockwise
+    # cuDNN where the mask reduces to no mask or valid lengths at run time, else a ring kernel (or blockwise XLA):
+    # the Mosaic GPU one where it was measured faster than Triton on this shape on Hopper, else the Triton one.
+    shape = (k.shape[1], q.shape[1], q.shape[-1])
+    mosaic_ok = mosaic_gpu.static_ok(q.shape[-1], (q.dtype, k.dtype, v.dtype), cfg.rope)
+    if mosaic_ok and shape in mosaic_gpu.MOSAIC_OVER_TRITON and mosaic_gpu.is_hopper():
+        inner = _mosaic
+    else:
+        inner = _pallas if pallas_gpu.supported(q.shape[-1]) else _blockwise
     fallback = lambda q_, k_, v_, qp_, kp_: inner(q_, k_, v_, qp_, kp_, cfg)
     return cudnn.cudnn_attention(
         q, k, v, q_positions, kv_positions, fallback=fallback, mask=cfg.mask, scale=cfg.scale, plan=plan
@@ -108,13 +132,27 @@ PATHS: dict[str, Callable] = {
     "xla_blockwise": _blockwise,
     "xla_cpu": _xla_cpu,
     "pallas": _pallas,
+    "mosaic": _mosaic,
     "cudnn": _cudnn,
 }
 BACKENDS = ("auto", "xla", *PATHS)
 
 
-def resolve_backend(backend: str, *, head_dim: int, dtypes, rope, logits: int, platform: str | None = None) -> str:
-    """The concrete path (a key of `PATHS`) that `attend` runs for `backend`."""
+def resolve_backend(
+    backend: str,
+    *,
+    head_dim: int,
+    dtypes,
+    rope,
+    logits: int,
+    platform: str | None = None,
+    shape: tuple[int, int] | None = None,
+    hopper: bool | None = None,
+) -> str:
+    """The concrete path (a key of `PATHS`) that `attend` runs for `backend`.
+
+    shape: (kv_len, q_len) of the call, for the measured Hopper table (`mosaic_gpu.MOSAIC_OVER_CUDNN`); hopper:
+    whether the GPU is sm_90 (default: asked of the first device when the table has the shape)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -122,6 +160,10 @@ def resolve_backend(backend: str, *, head_dim: int, dtypes, rope, logits: int, p
         if platform == "cpu":
             # Faster than dense and blockwise at every measured shape on XLA:CPU (jaxkv/attention/xla_cpu.py).
             return "xla_cpu"
+        measured = shape is not None and (*shape, head_dim) in mosaic_gpu.MOSAIC_OVER_CUDNN
+        if platform == "gpu" and measured and mosaic_gpu.static_ok(head_dim, tuple(dtypes), rope):
+            if hopper if hopper is not None else mosaic_gpu.is_hopper():
+                return "mosaic"
         if platform == "gpu" and cudnn.static_ok(head_dim, dtypes, rope):
             return "cudnn"
         kernel_ok = pallas_gpu.supported(head_dim) and len(set(dtypes)) == 1 and (rope is None or head_dim >= 32)
@@ -172,23 +214,27 @@ def attend(
         as the keywords causal, chunk, window, sink (not both).
       scale: softmax scale, default head_dim ** -0.5.
       backend: "auto" ("xla_cpu" on CPU; on GPU "cudnn" for half-precision q/k/v without rope, else "pallas" when
-        the kernel supports the shapes; "xla" elsewhere), "xla" (dense while the logits are small, else
-        blockwise), or a path of `PATHS`: "xla_dense", "xla_blockwise", "xla_cpu" (the CPU-tuned layout,
-        `jaxkv.attention.xla_cpu`), "pallas", "cudnn" (cuDNN flash attention with per-session valid lengths when
-        the mask reduces to them at run time, else the Pallas kernel or blockwise XLA).
+        the kernel supports the shapes; "xla" elsewhere; on Hopper "mosaic" where its measured table says so, see
+        the module docstring), "xla" (dense while the logits are small, else blockwise), or a path of `PATHS`:
+        "xla_dense", "xla_blockwise", "xla_cpu" (the CPU-tuned layout, `jaxkv.attention.xla_cpu`), "pallas" (the
+        Triton ring kernel), "mosaic" (the Mosaic GPU ring kernel for Hopper, `jaxkv.attention.mosaic_gpu`;
+        bf16/fp16, head_dim 64 or 128, no rope), "cudnn" (cuDNN flash attention with per-session valid lengths when
+        the mask reduces to them at run time, else a ring kernel or blockwise XLA).
       rope: optional `CacheRope`: cache-relative RoPE — keys (cached unrotated) rotated by their rank among the
         cached positions, queries by the number of cached positions below them.
       block_k: key block size of the blockwise XLA path (see `blockwise_attention`).
       segments: static slot split points for the blockwise path, merged by log-sum-exp (e.g. `(spec.sink,)`).
-      block_sizes: `pallas_gpu.BlockSizes` tunables of the kernel.
-      interpret: run the Pallas kernel in the interpreter (to use backend="pallas" on CPU, in tests).
+      block_sizes: `pallas_gpu.BlockSizes` tunables of the Triton kernel (or, for backend="mosaic",
+        `jaxkv.attention.mosaic_emulation.MosaicBlockSizes`; a kernel ignores the other kernel's sizes).
+      interpret: run the Pallas kernel in the interpreter, and backend="mosaic" as its pure-JAX emulation
+        (`jaxkv.attention.mosaic_emulation`), to use them on CPU, in tests.
       plan: optional `jaxkv.attention.cudnn.Plan` of exactly these positions and mask
         (`jaxkv.attention.cudnn.plan_attention`), made once and shared by the calls that share the positions (every
         layer of a chunk); the cuDNN path then only branches on it instead of checking the positions per call.
         ``cudnn.ALL_VISIBLE_PLAN`` says every key is visible (static: no check at all). Other paths ignore it.
     Returns:
       [batch, q_len, q_heads, head_dim] in q's dtype, float32 softmax and accumulation. A query that sees no key
-      gets zeros. The XLA paths are differentiable in forward and reverse mode; the Pallas path in reverse mode
+      gets zeros. The XLA paths are differentiable in forward and reverse mode; the kernel paths in reverse mode
       only (`jax.grad`/`jax.vjp`: a `custom_vjp` whose gradient is the blockwise path's) — `jax.jvp`/`jax.jacfwd`
       raise on it, so use backend="xla_blockwise" for forward-mode.
     """
@@ -207,7 +253,9 @@ def attend(
         block_sizes=block_sizes,
         interpret=bool(interpret),
     )
-    path = resolve_backend(backend, head_dim=d, dtypes=(q.dtype, k.dtype, v.dtype), rope=rope, logits=b * hq * lq * lk)
+    path = resolve_backend(
+        backend, head_dim=d, dtypes=(q.dtype, k.dtype, v.dtype), rope=rope, logits=b * hq * lq * lk, shape=(lk, lq)
+    )
     q_positions, kv_positions = q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32)
     if path == "cudnn":
         return _cudnn(q, k, v, q_positions, kv_positions, cfg, plan)

@@ -38,11 +38,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.attention.checks import check_inputs, check_scale
-from jaxkv.attention.masks import MaskSpec, as_mask, block_may_be_visible, pair_visible
+from jaxkv.attention.masks import MaskSpec, as_mask, pair_visible
 from jaxkv.attention.rope import rope_ranks
+from jaxkv.attention.tiles import visit_lists
 from jaxkv.validate import is_int
 
-_INT_MAX = jnp.iinfo(jnp.int32).max
 _NEG = -1e30  # finite "minus infinity": keeps exp2 and max free of inf - inf
 _LOG2E = math.log2(math.e)
 
@@ -81,26 +81,6 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
 def supported(head_dim: int) -> bool:
     """Head dims the kernel handles: powers of two from 16 to 256 (Wan uses 128; 64 is common)."""
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-
-
-def visit_lists(q_positions, kv_positions, spec: MaskSpec, block_q: int, block_k: int):
-    """int32 [batch, n_q_blocks, 1 + n_k_blocks]: per query tile, the number of key blocks to visit, then their
-    indices in chronological order (blocks that no query of the tile can see come after the count, unused)."""
-    b, lq = q_positions.shape
-    lk = kv_positions.shape[1]
-    nq, nk = pl.cdiv(lq, block_q), pl.cdiv(lk, block_k)
-    # Pad queries by repeating the last one (no new range), keys with empty slots.
-    qp = jnp.pad(q_positions, ((0, 0), (0, nq * block_q - lq)), mode="edge").reshape(b, nq, block_q)
-    kp = jnp.pad(kv_positions, ((0, 0), (0, nk * block_k - lk)), constant_values=-1).reshape(b, nk, block_k)
-    q_lo, q_hi = jnp.min(qp, axis=-1), jnp.max(qp, axis=-1)
-    valid = kp >= 0
-    k_lo = jnp.min(jnp.where(valid, kp, _INT_MAX), axis=-1)
-    k_hi = jnp.max(jnp.where(valid, kp, -1), axis=-1)
-    may = block_may_be_visible(q_lo[:, :, None], q_hi[:, :, None], k_lo[:, None, :], k_hi[:, None, :], spec)
-    may = jnp.broadcast_to(may, (b, nq, nk))  # clauses that ignore queries broadcast over tiles
-    order = jnp.argsort(jnp.where(may, k_lo[:, None, :], _INT_MAX), axis=-1, stable=True)
-    count = jnp.sum(may, axis=-1, dtype=jnp.int32)
-    return jnp.concatenate([count[..., None], order.astype(jnp.int32)], axis=-1)
 
 
 def _pair_view(x, style):
