@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 
 import jax
 
@@ -60,7 +61,9 @@ np.testing.assert_array_equal(PL.local_rows(next(first))[1], whole[0])
 session = first.session(copy=False)
 
 # 1. save: each process its own file
+started = time.perf_counter()
 path = CK.save(os.path.join(out, "s"), session, mesh=m22, metadata={"processes": num_processes})
+print(f"process {process_id}: save took {time.perf_counter() - started:.2f} s", flush=True)
 files = sorted(os.listdir(path))
 assert files == ["session.json", "shards-00000.safetensors", "shards-00001.safetensors"], files
 manifest = CK.read_manifest(path)
