@@ -59,17 +59,18 @@ from jaxkv.session_format import (
     MANIFEST,
     MANIFEST_DIGEST,
     SessionError,
-    _cache_from,
-    _cache_tensors,
-    _digest,
     _empty_like,
     _flat_extras,
-    _is_session_dir,
-    _manifest_digest,
-    _nest_extras,
     _stacks,
-    _tensors,
+    cache_from,
+    cache_tensors,
+    digest,
+    dir_problem,
+    json_plain,
+    manifest_digest,
+    nest_extras,
     read_manifest,
+    session_tensors,
 )
 from jaxkv.session_format import _is_typed_key as _is_typed_key  # re-exported: read as jaxkv.session._is_typed_key
 from jaxkv.session_format import read_metadata as read_metadata  # re-exported: read as jaxkv.session.read_metadata
@@ -83,13 +84,6 @@ class OffloadError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------ fingerprint
-
-
-def _plain(value):
-    """JSON-normal form (tuples -> lists, dataclasses -> dicts), so saved and fresh settings compare equal."""
-    return json.loads(
-        json.dumps(value, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
-    )
 
 
 def cache_settings(cache) -> dict[str, Any]:
@@ -107,7 +101,7 @@ def cache_settings(cache) -> dict[str, Any]:
     out = {
         "class": type(cache).__name__,
         "spec_class": type(cache.spec).__name__,
-        "spec": _plain(dataclasses.asdict(cache.spec)),
+        "spec": json_plain(dataclasses.asdict(cache.spec)),
         "dtype": jnp.dtype(k.dtype).name,
         "layers": int(cache.layers),
         "heads": int(k.shape[-2]),
@@ -124,7 +118,7 @@ def fingerprint(config: WanConfig, rc: RolloutConfig, cache) -> dict[str, Any]:
     it existed, or under the other value, continue.)"""
     sampler = dataclasses.asdict(rc)
     sampler.pop("remat")
-    return {"model": _plain(config.to_dict()), "sampler": _plain(sampler), "cache": cache_settings(cache)}
+    return {"model": json_plain(config.to_dict()), "sampler": json_plain(sampler), "cache": cache_settings(cache)}
 
 
 def expected_cache(config: WanConfig, rc: RolloutConfig, sessions: int):
@@ -151,7 +145,10 @@ def differences(saved: Any, now: Any, prefix: str = "") -> list[str]:
 _WHAT = {"model": "model config", "sampler": "sampler settings (RolloutConfig)", "cache": "cache"}
 
 
-def _refuse(where: str, saved: dict, now: dict) -> None:
+def refuse_other_settings(where: str, saved: dict, now: dict) -> None:
+    """SessionError naming every field in which the fingerprints ``saved`` and ``now`` (`fingerprint`) differ, and
+    what it belongs to (model config, sampler settings, cache); nothing when they are equal. ``where`` names the
+    session in the message."""
     diff = differences(saved, now)
     if diff:
         parts = sorted({_WHAT.get(d.split(".", 1)[0].split(":", 1)[0], d.split(".", 1)[0]) for d in diff})
@@ -217,7 +214,7 @@ class Session:
             # (rc builds the cache when it has dilated layers, or for a ring / rolling cache)
             builds = rc.dilated_every or type(self.cache) in (RingCache, RollingCache, Fp8Cache)
             cache_like = expected_cache(config, rc, self.sessions) if builds else self.cache
-        _refuse(where, self.settings, fingerprint(config, rc, cache_like))
+        refuse_other_settings(where, self.settings, fingerprint(config, rc, cache_like))
 
     def fork(self) -> "Session":
         """An independent copy: every array in a new buffer (a stream that donates one fork's buffers leaves the
@@ -263,8 +260,8 @@ def save(path: str, session: Session, *, force: bool = False, metadata: dict | N
         raise SessionError("the session has no fingerprint; build it with Session.create")
     if session.on_host:
         raise SessionError("the session's caches are offloaded; reload() them before saving")
-    named, impl = _tensors(session)
-    meta = _plain(metadata or {})
+    named, impl = session_tensors(session)
+    meta = json_plain(metadata or {})
     host = {name: np.array(jax.device_get(x), order="C") for name, x in named.items()}  # (0-d stays 0-d)
     manifest = {
         "format": FORMAT,
@@ -274,15 +271,15 @@ def save(path: str, session: Session, *, force: bool = False, metadata: dict | N
         "next_chunk": int(host["next_chunk"]),
         "has_key": session.key is not None,
         "key_impl": impl,
-        "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape), "sha256": _digest(a)} for n, a in host.items()},
+        "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape), "sha256": digest(a)} for n, a in host.items()},
         "metadata": meta,
     }
     manifest = json.loads(json.dumps(manifest))  # as it will read back (tuples become lists)
-    manifest[MANIFEST_DIGEST] = _manifest_digest(manifest)
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     path = os.path.abspath(path)
     if os.path.lexists(path) and not force:
         raise SessionError(f"{path} already exists; pass force=True to replace a previous session there")
-    with files.atomic_directory(path, replace=_is_session_dir if force else None) as tmp:
+    with files.atomic_directory(path, replace=dir_problem if force else None) as tmp:
         save_file(host, os.path.join(tmp, ARRAYS), metadata={"format": FORMAT})
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
@@ -313,8 +310,8 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
     except (KeyError, IndexError, TypeError):
         raise SessionError(f"{path}/{MANIFEST} lists no {rows} tensor") from None
     cache = cache_like if cache_like is not None else expected_cache(config, rc, sessions)
-    _refuse(f"the session at {path}", saved, fingerprint(config, rc, cache))
-    expect = _cache_tensors(_empty_like(cache, sessions, config))
+    refuse_other_settings(f"the session at {path}", saved, fingerprint(config, rc, cache))
+    expect = cache_tensors(_empty_like(cache, sessions, config))
     arrays: dict[str, np.ndarray] = {}
     file = os.path.join(path, ARRAYS)
     try:
@@ -333,7 +330,7 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
         raise SessionError(f"{file} is truncated or corrupt ({type(e).__name__}: {e})") from None
     for name, a in arrays.items():
         listed = tensors[name]
-        if "sha256" in listed and _digest(a) != listed["sha256"]:
+        if "sha256" in listed and digest(a) != listed["sha256"]:
             raise SessionError(
                 f"{file}: tensor {name} does not match the checksum saved with it: the file was corrupted or "
                 f"changed after saving"
@@ -369,7 +366,7 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
     missing = sorted(set(expect) - set(dev))
     if missing:
         raise SessionError(f"{file} lacks the cache tensors {missing} that the settings need")
-    cache_obj = _cache_from(cache, dev)
+    cache_obj = cache_from(cache, dev)
     reserved = int(jnp.max(cache_obj.next_chunk_index()))
     # (on cache-relative RoPE's wrapped clock the cache's positions no longer count the stream's chunks)
     if rc.bounded and reserved != int(nxt):
@@ -382,7 +379,7 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, cache_like=None) ->
         key = dev["key"]
         if manifest.get("key_impl"):
             key = jax.random.wrap_key_data(key, impl=manifest["key_impl"])
-    extras = _nest_extras({n: a for n, a in dev.items() if n.startswith("extras/")})
+    extras = nest_extras({n: a for n, a in dev.items() if n.startswith("extras/")})
     return Session(
         cache_obj,
         M.CrossKV(dev["cross/k"], dev["cross/v"]),

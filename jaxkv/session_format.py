@@ -24,11 +24,18 @@ Why safetensors + a JSON manifest rather than orbax-checkpoint: the project alre
 second notion of "complete"; the files are plain (any safetensors reader opens them, the manifest is readable
 text) and `load` checks the settings from the manifest before reading a byte of tensor data. What orbax would add
 (asynchronous and multi-host writes of sharded arrays) a single-process stream does not need: here every array is
-fetched to the host whole, so a sharded cache is gathered on save (fine for one host, not for a multi-host pod).
+fetched to the host whole. A mesh session is saved shard by shard, from every process of a multi-host job, by
+`jaxkv.parallel.checkpoint` (the same tensor names and checksums, one file per process and a manifest of pieces).
+
+The helpers both formats share (public, for `jaxkv.session` and `jaxkv.parallel.checkpoint`):
+`session_tensors` (a session's arrays by file name), `cache_tensors` / `cache_from` (a cache <-> its arrays by file
+name), `nest_extras`, `digest` (an array's sha256), `manifest_digest`, `json_plain` (settings in JSON-normal form)
+and `dir_problem` (why a path is not a complete session directory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -59,7 +66,7 @@ class SessionError(ValueError):
 def _stacks(cache) -> dict[str, ChunkCache]:
     """The stacked `ChunkCache`s a session's cache is made of, by file-name prefix: {"cache": cache}, or for a
     `MixedCache` {"cache/dense": its dense stack, "cache/dilated": its dilated stack}, or for an `Fp8Cache`
-    {"cache": its FP8 ring} (its scales: `_cache_tensors`)."""
+    {"cache": its FP8 ring} (its scales: `cache_tensors`)."""
     if isinstance(cache, MixedCache):
         return {"cache/dense": cache.dense, "cache/dilated": cache.dilated}
     if isinstance(cache, Fp8Cache):
@@ -82,7 +89,8 @@ def _flat_extras(extras: dict, prefix: str = "extras") -> dict[str, Any]:
     return out
 
 
-def _nest_extras(flat: dict[str, Any]) -> dict:
+def nest_extras(flat: dict[str, Any]) -> dict:
+    """The nested extras dict of `session_tensors`' flat "extras/a/b" names (the inverse of its flattening)."""
     root: dict = {}
     for name, value in flat.items():
         parts = name.split("/")[1:]
@@ -93,16 +101,23 @@ def _nest_extras(flat: dict[str, Any]) -> dict:
     return root
 
 
+def json_plain(value):
+    """JSON-normal form (tuples -> lists, dataclasses -> dicts), so saved and fresh settings compare equal."""
+    return json.loads(
+        json.dumps(value, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+    )
+
+
 def _is_typed_key(key) -> bool:
     return key is not None and jnp.issubdtype(
         jnp.asarray(key).dtype if not hasattr(key, "dtype") else key.dtype, jax.dtypes.prng_key
     )
 
 
-def _tensors(session) -> tuple[dict[str, Any], str | None]:
+def session_tensors(session) -> tuple[dict[str, Any], str | None]:
     """A `jaxkv.session.Session`'s leaves by file name (device arrays), and the key's impl name (None for a raw
     key)."""
-    out = _cache_tensors(session.cache)
+    out = cache_tensors(session.cache)
     out["cross/k"], out["cross/v"] = session.cross.k, session.cross.v
     impl = None
     if session.key is not None:
@@ -126,7 +141,7 @@ def _fp8_bytes(x, to):
     return jax.lax.bitcast_convert_type(jnp.asarray(x), to)
 
 
-def _cache_tensors(cache) -> dict[str, Any]:
+def cache_tensors(cache) -> dict[str, Any]:
     """The cache's arrays by file name: "cache/k", ... or, for a `MixedCache`, "cache/dense/k", "cache/dilated/k",
     ... (each stack's k, v, positions and chunk_start); for an `Fp8Cache` also its scales, and k, v as uint8."""
     out = {f"{prefix}/{f}": getattr(part, f) for prefix, part in _stacks(cache).items() for f in _CACHE_FIELDS}
@@ -136,11 +151,11 @@ def _cache_tensors(cache) -> dict[str, Any]:
     return out
 
 
-def _cache_from(like, arrays: dict[str, Any]):
-    """A cache of ``like``'s class and spec (a `MixedCache`: and its dense class) from `_cache_tensors` names."""
+def cache_from(like, arrays: dict[str, Any]):
+    """A cache of ``like``'s class and spec (a `MixedCache`: and its dense class) from `cache_tensors` names."""
     if isinstance(like, Fp8Cache):
         fp8 = {f"cache/{f}": _fp8_bytes(arrays[f"cache/{f}"], like.k.dtype) for f in ("k", "v")}
-        inner = _cache_from(like.inner, {**arrays, **fp8})
+        inner = cache_from(like.inner, {**arrays, **fp8})
         return Fp8Cache(inner, *(arrays[f"cache/{f}"] for f in _FP8_SCALES), like.read_dtype)
     parts = {
         prefix: type(part)(**{f: arrays[f"{prefix}/{f}"] for f in _CACHE_FIELDS}, spec=part.spec)
@@ -162,28 +177,30 @@ def _empty_like(like, sessions: int, config: WanConfig):
     )
 
 
-def _is_session_dir(path: str) -> str | None:
+def dir_problem(path: str) -> str | None:
+    """Why ``path`` is not a complete single-device session directory (None: it is one); what `save` may replace."""
     return files.directory_problem(path, required=(MANIFEST, ARRAYS), formats=(FORMAT,), marker_file=MANIFEST)
 
 
-def _digest(a: np.ndarray) -> str:
+def digest(a: np.ndarray) -> str:
     """sha256 of an array's bytes (C order)."""
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def _manifest_digest(manifest: dict) -> str:
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest's entries other than its own checksum (`MANIFEST_DIGEST`), in a canonical JSON form."""
     body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_manifest(path: str) -> dict[str, Any]:
     """The manifest of the session directory ``path`` (checked: format marker, version, both files present)."""
-    problem = _is_session_dir(path)
+    problem = dir_problem(path)
     if problem is not None:
         raise SessionError(f"{path} is not a complete jaxkv session: {problem}")
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
-    if MANIFEST_DIGEST in manifest and manifest[MANIFEST_DIGEST] != _manifest_digest(manifest):
+    if MANIFEST_DIGEST in manifest and manifest[MANIFEST_DIGEST] != manifest_digest(manifest):
         raise SessionError(
             f"{os.path.join(path, MANIFEST)} was changed after the session was saved (its checksum does not match "
             f"its content): next_chunk, the seed and the settings are read from it, so an edited copy is refused"

@@ -205,6 +205,7 @@ def test_sharded_session_round_trip_on_one_device(tmp_path):
     from jaxkv import parallel as PL
     from jaxkv import rollout as R
     from jaxkv import session as S
+    from jaxkv import session_format as SF
     from jaxkv.models.wan import model as M
     from jaxkv.parallel import checkpoint as CK
     from jaxkv.schedule import Schedule
@@ -220,8 +221,8 @@ def test_sharded_session_round_trip_on_one_device(tmp_path):
     path = CK.save(str(tmp_path / "s"), session)
     assert CK.read_manifest(path)["format"] == CK.FORMAT
     loaded = CK.load(path, config, rc)
-    named, _ = S._tensors(session)
-    for name, x in S._tensors(loaded)[0].items():
+    named, _ = SF.session_tensors(session)
+    for name, x in SF.session_tensors(loaded)[0].items():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(named[name]), err_msg=name)
     on_mesh = CK.load(path, config, rc, mesh=PL.make_mesh(1, 1, jax.devices()[:1]))
     for s, make in ((loaded, Stream.from_session), (on_mesh, PL.MeshStream.from_session)):
@@ -241,3 +242,63 @@ def test_scan_rollout_on_mesh_matches_one_device_and_mesh_stream():
     equals one device; the compiled program gathers no cache and aliases the donated state; bad arguments refused
     before anything runs."""
     run_checks("scan", "scan_grad", "scan_dilated_hlo", "scan_errors", timeout=1800)
+
+
+def _as_process_0_of_2(monkeypatch, other: list[dict]):
+    """`jaxkv.parallel.processes` exchanges as process 0 of 2, process 1 answering ``other`` in turn."""
+    import json
+
+    from jaxkv.parallel import processes
+
+    answers = iter(other)
+    monkeypatch.setattr(processes, "gather_text", lambda text: [text, json.dumps(next(answers))])
+
+
+def test_write_directory_leaves_nothing_when_another_process_fails(tmp_path, monkeypatch):
+    """Process 1's write fails: process 0 raises ProcessFailed naming it and its error, and neither the directory
+    nor its temporary is left (the barrier logic with a faked second process)."""
+    from jaxkv.parallel import processes
+
+    _as_process_0_of_2(monkeypatch, [{"value": ""}, {"error": "OSError: [Errno 28] No space left on device"}])
+    written = []
+
+    def write(tmp):
+        (tmp_path / "seen").write_text(tmp)
+        written.append(os.listdir(tmp))
+        return {"mine": 1}
+
+    with pytest.raises(processes.ProcessFailed, match=r"writing .*out failed in process 1 of 2: OSError: .*No space"):
+        processes.write_directory(str(tmp_path / "out"), write=write, finish=lambda tmp, parts: None)
+    assert written == [[]] and sorted(os.listdir(tmp_path)) == ["seen"]
+
+
+def test_write_directory_finishes_with_every_part_and_waits_for_the_rename(tmp_path, monkeypatch):
+    """Process 0 finishes with both processes' parts (process order) and renames; a failure in its finish reaches
+    process 1 through the last exchange and leaves no directory; with one process nothing is exchanged."""
+    from jaxkv.parallel import processes
+
+    calls = []
+
+    def finish(tmp, parts):
+        calls.append(parts)
+        with open(os.path.join(tmp, "m"), "w") as f:
+            f.write("x")
+
+    _as_process_0_of_2(monkeypatch, [{"value": ""}, {"value": {"p": 1}}, {"value": None}])
+    path = processes.write_directory(str(tmp_path / "a"), write=lambda tmp: {"p": 0}, finish=finish)
+    assert calls == [[{"p": 0}, {"p": 1}]] and os.listdir(path) == ["m"]
+
+    def broken(tmp, parts):
+        raise OSError("manifest not written")
+
+    sent = []
+    monkeypatch.setattr(processes, "gather_text", lambda text: sent.append(text) or [text, '{"value": null}'])
+    with pytest.raises(OSError, match="manifest not written"):
+        processes.write_directory(str(tmp_path / "b"), write=lambda tmp: {}, finish=broken)
+    assert "manifest not written" in sent[-1]  # told to process 1 before raising
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+    monkeypatch.undo()
+    path = processes.write_directory(
+        str(tmp_path / "c"), write=lambda tmp: 7, finish=lambda tmp, parts: calls.append(parts)
+    )
+    assert calls[-1] == [7] and os.listdir(path) == []

@@ -9,7 +9,8 @@ parallel) x ``model`` (tensor parallel).
   given latents committed on the mesh (`MeshStream.commit`).
 * `mesh_rollout`, `mesh_rollout_program`: the scan rollout (`jaxkv.rollout.rollout`) on the mesh
   (`jaxkv.parallel.scan`).
-* `jaxkv.parallel.checkpoint`: a mesh session saved shard by shard, loaded onto any mesh shape or one device.
+* `jaxkv.parallel.checkpoint`: a mesh session saved shard by shard (by every process of a multi-process job,
+  `jaxkv.parallel.processes`), loaded onto any mesh shape or one device.
 """
 
 from jaxkv.parallel.loading import load_sharded

@@ -21,9 +21,14 @@ On disk, a directory (written atomically, `jaxkv.files.atomic_directory`):
 The pieces of a tensor cover it exactly once (checked on load). A single-device session directory
 (`jaxkv.session.save`) also loads, onto a mesh too: its one file is one piece of every tensor.
 
-Multi-process jobs: the pieces and files are laid out per process, but the directory is written by one process
-(the atomic rename and the manifest need a barrier and a shared file system, not built yet), so `save` refuses
-``jax.process_count() > 1``.
+Multi-process jobs: every process calls `save` (and `load`) with the same arguments. Each process writes the
+pieces it holds to its own ``shards-PPPPP.safetensors`` inside the temporary directory process 0 opened; after a
+barrier process 0 writes the manifest from every process's list of pieces (checked to cover every tensor exactly
+once) and renames the directory into place, and every process returns once it has (`jaxkv.parallel.processes`:
+a failure in any process raises in every process and leaves no directory that looks complete). Arrays that are not
+on the mesh (the key, next_chunk, the VAE's extras) must be the same on every process and are written by process 0.
+The path must be on a file system every process sees. `load` on a multi-process mesh reads, in each process, only
+the pieces that overlap its devices' shards (and the small replicated tensors).
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv import files
 from jaxkv import session as S
+from jaxkv import session_format as SF
 from jaxkv.cache import MixedCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.parallel.mesh import DATA
+from jaxkv.parallel.processes import exchange, write_directory
 from jaxkv.parallel.rollout import check_mesh, session_order, state_shardings
 from jaxkv.parallel.rules import put_global
 from jaxkv.rollout import RolloutConfig, RolloutState
@@ -76,7 +83,7 @@ def shard_file(process: int) -> str:
 def is_sharded_session(path: str) -> bool:
     """True when ``path`` holds a manifest of this format (complete or not: `read_manifest` checks)."""
     try:
-        with open(os.path.join(path, S.MANIFEST)) as f:
+        with open(os.path.join(path, SF.MANIFEST)) as f:
             return json.load(f).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
@@ -90,7 +97,7 @@ def _dir_problem(path: str) -> str | None:
         else []
     )
     problem = files.directory_problem(
-        path, required=(S.MANIFEST,), optional=shards, formats=(FORMAT,), marker_file=S.MANIFEST
+        path, required=(SF.MANIFEST,), optional=shards, formats=(FORMAT,), marker_file=SF.MANIFEST
     )
     if problem is None and not shards:
         problem = f"{path} holds no shards-*.safetensors file"
@@ -100,7 +107,7 @@ def _dir_problem(path: str) -> str | None:
 def session_dir_problem(path: str) -> str | None:
     """Why ``path`` is neither a sharded nor a single-device session directory (None: it is one of them); what
     ``--overwrite`` may replace."""
-    return _dir_problem(path) if is_sharded_session(path) else S._is_session_dir(path)
+    return _dir_problem(path) if is_sharded_session(path) else SF.dir_problem(path)
 
 
 def _order(session_rows: int, guided: bool, data: int) -> np.ndarray:
@@ -144,6 +151,24 @@ def _pieces(name: str, x, order: np.ndarray | None) -> list[tuple[list[list[int]
     return out
 
 
+def _process_local(x) -> bool:
+    """True for an array of one process alone in a multi-process job (not a global array over the mesh)."""
+    return jax.process_count() > 1 and x.is_fully_addressable
+
+
+def _save_problem(path: str, session, force: bool) -> S.SessionError | None:
+    """Why ``session`` cannot be saved to ``path`` (None: it can)."""
+    if not isinstance(session, S.Session):
+        return S.SessionError(f"save needs a jaxkv.session.Session, got {type(session).__name__}")
+    if not session.fingerprint:
+        return S.SessionError("the session has no fingerprint; build it with Session.create")
+    if session.on_host:
+        return S.SessionError("the session's caches are offloaded; reload() them before saving")
+    if os.path.lexists(path) and not force:
+        return S.SessionError(f"{path} already exists; pass force=True to replace a previous session there")
+    return None
+
+
 def save(
     path: str, session: S.Session, *, mesh: Mesh | None = None, force: bool = False, metadata: dict | None = None
 ) -> str:
@@ -155,32 +180,24 @@ def save(
     ``metadata``: JSON-able, as `jaxkv.session.save`. The session stays usable."""
     from safetensors.numpy import save_file
 
-    if not isinstance(session, S.Session):
-        raise S.SessionError(f"save needs a jaxkv.session.Session, got {type(session).__name__}")
-    if not session.fingerprint:
-        raise S.SessionError("the session has no fingerprint; build it with Session.create")
-    if session.on_host:
-        raise S.SessionError("the session's caches are offloaded; reload() them before saving")
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            "saving a sharded session from a multi-process job is not built yet (the directory's atomic rename "
-            "needs a barrier across processes); save from a single-process mesh"
-        )
     path = os.path.abspath(path)
-    if os.path.lexists(path) and not force:
-        raise S.SessionError(f"{path} already exists; pass force=True to replace a previous session there")
+    exchange(None, _save_problem(path, session, force), f"saving {path}")  # every process refuses alike, at once
     guided = session.settings["sampler"]["guidance_scale"] is not None
     order = None if mesh is None else _order(session.sessions, guided, mesh.shape[DATA])
-    named, impl = S._tensors(session)
+    named, impl = SF.session_tensors(session)
     file = shard_file(jax.process_index())
-    blocks, pieces, tensors = {}, [], {}
+    blocks, pieces, tensors, local = {}, [], {}, {}
     for name, x in named.items():
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
         tensors[name] = {"dtype": np.dtype(x.dtype).name, "shape": list(x.shape), "rows_axis": rows_axis(name)}
+        if _process_local(x):  # the key, next_chunk, the VAE's extras: the same on every process, process 0 writes
+            local[name] = SF.digest(np.asarray(x))
+            if jax.process_index() != 0:
+                continue
         for n, (index, data) in enumerate(_pieces(name, x, order)):
             key = f"{name}@{n}"
             blocks[key] = np.array(data, order="C")  # (0-d stays 0-d)
-            pieces.append({"tensor": name, "file": file, "key": key, "index": index, "sha256": S._digest(data)})
+            pieces.append({"tensor": name, "file": file, "key": key, "index": index, "sha256": SF.digest(data)})
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -190,37 +207,49 @@ def save(
         "has_key": session.key is not None,
         "key_impl": impl,
         "tensors": tensors,
-        "pieces": pieces,
-        "metadata": S._plain(metadata or {}),
+        "metadata": SF.json_plain(metadata or {}),
     }
-    manifest = json.loads(json.dumps(manifest))
-    manifest[S.MANIFEST_DIGEST] = S._manifest_digest(manifest)
-    with files.atomic_directory(path, replace=session_dir_problem if force else None) as tmp:
+
+    def write(tmp: str) -> dict:  # every process: its own file
         save_file(blocks, os.path.join(tmp, file), metadata={"format": FORMAT})
-        with open(os.path.join(tmp, S.MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
+        return {"pieces": pieces, "local": local}
+
+    def finish(tmp: str, parts: list[dict]) -> None:  # process 0: the manifest of every process's pieces
+        for i, part in enumerate(parts[1:], 1):
+            differ = sorted(n for n in local if part["local"].get(n) != local[n])
+            if differ:
+                raise S.SessionError(
+                    f"process {i} holds other values than process 0 for {', '.join(differ)} (arrays that are not "
+                    f"on the mesh must be the same on every process; process 0's are saved)"
+                )
+        whole = json.loads(json.dumps({**manifest, "pieces": [p for part in parts for p in part["pieces"]]}))
+        whole[SF.MANIFEST_DIGEST] = SF.manifest_digest(whole)
+        _Reader(tmp, whole).check()  # every piece in its file, each tensor covered exactly once: else no rename
+        with open(os.path.join(tmp, SF.MANIFEST), "w") as f:
+            json.dump(whole, f, indent=2, sort_keys=True)
             f.write("\n")
-    return path
+
+    return write_directory(path, write=write, finish=finish, replace=session_dir_problem if force else None)
 
 
 def read_manifest(path: str) -> dict[str, Any]:
     """The manifest of a sharded session directory, or of a single-device one (`jaxkv.session.read_manifest`);
     SessionError for anything else, an edited manifest or another format version."""
     if not is_sharded_session(path):
-        return S.read_manifest(path)
+        return SF.read_manifest(path)
     problem = _dir_problem(path)
     if problem is not None:
         raise S.SessionError(f"{path} is not a complete jaxkv sharded session: {problem}")
-    with open(os.path.join(path, S.MANIFEST)) as f:
+    with open(os.path.join(path, SF.MANIFEST)) as f:
         manifest = json.load(f)
-    if manifest.get(S.MANIFEST_DIGEST) != S._manifest_digest(manifest):
+    if manifest.get(SF.MANIFEST_DIGEST) != SF.manifest_digest(manifest):
         raise S.SessionError(
-            f"{os.path.join(path, S.MANIFEST)} was changed after the session was saved (its checksum does not match "
+            f"{os.path.join(path, SF.MANIFEST)} was changed after the session was saved (its checksum does not match "
             f"its content); an edited copy is refused"
         )
     if manifest.get("format_version") != FORMAT_VERSION:
         raise S.SessionError(
-            f"{os.path.join(path, S.MANIFEST)} has format_version {manifest.get('format_version')!r}; this jaxkv "
+            f"{os.path.join(path, SF.MANIFEST)} has format_version {manifest.get('format_version')!r}; this jaxkv "
             f"reads version {FORMAT_VERSION}"
         )
     return manifest
@@ -239,7 +268,7 @@ class _Reader:
                 self.pieces.setdefault(piece["tensor"], []).append(piece)
         else:  # a single-device session: one piece per tensor, the whole of it
             self.pieces = {
-                name: [{"file": S.ARRAYS, "key": name, "index": [[0, n] for n in t["shape"]], "sha256": t["sha256"]}]
+                name: [{"file": SF.ARRAYS, "key": name, "index": [[0, n] for n in t["shape"]], "sha256": t["sha256"]}]
                 for name, t in manifest["tensors"].items()
             }
         self.tensors = manifest["tensors"]
@@ -287,7 +316,7 @@ class _Reader:
         at = (piece["file"], piece["key"])
         if at not in self._read:
             data = self._file(piece["file"]).get_tensor(piece["key"])
-            if S._digest(data) != piece["sha256"]:
+            if SF.digest(data) != piece["sha256"]:
                 raise S.SessionError(
                     f"{self.path}/{piece['file']}: piece {piece['key']} does not match the checksum saved with it: "
                     f"the file was corrupted or changed after saving"
@@ -328,7 +357,7 @@ class _Reader:
 def _shardings_by_name(state, mesh: Mesh) -> dict[str, NamedSharding]:
     """{tensor name: sharding} of a state's row tensors on ``mesh`` (`state_shardings`)."""
     shardings = state_shardings(state, mesh)
-    out = S._cache_tensors(shardings.cache)
+    out = SF.cache_tensors(shardings.cache)
     out["cross/k"], out["cross/v"] = shardings.cross.k, shardings.cross.v
     return out
 
@@ -349,12 +378,12 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
     try:
         sessions = int(tensors[rows]["shape"][0])
     except (KeyError, IndexError, TypeError):
-        raise S.SessionError(f"{path}/{S.MANIFEST} lists no {rows} tensor") from None
+        raise S.SessionError(f"{path}/{SF.MANIFEST} lists no {rows} tensor") from None
     if mesh is not None:  # a batch the data axis does not divide, a model axis the heads do not: ValueError
         check_mesh(mesh, config, rc, sessions // (2 if rc.guidance_scale is not None else 1))
     cache = S.expected_cache(config, rc, sessions)
-    S._refuse(f"the session at {path}", manifest["fingerprint"], S.fingerprint(config, rc, cache))
-    want = S._cache_tensors(cache)
+    S.refuse_other_settings(f"the session at {path}", manifest["fingerprint"], S.fingerprint(config, rc, cache))
+    want = SF.cache_tensors(cache)
     for name, like in want.items():
         got = tensors.get(name, {})
         if got.get("shape") != list(like.shape) or got.get("dtype") != np.dtype(like.dtype).name:
@@ -401,11 +430,11 @@ def load(path: str, config: WanConfig, rc: RolloutConfig, *, mesh: Mesh | None =
         if manifest.get("key_impl"):
             key = jax.random.wrap_key_data(key, impl=manifest["key_impl"])
     return S.Session(
-        S._cache_from(cache, arrays),
+        SF.cache_from(cache, arrays),
         M.CrossKV(arrays["cross/k"], arrays["cross/v"]),
         key,
         nxt,
-        S._nest_extras({n: a for n, a in arrays.items() if n.startswith("extras/")}),
+        SF.nest_extras({n: a for n, a in arrays.items() if n.startswith("extras/")}),
         json.dumps(manifest["fingerprint"], sort_keys=True),
     )
 
@@ -420,7 +449,7 @@ def to_mesh(session: S.Session, mesh: Mesh) -> S.Session:
     def put(name, x):
         return put_global(np.take(np.asarray(x), order, axis=rows_axis(name)), by_name[name])
 
-    cache = S._cache_from(session.cache, {name: put(name, x) for name, x in S._cache_tensors(session.cache).items()})
+    cache = SF.cache_from(session.cache, {name: put(name, x) for name, x in SF.cache_tensors(session.cache).items()})
     return session.replace(
         cache=cache, cross=M.CrossKV(put("cross/k", session.cross.k), put("cross/v", session.cross.v))
     )
