@@ -16,6 +16,7 @@ from jaxkv.defaults import ROLLOUT
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.precision import Precision, as_precision
+from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
 from jaxkv.validate import check_int, is_real
 
@@ -38,7 +39,7 @@ class RolloutConfig:
       cache_dtype: init-only shorthand kept for compatibility: ``RolloutConfig(cache_dtype="bfloat16")`` is
         ``precision=Precision(..., cache_dtype="bfloat16")`` (it replaces the given precision's cache_dtype). Read
         back as ``rc.cache_dtype`` = ``rc.precision.cache_dtype``.
-      backend: attention backend name passed to `jaxkv.attend`.
+      backend: attention backend name passed to `jaxkv.attend` (one of `jaxkv.attention.dispatch.BACKENDS`).
       dilated_every: k >= 1 makes every k-th layer (layers k-1, 2k-1, ...) a dilated long-range layer
         (`jaxkv.cache.DilatedCache`) and keeps ``policy``'s sink + window on the others (a `jaxkv.cache.MixedCache`;
         num_layers must be a multiple of k); k = 1 makes every layer dilated (then window_frames and policy are
@@ -105,6 +106,10 @@ class RolloutConfig:
         if cache_dtype is not None:
             precision = dataclasses.replace(precision, cache_dtype=cache_dtype)
         object.__setattr__(self, "precision", precision)
+        try:
+            RunOptions(precision, self.backend)  # checks the backend name
+        except ValueError as e:
+            raise ValueError(f"RolloutConfig.backend: {e}") from None
         self._check_dilated()
         M.check_rope_mode(self.rope)
         if not isinstance(self.remat, (bool, np.bool_)):
@@ -143,6 +148,12 @@ class RolloutConfig:
                 f"sink_frames={self.sink_frames}; use sink_frames=0 or dilated_every >= 2"
             )
         DilatedSpec(1, self.chunk_frames, self.dilation, self.buckets)  # its own checks (buckets vs dilation)
+
+    @property
+    def run(self) -> RunOptions:
+        """``precision`` and ``backend`` as the `jaxkv.run_options.RunOptions` the model's entry points take
+        (``run=rc.run``); built from the fields, so the fields (and what sessions record) stay as they are."""
+        return RunOptions(self.precision, self.backend)
 
     @property
     def bounded(self) -> bool:
