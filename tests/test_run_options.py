@@ -2,15 +2,19 @@
 (issue 38, item 3): validated on construction, hashable (equal options share a compiled program), what
 `RolloutConfig.run` and ``jaxkv generate``'s settings hold."""
 
+import ast
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxkv.attention.dispatch import BACKENDS
 from jaxkv.compilation import compile_count
 from jaxkv.generate import settings
+from jaxkv.models import wan
 from jaxkv.precision import Precision
 from jaxkv.rollout_config import RolloutConfig
 from jaxkv.run_options import RunOptions, resolve
@@ -86,3 +90,119 @@ def test_rollout_config_run_is_built_from_its_fields():
 def test_generate_settings_use_the_library_run_options():
     assert settings.RunOptions is RunOptions
     assert settings.from_argv(["--random-weights", "--precision", "bfloat16"]).run == RunOptions.of("bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------ one run crosses
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The public entry points, the only functions in jaxkv/models/wan and jaxkv/nn that take `backend=` / `precision=`
+# (each builds one RunOptions at its top); everything they call takes `run`.
+ENTRY_POINTS = {
+    "jaxkv/models/wan/model.py": {
+        "cross_kv",
+        "forward",
+        "forward_block_causal",
+        "forward_teacher_forcing",
+        "forward_chunk",
+        "recompute_cache",
+    },
+    "jaxkv/models/wan/module.py": {"__call__", "block_causal", "cross_kv", "step"},  # WanModel: pass them through
+    "jaxkv/nn/attention.py": {"__init__"},  # CachedSelfAttention(backend=...), held as self.run
+}
+CHECKS = {"as_precision", "check_params", "named", "resolve"}  # parse or check a precision / resolve the options
+
+
+def _modules():
+    files = sorted((ROOT / "jaxkv/models/wan").glob("*.py")) + sorted((ROOT / "jaxkv/nn").glob("*.py"))
+    return {p.relative_to(ROOT).as_posix(): ast.parse(p.read_text()) for p in files}
+
+
+def _functions(tree):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+
+
+def _name(node) -> str:
+    return getattr(node, "name", "<lambda>")
+
+
+def _calls(fn) -> list[str]:
+    """The names called in ``fn``'s own body (nested defs included), ``f(...)`` and ``x.f(...)`` alike."""
+    out = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call):
+            f = n.func
+            out.append(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return out
+
+
+def test_only_the_entry_points_take_backend_or_precision():
+    modules = _modules()
+    assert set(ENTRY_POINTS) <= set(modules)
+    found = {}
+    for path, tree in modules.items():
+        for fn in _functions(tree):
+            a = fn.args
+            names = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+            if names & {"backend", "precision"}:
+                found.setdefault(path, set()).add(_name(fn))
+    resolver = {"jaxkv/models/wan/model.py": {"_run_of"}}  # what the entry points hand the keywords to
+    assert found == {path: names | resolver.get(path, set()) for path, names in ENTRY_POINTS.items()}
+
+
+def test_the_precision_is_checked_once_per_entry_point():
+    """In model.py only `_run_of` resolves the options and checks the params; each entry point calls it once; no
+    function there calls an entry point (which would check again); module.py and nn/ check nothing themselves."""
+    modules = _modules()
+    model = modules["jaxkv/models/wan/model.py"]
+    top = {n.name: n for n in model.body if isinstance(n, ast.FunctionDef)}
+    checking = {name for name, fn in top.items() if CHECKS & set(_calls(fn))}
+    assert checking == {"_run_of"}
+    for name, fn in top.items():
+        calls = _calls(fn)
+        if name in ENTRY_POINTS["jaxkv/models/wan/model.py"]:
+            assert calls.count("_run_of") == 1, name
+        else:
+            assert "_run_of" not in calls, name
+        assert not set(calls) & ENTRY_POINTS["jaxkv/models/wan/model.py"], name
+    for path, tree in modules.items():
+        if path != "jaxkv/models/wan/model.py":
+            assert not CHECKS & set(_calls(tree)), path
+
+
+# ------------------------------------------------------------------------------------------------ the entry points
+
+CFG = wan.preset("tiny")  # dim 64, 4 x 16 heads, 2 layers, text 16 x 32, 16 latent channels
+
+
+def test_entry_points_take_run_or_the_old_keywords_alike():
+    params = wan.init_params(CFG, jax.random.key(0))
+    k1, k2 = jax.random.split(jax.random.key(1))
+    latents = jax.random.normal(k1, (1, 2, 8, 8, CFG.in_dim))
+    context = jax.random.normal(k2, (1, CFG.text_len, CFG.text_dim))
+    t = jnp.array([500.0])
+    run = RunOptions.of("float32", "xla")
+    old = wan.forward(params, CFG, latents, t, context, backend="xla", precision="float32")
+    np.testing.assert_array_equal(wan.forward(params, CFG, latents, t, context, run=run), old)
+    causal = dict(chunk_frames=1)
+    np.testing.assert_array_equal(
+        wan.forward_block_causal(params, CFG, latents, t, context, run=run, **causal),
+        wan.forward_block_causal(params, CFG, latents, t, context, backend="xla", **causal),
+    )
+    cross = wan.cross_kv(params, CFG, context, precision="float32")
+    assert jax.tree.all(jax.tree.map(np.array_equal, wan.cross_kv(params, CFG, context, run=run), cross))
+    model = wan.WanModel.from_params(CFG, params)
+    np.testing.assert_array_equal(model(latents, t, context, run=run), old)
+
+    with pytest.raises(TypeError, match="forward: pass either run= or backend=, not both"):
+        wan.forward(params, CFG, latents, t, context, run=run, backend="xla")
+    with pytest.raises(TypeError, match="forward_block_causal: pass either run= or precision=, not both"):
+        wan.forward_block_causal(params, CFG, latents, t, context, run=run, precision="float32", **causal)
+    with pytest.raises(TypeError, match="cross_kv: pass either run= or precision=, not both"):
+        model.cross_kv(context, run=run, precision="float32")
+    with pytest.raises(TypeError, match="run must be a jaxkv.run_options.RunOptions, got str"):
+        wan.forward(params, CFG, latents, t, context, run="xla")
+    with pytest.raises(ValueError, match="RunOptions.backend must be one of .* got 'flash'"):
+        wan.forward(params, CFG, latents, t, context, backend="flash")
+    with pytest.raises(ValueError, match=r"params\[.*\] is float32 but the precision's param_dtype is bfloat16"):
+        wan.forward(params, CFG, latents, t, context, run=RunOptions.of("bfloat16"))
