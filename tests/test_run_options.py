@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxkv.attention.dispatch import BACKENDS
 from jaxkv.compilation import compile_count
 from jaxkv.generate import settings
 from jaxkv.models import wan
+from jaxkv.nn import CachedSelfAttention
 from jaxkv.precision import Precision
 from jaxkv.rollout_config import RolloutConfig
 from jaxkv.run_options import RunOptions, resolve
@@ -206,3 +208,12 @@ def test_entry_points_take_run_or_the_old_keywords_alike():
         wan.forward(params, CFG, latents, t, context, backend="flash")
     with pytest.raises(ValueError, match=r"params\[.*\] is float32 but the precision's param_dtype is bfloat16"):
         wan.forward(params, CFG, latents, t, context, run=RunOptions.of("bfloat16"))
+
+
+def test_a_bad_backend_is_refused_before_anything_loads():
+    from jaxkv.pipeline import Pipeline
+
+    with pytest.raises(ValueError, match="RunOptions.backend must be one of .* got 'flash'"):
+        Pipeline.from_pretrained(backend="flash")  # the shipped toy world: resolved, not loaded
+    with pytest.raises(ValueError, match="RunOptions.backend must be one of .* got 'flash'"):
+        CachedSelfAttention(8, 2, backend="flash", rngs=nnx.Rngs(0))
