@@ -15,7 +15,7 @@ from jaxkv.cache import WINDOW_POLICIES, WRAPPING_POLICIES, DilatedSpec, MixedSp
 from jaxkv.defaults import ROLLOUT
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.precision import Precision, as_precision
+from jaxkv.precision import Precision
 from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
 from jaxkv.validate import check_int, is_real
@@ -102,14 +102,12 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.policy must be one of {list(WINDOW_POLICIES)}, got {self.policy!r}{hint}")
         if not isinstance(self.schedule, Schedule):
             raise ValueError(f"RolloutConfig.schedule must be a jaxkv.schedule.Schedule, got {self.schedule!r}")
-        precision = as_precision(self.precision, "RolloutConfig.precision")
+        if self.precision is None:
+            raise ValueError("RolloutConfig.precision must be a jaxkv.precision.Precision or a preset name, got None")
+        precision = RunOptions.of(self.precision, self.backend, owner="RolloutConfig").precision  # both checked
         if cache_dtype is not None:
             precision = dataclasses.replace(precision, cache_dtype=cache_dtype)
         object.__setattr__(self, "precision", precision)
-        try:
-            RunOptions(precision, self.backend)  # checks the backend name
-        except ValueError as e:
-            raise ValueError(f"RolloutConfig.backend: {e}") from None
         self._check_dilated()
         M.check_rope_mode(self.rope)
         if not isinstance(self.remat, (bool, np.bool_)):

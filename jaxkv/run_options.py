@@ -32,15 +32,26 @@ class RunOptions:
     backend: str = ROLLOUT["backend"]
 
     def __post_init__(self):
-        object.__setattr__(self, "precision", as_precision(self.precision, "RunOptions.precision"))
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ValueError(f"RunOptions.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        object.__setattr__(self, "precision", _checked(self.precision, self.backend, "RunOptions"))
 
     @classmethod
-    def of(cls, precision: Precision | str | None = None, backend: str | None = None) -> "RunOptions":
+    def of(
+        cls, precision: Precision | str | None = None, backend: str | None = None, *, owner: str = "RunOptions"
+    ) -> "RunOptions":
         """The options of a preset name or `Precision` and a backend name; None takes the default (float32,
-        "auto"). ValueError naming a bad one."""
-        return cls(Precision() if precision is None else precision, ROLLOUT["backend"] if backend is None else backend)
+        "auto"). ValueError naming a bad one as ``{owner}.precision`` / ``{owner}.backend`` (``owner``: the object
+        whose fields they are, e.g. "RolloutConfig")."""
+        precision = Precision() if precision is None else precision
+        backend = ROLLOUT["backend"] if backend is None else backend
+        return cls(_checked(precision, backend, owner), backend)
+
+
+def _checked(precision, backend, owner: str) -> Precision:
+    """``precision`` parsed (a `Precision` or a preset name), ``backend`` checked against `jaxkv.attend`'s names."""
+    precision = as_precision(precision, f"{owner}.precision")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{owner}.backend must be one of {list(BACKENDS)}, got {backend!r}")
+    return precision
 
 
 def resolve(run: RunOptions | None, backend: str | None, precision: Precision | str | None, where: str) -> RunOptions:

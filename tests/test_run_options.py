@@ -85,7 +85,9 @@ def test_rollout_config_run_is_built_from_its_fields():
     assert rc.run == RunOptions.of("bfloat16", "xla") and rc.run.precision is rc.precision
     assert "run" not in {f.name for f in dataclasses.fields(RolloutConfig)}  # a property: fingerprints unchanged
     assert RolloutConfig(8, 8).run == RunOptions()
-    with pytest.raises(ValueError, match="RolloutConfig.backend: RunOptions.backend must be one of .* got 'flash'"):
+    with pytest.raises(ValueError, match="RolloutConfig.precision must be a jaxkv.precision.Precision"):
+        RolloutConfig(8, 8, precision=None)
+    with pytest.raises(ValueError, match="RolloutConfig.backend must be one of .* got 'flash'"):
         RolloutConfig(8, 8, backend="flash")
 
 
@@ -217,3 +219,18 @@ def test_a_bad_backend_is_refused_before_anything_loads():
         Pipeline.from_pretrained(backend="flash")  # the shipped toy world: resolved, not loaded
     with pytest.raises(ValueError, match="RunOptions.backend must be one of .* got 'flash'"):
         CachedSelfAttention(8, 2, backend="flash", rngs=nnx.Rngs(0))
+
+
+def test_a_precision_is_parsed_in_run_options_and_the_flag_parser_only():
+    """Issue 38 named three places parsing precision strings; what is left: `RunOptions` (the model's entry points
+    and `RolloutConfig` parse through it) and ``jaxkv generate``'s --precision (a one-line UsageError)."""
+    sites = set()
+    for path in sorted((ROOT / "jaxkv").rglob("*.py")):
+        for fn in _functions(ast.parse(path.read_text())):
+            if {"as_precision", "named"} & set(_calls(fn)):
+                sites.add(f"{path.relative_to(ROOT).as_posix()}:{_name(fn)}")
+    assert sites == {
+        "jaxkv/precision.py:as_precision",  # a Precision or a preset name -> Precision.named
+        "jaxkv/run_options.py:_checked",
+        "jaxkv/generate/settings.py:resolve",
+    }
