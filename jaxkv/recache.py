@@ -227,7 +227,7 @@ def switch_prompt(
             f"the ring has {ring.batch} rows but the state has {cache.batch} sessions"
             f"{' (guidance doubles them)' if guided else ''}"
         )
-    cross = M.cross_kv(params, config, sessions, precision=rc.precision)
+    cross = M.cross_kv(params, config, sessions, run=rc.run)
     if D.has_dilated_layers(cache):  # replayed chunk by chunk (their visibility is no positional mask)
         cache = D.replay_recache(params, config, rc, cache, cross, ring.latents, ring.chunks, keep_sink)
         return R.RolloutState(cache, cross)
@@ -236,9 +236,7 @@ def switch_prompt(
         latents = jnp.concatenate([latents, latents], axis=0)
     keep = ((cache.positions >= 0) & (cache.positions < cache.spec.sink)) if keep_sink else None
     t = jnp.full((cache.batch,), rc.schedule.context_noise, jnp.float32)
-    cache = M.recompute_cache(
-        params, config, cache, cross, latents, t, keep=keep, rope=rc.rope, backend=rc.backend, precision=rc.precision
-    )
+    cache = M.recompute_cache(params, config, cache, cross, latents, t, keep=keep, rope=rc.rope, run=rc.run)
     return R.RolloutState(cache, cross)
 
 

@@ -166,9 +166,7 @@ def replay_recache(params, config: WanConfig, rc: R.RolloutConfig, cache, cross,
         def run(work):
             before = jnp.full((sessions,), jnp.where(index > 0, (index - 1) * chunk, EMPTY), jnp.int32)
             work = _rebuild(work, [s.replace(chunk_start=before) for s in _stacks(work)]).begin_chunk()
-            _, work = M.forward_chunk(
-                params, config, work, cross, x, t, rope=rc.rope, backend=rc.backend, precision=rc.precision
-            )
+            _, work = M.forward_chunk(params, config, work, cross, x, t, rope=rc.rope, run=rc.run)
             return work
 
         return lax.cond(go, run, lambda w: w, work), None

@@ -115,7 +115,7 @@ def init_state(params, config: WanConfig, rc: RolloutConfig, context, negative_c
     _check_model(config)
     sessions = _check_context(config, rc, context, negative_context)
     per_layer = is_per_layer(params)
-    cross = M.cross_kv(params, config, sessions, precision=rc.precision)  # per layer iff the params are
+    cross = M.cross_kv(params, config, sessions, run=rc.run)  # per layer iff the params are
     return RolloutState(empty_cache(config, rc, sessions.shape[0], per_layer=per_layer), cross)
 
 
@@ -199,8 +199,7 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
             x_in,
             jnp.full((sessions,), t_i),
             rope=rc.rope,
-            backend=rc.backend,
-            precision=rc.precision,
+            run=rc.run,
             remat=rc.remat,
         )
         if guided:
@@ -258,8 +257,7 @@ def commit(params, config: WanConfig, rc: RolloutConfig, state: RolloutState, la
             latents[:, c * cf : (c + 1) * cf],
             jnp.full((sessions,), rc.schedule.context_noise),
             rope=rc.rope,
-            backend=rc.backend,
-            precision=rc.precision,
+            run=rc.run,
             remat=rc.remat,
         )
     return RolloutState(cache, state.cross)

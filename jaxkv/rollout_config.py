@@ -15,7 +15,8 @@ from jaxkv.cache import WINDOW_POLICIES, WRAPPING_POLICIES, DilatedSpec, MixedSp
 from jaxkv.defaults import ROLLOUT
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.precision import Precision, as_precision
+from jaxkv.precision import Precision
+from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
 from jaxkv.validate import check_int, is_real
 
@@ -38,7 +39,7 @@ class RolloutConfig:
       cache_dtype: init-only shorthand kept for compatibility: ``RolloutConfig(cache_dtype="bfloat16")`` is
         ``precision=Precision(..., cache_dtype="bfloat16")`` (it replaces the given precision's cache_dtype). Read
         back as ``rc.cache_dtype`` = ``rc.precision.cache_dtype``.
-      backend: attention backend name passed to `jaxkv.attend`.
+      backend: attention backend name passed to `jaxkv.attend` (one of `jaxkv.attention.dispatch.BACKENDS`).
       dilated_every: k >= 1 makes every k-th layer (layers k-1, 2k-1, ...) a dilated long-range layer
         (`jaxkv.cache.DilatedCache`) and keeps ``policy``'s sink + window on the others (a `jaxkv.cache.MixedCache`;
         num_layers must be a multiple of k); k = 1 makes every layer dilated (then window_frames and policy are
@@ -101,7 +102,9 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.policy must be one of {list(WINDOW_POLICIES)}, got {self.policy!r}{hint}")
         if not isinstance(self.schedule, Schedule):
             raise ValueError(f"RolloutConfig.schedule must be a jaxkv.schedule.Schedule, got {self.schedule!r}")
-        precision = as_precision(self.precision, "RolloutConfig.precision")
+        if self.precision is None:
+            raise ValueError("RolloutConfig.precision must be a jaxkv.precision.Precision or a preset name, got None")
+        precision = RunOptions.of(self.precision, self.backend, owner="RolloutConfig").precision  # both checked
         if cache_dtype is not None:
             precision = dataclasses.replace(precision, cache_dtype=cache_dtype)
         object.__setattr__(self, "precision", precision)
@@ -142,6 +145,12 @@ class RolloutConfig:
                 f"sink_frames={self.sink_frames}; use sink_frames=0 or dilated_every >= 2"
             )
         DilatedSpec(1, self.chunk_frames, self.dilation, self.buckets)  # its own checks (buckets vs dilation)
+
+    @property
+    def run(self) -> RunOptions:
+        """``precision`` and ``backend`` as the `jaxkv.run_options.RunOptions` the model's entry points take
+        (``run=rc.run``); built from the fields, so the fields (and what sessions record) stay as they are."""
+        return RunOptions(self.precision, self.backend)
 
     @property
     def bounded(self) -> bool:

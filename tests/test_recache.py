@@ -20,8 +20,11 @@ from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
+from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
 from jaxkv.stream import Stream
+
+XLA = RunOptions.of(backend="xla")  # how the model runs in the hand-built references
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame
@@ -80,9 +83,7 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
     zeros = jnp.zeros((CFG.num_layers, batch, n, CFG.num_heads, CFG.head_dim))
     t = jnp.full((batch,), rc.schedule.context_noise)
     forward = jax.jit(
-        lambda p, x: M._dit(p, CFG, x, t, positions, cross, self_attention, (zeros, zeros), "xla", rotate=not relative)[
-            1
-        ]
+        lambda p, x: M._dit(p, CFG, x, t, positions, cross, self_attention, (zeros, zeros), XLA, rotate=not relative)[1]
     )
     ks, vs = forward(params, latents)
     cache = M.init_cache(CFG, spec, batch, policy=rc.policy)

@@ -17,8 +17,11 @@ from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
+from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
 from jaxkv.stream import Stream
+
+XLA = RunOptions.of(backend="xla")  # how the model runs in the hand-built references
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame
@@ -70,7 +73,7 @@ def reference_relative_stream(params, rc, context, noise):
             return out, (rec[0].at[layer].set(k), rec[1].at[layer].set(v))
 
         zeros = jnp.zeros((CFG.num_layers, batch, c, CFG.num_heads, CFG.head_dim))
-        return M._dit(params, CFG, x, jnp.full((batch,), tt), q_rank, cross, attn, (zeros, zeros), "xla", rotate=False)
+        return M._dit(params, CFG, x, jnp.full((batch,), tt), q_rank, cross, attn, (zeros, zeros), XLA, rotate=False)
 
     history, out = [], []
     for n in range(noise.shape[0]):

@@ -14,7 +14,7 @@ Each layer overrides the ones below it:
 `resolve` runs every check that needs no model (one `UsageError` line naming the flag) before anything is loaded,
 compiled or written, and returns the `Settings`; nothing changes it afterwards (frozen: an assignment raises
 `dataclasses.FrozenInstanceError`). The dtype policy and the attention backend are parsed here once into
-`RunOptions` (``settings.run``), which the rollout config and the params' loaders read.
+`jaxkv.run_options.RunOptions` (``settings.run``), which the rollout config and the params' loaders read.
 """
 
 from __future__ import annotations
@@ -29,17 +29,9 @@ from jaxkv import defaults
 from jaxkv.generate import given, inputs, options, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.precision import Precision
+from jaxkv.run_options import RunOptions
 
 LAYERS = ("default", "release", "session", "flag")  # low to high: `Settings.origin` names one per setting
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """How the model runs, parsed once (static, hashable): the dtype policy (`jaxkv.precision.Precision`) and the
-    attention backend (`jaxkv.attend`'s names; "auto" picks per platform)."""
-
-    precision: Precision
-    backend: str = defaults.ROLLOUT["backend"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxkv.attention import CacheRope, MaskSpec, attend
 from jaxkv.nn.cached import cached_attention
+from jaxkv.run_options import RunOptions
 
 RopeHook = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]  # (x [b, t, h, d], positions int [b, t]) -> x
 
@@ -47,7 +48,8 @@ class CachedSelfAttention(nnx.Module):
       mask: `MaskSpec` applied both streaming and in `forward` (e.g. chunk-causal with a sink + window).
       rope: optional hook `rope(x, positions)` at absolute positions, applied to q and k before the cache write.
       cache_rope: optional `CacheRope` instead: keys cached unrotated and rotated at read by rank (StreamingLLM).
-      backend: attention backend (see `jaxkv.attention.attend`).
+      backend: attention backend (see `jaxkv.attention.attend`), checked here and held as ``self.run``
+        (`jaxkv.run_options.RunOptions`; the layer's dtypes are ``dtype`` / ``param_dtype``, not its precision).
       use_bias, dtype, param_dtype, rngs: as for `nnx.Linear`.
     """
 
@@ -81,7 +83,8 @@ class CachedSelfAttention(nnx.Module):
         if rope is not None and cache_rope is not None:
             raise ValueError("pass either rope (absolute positions, keys cached rotated) or cache_rope, not both")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.mask, self.rope, self.cache_rope, self.backend = mask, rope, cache_rope, backend
+        self.mask, self.rope, self.cache_rope = mask, rope, cache_rope
+        self.run = RunOptions.of(backend=backend)
         linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q = nnx.Linear(dim, num_heads * head_dim, **linear)
         self.k = nnx.Linear(dim, num_kv_heads * head_dim, **linear)
@@ -121,14 +124,12 @@ class CachedSelfAttention(nnx.Module):
                 f"{self.num_kv_heads} of {self.head_dim}"
             )
         q, k, v = self._qkv(x, cache.chunk_positions())
-        out, cache = cached_attention(
-            cache, q, k, v, layer=layer, mask=self.mask, rope=self.cache_rope, backend=self.backend
-        )
+        out, cache = cached_attention(cache, q, k, v, layer=layer, mask=self.mask, rope=self.cache_rope, run=self.run)
         return self._out(out), cache
 
     def forward(self, x, positions):
         """The whole sequence at once, no cache: x [batch, tokens, dim], positions int [batch, tokens]."""
         q, k, v = self._qkv(x, positions)
         return self._out(
-            attend(q, k, v, positions, positions, mask=self.mask, rope=self.cache_rope, backend=self.backend)
+            attend(q, k, v, positions, positions, mask=self.mask, rope=self.cache_rope, backend=self.run.backend)
         )

@@ -7,6 +7,7 @@ forward both call it, so they cast, write and mask the same way.
 from __future__ import annotations
 
 from jaxkv.attention import CacheRope, MaskSpec, Plan, attend
+from jaxkv.run_options import RunOptions
 
 
 def cached_attention(
@@ -18,7 +19,7 @@ def cached_attention(
     layer=None,
     mask: MaskSpec | None = None,
     rope: CacheRope | None = None,
-    backend: str = "auto",
+    run: RunOptions | None = None,
     plan: Plan | None = None,
 ):
     """Writes the reserved chunk's k, v into ``cache`` and attends the chunk's queries to the whole cache.
@@ -31,7 +32,9 @@ def cached_attention(
         whose layer is then read where it lies, with no copy), None for a single-layer cache.
       mask: the position mask; default ``cache.spec.mask()`` (what a sink + window cache holds).
       rope: optional `CacheRope` (keys cached unrotated, rotated at read by rank).
-      backend: see `jaxkv.attend`.
+      run: how the model runs (`jaxkv.run_options.RunOptions`, default ``RunOptions()``): ``run.backend`` is
+        `jaxkv.attend`'s backend; the dtypes follow the cache (q, k, v are cast to it), whatever ``run.precision``
+        says.
       plan: optional `jaxkv.attention.plan_attention` of ``cache.chunk_positions()``, ``cache.read_positions()``
         and the mask, made once for all layers of a chunk (see `jaxkv.attend`).
     Returns:
@@ -40,6 +43,7 @@ def cached_attention(
     q, k and v are cast to the cache's dtype: the kernels take one dtype for all three (a float32 q beside a bf16
     cache would send "auto" to the XLA path); softmax and accumulation stay float32 on every path.
     """
+    run = RunOptions() if run is None else run
     dtype = cache.dtype
     cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
     kc, vc = (cache.k, cache.v) if layer is None else cache.layer_kv(layer)
@@ -51,7 +55,7 @@ def cached_attention(
         cache.positions,
         mask=cache.spec.mask() if mask is None else mask,
         rope=rope,
-        backend=backend,
+        backend=run.backend,
         plan=plan,
     )
     return out.astype(q.dtype), cache

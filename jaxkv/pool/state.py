@@ -167,7 +167,7 @@ def init_pool(params, config: WanConfig, rc: R.RolloutConfig, rows: int) -> Pool
     sessions = rows * (2 if rc.guidance_scale is not None else 1)
     cache = R.empty_cache(config, rc, sessions)
     one = jax.eval_shape(
-        lambda p: M.cross_kv(p, config, jnp.zeros((1, 1, config.text_dim), jnp.float32), precision=rc.precision), params
+        lambda p: M.cross_kv(p, config, jnp.zeros((1, 1, config.text_dim), jnp.float32), run=rc.run), params
     )
     shape = (config.num_layers, sessions, *one.k.shape[2:])
     cross = M.CrossKV(jnp.zeros(shape, one.k.dtype), jnp.zeros(shape, one.v.dtype))
@@ -194,7 +194,7 @@ def admit(
     if ctx.shape[0] != (2 if rc.guidance_scale is not None else 1):
         raise ValueError(f"admit takes one stream: context [1, text_tokens, text_dim], got {list(jnp.shape(context))}")
     row = jnp.asarray(row, jnp.int32)
-    cross = M.cross_kv(params, config, ctx, precision=rc.precision)  # [layers, 1 or 2, text_len, ...]
+    cross = M.cross_kv(params, config, ctx, run=rc.run)  # [layers, 1 or 2, text_len, ...]
     cross = put_cross(state.rollout.cross, session_index(rc, rows, row), cross)
     cache = state.rollout.cache.reset(_sessions_of(rc, rows, row))
     data = jax.random.key_data(key).astype(jnp.uint32)

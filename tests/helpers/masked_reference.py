@@ -16,6 +16,7 @@ import numpy as np
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.rope import sequence_positions
+from jaxkv.run_options import RunOptions
 
 
 def chunk_rows(visible_chunks, num_frames: int, chunk_frames: int) -> np.ndarray:
@@ -63,7 +64,7 @@ def reference_rollout(params, config, rc, context, noise, frame_masks):
             p = jax.nn.softmax(jnp.where(mask[None, None], logits, -jnp.inf), axis=-1)
             return jnp.einsum("bhqk,bkhd->bqhd", p, v), state
 
-        return M._dit(params, config, x, t, positions, cross, attention, None, "xla")[0]
+        return M._dit(params, config, x, t, positions, cross, attention, None, RunOptions.of(backend="xla"))[0]
 
     done = []
     for n in range(num_chunks):

@@ -29,7 +29,10 @@ every layer; cross-attention to the text keys takes the static all-visible plan 
 Cross-attention keys/values depend only on the text context, so `cross_kv` computes them once for all layers; a
 streaming rollout calls it once and passes the result to every `forward_chunk`.
 
-Dtypes follow a `jaxkv.precision.Precision` passed as ``precision=`` (default float32 throughout): `_compute_params`
+How the model runs is one `jaxkv.run_options.RunOptions` (``run=``; the older ``backend=`` / ``precision=`` keywords
+build one): each entry point resolves it and checks the params against its precision once, then passes ``run``
+down whole; ``run.backend`` stops at the calls into `jaxkv.attend`.
+Dtypes follow ``run.precision``, a `jaxkv.precision.Precision` (default float32 throughout): `_compute_params`
 is the one place that casts weights for their matmuls (the large projections to ``compute_dtype``; the time
 embedding, time projection and head to float32, as Wan runs them), `cross_kv` stores the text K/V in the policy's
 ``cache_dtype``, and every attention reads q, k, v in ``cache_dtype`` (the whole-sequence forwards cast to it as the
@@ -65,7 +68,8 @@ from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer, param_shapes
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
 from jaxkv.nn.cached import cached_attention
-from jaxkv.precision import Precision, as_precision
+from jaxkv.precision import Precision
+from jaxkv.run_options import RunOptions, resolve
 from jaxkv.validate import is_concrete, is_int
 
 # Where a stream's RoPE positions come from: "absolute" rotates q and k at their absolute token positions before the
@@ -238,33 +242,34 @@ def _cast_kernels(tree, dtype):
     )
 
 
-def _compute_params(params, precision: Precision):
+def _compute_params(params, run: RunOptions):
     """The non-block params with each kernel in the dtype its matmul runs in. Block params are cast one layer at
     a time inside the layer scan (`_block_params`), so a cast never materialises a copy of the whole stack."""
-    compute = precision.compute_dtype
+    compute = run.precision.compute_dtype
     return {
         name: (tree if name == "blocks" else _cast_kernels(tree, jnp.float32 if name in _FLOAT32_MATMULS else compute))
         for name, tree in params.items()
     }
 
 
-def _block_params(p, precision: Precision):
+def _block_params(p, run: RunOptions):
     """One layer's block params with every kernel in the compute dtype."""
-    return _cast_kernels(p, precision.compute_dtype)
+    return _cast_kernels(p, run.precision.compute_dtype)
 
 
-def _activation_dtype(precision: Precision):
+def _activation_dtype(run: RunOptions):
     """The dtype the large GEMMs emit and the norms, modulation and RoPE write: the compute dtype (float32 under
     `Precision.f32()`, bfloat16 under `Precision.bf16()`, as Self-Forcing's bf16 inference). The residual stream,
     the time embedding, the modulation tables and the head stay float32 whatever it is."""
-    return jnp.dtype(precision.compute_dtype)
+    return jnp.dtype(run.precision.compute_dtype)
 
 
-def _precision(params, precision) -> Precision:
-    """The checked `Precision` of a forward: a `Precision` or preset name, matching the params' dtype."""
-    precision = as_precision(precision)
-    precision.check_params(params)
-    return precision
+def _run_of(params, run, backend, precision, where: str) -> RunOptions:
+    """The `RunOptions` of a public entry point (``run=``, or the older ``backend=`` / ``precision=``; TypeError for
+    both), with the params checked against its precision: once per entry, never in the helpers it calls."""
+    run = resolve(run, backend, precision, where)
+    run.precision.check_params(params)
+    return run
 
 
 # ------------------------------------------------------------------------------------------------ attention pieces
@@ -276,24 +281,34 @@ def _heads(x, config: WanConfig):
 
 
 def cross_kv(
-    params, config: WanConfig, context, *, pad_context: bool = True, precision: Precision | str = Precision()
+    params,
+    config: WanConfig,
+    context,
+    *,
+    pad_context: bool = True,
+    precision: Precision | str | None = None,
+    run: RunOptions | None = None,
 ) -> CrossKV:
     """Cross-attention keys/values of all layers from the text context (a pure function: hoist it out of loops).
 
     Args:
       context: [batch, text_tokens, text_dim] text-encoder embeddings (zero-padded to text_len when pad_context).
-      precision: the dtype policy (`jaxkv.precision.Precision` or a preset name); params must be in its
-        param_dtype.
+      precision: the dtype policy (`jaxkv.precision.Precision` or a preset name; default float32); params must be
+        in its param_dtype.
+      run: a `jaxkv.run_options.RunOptions` instead of ``precision`` (its backend is unused here).
     Returns:
       CrossKV with k, v [layers, batch, text_tokens, heads, head_dim] in precision.cache_dtype (tuples of per-layer
       [batch, text_tokens, heads, head_dim] when the params are per layer): text_tokens = text_len when
       pad_context, else the context's own token count.
     """
-    precision = _precision(params, precision)
+    return _cross_kv(params, config, context, pad_context, _run_of(params, run, None, precision, "cross_kv"))
+
+
+def _cross_kv(params, config: WanConfig, context, pad_context: bool, run: RunOptions) -> CrossKV:
     context = _check_context(config, context, None, pad_context)
-    act = _activation_dtype(precision)
-    ctx = L.text_embedding(_compute_params(params, precision), context, act)
-    cache = jnp.dtype(precision.cache_dtype)
+    act = _activation_dtype(run)
+    ctx = L.text_embedding(_compute_params(params, run), context, act)
+    cache = jnp.dtype(run.precision.cache_dtype)
 
     def one_layer(pk, pv, scale):
         k = L.rms_norm(L.linear(pk, ctx, act), scale, config.eps, act)
@@ -306,7 +321,7 @@ def cross_kv(
         blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *(b["cross_attn"] for b in blocks))
     else:
         blocks = blocks["cross_attn"]
-    p = _block_params(blocks, precision)
+    p = _block_params(blocks, run)
     k, v = jax.vmap(one_layer)(p["k"], p["v"], p["norm_k"]["scale"])
     cross = CrossKV(k, v)
     return cross.per_layer() if is_per_layer(params) else cross
@@ -348,7 +363,7 @@ def cache_relative_rope(q_positions, kv_positions, grid_hw: tuple[int, int], con
     return rope_cos_sin(angles(q_rank)), rope_cos_sin(angles(k_rank))
 
 
-def _cross_attention(p, x, k, v, config: WanConfig, backend: str, act=jnp.float32):
+def _cross_attention(p, x, k, v, config: WanConfig, run: RunOptions, act=jnp.float32):
     """x [batch, tokens, dim] attends to the (hoisted) text keys/values [batch, text_len, heads, head_dim]; q is
     cast to their dtype (one dtype for the attention kernels, as `cached_attention` does for the cache). Returns
     ``act`` [batch, tokens, dim]."""
@@ -358,11 +373,11 @@ def _cross_attention(p, x, k, v, config: WanConfig, backend: str, act=jnp.float3
     zeros_q = jnp.zeros((b, n), jnp.int32)
     zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
     # Every text key is visible to every query: cuDNN runs with no mask, no check and no branch.
-    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=backend, plan=ALL_VISIBLE_PLAN).astype(act)
+    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=run.backend, plan=ALL_VISIBLE_PLAN).astype(act)
     return L.linear(p["o"], constrain(out, TOKEN_HEADS).reshape(b, n, config.dim), act)
 
 
-def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, backend: str, act=jnp.float32):
+def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, run: RunOptions, act=jnp.float32):
     """One Wan block on x float32 [batch, tokens, dim] with per-frame e0 [batch, frames, 6, dim].
 
     ``self_attention(p_self_attn, h) -> (y, aux)`` computes the self-attention output [batch, tokens, dim] (and any
@@ -381,7 +396,7 @@ def _block(p, x, e0, ck, cv, frames: int, self_attention, config: WanConfig, bac
     x = x + flat(L.per_frame(y.astype(jnp.float32), frames) * gate1)
 
     norm3 = L.layer_norm(x, config.eps, p["norm3"]["scale"], p["norm3"]["bias"], act)
-    x = x + _cross_attention(p["cross_attn"], norm3, ck, cv, config, backend, act).astype(jnp.float32)
+    x = x + _cross_attention(p["cross_attn"], norm3, ck, cv, config, run, act).astype(jnp.float32)
 
     h = flat(L.per_frame(L.layer_norm(x, config.eps), frames) * (1 + scale2) + shift2).astype(act)
     y = L.linear(p["ffn"]["fc2"], L.gelu_tanh(L.linear(p["ffn"]["fc1"], h, act)), act)
@@ -409,8 +424,7 @@ def _dit(
     cross: CrossKV,
     self_attention,
     state,
-    backend: str,
-    precision: Precision = Precision(),
+    run: RunOptions,
     rotate: bool = True,
     remat: bool = False,
 ):
@@ -428,13 +442,13 @@ def _dit(
     b, n = positions.shape
     t = _frame_timesteps(timesteps, b, gf)
     rope = rope_cos_sin(rope_angles(positions, (gh, gw), config.head_dim, config.rope_theta)) if rotate else None
-    top = _compute_params(params, precision)
-    act = _activation_dtype(precision)
+    top = _compute_params(params, run)
+    act = _activation_dtype(run)
     x = constrain(L.patchify(top, config, latents, act).astype(jnp.float32), TOKENS)  # the residual stream: float32
     e, e0 = L.time_embedding(top, config, t)
 
     def run_block(x, state, p, ck, cv, layer, attend_layer):
-        p = _block_params(p, precision)
+        p = _block_params(p, run)
 
         def attention(pa, h):
             # Ulysses (`activation_sharding`): q, k, v projected per token, then all-to-all tokens -> heads for the
@@ -444,7 +458,7 @@ def _dit(
             out = constrain(out.astype(act), TOKEN_HEADS)
             return L.linear(pa["o"], out.reshape(b, n, config.dim), act), new_state
 
-        x, state = _block(p, x, e0, ck, cv, gf, attention, config, backend, act)
+        x, state = _block(p, x, e0, ck, cv, gf, attention, config, run, act)
         return constrain(x, TOKENS), state
 
     unrolled = is_per_layer(params) or cross.is_per_layer or getattr(state, "is_per_layer", False)
@@ -489,22 +503,21 @@ def _scan_periods(run_block, x, cache: MixedCache, blocks, cross: CrossKV, self_
 
 
 def _forward_sequence(
-    params, config: WanConfig, latents, timesteps, context, mask: MaskSpec, pad_context: bool, backend: str, precision
+    params, config: WanConfig, latents, timesteps, context, mask: MaskSpec, pad_context: bool, run: RunOptions
 ):
-    precision = _precision(params, precision)
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
     _frame_timesteps(timesteps, latents.shape[0], gf)  # checked before the text embedding runs
-    cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context, precision=precision)
+    cross = _cross_kv(params, config, jnp.asarray(context), pad_context, run)
     positions = sequence_positions(latents.shape[0], gf * gh * gw)
-    kv_dtype = jnp.dtype(precision.cache_dtype)
+    kv_dtype = jnp.dtype(run.precision.cache_dtype)
 
     def self_attention(q, k, v, state, layer):
         # q, k, v in the dtype a cache would hold them in, so a stream and the whole sequence attend alike
         q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
-        return attend(q, k, v, positions, positions, mask=mask, backend=backend).astype(jnp.float32), state
+        return attend(q, k, v, positions, positions, mask=mask, backend=run.backend).astype(jnp.float32), state
 
-    return _dit(params, config, latents, timesteps, positions, cross, self_attention, None, backend, precision)[0]
+    return _dit(params, config, latents, timesteps, positions, cross, self_attention, None, run)[0]
 
 
 def forward(
@@ -515,8 +528,9 @@ def forward(
     context,
     *,
     pad_context: bool = True,
-    backend: str = "auto",
-    precision: Precision | str = Precision(),
+    backend: str | None = None,
+    precision: Precision | str | None = None,
+    run: RunOptions | None = None,
 ):
     """The plain bidirectional Wan 2.1 forward (flow prediction).
 
@@ -525,11 +539,15 @@ def forward(
       latents: [batch, frames, height, width, in_dim] on the latent grid (height/width divisible by the patch).
       timesteps: float [batch] or per frame [batch, frames // pt], on the 0..1000 scale.
       context: [batch, text_tokens <= text_len, text_dim]; zero-padded to text_len unless pad_context=False.
-      precision: the dtype policy, a `jaxkv.precision.Precision` or a preset name ("float32", "bfloat16").
+      backend: the attention backend (`jaxkv.attend`'s names; default "auto").
+      precision: the dtype policy, a `jaxkv.precision.Precision` or a preset name ("float32", "bfloat16"; default
+        float32).
+      run: a `jaxkv.run_options.RunOptions` holding both instead (TypeError if given with either).
     Returns:
       float32 [batch, frames, height, width, out_dim].
     """
-    return _forward_sequence(params, config, latents, timesteps, context, MaskSpec(), pad_context, backend, precision)
+    run = _run_of(params, run, backend, precision, "forward")
+    return _forward_sequence(params, config, latents, timesteps, context, MaskSpec(), pad_context, run)
 
 
 def block_causal_spec(config: WanConfig, latents, chunk_frames, window_frames=None, sink_frames=0) -> RingSpec:
@@ -563,8 +581,9 @@ def forward_block_causal(
     window_frames: int | None = None,
     sink_frames: int = 0,
     pad_context: bool = True,
-    backend: str = "auto",
-    precision: Precision | str = Precision(),
+    backend: str | None = None,
+    precision: Precision | str | None = None,
+    run: RunOptions | None = None,
 ):
     """Wan 2.1 under the block-causal (chunk-causal) mask of causal Wan training, by token position.
 
@@ -576,7 +595,8 @@ def forward_block_causal(
     Args/returns as `forward`; chunk_frames, window_frames, sink_frames count latent (patch) frames.
     """
     mask = block_causal_spec(config, latents, chunk_frames, window_frames, sink_frames).mask()
-    return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, backend, precision)
+    run = _run_of(params, run, backend, precision, "forward_block_causal")
+    return _forward_sequence(params, config, latents, timesteps, context, mask, pad_context, run)
 
 
 def forward_teacher_forcing(
@@ -591,8 +611,9 @@ def forward_teacher_forcing(
     window_frames: int | None = None,
     sink_frames: int = 0,
     pad_context: bool = True,
-    backend: str = "auto",
-    precision: Precision | str = Precision(),
+    backend: str | None = None,
+    precision: Precision | str | None = None,
+    run: RunOptions | None = None,
     remat: bool = False,
 ):
     """Every chunk of a clip denoised as a stream denoises it: each noisy chunk sees the *clean* chunks before it
@@ -626,7 +647,7 @@ def forward_teacher_forcing(
     _check_latents(config, noisy, "noisy")
     b = clean.shape[0]
     t = _frame_timesteps(timesteps, b, gf)
-    precision = _precision(params, precision)
+    run = _run_of(params, run, backend, precision, "forward_teacher_forcing")
     mask = block_causal_spec(config, clean, chunk_frames, window_frames, sink_frames).mask()
     n = gf * gh * gw  # tokens of one copy
     tpc = mask.chunk  # tokens per chunk
@@ -634,11 +655,11 @@ def forward_teacher_forcing(
     positions = sequence_positions(b, n)
     chunk_of = jnp.arange(n) // tpc  # [n]
     own = chunk_of[None, :] == jnp.arange(chunks)[:, None]  # [chunks, n]: fold c's own tokens
-    kv_dtype = jnp.dtype(precision.cache_dtype)
+    kv_dtype = jnp.dtype(run.precision.cache_dtype)
 
     def self_attention(q, k, v, state, layer):
         q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
-        out_clean = attend(q[:, :n], k[:, :n], v[:, :n], positions, positions, mask=mask, backend=backend)
+        out_clean = attend(q[:, :n], k[:, :n], v[:, :n], positions, positions, mask=mask, backend=run.backend)
         # fold c: the queries of noisy chunk c; the keys are the clean copy's with chunk c's replaced by the noisy
         fold = lambda a: a.reshape(b * chunks, tpc, *a.shape[2:])
         swap = lambda a: jnp.where(own[None, :, :, None, None], a[:, None, n:], a[:, None, :n]).reshape(
@@ -646,11 +667,11 @@ def forward_teacher_forcing(
         )
         q_pos = fold(positions)
         kv_pos = jnp.broadcast_to(positions[:, None], (b, chunks, n)).reshape(b * chunks, n)
-        out_noisy = attend(fold(q[:, n:]), swap(k), swap(v), q_pos, kv_pos, mask=mask, backend=backend)
+        out_noisy = attend(fold(q[:, n:]), swap(k), swap(v), q_pos, kv_pos, mask=mask, backend=run.backend)
         out_noisy = out_noisy.reshape(b, n, *out_noisy.shape[2:])
         return jnp.concatenate([out_clean, out_noisy], axis=1).astype(jnp.float32), state
 
-    cross = cross_kv(params, config, jnp.asarray(context), pad_context=pad_context, precision=precision)
+    cross = _cross_kv(params, config, jnp.asarray(context), pad_context, run)
     latents = jnp.concatenate([clean, noisy], axis=1)
     both_t = jnp.concatenate([jnp.zeros_like(t), t], axis=1)
     flow = _dit(
@@ -662,8 +683,7 @@ def forward_teacher_forcing(
         cross,
         self_attention,
         None,
-        backend,
-        precision,
+        run,
         remat=remat,
     )[0]
     return flow[:, clean.shape[1] :]
@@ -738,8 +758,9 @@ def forward_chunk(
     timesteps,
     *,
     rope: str = "absolute",
-    backend: str = "auto",
-    precision: Precision | str = Precision(),
+    backend: str | None = None,
+    precision: Precision | str | None = None,
+    run: RunOptions | None = None,
     remat: bool = False,
 ):
     """One chunk of a stream: the flow prediction of the cache's reserved chunk, and the cache with its K/V written.
@@ -758,15 +779,17 @@ def forward_chunk(
       rope: "absolute" (keys rotated at their positions before the write) or "cache-relative" (keys cached
         unrotated; q and the cached keys rotated by rank at read, `cache_relative_rope`). A cache must be used in
         one mode throughout.
-      precision: the dtype policy (`jaxkv.precision.Precision` or a preset name): params in its param_dtype, the
-        cache and the cross K/V in its cache_dtype (`init_cache(..., dtype=precision.cache_dtype)`,
+      backend: the attention backend (`jaxkv.attend`'s names; default "auto").
+      precision: the dtype policy (`jaxkv.precision.Precision` or a preset name; default float32): params in its
+        param_dtype, the cache and the cross K/V in its cache_dtype (`init_cache(..., dtype=precision.cache_dtype)`,
         `cross_kv(..., precision=precision)`).
+      run: a `jaxkv.run_options.RunOptions` holding both instead (``run=rc.run``; TypeError if given with either).
       remat: each block under `jax.checkpoint`, for a gradient through the chunk (as `forward_teacher_forcing`).
     Returns:
       (flow float32 [batch, chunk_frames, height, width, out_dim], updated cache).
     """
     check_rope_mode(rope)
-    precision = _precision(params, precision)
+    run = _run_of(params, run, backend, precision, "forward_chunk")
     latents = jnp.asarray(latents)
     gf, gh, gw = _check_latents(config, latents)
     b = latents.shape[0]
@@ -784,7 +807,7 @@ def forward_chunk(
             f"cache chunk is {cache.spec.chunk} tokens but the latents chunk has {n} ({gf} frames x {gh}x{gw} patches)"
         )
     _check_cross(config, cross, b)
-    _check_cache_dtypes(cache, cross, precision)
+    _check_cache_dtypes(cache, cross, run)
     # The cache's own check sits inside the layer scan, where chunk_start is a tracer: check here, before the scan.
     if is_concrete(cache.chunk_start) and bool(jnp.all(cache.chunk_start < 0)):
         raise ValueError(
@@ -796,13 +819,13 @@ def forward_chunk(
     # same read positions (`ChunkCache.read_positions`). A MixedCache has two sets of positions: planned per call.
     # FP8 attention (`fp8_attend`) decides its own path per call: no plan.
     plan = None
-    if not isinstance(cache, MixedCache) and not precision.fp8_attention:
+    if not isinstance(cache, MixedCache) and not run.precision.fp8_attention:
         plan = plan_attention(cache.chunk_positions(), cache.read_positions(), cache.spec.mask())
 
-    if rope == "absolute" and not precision.fp8_attention:
+    if rope == "absolute" and not run.precision.fp8_attention:
 
         def self_attention(q, k, v, cache, layer):
-            return cached_attention(cache, q, k, v, layer=layer, backend=backend, plan=plan)  # cache.spec.mask()
+            return cached_attention(cache, q, k, v, layer=layer, run=run, plan=plan)  # cache.spec.mask()
     elif rope == "absolute":  # FP8 attention: the same write and read, attended by `fp8_attend`
 
         def self_attention(q, k, v, cache, layer):
@@ -816,11 +839,11 @@ def forward_chunk(
                 cache.chunk_positions(),
                 cache.positions,
                 mask=cache.spec.mask(),
-                backend=backend,
+                backend=run.backend,
             )
             return out.astype(q.dtype), cache
     else:
-        attend_fn = fp8_attend if precision.fp8_attention else attend
+        attend_fn = fp8_attend if run.precision.fp8_attention else attend
 
         def self_attention(q, k, v, cache, layer):
             dtype = cache.dtype
@@ -835,7 +858,7 @@ def forward_chunk(
                 cache.spec.mask(),
                 (gh, gw),
                 config,
-                backend,
+                run,
                 attend_fn,
                 plan=plan,
             ), cache
@@ -849,8 +872,7 @@ def forward_chunk(
         cross,
         self_attention,
         cache,
-        backend,
-        precision,
+        run,
         rotate=rope == "absolute",
         remat=remat,
     )
@@ -865,7 +887,7 @@ def _relative_attend(
     mask: MaskSpec,
     grid_hw,
     config: WanConfig,
-    backend,
+    run: RunOptions,
     attend_fn=attend,
     plan=None,
 ):
@@ -880,7 +902,7 @@ def _relative_attend(
     q_rot = apply_rope(q.astype(jnp.float32), *q_rope).astype(dtype)
     k_rot = apply_rope(kc, *k_rope)
     plan_arg = {} if plan is None else {"plan": plan}  # (`attend` takes a plan; `fp8_attend` plans per call)
-    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=backend, **plan_arg)
+    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=run.backend, **plan_arg)
     return out.astype(q.dtype)
 
 
@@ -909,7 +931,8 @@ def _check_cross(config: WanConfig, cross: CrossKV, batch: int) -> None:
         )
 
 
-def _check_cache_dtypes(cache, cross: CrossKV, precision: Precision) -> None:
+def _check_cache_dtypes(cache, cross: CrossKV, run: RunOptions) -> None:
+    precision = run.precision
     if isinstance(cache, Fp8Cache) != precision.fp8_kv:
         raise ValueError(
             f"the cache is {'an FP8' if isinstance(cache, Fp8Cache) else 'a ' + jnp.dtype(cache.dtype).name} cache "
@@ -939,8 +962,9 @@ def recompute_cache(
     *,
     keep=None,
     rope: str = "absolute",
-    backend: str = "auto",
-    precision: Precision | str = Precision(),
+    backend: str | None = None,
+    precision: Precision | str | None = None,
+    run: RunOptions | None = None,
 ):
     """Recomputes every slot's K/V from the latents the cache's slots hold, in one forward (KV re-cache).
 
@@ -959,12 +983,12 @@ def recompute_cache(
       keep: optional bool [batch, capacity]: slots whose cached K/V stay as they are (and are what the others
         attend to), e.g. the sink.
       rope: the cache's RoPE mode (see `forward_chunk`).
-      precision: the dtype policy (see `forward_chunk`).
+      backend, precision, run: how the model runs (see `forward_chunk`).
     Returns:
       the cache with recomputed K/V.
     """
     check_rope_mode(rope)
-    precision = _precision(params, precision)
+    run = _run_of(params, run, backend, precision, "recompute_cache")
     if isinstance(cache, Fp8Cache):
         raise ValueError("recompute_cache does not rebuild an FP8 cache (fp8_kv); re-cache with a bf16 cache")
     if isinstance(cache, MixedCache) or not isinstance(cache.spec, RingSpec):
@@ -991,7 +1015,7 @@ def recompute_cache(
         if keep.shape != cache.positions.shape or keep.dtype != jnp.bool_:
             raise ValueError(f"keep must be bool {list(cache.positions.shape)}, got {keep.dtype}{list(keep.shape)}")
     _check_cross(config, cross, b)
-    _check_cache_dtypes(cache, cross, precision)
+    _check_cache_dtypes(cache, cross, run)
     positions, mask = cache.positions, cache.spec.mask()
 
     def self_attention(q, k, v, cache, layer):
@@ -1003,9 +1027,9 @@ def recompute_cache(
             k, v = jnp.where(sel, old_k, k), jnp.where(sel, old_v, v)
         cache = cache.replace_layer(layer, k, v)
         if rope == "absolute":
-            out = attend(q.astype(dtype), k, v, positions, positions, mask=mask, backend=backend).astype(q.dtype)
+            out = attend(q.astype(dtype), k, v, positions, positions, mask=mask, backend=run.backend).astype(q.dtype)
         else:
-            out = _relative_attend(q, k, v, positions, positions, mask, (gh, gw), config, backend)
+            out = _relative_attend(q, k, v, positions, positions, mask, (gh, gw), config, run)
         return out, cache
 
     return _dit(
@@ -1017,7 +1041,6 @@ def recompute_cache(
         cross,
         self_attention,
         cache,
-        backend,
-        precision,
+        run,
         rotate=rope == "absolute",
     )[1]

@@ -18,6 +18,7 @@ from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import validate_params
 from jaxkv.precision import Precision
+from jaxkv.run_options import RunOptions
 
 
 class _ParamTree(nnx.Module):
@@ -77,8 +78,9 @@ class WanModel(_ParamTree):
         context,
         *,
         pad_context: bool = True,
-        backend: str = "auto",
-        precision: Precision | str = Precision(),
+        backend: str | None = None,
+        precision: Precision | str | None = None,
+        run: RunOptions | None = None,
     ):
         """Bidirectional forward: see `jaxkv.models.wan.forward`. Returns float32 [batch, frames, h, w, out_dim]."""
         return M.forward(
@@ -90,6 +92,7 @@ class WanModel(_ParamTree):
             pad_context=pad_context,
             backend=backend,
             precision=precision,
+            run=run,
         )
 
     def block_causal(
@@ -102,8 +105,9 @@ class WanModel(_ParamTree):
         window_frames: int | None = None,
         sink_frames: int = 0,
         pad_context: bool = True,
-        backend: str = "auto",
-        precision: Precision | str = Precision(),
+        backend: str | None = None,
+        precision: Precision | str | None = None,
+        run: RunOptions | None = None,
     ):
         """Block-causal full-sequence forward: see `jaxkv.models.wan.forward_block_causal`."""
         return M.forward_block_causal(
@@ -118,11 +122,19 @@ class WanModel(_ParamTree):
             pad_context=pad_context,
             backend=backend,
             precision=precision,
+            run=run,
         )
 
-    def cross_kv(self, context, *, pad_context: bool = True, precision: Precision | str = Precision()) -> M.CrossKV:
+    def cross_kv(
+        self,
+        context,
+        *,
+        pad_context: bool = True,
+        precision: Precision | str | None = None,
+        run: RunOptions | None = None,
+    ) -> M.CrossKV:
         """Cross-attention K/V of all layers, computed once per text context: see `jaxkv.models.wan.cross_kv`."""
-        return M.cross_kv(self.params(), self.config, context, pad_context=pad_context, precision=precision)
+        return M.cross_kv(self.params(), self.config, context, pad_context=pad_context, precision=precision, run=run)
 
     def init_cache(self, spec, batch: int, *, policy: str = "ring", dtype=jnp.float32):
         """Empty stacked cache for every layer: see `jaxkv.models.wan.init_cache`."""
@@ -135,10 +147,19 @@ class WanModel(_ParamTree):
         latents,
         timesteps,
         *,
-        backend: str = "auto",
-        precision: Precision | str = Precision(),
+        backend: str | None = None,
+        precision: Precision | str | None = None,
+        run: RunOptions | None = None,
     ):
         """One streaming chunk on the reserved slot: (flow, cache). See `jaxkv.models.wan.forward_chunk`."""
         return M.forward_chunk(
-            self.params(), self.config, cache, cross, latents, timesteps, backend=backend, precision=precision
+            self.params(),
+            self.config,
+            cache,
+            cross,
+            latents,
+            timesteps,
+            backend=backend,
+            precision=precision,
+            run=run,
         )
