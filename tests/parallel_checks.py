@@ -656,36 +656,38 @@ def check_generate_save_resume():
 
 
 def check_switch():
-    """A prompt switch after chunk 0 (guided, batch 2) on data=2,model=2 gives the single-device
-    `jaxkv.recache.SwitchableStream`'s chunks to f32 rounding, and on data=2,model=1 bit for bit; one program for
-    the switch and the step is not recompiled by it; a context of the wrong batch is refused before the state
-    changes."""
-    from jaxkv import recache
-
+    """A prompt switch after chunk 0 (guided, batch 2) of a `MeshStream` on data=2,model=2 gives the single-device
+    `jaxkv.stream.Stream`'s chunks to f32 rounding, and on data=2,model=1 bit for bit; one program for the switch
+    and the step is not recompiled by it; a fork taken before the switch goes on unswitched, as the uninterrupted
+    stream, on the step's program; a context of the wrong batch is refused before the state changes."""
     rc, batch = rc_of(guidance=3.0), 2
     ctx, neg = contexts(batch)
     other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
 
     def run(mesh):
-        base = stream_of(mesh, rc, batch, CHUNKS)
-        stream = recache.SwitchableStream(base) if mesh is None else PL.MeshSwitchableStream(base)
+        stream = stream_of(mesh, rc, batch, CHUNKS)
         xs = [np.asarray(next(stream))]
-        stream.switch(other, neg)
-        before = compile_count(base.step)
+        twin = stream.fork()
+        stream.switch_prompt(other, neg)
+        before = compile_count(stream.step)
         xs += [np.asarray(x) for x in stream]
-        assert compile_count(base.step) == before  # the state a switch returns runs on the step's program
-        return xs, stream
+        assert compile_count(stream.step) == before  # the state a switch returns runs on the step's program
+        return xs, stream, twin
 
-    want, _ = run(None)
+    want, _, _ = run(None)
     unswitched, _ = reference(rc, batch)
     assert not np.allclose(want[1], unswitched[1], **TOL)  # the switch changes the next chunk
     m22 = PL.make_mesh(2, 2, jax.devices()[:4])
-    got, stream = run(m22)
+    got, stream, twin = run(m22)
     assert compile_count(PL.mesh_switch(m22, CONFIG, rc, True)) == 1
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"2x2 chunk {n}")
+    before = compile_count(twin.step)
+    for n, x in enumerate(twin):  # the fork never switched: the uninterrupted stream's chunks 1..
+        np.testing.assert_allclose(np.asarray(x), unswitched[n + 1], **TOL, err_msg=f"fork chunk {n + 1}")
+    assert compile_count(twin.step) == before  # the fork's copied state runs on the step's program
     try:
-        stream.switch(other[:1], neg[:1])
+        stream.switch_prompt(other[:1], neg[:1])
     except ValueError as e:
         assert "the new context has 2 sessions but the state has 4" in str(e), str(e)
     else:
@@ -780,8 +782,7 @@ def check_dilated_save_resume():
     state is the saved one bit for bit (rows in rollout order), its chunks are those of the same state continued
     from an independently built session bit for bit and the uninterrupted single-device stream's to TOL; it also
     resumes on the same mesh, bit for bit with the uninterrupted mesh stream. A prompt switch on the mesh equals
-    the single-device `jaxkv.recache.SwitchableStream`'s."""
-    from jaxkv import recache
+    the single-device `jaxkv.stream.Stream`'s."""
     from jaxkv import session as S
     from jaxkv.parallel import checkpoint as CK
 
@@ -817,10 +818,9 @@ def check_dilated_save_resume():
     other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
 
     def switched(mesh):
-        base = stream_of(mesh, rc, batch, CHUNKS)
-        stream = recache.SwitchableStream(base) if mesh is None else PL.MeshSwitchableStream(base)
+        stream = stream_of(mesh, rc, batch, CHUNKS)
         out = [np.asarray(next(stream))]
-        stream.switch(other, neg)
+        stream.switch_prompt(other, neg)
         return out + [np.asarray(x) for x in stream]
 
     want = switched(None)
