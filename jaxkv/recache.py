@@ -17,11 +17,12 @@ re-caches instead. Semantics pinned here (read from LongLive's ``_recache_after_
    first slot, so its sink slots then hold the oldest re-run frames; here the sink always holds the stream's
    first chunks.)
 
-The clean latents come from a `LatentRing`: the last window's (and the sink's) clean chunks, a small pytree of its
-own laid out by the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % window``) and written
-with ``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk
-index (modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies
-both work (`RECACHE_POLICIES`). Caches with dilated layers (`DilatedCache`, `MixedCache`) are re-cached by
+The clean latents come from a `LatentRing` (a `jaxkv.stream.Stream` keeps one, ``stream.ring``, and switches with
+``stream.switch_prompt``): the last window's (and the sink's) clean chunks, a small pytree of its own laid out by
+the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % window``) and written with
+``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk index
+(modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies both work
+(`RECACHE_POLICIES`). Caches with dilated layers (`DilatedCache`, `MixedCache`) are re-cached by
 replaying their held chunks instead (`jaxkv.recache_dilated`), from a ring that also reaches their horizon.
 
 Costs: a switch is one forward over the cache's capacity (the window's frames at once) plus the new cross K/V,

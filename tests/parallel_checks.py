@@ -694,7 +694,7 @@ def check_switch():
         raise AssertionError("a context of batch 1 was accepted")
     assert not any(x.is_deleted() for x in jax.tree.leaves(stream.state))
     m21 = PL.make_mesh(2, 1, jax.devices()[4:6])
-    got, _ = run(m21)
+    got, _, _ = run(m21)
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
 
