@@ -2,9 +2,9 @@
 
 Two streams of the same model, weights, context and key run in this one process, one keeping its history (the
 default) and one built with ``history=False``; after a warm-up that compiles the step and the push and fills the
-window, timed chunks alternate between the two (with, without, with, ...), each waited for. The table gives the
-median ms per chunk of each and their difference (the ring push: `jaxkv.recache.push_chunk`, one small program
-after each step), and the push alone, timed on its own.
+window, timed chunks alternate between the two (with, without, without, with, ...: each goes first every other
+round), each waited for. The table gives the median ms per chunk of each and their difference (the ring push:
+`jaxkv.recache.push_chunk`, one small program dispatched after each step), and the push alone, timed on its own.
 
     python benchmarks/stream_history.py [--timed N] [--json PATH]
 
@@ -45,12 +45,12 @@ def measure(timed: int, warm: int = 6) -> dict:
             jax.block_until_ready(next(s))
     steps = compile_count(R.stream_step)
     times = {True: [], False: []}
-    for _ in range(timed):
-        for h, s in streams.items():
-            times[h].append(_timed_next(s))
+    for i in range(timed):
+        for h in (True, False) if i % 2 == 0 else (False, True):  # each goes first every other round
+            times[h].append(_timed_next(streams[h]))
     s = streams[True]
-    cache = s.state.cache
     x = jax.block_until_ready(next(s))
+    cache = s.state.cache  # the state after that step (the step donated the one before)
     push = []
     for _ in range(timed):
         start = time.perf_counter()
