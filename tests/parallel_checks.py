@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 
 import jax
 
@@ -693,6 +694,10 @@ def check_switch():
     else:
         raise AssertionError("a context of batch 1 was accepted")
     assert not any(x.is_deleted() for x in jax.tree.leaves(stream.state))
+    with warnings.catch_warnings(record=True) as caught:  # the deprecated shim: the stream itself
+        warnings.simplefilter("always")
+        assert PL.MeshSwitchableStream(stream) is stream
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught), caught
     m21 = PL.make_mesh(2, 1, jax.devices()[4:6])
     got, _, _ = run(m21)
     for n, (a, b) in enumerate(zip(got, want, strict=True)):

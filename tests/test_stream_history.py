@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import parallel as PL
 from jaxkv import recache as RC
 from jaxkv import rollout as R
 from jaxkv import session as S
@@ -65,6 +66,8 @@ def test_a_switched_stream_equals_the_old_wrapper_and_the_shim_bit_for_bit():
     old += [np.asarray(next(shim)) for _ in range(2)]
     for n, (a, b) in enumerate(zip(old, want, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"shim chunk {n}")
+    with pytest.raises(TypeError, match="MeshSwitchableStream wraps a MeshStream, got Stream"):
+        PL.MeshSwitchableStream(plain)  # its mesh form: tests/parallel_checks.py check_switch
 
 
 def test_history_does_not_change_the_step_or_its_chunks():
