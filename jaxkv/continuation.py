@@ -322,19 +322,23 @@ def start_stream(
     key=None,
     noise=None,
     negative_context=None,
-    switchable: bool = False,
+    history: bool = True,
 ):
-    """A `jaxkv.stream.Stream` (a `jaxkv.recache.SwitchableStream` with ``switchable``, whose prompt switches then
-    re-cache the given frames too) that continues ``latents`` float32 [batch, n * chunk_frames, h, w, in_dim]
-    (`Context.latents`): they are committed as its chunks 0 .. n - 1 (`Stream.commit`) and its first ``next()``
-    yields chunk n. ``num_chunks`` counts the chunks it generates; the other arguments are `Stream`'s."""
+    """A `jaxkv.stream.Stream` that continues ``latents`` float32 [batch, n * chunk_frames, h, w, in_dim]
+    (`Context.latents`): they are committed as its chunks 0 .. n - 1 (`Stream.commit`, which keeps them in the
+    stream's latent history, so a prompt switch re-caches the given frames too) and its first ``next()`` yields
+    chunk n. ``num_chunks`` counts the chunks it generates; the other arguments are `Stream`'s."""
     stream = Stream(
-        params, config, rc, context, num_chunks=num_chunks, key=key, noise=noise, negative_context=negative_context
+        params,
+        config,
+        rc,
+        context,
+        num_chunks=num_chunks,
+        key=key,
+        noise=noise,
+        negative_context=negative_context,
+        history=history,
     )
-    if switchable:
-        from jaxkv import recache
-
-        stream = recache.SwitchableStream(stream)
     stream.commit(latents)
     return stream
 

@@ -8,10 +8,10 @@
 
 Nothing is reimplemented here: the model, its settings and its decoder are resolved by the same functions
 ``jaxkv generate`` uses (`jaxkv.generate.toy`, `jaxkv.generate.inputs`), so a pipeline stream of a prompt and seed
-draws exactly the chunks ``jaxkv generate --prompt P --seed S`` writes; a stream is a `jaxkv.recache.SwitchableStream`
-(prompt switches re-cache the retained frames as ``--prompt-schedule`` does) over a `jaxkv.stream.Stream`; the
-frames come from the release's decoder (the toy world's latent map, or a converted release's Wan VAE, whose feature
-caches continue from chunk to chunk); `save` / `Pipeline.resume` are `jaxkv.session` sessions.
+draws exactly the chunks ``jaxkv generate --prompt P --seed S`` writes; a stream drives a `jaxkv.stream.Stream`
+(whose prompt switches re-cache the retained frames as ``--prompt-schedule`` does); the frames come from the
+release's decoder (the toy world's latent map, or a converted release's Wan VAE, whose feature caches continue from
+chunk to chunk); `save` / `Pipeline.resume` are `jaxkv.session` sessions.
 
 A saved pipeline session holds, beside the stream state, the clean latents of the chunks the cache retains (the
 `jaxkv.recache.LatentRing`, extras entry ``latent_ring``) so that a resumed stream can switch prompts at once, the
@@ -279,11 +279,11 @@ class Pipeline:
             )
         except ValueError as e:
             raise ValueError(f"start: {e}") from None
-        switchable, decoder = recache.SwitchableStream(stream), self._new_decoder()
+        decoder = self._new_decoder()
         info = None
         if given is not None:
-            info = self._commit_given(switchable, decoder, *given)
-        out = PipelineStream(self, switchable, decoder, prompt, negative, seed)
+            info = self._commit_given(stream, decoder, *given)
+        out = PipelineStream(self, stream, decoder, prompt, negative, seed)
         out.given = info
         return out
 
@@ -380,8 +380,7 @@ class Pipeline:
             }
             pipe = self_or_cls.from_pretrained(recorded["model"], **kwargs)
         session = S.load(path, pipe.config, pipe.rc)
-        extras = dict(session.extras)
-        ring_extra, vae_extra = extras.pop(RING, None), extras.pop(S.VAE_DECODER, None)
+        vae_extra = session.extras.get(S.VAE_DECODER)
         if num_chunks is not None:
             num_chunks = check_int("num_chunks", num_chunks, minimum=1)
         decoder = pipe._new_decoder()
@@ -392,14 +391,12 @@ class Pipeline:
                 )
             decoder.state = S.vae_state(vae_extra)
             decoder.first = bool(decoder.state.first)
-        stream = recache.SwitchableStream(
-            Stream.from_session(pipe.params, pipe.config, pipe.rc, session, num_chunks=num_chunks)
-        )
-        if ring_extra is not None:
-            try:
-                stream.restore_ring(ring_extra)
-            except ValueError as e:
-                raise ValueError(f"resume: {path}: {e}") from None
+        try:  # the session's latent ring, if it saved one, comes back with it (checked first)
+            stream = Stream.from_session(pipe.params, pipe.config, pipe.rc, session, num_chunks=num_chunks)
+        except S.SessionError:
+            raise
+        except ValueError as e:
+            raise ValueError(f"resume: {path}: {e}") from None
         s = PipelineStream(pipe, stream, decoder, recorded["prompt"], recorded["negative_prompt"], recorded["seed"])
         s.switches = [tuple(x) for x in recorded["switches"]] or [(int(session.next_chunk), recorded["prompt"])]
         s.given = recorded.get("given")
@@ -444,7 +441,7 @@ class PipelineStream:
     are done.
     """
 
-    def __init__(self, pipeline: Pipeline, stream: recache.SwitchableStream, decoder, prompt, negative, seed):
+    def __init__(self, pipeline: Pipeline, stream: Stream, decoder, prompt, negative, seed):
         self.pipeline, self._stream, self._decoder = pipeline, stream, decoder
         self.prompt, self.negative_prompt, self.seed = prompt, negative, seed
         self.switches: list[tuple[int, str]] = [(stream.index, prompt)]
@@ -465,7 +462,7 @@ class PipelineStream:
     @property
     def remaining(self) -> int | None:
         """Chunks left before the stream's ``num_chunks`` are done (None: endless)."""
-        s = self._stream.stream
+        s = self._stream
         return None if s.num_chunks is None else s.num_chunks - (s.index - s.start)
 
     def step(self) -> np.ndarray:
@@ -505,7 +502,7 @@ class PipelineStream:
             raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
         guided = self.pipeline.rc.guidance_scale is not None
         encoded = self.pipeline.encode([prompt] + ([self.negative_prompt] if guided else []))
-        self._stream.switch(
+        self._stream.switch_prompt(
             jnp.asarray(encoded[:1]), jnp.asarray(encoded[1:2]) if guided else None, keep_sink=keep_sink
         )
         self.prompt = prompt
@@ -516,11 +513,8 @@ class PipelineStream:
             self.switches.append((index, prompt))
         return index
 
-    def _extras(self) -> dict:
-        extras = {RING: self._stream.ring_extra()}
-        if self._vae_stateful:
-            extras[S.VAE_DECODER] = S.vae_extra(self._decoder.state)
-        return extras
+    def _extras(self) -> dict:  # the latent ring is the stream's own (`Stream.session`)
+        return {S.VAE_DECODER: S.vae_extra(self._decoder.state)} if self._vae_stateful else {}
 
     def metadata(self) -> dict:
         """What `save` records in ``metadata["pipeline"]``."""
@@ -547,12 +541,9 @@ class PipelineStream:
     def fork(self) -> "PipelineStream":
         """An independent copy of this stream at its current chunk (its own buffers): stepping either one leaves
         the other as it was; both draw the same chunks until one switches prompts."""
-        s = self._stream
         if self.remaining == 0:
             raise ValueError("fork: the stream has generated all its num_chunks; there is nothing left to fork")
-        inner = Stream.from_session(s.params, s.config, s.rc, s.session(copy=True), num_chunks=self.remaining)
-        twin = recache.SwitchableStream(inner)
-        twin.ring = jax.tree.map(lambda a: jnp.array(a, copy=True), s.ring)
+        twin = self._stream.fork()
         decoder = self._decoder
         if self._vae_stateful:
             decoder = self.pipeline._new_decoder()

@@ -17,11 +17,12 @@ re-caches instead. Semantics pinned here (read from LongLive's ``_recache_after_
    first slot, so its sink slots then hold the oldest re-run frames; here the sink always holds the stream's
    first chunks.)
 
-The clean latents come from a `LatentRing`: the last window's (and the sink's) clean chunks, a small pytree of its
-own laid out by the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % window``) and written
-with ``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk
-index (modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies
-both work (`RECACHE_POLICIES`). Caches with dilated layers (`DilatedCache`, `MixedCache`) are re-cached by
+The clean latents come from a `LatentRing` (a `jaxkv.stream.Stream` keeps one, ``stream.ring``, and switches with
+``stream.switch_prompt``): the last window's (and the sink's) clean chunks, a small pytree of its own laid out by
+the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % window``) and written with
+``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk index
+(modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies both work
+(`RECACHE_POLICIES`). Caches with dilated layers (`DilatedCache`, `MixedCache`) are re-cached by
 replaying their held chunks instead (`jaxkv.recache_dilated`), from a ring that also reaches their horizon.
 
 Costs: a switch is one forward over the cache's capacity (the window's frames at once) plus the new cross K/V,
@@ -32,7 +33,7 @@ compiled once per shape (`jit_switch_prompt`); the step is not recompiled. The r
 from __future__ import annotations
 
 import functools
-from typing import Iterator
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +47,10 @@ from jaxkv.cache import RECACHE_POLICIES, ChunkCache, RingSpec
 from jaxkv.cache.clock import ring_slot
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
-from jaxkv.stream import Stream
 from jaxkv.validate import is_concrete
 
 EMPTY = -1
-RING_EXTRA = "latent_ring"  # the session extras entry of a saved `LatentRing` (`SwitchableStream.ring_extra`)
+RING_EXTRA = "latent_ring"  # the session extras entry of a saved `LatentRing` (`jaxkv.stream.Stream.session`)
 
 
 @struct.dataclass
@@ -247,91 +247,53 @@ jit_switch_prompt.__doc__ = "`switch_prompt` under jax.jit (config, rc, keep_sin
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
-def _push(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing:
-    """Pushes a finished chunk: the cache's reserved chunk (``chunk_start`` int32 [sessions]) is ``latents``."""
+def push_chunk(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing:
+    """Pushes a finished chunk (what `jaxkv.stream.Stream` runs after each step, a program of its own so the step's
+    is unchanged): the cache's reserved chunk (``chunk_start`` int32 [sessions], tokens) is ``latents``
+    [batch, chunk_frames, h, w, c]."""
     index = jnp.where(chunk_start < 0, EMPTY, chunk_start // chunk)
     return ring.push(latents, index[: ring.batch])
 
 
-class SwitchableStream:
-    """A `jaxkv.stream.Stream` that can switch prompts between chunks: it keeps the `LatentRing` of the clean
-    chunks it yields and re-caches on `switch`. Iterating yields each chunk's clean latents float32
-    [batch, chunk_frames, h, w, in_dim], as the wrapped stream does (its step is the same compiled program).
-    """
-
-    def __init__(self, stream: Stream):
-        self.stream = stream
-        batch = stream.state.cache.batch // (2 if stream.rc.guidance_scale is not None else 1)
-        rc, config = stream.rc, stream.config
-        self.ring = LatentRing.init(ring_spec(config, rc), rc.chunk_shape(config, batch))
-
-    @property
-    def index(self) -> int:
-        """Chunks yielded so far (the next chunk's index)."""
-        return self.stream.index
-
-    @property
-    def state(self) -> R.RolloutState:
-        return self.stream.state
-
-    def ring_extra(self) -> dict:
-        """The latent ring as a session extras entry (`RING_EXTRA`: {"latents", "chunks"}), so that a saved
-        session can switch prompts as soon as it is resumed (`restore_ring`)."""
-        return {"latents": self.ring.latents, "chunks": self.ring.chunks}
-
-    def restore_ring(self, extra: dict) -> None:
-        """Puts back a ring saved by `ring_extra` (a resumed stream's, before its first chunk). ValueError when it
-        does not fit this stream (other shapes), before anything changes."""
-        if not isinstance(extra, dict) or set(extra) != {"latents", "chunks"}:
-            raise ValueError(f"the saved latent ring must hold 'latents' and 'chunks', got {sorted(extra or {})}")
-        for name in ("latents", "chunks"):
-            want, got = getattr(self.ring, name), extra[name]
-            if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-                raise ValueError(
-                    f"the saved latent ring's {name} are {got.dtype}{list(got.shape)}, this stream's "
-                    f"{want.dtype}{list(want.shape)}"
-                )
-        self.ring = self.ring.replace(latents=jnp.asarray(extra["latents"]), chunks=jnp.asarray(extra["chunks"]))
-
-    def __getattr__(self, name):
-        # everything else (start, session(), rc, ...) is the wrapped stream's; a session saved without
-        # `ring_extra` (restored by `restore_ring`) makes a resumed stream re-fill the ring before its first
-        # switch can re-cache every chunk
-        if name == "stream":
-            raise AttributeError(name)
-        return getattr(self.stream, name)
-
-    def __iter__(self) -> Iterator[jax.Array]:
-        return self
-
-    def __next__(self) -> jax.Array:
-        x = next(self.stream)
-        cache = self.stream.state.cache
-        self.ring = _push(self.ring, x, cache.chunk_start, cache.spec.chunk)
-        return x
-
-    def commit(self, latents) -> None:
-        """`jaxkv.stream.Stream.commit` (given clean latents [batch, n * chunk_frames, h, w, in_dim] as the
-        stream's first n chunks), keeping each committed chunk in the ring, so that a later switch re-caches the
-        given frames the cache retains as it re-caches generated ones."""
-        self.stream.commit(latents)
-        latents = jnp.asarray(latents, jnp.float32)
-        cf = self.stream.rc.chunk_frames
-        for c in range(latents.shape[1] // cf):  # committed at a fresh stream's start: chunk c is stream chunk c
-            self.ring = self.ring.push(latents[:, c * cf : (c + 1) * cf], jnp.full((self.ring.batch,), c, jnp.int32))
-
-    def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
-        """Switches to a new context [batch, text_tokens, text_dim] before the next chunk (re-caching the
-        retained frames). Checks everything first; the stream's state is only replaced once the switch has run."""
-        s = self.stream
-        check_ring(s.config, s.rc, s.state, self.ring)
-        s.state = jit_switch_prompt(
-            s.params,
-            s.config,
-            s.rc,
-            s.state,
-            self.ring,
-            jnp.asarray(context),
-            None if negative_context is None else jnp.asarray(negative_context),
-            keep_sink=keep_sink,
+def switch_refusal(rc: R.RolloutConfig) -> str | None:
+    """Why a stream under ``rc`` cannot switch prompts (so keeps no latent history), or None when it can: a
+    re-cachable policy (`RECACHE_POLICIES`; dilated layers are replayed) without an FP8 cache, which
+    `recompute_cache` does not rebuild."""
+    if rc.policy not in RECACHE_POLICIES:
+        return (
+            f"prompt switching re-runs slots that hold whole chunks: policies {sorted(RECACHE_POLICIES)}, "
+            f"got {rc.policy!r}"
         )
+    if rc.precision.fp8_kv:
+        return "an FP8 KV cache (precision.fp8_kv) is not rebuilt by a re-cache"
+    return None
+
+
+def ring_from_extra(extra, like: LatentRing) -> LatentRing:
+    """The `LatentRing` a session saved as ``extras[RING_EXTRA]`` ({"latents", "chunks"}), checked against ``like``
+    (the ring of the stream that takes it): ValueError naming what does not fit."""
+    if not isinstance(extra, dict) or set(extra) != {"latents", "chunks"}:
+        raise ValueError(f"the saved latent ring must hold 'latents' and 'chunks', got {sorted(extra or {})}")
+    for name in ("latents", "chunks"):
+        want, got = getattr(like, name), extra[name]
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            raise ValueError(
+                f"the saved latent ring's {name} are {got.dtype}{list(got.shape)}, this stream's "
+                f"{want.dtype}{list(want.shape)}"
+            )
+    return like.replace(latents=jnp.asarray(extra["latents"]), chunks=jnp.asarray(extra["chunks"]))
+
+
+def SwitchableStream(stream):
+    """Deprecated (one release): a `jaxkv.stream.Stream` keeps its latent history and switches itself
+    (`Stream.switch_prompt`). Returns ``stream`` itself, after a DeprecationWarning; a stream built with
+    ``history=False`` gets an empty history here, as the wrapper started one."""
+    warnings.warn(
+        "jaxkv.recache.SwitchableStream is deprecated: a Stream switches itself (stream.switch_prompt), keeps its "
+        "latent history (stream.ring) and saves it in stream.session()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if stream.ring is None:
+        stream.ring = stream._empty_ring()
+    return stream

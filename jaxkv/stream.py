@@ -2,18 +2,26 @@
 
 The step itself is `jaxkv.rollout.stream_step` (one chunk: `jaxkv.rollout.generate_chunk` on noise drawn from the
 key or given); this module drives it chunk by chunk, checks what a stream is given (noise, context, position room),
-commits given latents (`Stream.commit`) and moves a stream's state to and from a `jaxkv.session.Session`
-(`Stream.session`, `Stream.from_session`). It sits above both `jaxkv.rollout` and `jaxkv.session`, which know
-nothing of it.
+commits given latents (`Stream.commit`), moves a stream's state to and from a `jaxkv.session.Session`
+(`Stream.session`, `Stream.from_session`), forks it (`Stream.fork`) and switches its prompt (`Stream.switch_prompt`).
+
+A stream keeps its latent history: the `jaxkv.recache.LatentRing` of the clean chunks the cache retains (what a
+prompt switch re-caches from), pushed by a small jitted program of its own after each step (the step's program is
+not changed), saved in its sessions (``extras[jaxkv.recache.RING_EXTRA]``) and restored from them. ``history=False``
+skips it for a stream that never switches. It sits above `jaxkv.rollout`, `jaxkv.session` and `jaxkv.recache`, which
+know nothing of it.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 
+from jaxkv import recache as RC
 from jaxkv import session as S
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer
@@ -79,7 +87,12 @@ class Stream:
     ValueError). The state after the
     latest chunk is ``stream.state`` (its cache: ``stream.state.cache``); ``stream.index`` is the stream index of the
     next chunk. `Stream.from_session` continues a saved `jaxkv.session.Session` (``num_chunks`` then counts the
-    continuation's chunks); ``stream.session()`` takes one.
+    continuation's chunks); ``stream.session()`` takes one; ``stream.fork()`` is an independent copy.
+
+    Prompt switching: ``stream.switch_prompt(context)`` re-caches the retained chunks under a new prompt before the
+    next chunk (`jaxkv.recache`). It needs the latent history ``stream.ring`` (a `jaxkv.recache.LatentRing`, batch
+    rows), which a stream keeps whenever its cache can be re-cached (`jaxkv.recache.switch_refusal`) unless built
+    with ``history=False``; otherwise ``stream.ring`` is None.
     """
 
     def __init__(
@@ -93,6 +106,7 @@ class Stream:
         key=None,
         noise=None,
         negative_context=None,
+        history: bool = True,
     ):
         if (key is None) == (noise is None):
             raise ValueError("pass exactly one of key= (noise drawn per chunk) or noise= (explicit noise)")
@@ -103,12 +117,22 @@ class Stream:
             _check_finite(name, x)
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = key, noise, num_chunks
+        _check_history(history)
         self.state = self._init_state(context, negative_context)
         self.index = self.start = 0  # chunk index of the next chunk / of this Stream's first one
+        self.ring = self._empty_ring() if history else None
 
     @classmethod
     def from_session(
-        cls, params, config: WanConfig, rc: RolloutConfig, session, *, num_chunks: int | None = None, noise=None
+        cls,
+        params,
+        config: WanConfig,
+        rc: RolloutConfig,
+        session,
+        *,
+        num_chunks: int | None = None,
+        noise=None,
+        history: bool = True,
     ) -> "Stream":
         """A stream that continues ``session`` (`jaxkv.session.Session`, e.g. `jaxkv.session.load`ed): its chunks
         are those an uninterrupted stream yields from chunk ``session.next_chunk`` on, bit for bit.
@@ -116,7 +140,12 @@ class Stream:
         ``num_chunks`` counts the chunks of this continuation (None: endless); ``noise`` [chunks, steps, batch, ...]
         is this continuation's explicit noise (required iff the session has no key). The session is **consumed**:
         its buffers are donated to the first step; continue from ``session.fork()`` to keep it.
-        SessionError when the session's settings differ from (config, rc)."""
+        SessionError when the session's settings differ from (config, rc).
+
+        The latent history: a session that holds one (``extras[jaxkv.recache.RING_EXTRA]``, as ``stream.session()``
+        saves it) gives it back, so the stream can switch prompts at once (ValueError, before anything runs, when it
+        does not fit); without one the ring starts empty and refills as the stream goes on (a switch is refused
+        until every chunk the cache holds is in it). ``history=False`` keeps none."""
         if not isinstance(session, S.Session):
             raise TypeError(f"from_session needs a jaxkv.session.Session, got {type(session).__name__}")
         session.check(config, rc)
@@ -127,6 +156,7 @@ class Stream:
                 "the session was consumed: an earlier Stream.from_session donated its buffers to its first step; "
                 "continue from session.fork() to keep a session for more than one stream"
             )
+        _check_history(history)
         if (session.key is None) == (noise is None):
             raise ValueError(
                 "a session with a noise key continues from its key (pass no noise=); one without "
@@ -136,21 +166,28 @@ class Stream:
         noise, num_chunks = _stream_noise(config, rc, batch, noise, num_chunks)
         if num_chunks is not None:
             check_position_room(config, rc, int(num_chunks), session.cache)
+        ring = None
+        if history and RC.switch_refusal(rc) is None:
+            ring = RC.LatentRing.init(RC.ring_spec(config, rc), rc.chunk_shape(config, batch))
+            if RC.RING_EXTRA in session.extras:  # checked before anything is built
+                ring = RC.ring_from_extra(session.extras[RC.RING_EXTRA], ring)
         self = cls.__new__(cls)
         self.params, self.config, self.rc = params, config, rc
         self.key, self.noise, self.num_chunks = session.key, noise, num_chunks
         # Sessions hold stacked states; per-layer params run on a per-layer state (a copy, made once here).
         self.state = per_layer_state(session.state) if is_per_layer(params) else session.state
         self.index = self.start = int(session.next_chunk)
+        self.ring = ring
         return self
 
     def commit(self, latents) -> None:
         """Commits given clean latents float32 [batch, n * chunk_frames, h, w, in_dim] as the stream's first ``n``
         chunks, before it generates any: each chunk goes through the pass at ``rc.schedule.context_noise`` that
         commits a generated chunk (`commit`, one chunk per call of one compiled program, the cache donated), so
-        the cache holds what a stream that had generated these latents would hold. The stream then continues
-        them: ``index`` and ``start`` become ``n`` (the key's noise of its first chunk is chunk n's, a session
-        taken later resumes at the right chunk) and ``num_chunks`` still counts the chunks it generates.
+        the cache holds what a stream that had generated these latents would hold, and its latent history
+        (``ring``) holds them, so a later prompt switch re-caches them as it re-caches generated chunks. The stream
+        then continues them: ``index`` and ``start`` become ``n`` (the key's noise of its first chunk is chunk n's, a
+        session taken later resumes at the right chunk) and ``num_chunks`` still counts the chunks it generates.
 
         ValueError, before the cache is touched, when the stream has already started (generated, committed or
         resumed: ``index`` > 0), the latents are not whole chunks of the stream's shape, hold NaN/Inf, or would
@@ -179,6 +216,8 @@ class Stream:
         check_position_room(self.config, self.rc, n + (self.num_chunks or 0), self.state.cache)
         for c in range(n):
             self.state = self._commit_chunk(latents[:, c * cf : (c + 1) * cf])
+            if self.ring is not None:  # committed at a fresh stream's start: chunk c is stream chunk c
+                self.ring = self.ring.push(latents[:, c * cf : (c + 1) * cf], jnp.full((batch,), c, jnp.int32))
         self.index = self.start = n
 
     def _commit_chunk(self, chunk) -> RolloutState:  # a mesh stream's own: `jaxkv.parallel.MeshStream`
@@ -186,16 +225,82 @@ class Stream:
 
     def session(self, *, copy: bool = True, extras: dict | None = None):
         """The stream's state before its next chunk as a `jaxkv.session.Session` (with ``extras``, e.g. the VAE
-        decoder's). ``copy`` (default): in buffers of its own, valid whatever the stream does next; without it the
-        session shares the stream's buffers, which its next step donates (save it before stepping again). A stream
-        on per-layer params holds its state per layer: the session gets a stacked copy either way."""
+        decoder's, and the latent history as ``extras[jaxkv.recache.RING_EXTRA]`` when the stream keeps one).
+        ``copy`` (default): in buffers of its own, valid whatever the stream does next; without it the session
+        shares the stream's buffers, which its next step donates (save it before stepping again). A stream on
+        per-layer params holds its state per layer: the session gets a stacked copy either way."""
+        if self.ring is not None:
+            extras = {RC.RING_EXTRA: self.ring_extra(), **(extras or {})}
         state = stacked_state(self.state)
         s = S.Session.create(self.config, self.rc, state, key=self.key, next_chunk=self.index, extras=extras)
         return s.fork() if copy and state is self.state else s
 
-    # The two hooks a mesh stream (`jaxkv.parallel.MeshStream`) replaces; ``step`` is the jitted step function
+    def fork(self) -> "Stream":
+        """An independent copy of this stream before its next chunk: state and latent history in buffers of their
+        own (stepping or switching either leaves the other as it was), the same key, clock, remaining
+        ``num_chunks`` and explicit noise, so both draw the same chunks until one switches prompts."""
+        twin = copy.copy(self)
+        twin.state, twin.ring = jax.tree.map(lambda a: jnp.array(a, copy=True), (self.state, self.ring))
+        return twin
+
+    # ---------------------------------------------------------------------------------------- prompt switching
+
+    def switch_prompt(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
+        """Switches to a new ``context`` [batch, text_tokens, text_dim] (and ``negative_context``, the same, with
+        guidance) from the next chunk on: new cross-attention K/V, and the chunks the cache retains re-cached from
+        their clean latents under it (`jaxkv.recache.switch_prompt`; ``keep_sink`` keeps the sink chunks' K/V).
+        ValueError, before the state changes, for a stream without latent history (``history=False``, or a cache a
+        switch cannot re-cache), a history that lacks a chunk the cache holds, or contexts that do not fit."""
+        if self.ring is None:
+            why = RC.switch_refusal(self.rc) or "it was built with history=False (it keeps no latent history)"
+            raise ValueError(f"this stream cannot switch prompts: {why}")
+        if not isinstance(keep_sink, bool):
+            raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
+        RC.check_ring(self.config, self.rc, self.state, self.ring)
+        self.state = self._switch(context, negative_context, keep_sink)
+
+    def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
+        """Deprecated alias of `switch_prompt` (the name of the retired ``SwitchableStream``)."""
+        warnings.warn("Stream.switch is deprecated: use Stream.switch_prompt", DeprecationWarning, stacklevel=2)
+        self.switch_prompt(context, negative_context, keep_sink=keep_sink)
+
+    def ring_extra(self) -> dict:
+        """The latent history as a session extras entry ({"latents", "chunks"}, what ``session()`` saves as
+        ``extras[jaxkv.recache.RING_EXTRA]``). ValueError for a stream that keeps none."""
+        if self.ring is None:
+            raise ValueError("this stream keeps no latent history (history=False, or a cache no switch re-caches)")
+        return {"latents": self.ring.latents, "chunks": self.ring.chunks}
+
+    def restore_ring(self, extra: dict) -> None:
+        """Puts back a latent history saved by `ring_extra` (`Stream.from_session` does it for a session that holds
+        one). ValueError, before anything changes, when it does not fit this stream or the stream keeps none."""
+        if self.ring is None:
+            raise ValueError("this stream keeps no latent history (history=False, or a cache no switch re-caches)")
+        self.ring = RC.ring_from_extra(extra, self.ring)
+
+    def _empty_ring(self):
+        """An empty `jaxkv.recache.LatentRing` for this stream, or None when its cache cannot be re-cached."""
+        if RC.switch_refusal(self.rc) is not None:
+            return None
+        batch = self.state.cache.batch // (2 if self.rc.guidance_scale is not None else 1)
+        return RC.LatentRing.init(RC.ring_spec(self.config, self.rc), self.rc.chunk_shape(self.config, batch))
+
+    # The hooks a mesh stream (`jaxkv.parallel.MeshStream`) replaces; ``step`` is the jitted step function
     # (count its programs with `jaxkv.compilation.compile_count`).
     step = staticmethod(stream_step)
+
+    def _switch(self, context, negative_context, keep_sink: bool) -> RolloutState:
+        # the remaining checks (contexts, policy) run while it traces, before the donated state is touched
+        return RC.jit_switch_prompt(
+            self.params,
+            self.config,
+            self.rc,
+            self.state,
+            self.ring,
+            jnp.asarray(context),
+            None if negative_context is None else jnp.asarray(negative_context),
+            keep_sink=keep_sink,
+        )
 
     def _init_state(self, context, negative_context) -> RolloutState:
         return _init_state_jit(self.params, self.config, self.rc, context, negative_context)
@@ -219,5 +324,13 @@ class Stream:
             x, self.state = self._run_step(None, None, self.noise[self.index - self.start])
         else:
             x, self.state = self._run_step(self.key, index, None)
+        if self.ring is not None:  # the chunk the step reserved (wrapped clock included) holds x
+            cache = self.state.cache
+            self.ring = RC.push_chunk(self.ring, x, cache.chunk_start, cache.spec.chunk)
         self.index += 1
         return x
+
+
+def _check_history(history) -> None:
+    if not isinstance(history, bool):
+        raise ValueError(f"history must be a bool, got {history!r}")

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 
 import jax
 
@@ -686,48 +687,54 @@ def check_generate_save_resume():
 
 
 def switched_chunks(mesh, rc, batch, context, negative_context):
-    """(chunks, stream) of the reference's stream (`stream_of`; ``mesh`` None: one device) made switchable
-    (`jaxkv.recache.SwitchableStream`, on a mesh `MeshSwitchableStream`) and switched to ``context`` /
-    ``negative_context`` after chunk 0; the state a switch returns runs on the step's program (no recompile)."""
-    from jaxkv import recache
-
-    base = stream_of(mesh, rc, batch, CHUNKS)
-    stream = recache.SwitchableStream(base) if mesh is None else PL.MeshSwitchableStream(base)
+    """(chunks, stream, twin) of the reference's stream (`stream_of`; ``mesh`` None: one device, else a
+    `MeshStream`) switched to ``context`` / ``negative_context`` after chunk 0 (`Stream.switch_prompt`), and
+    ``twin`` its fork taken before the switch (not yet stepped further); the state a switch returns runs on the
+    step's program (no recompile)."""
+    stream = stream_of(mesh, rc, batch, CHUNKS)
     xs = [np.asarray(next(stream))]
-    stream.switch(context, negative_context)
-    before = compile_count(base.step)
+    twin = stream.fork()
+    stream.switch_prompt(context, negative_context)
+    before = compile_count(stream.step)
     xs += [np.asarray(x) for x in stream]
-    assert compile_count(base.step) == before, (compile_count(base.step), before)
-    return xs, stream
+    assert compile_count(stream.step) == before, (compile_count(stream.step), before)
+    return xs, stream, twin
 
 
 def check_switch():
-    """A prompt switch after chunk 0 (guided, batch 2) on data=2,model=2 gives the single-device
-    `jaxkv.recache.SwitchableStream`'s chunks to f32 rounding, and on data=2,model=1 bit for bit; one program for
-    the switch and the step is not recompiled by it; a context of the wrong batch is refused before the state
-    changes."""
-
+    """A prompt switch after chunk 0 (guided, batch 2) of a `MeshStream` on data=2,model=2 gives the single-device
+    `jaxkv.stream.Stream`'s chunks to f32 rounding, and on data=2,model=1 bit for bit; one program for the switch
+    and the step is not recompiled by it; a fork taken before the switch goes on unswitched, as the uninterrupted
+    stream, on the step's program; a context of the wrong batch is refused before the state changes."""
     rc, batch = rc_of(guidance=3.0), 2
     ctx, neg = contexts(batch)
     other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
 
-    want, _ = switched_chunks(None, rc, batch, other, neg)
+    want, _, _ = switched_chunks(None, rc, batch, other, neg)
     unswitched, _ = reference(rc, batch)
     assert not np.allclose(want[1], unswitched[1], **TOL)  # the switch changes the next chunk
     m22 = PL.make_mesh(2, 2, jax.devices()[:4])
-    got, stream = switched_chunks(m22, rc, batch, other, neg)
+    got, stream, twin = switched_chunks(m22, rc, batch, other, neg)
     assert compile_count(PL.mesh_switch(m22, CONFIG, rc, True)) == 1
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"2x2 chunk {n}")
+    before = compile_count(twin.step)
+    for n, x in enumerate(twin):  # the fork never switched: the uninterrupted stream's chunks 1..
+        np.testing.assert_allclose(np.asarray(x), unswitched[n + 1], **TOL, err_msg=f"fork chunk {n + 1}")
+    assert compile_count(twin.step) == before  # the fork's copied state runs on the step's program
     try:
-        stream.switch(other[:1], neg[:1])
+        stream.switch_prompt(other[:1], neg[:1])
     except ValueError as e:
         assert "the new context has 2 sessions but the state has 4" in str(e), str(e)
     else:
         raise AssertionError("a context of batch 1 was accepted")
     assert not any(x.is_deleted() for x in jax.tree.leaves(stream.state))
+    with warnings.catch_warnings(record=True) as caught:  # the deprecated shim: the stream itself
+        warnings.simplefilter("always")
+        assert PL.MeshSwitchableStream(stream) is stream
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught), caught
     m21 = PL.make_mesh(2, 1, jax.devices()[4:6])
-    got, _ = switched_chunks(m21, rc, batch, other, neg)
+    got, _, _ = switched_chunks(m21, rc, batch, other, neg)
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
 
@@ -815,7 +822,7 @@ def check_dilated_save_resume():
     state is the saved one bit for bit (rows in rollout order), its chunks are those of the same state continued
     from an independently built session bit for bit and the uninterrupted single-device stream's to TOL; it also
     resumes on the same mesh, bit for bit with the uninterrupted mesh stream. A prompt switch on the mesh equals
-    the single-device `jaxkv.recache.SwitchableStream`'s."""
+    the single-device `jaxkv.stream.Stream`'s."""
     from jaxkv import session as S
     from jaxkv import session_format as SF
     from jaxkv.parallel import checkpoint as CK
@@ -851,7 +858,7 @@ def check_dilated_save_resume():
     ctx, neg = contexts(batch)
     other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
 
-    want, _ = switched_chunks(None, rc, batch, other, neg)
+    want = switched_chunks(None, rc, batch, other, neg)[0]
     assert not np.allclose(want[1], ref_xs[1], **TOL)  # the switch changes the next chunk
     for n, (a, b) in enumerate(zip(switched_chunks(m22, rc, batch, other, neg)[0], want, strict=True)):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"switched chunk {n}")

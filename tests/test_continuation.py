@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from jaxkv import continuation as C
-from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv import session as S
 from jaxkv.generate.png import write_png
@@ -189,20 +188,20 @@ def test_a_continued_stream_commits_what_a_generating_stream_holds():
 
 
 @pytest.mark.slow  # ~40 s on 2 loaded cores: the prompt switch compiles a re-cache
-def test_a_continued_switchable_stream_recaches_the_given_chunks():
-    # a switchable continued stream holds the given chunks in its latent ring, as one that generated them, so a
+def test_a_continued_stream_recaches_the_given_chunks():
+    # a continued stream holds the given chunks in its latent ring, as one that generated them, so a
     # prompt switch re-caches them alike
     params, ctx, key = _params(20), _ctx(21, batch=2), jax.random.key(22)
     first = Stream(params, CFG, RC, ctx, num_chunks=4, key=key)
     latents = jnp.concatenate(list(first), axis=1)
-    gen = recache.SwitchableStream(Stream(params, CFG, RC, ctx, num_chunks=5, key=key))
+    gen = Stream(params, CFG, RC, ctx, num_chunks=5, key=key)
     for _ in range(4):
         next(gen)
-    sw = C.start_stream(params, CFG, RC, ctx, latents, num_chunks=1, key=key, switchable=True)
+    sw = C.start_stream(params, CFG, RC, ctx, latents, num_chunks=1, key=key)
     assert np.array_equal(sw.ring.chunks, gen.ring.chunks)
     np.testing.assert_allclose(np.asarray(sw.ring.latents), np.asarray(gen.ring.latents), atol=1e-5)
     for s in (sw, gen):
-        s.switch(_ctx(23, batch=2))
+        s.switch_prompt(_ctx(23, batch=2))
     np.testing.assert_allclose(np.asarray(next(sw)), np.asarray(next(gen)), atol=1e-4)
 
 

@@ -1,6 +1,6 @@
 """Pools on dilated and mixed dense / dilated caches (`RolloutConfig(dilated_every=k)`): each row equals its solo
 `Stream` bit for bit through staggered admits and finishes, a reused row starts clean on its dilated layers too,
-a row switches its prompt as its solo `SwitchableStream` does, and rows go out as sessions and come back."""
+a row switches its prompt as its solo `Stream` does, and rows go out as sessions and come back."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from jaxkv import pool as P
-from jaxkv import recache as RC
 from jaxkv.models import wan
 from jaxkv.stream import Stream
 from tests.test_pool import CFG, _ctx, _rc
@@ -64,14 +63,14 @@ def test_dilated_pool_rows_equal_their_solo_streams_and_a_reused_row_starts_clea
     dense = _solo(params, _rc(sink_frames=0 if every == 1 else 1), 3, 4)
     assert np.abs(got[3][3] - dense[3]).max() > 1e-3
 
-    # a row switches its prompt as its solo SwitchableStream does: the dilated layers are replayed from the row's ring
+    # a row switches its prompt as its solo Stream does: the dilated layers are replayed from the row's ring
     pool.switch_prompt(where[3], _ctx(7))
     switched = [np.asarray(pool.step()[where[3]]) for _ in range(2)]
-    solo = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(3), key=jax.random.key(103)))
+    solo = Stream(params, CFG, rc, _ctx(3), key=jax.random.key(103))
     want = []
     for i in range(6):
         if i == 4:
-            solo.switch(_ctx(7))
+            solo.switch_prompt(_ctx(7))
         want.append(np.asarray(next(solo)[0]))
     for i in range(2):
         np.testing.assert_array_equal(switched[i], want[4 + i], err_msg=f"switched row, chunk {4 + i}")

@@ -1,5 +1,5 @@
 """One row of a pool on its own (`jaxkv.pool.rows`, `StreamPool.switch_prompt` / `session` / `admit_session`):
-per-row prompt switching and negative prompts against the solo `SwitchableStream`, rows taken out as sessions and
+per-row prompt switching and negative prompts against the solo `Stream`, rows taken out as sessions and
 sessions admitted, each against the solo stream; the other rows untouched bit for bit.
 
 Tolerance: a pooled row runs in a batch of ``rows`` sessions and its solo stream in a batch of 1; XLA's CPU kernels
@@ -43,14 +43,14 @@ def _row(pool, row):
 
 
 def _solo(params, rc, seed, switches, num_chunks, negatives=None):
-    """Stream ``seed`` alone (batch 1): a SwitchableStream on _ctx(seed), switched to _ctx(c) before chunk n for
+    """Stream ``seed`` alone (batch 1): a Stream on _ctx(seed), switched to _ctx(c) before chunk n for
     each (n, c) in ``switches``. With guidance ``negatives`` = (first negative seed, {n: negative seed})."""
     neg = None if negatives is None else _ctx(negatives[0])
-    s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed), negative_context=neg))
+    s = Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed), negative_context=neg)
     out = []
     for i in range(num_chunks):
         if i in switches:
-            s.switch(_ctx(switches[i]), None if negatives is None else _ctx(negatives[1][i]))
+            s.switch_prompt(_ctx(switches[i]), None if negatives is None else _ctx(negatives[1][i]))
         out.append(np.asarray(next(s)[0]))
     return out
 
@@ -87,11 +87,11 @@ def test_a_row_that_switches_at_chunk_n_is_its_solo_switchable_stream_and_other_
     assert len(got[a]) == 7 and len(got[b]) == 5
 
     def solo(seed, switches, n):
-        s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed)))
+        s = Stream(params, CFG, rc, _ctx(seed), key=jax.random.key(100 + seed))
         out = []
         for i in range(n):
             if i in switches:
-                s.switch(_ctx(switches[i]), keep_sink=keep_sink)
+                s.switch_prompt(_ctx(switches[i]), keep_sink=keep_sink)
             out.append(np.asarray(next(s)[0]))
         return out
 
@@ -143,24 +143,24 @@ def test_a_row_taken_out_resumes_solo_and_a_solo_session_joins_a_pool_bit_for_bi
     pool = P.StreamPool(params, CFG, rc, rows=2)
     other = pool.admit(_ctx(2), jax.random.key(102))
     pool.step()
-    # a solo SwitchableStream, 3 chunks in, saved with its ring, joins the pool (row 1) at chunk 3
-    solo = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(1), key=jax.random.key(101)))
+    # a solo Stream, 3 chunks in, saved (its ring comes with the session by itself), joins the pool (row 1) at chunk 3
+    solo = Stream(params, CFG, rc, _ctx(1), key=jax.random.key(101))
     head = [np.asarray(next(solo)[0]) for _ in range(3)]
-    saved = solo.session(extras={RC.RING_EXTRA: solo.ring_extra()})
+    saved = solo.session()
+    assert set(saved.extras) == {RC.RING_EXTRA}
     row = pool.admit_session(saved)
     assert row == 1 and pool.chunks(row) == 3
     _leaves_equal(pool.session(row), saved, "a session put in and taken out")  # cache, cross, key, chunk, ring
     # ...and goes on in the pool as the solo stream goes on, switch included (its ring came with it)
     pool.switch_prompt(row, _ctx(7))
-    solo.switch(_ctx(7))
+    solo.switch_prompt(_ctx(7))
     for i in range(3):
         np.testing.assert_array_equal(np.asarray(pool.step()[row]), np.asarray(next(solo)[0]), err_msg=f"chunk {i}")
-    # the pool row taken out at chunk 6 resumes solo, as a SwitchableStream, exactly where the row goes on
+    # the pool row taken out at chunk 6 resumes solo (from_session restores its ring), exactly where the row goes on
     out = pool.session(row)
     assert int(out.next_chunk) == 6 and len(head) == 3
-    resumed = RC.SwitchableStream(Stream.from_session(params, CFG, rc, out.fork(), num_chunks=3))
-    resumed.restore_ring(out.extras[RC.RING_EXTRA])
-    resumed.switch(_ctx(8))
+    resumed = Stream.from_session(params, CFG, rc, out.fork(), num_chunks=3)
+    resumed.switch_prompt(_ctx(8))
     pool.switch_prompt(row, _ctx(8))
     for i, x in enumerate(resumed):
         step = pool.step()
@@ -178,9 +178,9 @@ def test_admit_session_refuses_what_a_row_cannot_hold_before_anything_changes():
     params = _params()
     pool = P.StreamPool(params, CFG, rc, rows=2)
     pool.admit(_ctx(1), jax.random.key(101))
-    stream = Stream(params, CFG, rc, _ctx(1), key=jax.random.key(1))
+    stream = Stream(params, CFG, rc, _ctx(1), key=jax.random.key(1), history=False)
     next(stream), next(stream)
-    ok = stream.session()  # saved without its ring
+    ok = stream.session()  # saved without a ring (its stream kept none)
     before = _row(pool, 1)
     other_rc = _rc(window_frames=3)
     with pytest.raises(S.SessionError, match="window_frames"):

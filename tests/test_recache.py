@@ -95,12 +95,12 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
 
 
 def _stream_then_switch(params, rc, ctx_a, ctx_b, noise, before, keep_sink):
-    """A SwitchableStream on prompt A for ``before`` chunks, switched to B, continued to the end of ``noise``.
+    """A Stream on prompt A for ``before`` chunks, switched to B, continued to the end of ``noise``.
     Returns (clean chunks, the state just before the switch's copy, the state right after the switch)."""
-    s = RC.SwitchableStream(Stream(params, CFG, rc, ctx_a, noise=noise))
+    s = Stream(params, CFG, rc, ctx_a, noise=noise)
     chunks = [next(s) for _ in range(before)]
     snapshot = jax.tree.map(jnp.copy, s.state)  # the switch donates the state
-    s.switch(ctx_b, keep_sink=keep_sink)
+    s.switch_prompt(ctx_b, keep_sink=keep_sink)
     switched = jax.tree.map(jnp.copy, s.state)
     chunks += list(s)
     return chunks, snapshot, switched
@@ -168,14 +168,14 @@ def test_switches_compile_once_and_never_recompile_the_step():
     rc = _rc()
     params = _params()
     noise = jax.random.normal(jax.random.key(5), rc.noise_shape(CFG, 2, 8))
-    s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(1, 2), noise=noise))
+    s = Stream(params, CFG, rc, _ctx(1, 2), noise=noise)
     next(s), next(s)
-    s.switch(_ctx(12, 2))  # the first switch and step compile (or were compiled by another test)
+    s.switch_prompt(_ctx(12, 2))  # the first switch and step compile (or were compiled by another test)
     steps, switches = compile_count(R.stream_step), compile_count(RC.jit_switch_prompt)
     assert steps >= 1 and switches >= 1
     for n in range(2, 8):
         if n in (4, 7):
-            s.switch(_ctx(10 + n, 2), keep_sink=True)
+            s.switch_prompt(_ctx(10 + n, 2), keep_sink=True)
         assert bool(jnp.isfinite(next(s)).all())
     assert compile_count(R.stream_step) == steps
     assert compile_count(RC.jit_switch_prompt) == switches
@@ -186,11 +186,11 @@ def test_guided_switch_recaches_both_sessions():
     rc = _rc(guidance_scale=2.0)
     params = _params()
     neg = jnp.zeros((1, 2, CFG.text_dim))
-    s = RC.SwitchableStream(Stream(params, CFG, rc, _ctx(1), negative_context=neg, key=jax.random.key(0)))
+    s = Stream(params, CFG, rc, _ctx(1), negative_context=neg, key=jax.random.key(0))
     for _ in range(3):
         next(s)
     before = jax.tree.map(jnp.copy, s.state)
-    s.switch(_ctx(2), neg, keep_sink=False)
+    s.switch_prompt(_ctx(2), neg, keep_sink=False)
     k_new, k_old = s.state.cache.k, before.cache.k
     assert float(jnp.abs(k_new[:, 0] - k_old[:, 0]).max()) > 1e-3  # the conditional row changed
     np.testing.assert_array_equal(s.state.cache.positions, before.cache.positions)
@@ -199,7 +199,7 @@ def test_guided_switch_recaches_both_sessions():
 
 def _stream(rc, chunks=2):
     noise = jax.random.normal(jax.random.key(6), rc.noise_shape(CFG, 2, 4))
-    s = RC.SwitchableStream(Stream(_params(), CFG, rc, _ctx(1, 2), noise=noise))
+    s = Stream(_params(), CFG, rc, _ctx(1, 2), noise=noise)
     for _ in range(chunks):
         next(s)
     return s
@@ -211,14 +211,14 @@ def test_a_ring_that_lacks_a_held_chunk_is_refused_before_the_state_changes():
     s.ring = RC.LatentRing.init(rc.spec(CFG), rc.chunk_shape(CFG, 2))  # as if never pushed
     before = s.state
     with pytest.raises(ValueError, match="lacks chunk 0"):
-        s.switch(_ctx(2, 2))
+        s.switch_prompt(_ctx(2, 2))
     assert s.state is before and not s.state.cache.k.is_deleted()
 
 
 def test_switch_argument_errors():
     rc = _rc()
     s = _stream(rc, 1)
-    params = s.stream.params
+    params = s.params
     with pytest.raises(ValueError, match="keep_sink must be a bool"):
         RC.switch_prompt(params, CFG, rc, s.state, s.ring, _ctx(2, 2), keep_sink=1)
     with pytest.raises(ValueError, match="3 sessions but the state has 2"):

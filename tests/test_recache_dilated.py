@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import recache as RC
 from jaxkv import rollout as R
 from jaxkv.cache import MixedCache
 from jaxkv.models.wan import model as M
@@ -121,10 +120,10 @@ def test_switch_rebuilds_every_layer_as_the_cache_free_reference(name, keep_sink
     params, ctx_a, ctx_b = _params(), _ctx(1), _ctx(2)
     neg_a, neg_b = (_ctx(4), _ctx(5)) if guided else (None, None)
     noise = jax.random.normal(jax.random.key(3), rc.noise_shape(CFG, 1, before + 1))
-    s = RC.SwitchableStream(Stream(params, CFG, rc, ctx_a, noise=noise, negative_context=neg_a))
+    s = Stream(params, CFG, rc, ctx_a, noise=noise, negative_context=neg_a)
     chunks = [next(s) for _ in range(before)]
     old = jax.tree.map(jnp.copy, s.state)  # the switch donates the state
-    s.switch(ctx_b, neg_b, keep_sink=keep_sink)
+    s.switch_prompt(ctx_b, neg_b, keep_sink=keep_sink)
     new = jax.tree.map(jnp.copy, s.state)
 
     both = ctx_b if not guided else jnp.concatenate([ctx_b, neg_b], axis=0)
@@ -155,7 +154,7 @@ def test_switch_rebuilds_every_layer_as_the_cache_free_reference(name, keep_sink
 
 
 def test_a_history_that_lacks_a_held_chunk_or_rows_out_of_step_are_refused():
-    """`check_history` (run by `SwitchableStream.switch` before anything changes) names the missing chunk."""
+    """`check_history` (run by `Stream.switch_prompt` before anything changes) names the missing chunk."""
     from jaxkv import recache_dilated as D
 
     rc = _rc(**CASES["mixed"])

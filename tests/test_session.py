@@ -270,7 +270,7 @@ def test_manifest_and_files(tmp_path):
 
 
 def test_extras_round_trip(tmp_path):
-    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY)
+    st = Stream(PARAMS, CFG, RC, CTX, num_chunks=1, key=KEY, history=False)  # only the caller's extras
     _chunks(st)
     extras = {
         "vae_decoder": {

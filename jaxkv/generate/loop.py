@@ -271,12 +271,16 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     if stop.signum is not None:
         return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
 
+    # the latent history a switch re-caches from, kept for a schedule or a saved session (which then holds it)
+    history = entries is not None or resume.keeps_ring(args, rc)
     if session is not None:
-        try:
+        try:  # a saved latent ring comes back with the session (checked before anything runs)
             if mesh is None:
-                stream = Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks)
+                stream = Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks, history=history)
             else:
-                stream = PL.MeshStream.from_session(params, config, rc, session, mesh=mesh, num_chunks=args.num_chunks)
+                stream = PL.MeshStream.from_session(
+                    params, config, rc, session, mesh=mesh, num_chunks=args.num_chunks, history=history
+                )
         except ValueError as e:
             raise UsageError(f"--resume: {e}") from None
     else:
@@ -284,7 +288,14 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         negative = None if negative is None else jnp.asarray(negative)
         if mesh is None:
             stream = Stream(
-                params, config, rc, jnp.asarray(context), num_chunks=args.num_chunks, key=key, negative_context=negative
+                params,
+                config,
+                rc,
+                jnp.asarray(context),
+                num_chunks=args.num_chunks,
+                key=key,
+                negative_context=negative,
+                history=history,
             )
         else:
             stream = PL.MeshStream(
@@ -296,11 +307,8 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 num_chunks=args.num_chunks,
                 key=key,
                 negative_context=negative,
+                history=history,
             )
-    if entries is not None or resume.keeps_ring(args, rc):  # a saved session keeps the ring a switch needs
-        stream = recache.SwitchableStream(stream) if mesh is None else PL.MeshSwitchableStream(stream)
-        if session is not None:
-            resume.restore_ring(stream, session)
     given_context = given_info = None
     if given_frames is not None:  # the given frames become the stream's first chunks; the schedule counts after them
         frame_encoder = given.encoder(args, toy_dir, given_vae, given_vae_dir, vae_params)
@@ -313,7 +321,9 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         nonlocal drawing
         if stream.index in switches:
             entry, entry_context = switches[stream.index]
-            stream.switch(entry_context, None if negative is None else jnp.asarray(negative), keep_sink=keep_sink)
+            stream.switch_prompt(
+                entry_context, None if negative is None else jnp.asarray(negative), keep_sink=keep_sink
+            )
             drawing = prompts.entry_text(entry)
         return next(stream)
 

@@ -146,17 +146,6 @@ def keeps_ring(args, rc) -> bool:
     return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES
 
 
-def restore_ring(stream, session: S.Session) -> None:
-    """Puts the session's latent ring (if it saved one) back into a resumed `recache.SwitchableStream`."""
-    extra = session.extras.get(recache.RING_EXTRA)
-    if extra is None:
-        return
-    try:
-        stream.restore_ring(extra)
-    except ValueError as e:
-        raise UsageError(f"--resume: the saved latent ring does not fit: {e}") from None
-
-
 def restore_video(video, session: S.Session) -> None:
     """Continues the mp4 sink's decoder from the session's VAE feature caches (after its warm-up reset). A toy-world
     `FrameDecoder` carries nothing between chunks: nothing to restore."""
@@ -179,12 +168,10 @@ def restore_video(video, session: S.Session) -> None:
 
 
 def save(args, stream, video, chunks_written: int, *, text: dict | None = None) -> str:
-    """Writes the stream's session (the VAE decoder's caches and, for a `recache.SwitchableStream`, its latent
-    ring too) to ``--save-state``; returns its path. ``text``: what the next chunk is drawn under (`text_of`). The
-    stream must not step again before this returns (the session shares its buffers)."""
+    """Writes the stream's session (the VAE decoder's caches and, for a stream that keeps one, its latent ring
+    too: `jaxkv.stream.Stream.session`) to ``--save-state``; returns its path. ``text``: what the next chunk is
+    drawn under (`text_of`). The stream must not step again before this returns (the session shares its buffers)."""
     extras = {S.VAE_DECODER: S.vae_extra(video.decoder.state)} if video is not None and _stateful(video.decoder) else {}
-    if isinstance(stream, recache.SwitchableStream):
-        extras[recache.RING_EXTRA] = stream.ring_extra()
     session = stream.session(copy=False, extras=extras)
     mesh = getattr(stream, "mesh", None)  # a mesh stream's session is written shard by shard
     save = S.save if mesh is None else functools.partial(CK.save, mesh=mesh)

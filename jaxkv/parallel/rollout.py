@@ -28,8 +28,9 @@ With s = 1 no constraint is added and the step traces exactly as on a ``(data, m
 
 The state is created sharded (`init_state`, under ``jit`` with ``out_shardings``), donated to every step and
 returned with the same shardings, so no cache is ever gathered (tests/test_parallel.py checks the compiled HLO).
-Given latents (`MeshStream.commit`, e.g. ``jaxkv generate --image``) are committed the same way: `mesh_commit` runs
-`jaxkv.rollout.commit` per data group, one program, the state donated.
+Given latents (`MeshStream.commit`) are committed the same way (`mesh_commit`), and a prompt switch
+(`MeshStream.switch_prompt`, the latent history kept in batch order) too (`mesh_switch`): per data group, one program,
+the state donated.
 
 With classifier-free guidance a session's conditional and negative rows must sit in the same data group:
 `init_state` orders the state's rows shard by shard, ``[cond rows of group 0, negative rows of group 0, cond rows
@@ -264,6 +265,7 @@ class MeshStream(Stream):
         key=None,
         noise=None,
         negative_context=None,
+        history: bool = True,
     ):
         check_mesh(mesh, config, rc, int(np.shape(context)[0]))
         self.mesh = mesh
@@ -278,11 +280,21 @@ class MeshStream(Stream):
             key=key,
             noise=noise,
             negative_context=negative_context,
+            history=history,
         )
 
     @classmethod
     def from_session(
-        cls, params, config: WanConfig, rc: R.RolloutConfig, session, *, mesh: Mesh, num_chunks=None, noise=None
+        cls,
+        params,
+        config: WanConfig,
+        rc: R.RolloutConfig,
+        session,
+        *,
+        mesh: Mesh,
+        num_chunks=None,
+        noise=None,
+        history: bool = True,
     ) -> "MeshStream":
         """A mesh stream that continues ``session``, a session laid out on ``mesh`` (rows in `session_order`, arrays
         in `state_shardings`): `jaxkv.parallel.checkpoint.load` with this mesh, `jaxkv.parallel.checkpoint.to_mesh`
@@ -302,7 +314,9 @@ class MeshStream(Stream):
                     f"{list(leaf.shape)} has sharding {getattr(leaf, 'sharding', 'none (host)')}; load it with "
                     f"jaxkv.parallel.checkpoint.load(..., mesh=mesh) or place it with checkpoint.to_mesh"
                 )
-        self = super().from_session(shard_params(params, mesh), config, rc, session, num_chunks=num_chunks, noise=noise)
+        self = super().from_session(
+            shard_params(params, mesh), config, rc, session, num_chunks=num_chunks, noise=noise, history=history
+        )
         self.mesh = mesh
         self.step = mesh_step(mesh, config, rc)
         self._replicated = NamedSharding(mesh, P())
@@ -315,6 +329,18 @@ class MeshStream(Stream):
         # `jaxkv.stream.Stream.commit` checks the latents and calls this once per chunk [batch, chunk_frames, ...]
         step = mesh_commit(self.mesh, self.config, self.rc)
         return step(self.params, self.state, put_global(chunk, NamedSharding(self.mesh, P(DATA))))
+
+    def _switch(self, context, negative_context, keep_sink: bool) -> R.RolloutState:
+        # `Stream.switch_prompt` checked the history and keep_sink; the contexts are checked here, before placing
+        sessions = R._check_context(self.config, self.rc, jnp.asarray(context), negative_context)
+        if sessions.shape[0] != self.state.cache.batch:
+            raise ValueError(
+                f"the new context has {sessions.shape[0]} sessions but the state has {self.state.cache.batch}"
+            )
+        rows = NamedSharding(self.mesh, P(DATA))  # the ring and contexts in batch order, split over data
+        negative = () if negative_context is None else (put_global(negative_context, rows),)
+        step = mesh_switch(self.mesh, self.config, self.rc, keep_sink)
+        return step(self.params, self.state, self.ring, put_global(context, rows), *negative)
 
     def _run_step(self, key, index, noise):
         if noise is not None:
@@ -367,31 +393,3 @@ def mesh_switch(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, keep_sink: b
         return run(params, state, ring, context, *negative)
 
     return jax.jit(switch, out_shardings=_out_state(mesh, config, rc), donate_argnums=(1,))
-
-
-class MeshSwitchableStream(recache.SwitchableStream):
-    """`jaxkv.recache.SwitchableStream` of a `MeshStream`: the same latent ring (kept in batch order) and prompt
-    switch, run on the mesh by `mesh_switch` (one program per keep_sink and shape; the step's program is kept)."""
-
-    def __init__(self, stream: MeshStream):
-        if not isinstance(stream, MeshStream):
-            raise TypeError(f"MeshSwitchableStream wraps a MeshStream, got {type(stream).__name__}")
-        super().__init__(stream)
-
-    def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
-        """`jaxkv.recache.SwitchableStream.switch` on the mesh: a new context [batch, text_tokens, text_dim]
-        (host or global arrays) before the next chunk. ValueError before the state changes for contexts, a ring or
-        a keep_sink that do not fit."""
-        s = self.stream
-        if not isinstance(keep_sink, bool):
-            raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
-        sessions = R._check_context(s.config, s.rc, jnp.asarray(context), negative_context)
-        if sessions.shape[0] != s.state.cache.batch:
-            raise ValueError(
-                f"the new context has {sessions.shape[0]} sessions but the state has {s.state.cache.batch}"
-            )
-        recache.check_ring(s.config, s.rc, s.state, self.ring)
-        rows = NamedSharding(s.mesh, P(DATA))
-        negative = () if negative_context is None else (put_global(negative_context, rows),)
-        step = mesh_switch(s.mesh, s.config, s.rc, keep_sink)
-        s.state = step(s.params, s.state, self.ring, put_global(context, rows), *negative)

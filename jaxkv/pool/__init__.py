@@ -6,7 +6,7 @@
   `put_row` (a row out as a solo stream's state, or in).
 - `jaxkv.pool.driver`: `StreamPool`, the host-side driver.
 
-Each row is exactly its solo `jaxkv.stream.Stream` (or `jaxkv.recache.SwitchableStream`).
+Each row is exactly its solo `jaxkv.stream.Stream`, prompt switches included.
 """
 
 from jaxkv.pool.driver import StreamPool

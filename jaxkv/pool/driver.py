@@ -24,7 +24,7 @@ class StreamPool:
 
     ``admit(context, key) -> row``, ``step() -> {row: latents [chunk_frames, h, w, in_dim]}`` for the occupied
     rows, ``finish(row)``; ``switch_prompt(row, context)`` switches one row's prompt (KV re-cache, as
-    `jaxkv.recache.SwitchableStream.switch`); ``session(row)`` takes a row out as a `jaxkv.session.Session` and
+    `jaxkv.stream.Stream.switch_prompt`); ``session(row)`` takes a row out as a `jaxkv.session.Session` and
     ``admit_session(session) -> row`` puts one in (a pool row resumes solo and a solo stream joins a pool, bit for
     bit). Each operation is one compiled program per pool shape (`jit_admit`, `jit_step`, `jit_finish`,
     `jit_switch_row`, `jit_take_row`, `jit_put_row`), counted by ``jaxkv.compilation.compile_count``.
@@ -110,7 +110,7 @@ class StreamPool:
     def switch_prompt(self, row: int, context, negative_context=None, *, keep_sink: bool = True) -> None:
         """Switches ``row``'s prompt before its next chunk (context [1, text_tokens, text_dim]; with guidance the
         row's new negative_context, same shape): its cross K/V are replaced and its retained frames re-cached, as a
-        solo `jaxkv.recache.SwitchableStream.switch` does; the other rows are untouched. ValueError, before
+        solo `jaxkv.stream.Stream.switch_prompt` does; the other rows are untouched. ValueError, before
         anything changes, for a free row, a bad context, a pool that cannot switch (an FP8 cache) or a
         row whose ring lacks a chunk its cache holds (a session admitted without its ring)."""
         row = self._busy(row)
@@ -133,7 +133,7 @@ class StreamPool:
         """The stream in ``row`` as a `jaxkv.session.Session` of batch 1 (in buffers of its own; the row goes
         on): `jaxkv.stream.Stream.from_session` continues it solo bit for bit as the row would. Its typed key is
         rebuilt from the row's key data (the default PRNG impl); its ring, when the pool keeps rings, is in
-        ``extras[jaxkv.recache.RING_EXTRA]`` (`SwitchableStream.restore_ring`)."""
+        ``extras[jaxkv.recache.RING_EXTRA]`` (`jaxkv.stream.Stream.from_session` restores it)."""
         row = self._busy(row)
         sub, key_data, chunks, ring = PR.jit_take_row(self.rc, self.state, np.int32(row))
         extras = {} if ring is None else {RC.RING_EXTRA: {"latents": ring.latents, "chunks": ring.chunks}}
@@ -143,7 +143,7 @@ class StreamPool:
     def admit_session(self, session: S.Session) -> int:
         """Admits a saved stream (a `jaxkv.session.Session` of batch 1 with a noise key, e.g. a solo `Stream`'s
         ``session()`` or another pool's `session(row)`) into the first free row and returns the row; the row then
-        continues it bit for bit. Its ``extras[RING_EXTRA]`` (a `SwitchableStream`'s ring), if any, becomes the
+        continues it bit for bit. Its ``extras[RING_EXTRA]`` (a `Stream`'s ring), if any, becomes the
         row's ring. The session is read, not consumed. Raises, before anything changes: RuntimeError when every
         row is occupied; `jaxkv.session.SessionError` for other settings, a batch other than 1, no key, offloaded
         caches, or extras the pool does not carry (a VAE decoder state)."""
@@ -177,7 +177,7 @@ class StreamPool:
         return row
 
     def _ring_of(self, session: S.Session):
-        """The session's saved ring as a `LatentRing` of batch 1 (checked by `SwitchableStream.restore_ring`'s
+        """The session's saved ring as a `LatentRing` of batch 1 (checked by `jaxkv.recache.ring_from_extra`'s
         rules), or None (no ring saved, or a pool that keeps none)."""
         extra = session.extras.get(RC.RING_EXTRA)
         if extra is None or self.state.ring is None:

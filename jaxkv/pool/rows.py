@@ -5,7 +5,7 @@ row's slice of the pool's state, with the row traced (one compilation per pool s
 untouched:
 
 - `switch_row`: `jaxkv.recache.switch_prompt` on the row's sessions (1, or 2 with guidance: its own negative) and
-  its ring row, the result written back: a pooled row that switches at chunk n is the solo `SwitchableStream` that
+  its ring row, the result written back: a pooled row that switches at chunk n is the solo `Stream` that
   switches at chunk n.
 - `take_row` / `put_row`: the row's (cache, cross K/V, key, chunk count, ring row) out, or in, bit for bit: what a
   `jaxkv.session.Session` of batch 1 holds (the driver, `jaxkv.pool.StreamPool`, builds and checks the session).

@@ -125,7 +125,7 @@ def put_cross(cross: M.CrossKV, index, part: M.CrossKV) -> M.CrossKV:
 
 
 def ring_row(ring: RC.LatentRing, row) -> RC.LatentRing:
-    """Row ``row`` of the pool's ring as a ring of batch 1 (what a solo `SwitchableStream` holds)."""
+    """Row ``row`` of the pool's ring as a ring of batch 1 (what a solo `Stream` holds)."""
     row = jnp.asarray(row, jnp.int32)
     return ring.replace(
         latents=lax.dynamic_slice_in_dim(ring.latents, row, 1, axis=0),
@@ -224,7 +224,7 @@ def finish(rc: R.RolloutConfig, state: PoolState, row) -> PoolState:
 def step(params, config: WanConfig, rc: R.RolloutConfig, state: PoolState):
     """Advances every occupied row by one chunk: (latents float32 [rows, chunk_frames, h, w, in_dim] (meaningless
     in free rows), new state). The ring gets each occupied row's chunk, under the index its cache reserved (as
-    `jaxkv.recache.SwitchableStream` pushes it: the wrapped clock's index on cache-relative RoPE)."""
+    a `jaxkv.stream.Stream` pushes it: the wrapped clock's index on cache-relative RoPE)."""
     keys = jax.random.wrap_key_data(state.keys)
     noise = jax.vmap(lambda k, n: R.chunk_noise(k, config, rc, 1, n)[:, 0])(keys, state.chunks)
     noise = jnp.moveaxis(noise, 0, 1)  # [steps, rows, ...]
