@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.attention.checks import check_inputs, check_scale
+from jaxkv.attention.checks import check_inputs, check_layer, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask, pair_visible
 from jaxkv.attention.tiles import FULL, PARTIAL_EMPTY, tile_plan
-from jaxkv.validate import is_concrete, is_int
+from jaxkv.validate import is_int
 
 _NEG = -1e30  # finite "minus infinity", as in the kernel: exp2 and max stay free of inf - inf
 _LOG2E = math.log2(math.e)
@@ -80,23 +80,7 @@ def check_mosaic_inputs(q, k, v, q_positions, kv_positions, layer, *, kernel: bo
     slots, kv_heads, head_dim] with ``layer`` (an int, or a traced int32 scalar that must be in range). ``kernel``:
     also the compiled kernel's limits (bf16/fp16, head_dim 64 or 128). Returns (batch, q_len, q_heads, kv_len,
     kv_heads, head_dim)."""
-    stacked = getattr(k, "ndim", None) == 5
-    if stacked != (layer is not None):
-        raise ValueError(
-            f"a stacked cache [layers, batch, slots, heads, head_dim] needs layer= and a [batch, slots, heads, "
-            f"head_dim] k/v must not have one; got k shape {getattr(k, 'shape', k)} and layer {layer!r}"
-        )
-    if stacked:
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
-        if is_concrete(layer) and not 0 <= int(layer) < k.shape[0]:
-            raise ValueError(f"layer {int(layer)} is out of range for a cache of {k.shape[0]} layers")
-        if not is_concrete(layer) and not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
-            raise ValueError(f"layer must be an integer, got dtype {jnp.asarray(layer).dtype}")
-        k_view = jax.ShapeDtypeStruct(k.shape[1:], k.dtype)
-        v_view = jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
-    else:
-        k_view, v_view = k, v
+    k_view, v_view = check_layer(k, v, layer)
     dims = check_inputs(q, k_view, v_view, q_positions, kv_positions)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype for the Mosaic GPU kernel, got {q.dtype}, {k.dtype}, {v.dtype}")
