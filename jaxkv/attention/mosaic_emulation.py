@@ -78,8 +78,8 @@ class MosaicBlockSizes:
 def check_mosaic_inputs(q, k, v, q_positions, kv_positions, layer, *, kernel: bool):
     """Checks the kernel's inputs; k, v are [batch, slots, kv_heads, head_dim] or a stacked cache [layers, batch,
     slots, kv_heads, head_dim] with ``layer`` (an int, or a traced int32 scalar that must be in range). ``kernel``:
-    also the compiled kernel's limits (bf16/fp16, head_dim 64 or 128). Returns (batch, q_len, q_heads, kv_len,
-    kv_heads, head_dim)."""
+    also the compiled kernel's limits (bf16/fp16, head_dim 64 or 128, q_len and kv_len below 8 or multiples of 8).
+    Returns (batch, q_len, q_heads, kv_len, kv_heads, head_dim)."""
     k_view, v_view = check_layer(k, v, layer)
     dims = check_inputs(q, k_view, v_view, q_positions, kv_positions)
     if not (q.dtype == k.dtype == v.dtype):
@@ -88,6 +88,13 @@ def check_mosaic_inputs(q, k, v, q_positions, kv_positions, layer, *, kernel: bo
         raise ValueError(
             f"the Mosaic GPU kernel takes bfloat16/float16 and head_dim in {HEAD_DIMS}; got {q.dtype}, head_dim "
             f"{dims[-1]}"
+        )
+    # The TMA descriptors tile the token axis by 8 rows: lowering refuses another length with an opaque message.
+    ragged = [f"{name} {n}" for name, n in (("q_len", dims[1]), ("kv_len", dims[3])) if n >= 8 and n % 8]
+    if kernel and ragged:
+        raise ValueError(
+            f"the Mosaic GPU kernel's TMA loads need q_len and kv_len below 8 or multiples of 8; got "
+            f"{', '.join(ragged)} (the emulation and the other backends take any length)"
         )
     return dims
 
