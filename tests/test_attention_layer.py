@@ -4,8 +4,9 @@
 On CPU: every backend returns, bit for bit, what it returns for the sliced layer (the kernels in their interpreter /
 emulation, cuDNN through its CPU stand-in), with a concrete or a traced layer, and the kernels' gradient lands in
 the layer; the Wan streaming step with backend "mosaic" (its emulation, `RunOptions(interpret=True)`) equals the
-"xla" step over a wrapping ring; and the stacked chunk step lowered for CUDA hands the Mosaic kernel the whole cache
-stack (no dynamic-slice of it), where the Triton and cuDNN steps slice each layer out.
+"xla" step over a wrapping ring (ring, rolling and mixed dense + dilated caches); and the stacked chunk step
+lowered for CUDA hands the Mosaic kernel the whole cache stack (no dynamic-slice of it), where the Triton and cuDNN
+steps slice each layer out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import jaxkv
 from jaxkv.attention import attend, cudnn
 from jaxkv.attention.mosaic_emulation import MosaicBlockSizes
+from jaxkv.cache import DilatedSpec, MixedSpec
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.run_options import RunOptions
@@ -103,10 +105,22 @@ CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=3, in_dim=4, out_dim
 H, W = 4, 6  # 6 tokens per frame
 
 
-def test_policy_mosaic_stream_equals_xla_on_a_wrapping_ring():
-    """Five chunks on a 1-frame sink + 2-frame window (the ring wraps twice), two denoising passes per chunk, two
-    sessions started one chunk apart: "mosaic" (its emulation, reading the stack at the scan's layer) against "xla"
-    (the dense path on the sliced layer), float32 (tolerance of the other streaming comparisons)."""
+RING = jaxkv.RingSpec.from_frames(H * W // 4, 1, 2, 1)
+CACHES = {
+    "ring": lambda: M.init_cache(CFG, RING, 2),
+    "rolling": lambda: M.init_cache(CFG, RING, 2, policy="rolling"),
+    "mixed": lambda: M.init_cache(CFG, MixedSpec(RING, DilatedSpec(H * W // 4, 1, 2, 2), 3), 2),  # 2 dense + 1 dilated
+}
+
+
+@pytest.mark.parametrize(
+    "cache_kind", ["ring", *(pytest.param(k, marks=pytest.mark.slow) for k in ("rolling", "mixed"))]
+)
+def test_policy_mosaic_stream_equals_xla_on_a_wrapping_ring(cache_kind):
+    """Five chunks on a 1-frame sink + 2-frame window (the ring wraps twice; the mixed cache's dilated layer keeps
+    every other frame), two denoising passes per chunk, two sessions started one chunk apart: "mosaic" (its
+    emulation, reading the stack at the scan's layer) against "xla" (the dense path on the sliced layer), float32
+    (tolerance of the other streaming comparisons)."""
     params = M.init_params(CFG, jax.random.key(0))
     ctx = jax.random.normal(jax.random.key(1), (2, CFG.text_len, CFG.text_dim))
     cross = M.cross_kv(params, CFG, ctx)
@@ -114,7 +128,7 @@ def test_policy_mosaic_stream_equals_xla_on_a_wrapping_ring():
     step = jax.jit(lambda c, x, t, run: M.forward_chunk(params, CFG, c, cross, x, t, run=run), static_argnums=3)
     flows = {}
     for name, run in runs.items():
-        cache = M.init_cache(CFG, jaxkv.RingSpec.from_frames(H * W // 4, 1, 2, 1), 2)
+        cache = CACHES[cache_kind]()
         out = []
         for n in range(5):
             active = jnp.array([True, n > 0])
