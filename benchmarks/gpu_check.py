@@ -29,7 +29,9 @@ GPU; each has its own timeout, `PART_TIMEOUT`; ``--parts`` runs a subset). Every
    second, first-chunk (compile) seconds, peak device memory, the KV cache's bytes. PRECISION is ``bf16``
    (`Precision.bf16()`), ``fp8`` (`Precision.fp8()`: FP8 cache + cuDNN FP8 attention) or ``bf16+fp8_kv`` (the FP8
    cache alone). The weights are held per layer (the unrolled layer loop: every weight and K/V read where it lies)
-   unless the precision stores an FP8 cache, which runs the stacked layer scan (the row's ``layout`` says which).
+   unless the precision stores an FP8 cache, which runs the stacked layer scan (the row's ``layout`` says which),
+   or the row ends in ``:stacked`` (``mosaic:bf16:stacked``: the layer scan, the Mosaic kernel reading each layer
+   of the cache stack in place, no copy of the layer; compare with ``mosaic:bf16``, per layer).
 6. ``trace``: the ``--trace-row`` chunk (default auto:bf16) run to its steady state, then ``--trace-chunks`` chunks
    under `jax.profiler.trace`; the trace file is parsed (`kernel_times`) into device time per chunk by kernel name,
    the top kernels and their share, and totals by kind (attention, GEMM, fusion, copy, other).
@@ -81,7 +83,7 @@ PRECISIONS = {
     "fp8": Precision.fp8(),
     "bf16+fp8_kv": dataclasses.replace(Precision.bf16(), fp8_kv=True),
 }
-ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,pallas:bf16,mosaic:bf16,xla:bf16"
+ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,pallas:bf16,mosaic:bf16,mosaic:bf16:stacked,xla:bf16"
 DRY_ROWS = "auto:bf16,auto:fp8,auto:bf16+fp8_kv,xla:bf16"
 # seconds a part may take before it is stopped (and recorded as timed out)
 PART_TIMEOUT = {
@@ -379,16 +381,20 @@ def mosaic_time(s: dict, emulate: bool, cudnn_ok: bool, reps: int) -> dict:
     }
 
 
-def wan_chunk(s: dict, timed: int, backend: str = "auto", precision_name: str = "bf16", trace_dir=None) -> dict:
+def wan_chunk(
+    s: dict, timed: int, backend: str = "auto", precision_name: str = "bf16", trace_dir=None, layout=None
+) -> dict:
     """One row: the Wan chunk under ``backend`` and ``PRECISIONS[precision_name]``; with ``trace_dir``, the
     ``timed`` chunks run under `jax.profiler.trace` into it (and the row's timing is then not representative).
 
     The params are held per layer (the unrolled layer loop reads every weight and K/V where it lies, no per-layer
-    copies), except under an FP8 cache, which supports only the stacked layout (the layer scan)."""
+    copies), except under an FP8 cache, which supports only the stacked layout (the layer scan), or with
+    ``layout="stacked"`` (a row's ``:stacked``): the layer scan, whose cache stack backend "mosaic" reads at each
+    layer in place (`jaxkv.attend`'s ``layer=``) and every other backend slices a layer out of."""
     config = wan.preset(s["wan"])
     precision = PRECISIONS[precision_name]
     params = M.init_params(config, jax.random.key(0), dtype=precision.param_dtype)
-    layout = "stacked" if precision.fp8_kv else "per_layer"
+    layout = "stacked" if precision.fp8_kv else layout or "per_layer"
     if layout == "per_layer":
         params = per_layer_params(params)
     h, w = s["latent"]
@@ -557,7 +563,7 @@ def breakdown(times: dict, chunks: int, top: int = 15) -> dict:
 def trace_part(s: dict, row: str, chunks: int) -> dict:
     backend, precision = parse_row(row)
     with tempfile.TemporaryDirectory() as tmp:
-        result = wan_chunk(s, chunks, backend, precision, trace_dir=tmp)
+        result = wan_chunk(s, chunks, backend, precision, trace_dir=tmp, layout=row_layout(row))
         times, where = kernel_times(read_trace(tmp))
     return {"row": row, "events_from": where, **breakdown(times, chunks), "traced_ms_per_chunk": result["ms_per_chunk"]}
 
@@ -593,14 +599,21 @@ def cudnn_available() -> bool:
 
 
 def parse_row(row: str) -> tuple[str, str]:
-    """ "BACKEND:PRECISION" -> (backend, precision name), checked."""
-    backend, _, precision = row.partition(":")
-    if backend not in ("auto", "cudnn", "pallas", "mosaic", "xla") or precision not in PRECISIONS:
+    """ "BACKEND:PRECISION[:stacked]" -> (backend, precision name), checked (the layout: `row_layout`)."""
+    backend, _, rest = row.partition(":")
+    precision, _, layout = rest.partition(":")
+    known = backend in ("auto", "cudnn", "pallas", "mosaic", "xla") and precision in PRECISIONS
+    if not known or layout not in ("", "stacked"):
         raise ValueError(
-            f"row {row!r}: expected BACKEND:PRECISION with BACKEND in auto, cudnn, pallas, mosaic, xla and "
-            f"PRECISION in {sorted(PRECISIONS)}"
+            f"row {row!r}: expected BACKEND:PRECISION[:stacked] with BACKEND in auto, cudnn, pallas, mosaic, xla "
+            f"and PRECISION in {sorted(PRECISIONS)}"
         )
     return backend, precision
+
+
+def row_layout(row: str) -> str | None:
+    """ "stacked" for a row ending in ``:stacked`` (the layer scan), else None (`wan_chunk`'s default layout)."""
+    return "stacked" if row.endswith(":stacked") else None
 
 
 def run_part(part: str, args) -> dict:
@@ -622,9 +635,10 @@ def run_part(part: str, args) -> dict:
     if part == "mosaic_time":
         return mosaic_time(s, not on_gpu, cudnn_available(), 2 if args.dry_run else args.reps)
     if part.startswith("chunk:"):
-        backend, precision = parse_row(part[len("chunk:") :])
+        row = part[len("chunk:") :]
+        backend, precision = parse_row(row)
         timed = 2 if args.dry_run else (max(2, args.timed // 2) if backend == "xla" else args.timed)
-        return wan_chunk(s, timed, backend, precision)
+        return wan_chunk(s, timed, backend, precision, layout=row_layout(row))
     if part == "trace":
         return trace_part(s, args.trace_row, args.trace_chunks)
     if part == "peer":
@@ -685,7 +699,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="toy shapes on any backend (Pallas interpreted)")
     parser.add_argument("--skip-wan", action="store_true", help="the attention parts only")
-    parser.add_argument("--rows", help=f"chunk rows, BACKEND:PRECISION,... (default {ROWS}; dry run {DRY_ROWS})")
+    parser.add_argument(
+        "--rows", help=f"chunk rows, BACKEND:PRECISION[:stacked],... (default {ROWS}; dry run {DRY_ROWS})"
+    )
     parser.add_argument("--timed", type=int, default=5, help="timed Wan chunks per row (xla rows: half)")
     parser.add_argument("--reps", type=int, default=10, help="timed calls per attention path")
     parser.add_argument("--trace-row", default="auto:bf16", help="the row the trace part runs")

@@ -1,9 +1,10 @@
 """`RunOptions`: how the model runs (the dtype policy and the attention backend), resolved once.
 
 One frozen, hashable value (a jit static argument) that the Wan model's entry points build at their top and pass
-down whole: the layers read ``run.precision`` for dtypes and hand ``run.backend`` to `jaxkv.attend`, where the
-options stop (the attention functions keep their ``backend`` string). Built and checked on construction, so a bad
-preset or backend name is refused before anything is traced (``RunOptions.of("bfloat16", "xla")``).
+down whole: the layers read ``run.precision`` for dtypes and hand ``run.backend`` (and ``run.interpret``) to
+`jaxkv.attend`, where the options stop (the attention functions keep their ``backend`` string). Built and checked
+on construction, so a bad preset or backend name is refused before anything is traced
+(``RunOptions.of("bfloat16", "xla")``).
 
 `jaxkv.rollout.RolloutConfig` exposes its ``precision`` and ``backend`` fields as ``rc.run``; ``jaxkv generate``
 parses its flags into one (``settings.run``).
@@ -26,13 +27,18 @@ class RunOptions:
       precision: the dtype policy (`jaxkv.precision.Precision`; a preset name such as "bfloat16" is parsed on
         construction).
       backend: the attention backend, one of `jaxkv.attention.dispatch.BACKENDS` ("auto" picks per platform).
+      interpret: run the kernel backends off their GPU, for tests on CPU: "pallas" in the Pallas interpreter,
+        "mosaic" as its pure-JAX emulation (`jaxkv.attend`'s ``interpret``). Never switched on by itself.
     """
 
     precision: Precision = Precision()
     backend: str = ROLLOUT["backend"]
+    interpret: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "precision", _checked(self.precision, self.backend, "RunOptions"))
+        if not isinstance(self.interpret, bool):
+            raise ValueError(f"RunOptions.interpret must be a bool, got {self.interpret!r}")
 
     @classmethod
     def of(

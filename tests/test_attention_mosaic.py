@@ -241,6 +241,11 @@ def test_bad_inputs_are_named():
         MosaicBlockSizes(block_q=32)
     with pytest.raises(ValueError, match="stages"):
         MosaicBlockSizes(stages=1)
+    q, k, v, qp, kp = _case(8, head_dim=64, dtype=jnp.bfloat16)  # 100 queries, 400 slots: kernel dtype and dim
+    with pytest.raises(ValueError, match=r"below 8 or multiples of 8; got q_len 100 \("):
+        mosaic_attention(q, k, v, qp, kp)
+    with pytest.raises(ValueError, match="got q_len 100, kv_len 396"):
+        mosaic_attention(q, k[:, 4:], v[:, 4:], qp, kp[:, 4:])
 
 
 # ------------------------------------------------------------------ the kernel: traced and lowered for CUDA here

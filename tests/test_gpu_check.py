@@ -82,7 +82,9 @@ def test_trace_parser_reads_a_real_cpu_trace(tmp_path):
 def test_rows_are_checked_and_the_summary_takes_ratios():
     gc = _load("gpu_check")
     assert gc.parse_row("auto:fp8") == ("auto", "fp8")
-    for bad in ("auto", "tpu:bf16", "auto:int8"):
+    assert gc.parse_row("mosaic:bf16:stacked") == ("mosaic", "bf16") and "mosaic:bf16:stacked" in gc.ROWS
+    assert gc.row_layout("mosaic:bf16:stacked") == "stacked" and gc.row_layout("mosaic:bf16") is None
+    for bad in ("auto", "tpu:bf16", "auto:int8", "mosaic:bf16:tiled"):
         with pytest.raises(ValueError, match="expected BACKEND:PRECISION"):
             gc.parse_row(bad)
     row = lambda ms, precision, peak: {
@@ -166,6 +168,22 @@ def test_gpu_check_mosaic_parts_alone_dry_run(tmp_path):
     result = json.loads(out.read_text())
     assert rc == 0 and result["meta"]["parts"] == ["mosaic_check", "mosaic_time"]
     _check_mosaic_parts(result)
+
+
+def test_a_stacked_chunk_row_runs_the_layer_scan_dry_run(tmp_path):
+    """``chunk:BACKEND:PRECISION:stacked`` (GPU: ``mosaic:bf16:stacked``, the kernel reading the cache stack in
+    place) runs the stacked layer scan; the same row without ``:stacked`` the per-layer loop."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU run the real check instead")
+    out = tmp_path / "rows.json"
+    parts = "chunk:xla:bf16:stacked,chunk:xla:bf16"
+    assert _load("gpu_check").main(["--dry-run", "--parts", parts, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    stacked, per_layer = result["chunk:xla:bf16:stacked"], result["chunk:xla:bf16"]
+    assert stacked["layout"] == "stacked" and per_layer["layout"] == "per_layer"
+    assert (
+        stacked["finite"] and stacked["ms_per_chunk"] > 0 and per_layer["kv_cache_bytes"] == stacked["kv_cache_bytes"]
+    )
 
 
 def test_gpu_check_rejects_unknown_parts():

@@ -154,8 +154,9 @@ def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from
 
 # ------------------------------------------------------------------ what the compiled chunk step does
 
-_DEF = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]")
-_SLICE = re.compile(r"= \w+\[[\d,]*\]\S* (dynamic-slice|slice)\(%([^,)\s]+)")
+# (compiled HLO names values %x; the HLO text of a lowered, uncompiled program drops the %)
+_DEF = re.compile(r"^\s*(?:ROOT )?%?(\S+) = \w+\[([\d,]*)\]")
+_SLICE = re.compile(r"= \w+\[[\d,]*\]\S* (dynamic-slice|slice)\(%?([^,)\s]+)")
 
 
 def _slices_of_stacks(text: str, cache_shape, stacked_shapes) -> tuple[int, int]:

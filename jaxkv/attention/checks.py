@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
-from jaxkv.validate import is_real
+from jaxkv.validate import is_concrete, is_int, is_real
 
 
 def check_inputs(q, k, v, q_positions, kv_positions):
@@ -52,3 +53,27 @@ def check_scale(scale, head_dim):
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be finite and > 0, got {scale!r}")
     return float(scale)
+
+
+def check_layer(k, v, layer):
+    """Checks ``layer=`` against k, v: a stacked cache [layers, batch, slots, kv_heads, head_dim] needs a layer (a
+    Python int in range, or an integer scalar that may be traced: keep it in range, ``dynamic_slice`` clamps) and
+    4-D k/v must not have one. Returns (k_view, v_view): the [batch, slots, kv_heads, head_dim] shapes one layer
+    has (`jax.ShapeDtypeStruct`, for `check_inputs`), or k, v themselves without a layer."""
+    stacked = getattr(k, "ndim", None) == 5
+    if stacked != (layer is not None):
+        raise ValueError(
+            f"a stacked cache [layers, batch, slots, heads, head_dim] needs layer= and a [batch, slots, heads, "
+            f"head_dim] k/v must not have one; got k shape {getattr(k, 'shape', k)} and layer {layer!r}"
+        )
+    if not stacked:
+        return k, v
+    if getattr(v, "shape", None) != k.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {getattr(v, 'shape', v)}")
+    if not is_int(layer) and not (hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer)):
+        raise ValueError(f"layer must be an int or an integer scalar, got {layer!r}")
+    if jnp.ndim(layer) != 0:
+        raise ValueError(f"layer must be a scalar, got shape {jnp.shape(layer)}")
+    if is_concrete(layer) and not 0 <= int(layer) < k.shape[0]:
+        raise ValueError(f"layer {int(layer)} is out of range for a cache of {k.shape[0]} layers")
+    return jax.ShapeDtypeStruct(k.shape[1:], k.dtype), jax.ShapeDtypeStruct(v.shape[1:], v.dtype)

@@ -7,6 +7,9 @@ entry in `PATHS` and, if "auto" should pick it, one clause in `resolve_backend`.
 On Hopper, "auto" prefers the Mosaic GPU kernel ("mosaic") over cuDNN, and over the Triton kernel as cuDNN's
 fallback, only for the shapes its measured tables list (`jaxkv.attention.mosaic_gpu.MOSAIC_OVER_CUDNN`,
 ``MOSAIC_OVER_TRITON``; empty until a GPU session measures), so until then "auto" runs what it ran before.
+
+A layer-stacked cache [layers, batch, slots, heads, head_dim] can be handed whole with ``layer=``: the paths in
+`STACK_READERS` ("mosaic") read it at the layer in place, every other path gets the layer sliced out first.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxkv.attention import cudnn, mosaic_gpu, pallas_gpu
 from jaxkv.attention.blockwise import blockwise_attention
-from jaxkv.attention.checks import check_inputs, check_scale
+from jaxkv.attention.checks import check_inputs, check_layer, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask
 from jaxkv.attention.mosaic_emulation import MosaicBlockSizes, emulate_mosaic
 from jaxkv.attention.reference import dense_attention
@@ -63,29 +67,40 @@ def _blockwise(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
     )
 
 
-def _blockwise_vjp(forward):
-    """``forward`` with the blockwise XLA path's gradient (the kernels are forward-only)."""
-    forward = jax.custom_vjp(forward, nondiff_argnums=(5,))
+def at_layer(x, layer):
+    """Layer ``layer`` of a stacked cache buffer x [layers, batch, slots, heads, head_dim] (x itself when layer is
+    None): the dynamic slice `ChunkCache.layer_kv` takes, a copy of the layer on GPU."""
+    return x if layer is None else lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
 
-    def fwd(q, k, v, q_positions, kv_positions, cfg):
-        return forward(q, k, v, q_positions, kv_positions, cfg), (q, k, v, q_positions, kv_positions)
+
+def _blockwise_vjp(forward):
+    """``forward(q, k, v, q_positions, kv_positions, layer, cfg)`` (layer None, or k, v stacked and read at it)
+    with the blockwise XLA path's gradient (the kernels are forward-only)."""
+    forward = jax.custom_vjp(forward, nondiff_argnums=(6,))
+
+    def fwd(q, k, v, q_positions, kv_positions, layer, cfg):
+        return forward(q, k, v, q_positions, kv_positions, layer, cfg), (q, k, v, q_positions, kv_positions, layer)
 
     def bwd(cfg, residuals, g):
-        q, k, v, q_positions, kv_positions = residuals
-        _, vjp = jax.vjp(lambda q_, k_, v_: _blockwise(q_, k_, v_, q_positions, kv_positions, cfg), q, k, v)
-        return (*vjp(g), None, None)
+        q, k, v, q_positions, kv_positions, layer = residuals
+        blockwise = lambda q_, k_, v_: _blockwise(
+            q_, at_layer(k_, layer), at_layer(v_, layer), q_positions, kv_positions, cfg
+        )
+        _, vjp = jax.vjp(blockwise, q, k, v)
+        return (*vjp(g), None, None, None)
 
     forward.defvjp(fwd, bwd)
     return forward
 
 
 @_blockwise_vjp
-def _pallas(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
+def _pallas_at(q, k, v, q_positions, kv_positions, layer, cfg: AttendConfig):
+    # The Triton kernel reads one layer (`attend` slices a stack before calling: layer is None).
     sizes = cfg.block_sizes if isinstance(cfg.block_sizes, pallas_gpu.BlockSizes) else None
     return pallas_gpu.pallas_attention(
         q,
-        k,
-        v,
+        at_layer(k, layer),
+        at_layer(v, layer),
         q_positions,
         kv_positions,
         mask=cfg.mask,
@@ -97,14 +112,28 @@ def _pallas(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
 
 
 @_blockwise_vjp
-def _mosaic(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
-    # interpret=True runs the kernel's pure-JAX emulation (the Mosaic GPU kernel has no interpreter on CPU).
+def _mosaic_at(q, k, v, q_positions, kv_positions, layer, cfg: AttendConfig):
+    # Reads a stacked cache at `layer` in place (TMA descriptors of the whole stack). interpret=True runs the
+    # kernel's pure-JAX emulation (the Mosaic GPU kernel has no interpreter on CPU).
     sizes = cfg.block_sizes if isinstance(cfg.block_sizes, MosaicBlockSizes) else None
     if cfg.rope is not None:
         raise ValueError("backend 'mosaic' takes no cache-relative rope: rotate keys before the cache write")
     run = emulate_mosaic if cfg.interpret else mosaic_gpu.mosaic_attention
-    out, _ = run(q, k, v, q_positions, kv_positions, mask=cfg.mask, scale=cfg.scale, block_sizes=sizes)
+    out, _ = run(q, k, v, q_positions, kv_positions, mask=cfg.mask, scale=cfg.scale, layer=layer, block_sizes=sizes)
     return out
+
+
+def _pallas(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
+    return _pallas_at(q, k, v, q_positions, kv_positions, None, cfg)
+
+
+def _mosaic(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
+    return _mosaic_at(q, k, v, q_positions, kv_positions, None, cfg)
+
+
+# The paths that read a stacked cache [layers, batch, slots, heads, head_dim] at a layer index in place (`attend`'s
+# ``layer=``); every other path gets the layer sliced out first.
+STACK_READERS = {"mosaic": _mosaic_at}
 
 
 def _xla_cpu(q, k, v, q_positions, kv_positions, cfg: AttendConfig):
@@ -199,6 +228,7 @@ def attend(
     block_sizes: pallas_gpu.BlockSizes | None = None,
     interpret: bool = False,
     plan: cudnn.Plan | None = None,
+    layer=None,
 ):
     """Attention of queries at absolute positions to keys/values at absolute positions, in any physical order.
 
@@ -232,13 +262,19 @@ def attend(
         (`jaxkv.attention.cudnn.plan_attention`), made once and shared by the calls that share the positions (every
         layer of a chunk); the cuDNN path then only branches on it instead of checking the positions per call.
         ``cudnn.ALL_VISIBLE_PLAN`` says every key is visible (static: no check at all). Other paths ignore it.
+      layer: with k, v a layer-stacked cache [layers, batch, kv_len, kv_heads, head_dim], the layer to read (a
+        Python int, or an integer scalar that may be traced, e.g. a layer scan's index: keep it in range, a traced
+        index is clamped like ``cache.layer_kv``'s). Only "mosaic" (`STACK_READERS`) reads the stack in place;
+        every other path gets the layer sliced out first (the copy `ChunkCache.layer_kv` makes), so every backend
+        takes the call and returns what it returns for ``k[layer], v[layer]``.
     Returns:
       [batch, q_len, q_heads, head_dim] in q's dtype, float32 softmax and accumulation. A query that sees no key
       gets zeros. The XLA paths are differentiable in forward and reverse mode; the kernel paths in reverse mode
       only (`jax.grad`/`jax.vjp`: a `custom_vjp` whose gradient is the blockwise path's) — `jax.jvp`/`jax.jacfwd`
       raise on it, so use backend="xla_blockwise" for forward-mode.
     """
-    b, lq, hq, lk, _, d = check_inputs(q, k, v, q_positions, kv_positions)
+    k_view, v_view = check_layer(k, v, layer)
+    b, lq, hq, lk, _, d = check_inputs(q, k_view, v_view, q_positions, kv_positions)
     spec = as_mask(mask, causal=causal, chunk=chunk, window=window, sink=sink)
     if rope is not None and not isinstance(rope, CacheRope):
         raise ValueError(f"rope must be None or a CacheRope, got {rope!r}")
@@ -257,6 +293,9 @@ def attend(
         backend, head_dim=d, dtypes=(q.dtype, k.dtype, v.dtype), rope=rope, logits=b * hq * lq * lk, shape=(lk, lq)
     )
     q_positions, kv_positions = q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32)
+    if layer is not None and path in STACK_READERS:
+        return STACK_READERS[path](q, k, v, q_positions, kv_positions, layer, cfg)
+    k, v = at_layer(k, layer), at_layer(v, layer)
     if path == "cudnn":
         return _cudnn(q, k, v, q_positions, kv_positions, cfg, plan)
     return PATHS[path](q, k, v, q_positions, kv_positions, cfg)

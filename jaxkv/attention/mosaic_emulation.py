@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.attention.checks import check_inputs, check_scale
+from jaxkv.attention.checks import check_inputs, check_layer, check_scale
 from jaxkv.attention.masks import MaskSpec, as_mask, pair_visible
 from jaxkv.attention.tiles import FULL, PARTIAL_EMPTY, tile_plan
-from jaxkv.validate import is_concrete, is_int
+from jaxkv.validate import is_int
 
 _NEG = -1e30  # finite "minus infinity", as in the kernel: exp2 and max stay free of inf - inf
 _LOG2E = math.log2(math.e)
@@ -78,25 +78,9 @@ class MosaicBlockSizes:
 def check_mosaic_inputs(q, k, v, q_positions, kv_positions, layer, *, kernel: bool):
     """Checks the kernel's inputs; k, v are [batch, slots, kv_heads, head_dim] or a stacked cache [layers, batch,
     slots, kv_heads, head_dim] with ``layer`` (an int, or a traced int32 scalar that must be in range). ``kernel``:
-    also the compiled kernel's limits (bf16/fp16, head_dim 64 or 128). Returns (batch, q_len, q_heads, kv_len,
-    kv_heads, head_dim)."""
-    stacked = getattr(k, "ndim", None) == 5
-    if stacked != (layer is not None):
-        raise ValueError(
-            f"a stacked cache [layers, batch, slots, heads, head_dim] needs layer= and a [batch, slots, heads, "
-            f"head_dim] k/v must not have one; got k shape {getattr(k, 'shape', k)} and layer {layer!r}"
-        )
-    if stacked:
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
-        if is_concrete(layer) and not 0 <= int(layer) < k.shape[0]:
-            raise ValueError(f"layer {int(layer)} is out of range for a cache of {k.shape[0]} layers")
-        if not is_concrete(layer) and not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
-            raise ValueError(f"layer must be an integer, got dtype {jnp.asarray(layer).dtype}")
-        k_view = jax.ShapeDtypeStruct(k.shape[1:], k.dtype)
-        v_view = jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
-    else:
-        k_view, v_view = k, v
+    also the compiled kernel's limits (bf16/fp16, head_dim 64 or 128, q_len and kv_len below 8 or multiples of 8).
+    Returns (batch, q_len, q_heads, kv_len, kv_heads, head_dim)."""
+    k_view, v_view = check_layer(k, v, layer)
     dims = check_inputs(q, k_view, v_view, q_positions, kv_positions)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype for the Mosaic GPU kernel, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -104,6 +88,13 @@ def check_mosaic_inputs(q, k, v, q_positions, kv_positions, layer, *, kernel: bo
         raise ValueError(
             f"the Mosaic GPU kernel takes bfloat16/float16 and head_dim in {HEAD_DIMS}; got {q.dtype}, head_dim "
             f"{dims[-1]}"
+        )
+    # The TMA descriptors tile the token axis by 8 rows: lowering refuses another length with an opaque message.
+    ragged = [f"{name} {n}" for name, n in (("q_len", dims[1]), ("kv_len", dims[3])) if n >= 8 and n % 8]
+    if kernel and ragged:
+        raise ValueError(
+            f"the Mosaic GPU kernel's TMA loads need q_len and kv_len below 8 or multiples of 8; got "
+            f"{', '.join(ragged)} (the emulation and the other backends take any length)"
         )
     return dims
 

@@ -7,6 +7,7 @@ forward both call it, so they cast, write and mask the same way.
 from __future__ import annotations
 
 from jaxkv.attention import CacheRope, MaskSpec, Plan, attend
+from jaxkv.cache.base import ChunkCache
 from jaxkv.run_options import RunOptions
 
 
@@ -29,7 +30,10 @@ def cached_attention(
       q: [batch, chunk, q_heads, head_dim] at the reserved chunk's positions (``cache.chunk_positions()``).
       k, v: [batch, chunk, kv_heads, head_dim], kv_heads = cache.heads.
       layer: the layer of a stacked cache (an int or a traced int32 scalar; a Python int for a per-layer cache,
-        whose layer is then read where it lies, with no copy), None for a single-layer cache.
+        whose layer is then read where it lies, with no copy), None for a single-layer cache. A stacked
+        `ChunkCache` (ring, rolling, dilated) is handed to `jaxkv.attend` whole with ``layer=``: backend "mosaic"
+        reads the layer in place, the others slice it as ``cache.layer_kv`` does; an FP8 cache is read through its
+        ``layer_kv`` (dequantized).
       mask: the position mask; default ``cache.spec.mask()`` (what a sink + window cache holds).
       rope: optional `CacheRope` (keys cached unrotated, rotated at read by rank).
       run: how the model runs (`jaxkv.run_options.RunOptions`, default ``RunOptions()``): ``run.backend`` is
@@ -46,7 +50,10 @@ def cached_attention(
     run = RunOptions() if run is None else run
     dtype = cache.dtype
     cache = cache.write(k.astype(dtype), v.astype(dtype), layer=layer)
-    kc, vc = (cache.k, cache.v) if layer is None else cache.layer_kv(layer)
+    if layer is None or (isinstance(cache, ChunkCache) and not cache.is_per_layer):
+        kc, vc = cache.k, cache.v  # one layer, or the stack handed whole: read in place where a backend can
+    else:
+        kc, vc, layer = *cache.layer_kv(layer), None  # an FP8 cache dequantizes; a per-layer one has no stack
     out = attend(
         q.astype(dtype),
         kc,
@@ -56,6 +63,8 @@ def cached_attention(
         mask=cache.spec.mask() if mask is None else mask,
         rope=rope,
         backend=run.backend,
+        interpret=run.interpret,
         plan=plan,
+        layer=layer,
     )
     return out.astype(q.dtype), cache

@@ -373,7 +373,9 @@ def _cross_attention(p, x, k, v, config: WanConfig, run: RunOptions, act=jnp.flo
     zeros_q = jnp.zeros((b, n), jnp.int32)
     zeros_k = jnp.zeros((b, k.shape[1]), jnp.int32)
     # Every text key is visible to every query: cuDNN runs with no mask, no check and no branch.
-    out = attend(q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=run.backend, plan=ALL_VISIBLE_PLAN).astype(act)
+    out = attend(
+        q.astype(k.dtype), k, v, zeros_q, zeros_k, backend=run.backend, interpret=run.interpret, plan=ALL_VISIBLE_PLAN
+    ).astype(act)
     return L.linear(p["o"], constrain(out, TOKEN_HEADS).reshape(b, n, config.dim), act)
 
 
@@ -515,7 +517,8 @@ def _forward_sequence(
     def self_attention(q, k, v, state, layer):
         # q, k, v in the dtype a cache would hold them in, so a stream and the whole sequence attend alike
         q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
-        return attend(q, k, v, positions, positions, mask=mask, backend=run.backend).astype(jnp.float32), state
+        out = attend(q, k, v, positions, positions, mask=mask, backend=run.backend, interpret=run.interpret)
+        return out.astype(jnp.float32), state
 
     return _dit(params, config, latents, timesteps, positions, cross, self_attention, None, run)[0]
 
@@ -659,7 +662,9 @@ def forward_teacher_forcing(
 
     def self_attention(q, k, v, state, layer):
         q, k, v = (a.astype(kv_dtype) for a in (q, k, v))
-        out_clean = attend(q[:, :n], k[:, :n], v[:, :n], positions, positions, mask=mask, backend=run.backend)
+        out_clean = attend(
+            q[:, :n], k[:, :n], v[:, :n], positions, positions, mask=mask, backend=run.backend, interpret=run.interpret
+        )
         # fold c: the queries of noisy chunk c; the keys are the clean copy's with chunk c's replaced by the noisy
         fold = lambda a: a.reshape(b * chunks, tpc, *a.shape[2:])
         swap = lambda a: jnp.where(own[None, :, :, None, None], a[:, None, n:], a[:, None, :n]).reshape(
@@ -667,7 +672,9 @@ def forward_teacher_forcing(
         )
         q_pos = fold(positions)
         kv_pos = jnp.broadcast_to(positions[:, None], (b, chunks, n)).reshape(b * chunks, n)
-        out_noisy = attend(fold(q[:, n:]), swap(k), swap(v), q_pos, kv_pos, mask=mask, backend=run.backend)
+        out_noisy = attend(
+            fold(q[:, n:]), swap(k), swap(v), q_pos, kv_pos, mask=mask, backend=run.backend, interpret=run.interpret
+        )
         out_noisy = out_noisy.reshape(b, n, *out_noisy.shape[2:])
         return jnp.concatenate([out_clean, out_noisy], axis=1).astype(jnp.float32), state
 
@@ -901,8 +908,10 @@ def _relative_attend(
     q_rope, k_rope = cache_relative_rope(q_positions, kv_positions, grid_hw, config)
     q_rot = apply_rope(q.astype(jnp.float32), *q_rope).astype(dtype)
     k_rot = apply_rope(kc, *k_rope)
-    plan_arg = {} if plan is None else {"plan": plan}  # (`attend` takes a plan; `fp8_attend` plans per call)
-    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=run.backend, **plan_arg)
+    extra = {} if plan is None else {"plan": plan}  # (`attend` takes a plan; `fp8_attend` plans per call)
+    if attend_fn is attend:  # (`fp8_attend` takes no interpret: it emulates FP8 on CPU by itself)
+        extra["interpret"] = run.interpret
+    out = attend_fn(q_rot, k_rot, vc, q_positions, kv_positions, mask=mask, backend=run.backend, **extra)
     return out.astype(q.dtype)
 
 
@@ -1027,7 +1036,9 @@ def recompute_cache(
             k, v = jnp.where(sel, old_k, k), jnp.where(sel, old_v, v)
         cache = cache.replace_layer(layer, k, v)
         if rope == "absolute":
-            out = attend(q.astype(dtype), k, v, positions, positions, mask=mask, backend=run.backend).astype(q.dtype)
+            out = attend(
+                q.astype(dtype), k, v, positions, positions, mask=mask, backend=run.backend, interpret=run.interpret
+            ).astype(q.dtype)
         else:
             out = _relative_attend(q, k, v, positions, positions, mask, (gh, gw), config, run)
         return out, cache
