@@ -113,7 +113,7 @@ def measure(config: WanConfig, params, context, window_frames: int, timed: int) 
         row[f"{policy}_ms"] = statistics.median(times[policy]) * 1e3
         row[f"{policy}_first_chunk_s"] = first[policy]
         row[f"{policy}_compiles"] = compiles[policy]
-        streams[policy].state = None  # free the caches before the next window
+        streams[policy].carry = None  # free the caches before the next window
     row["rolling_over_ring"] = row["rolling_ms"] / row["ring_ms"]
     row.update(measure_maintenance(config, cache.spec, timed, len(R.Schedule().steps) + 1))
     row["cache_only_rolling_over_ring"] = row["rolling_cache_only_ms"] / row["ring_cache_only_ms"]

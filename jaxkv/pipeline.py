@@ -383,14 +383,11 @@ class Pipeline:
         vae_extra = session.extras.get(S.VAE_DECODER)
         if num_chunks is not None:
             num_chunks = check_int("num_chunks", num_chunks, minimum=1)
-        decoder = pipe._new_decoder()
-        if pipe._vae is not None:
-            if vae_extra is None:
-                raise ValueError(
-                    f"resume: {path} holds no VAE decoder state (saved without video), so the frames cannot continue"
-                )
-            decoder.state = S.vae_state(vae_extra)
-            decoder.first = bool(decoder.state.first)
+        decoder = pipe._new_decoder()  # (a Wan VAE's state: the session's, which the stream carries)
+        if pipe._vae is not None and vae_extra is None:
+            raise ValueError(
+                f"resume: {path} holds no VAE decoder state (saved without video), so the frames cannot continue"
+            )
         try:  # the session's latent ring, if it saved one, comes back with it (checked first)
             stream = Stream.from_session(pipe.params, pipe.config, pipe.rc, session, num_chunks=num_chunks)
         except S.SessionError:
@@ -443,6 +440,12 @@ class PipelineStream:
 
     def __init__(self, pipeline: Pipeline, stream: Stream, decoder, prompt, negative, seed):
         self.pipeline, self._stream, self._decoder = pipeline, stream, decoder
+        if self._vae_stateful:  # a Wan VAE's feature caches are carried by the stream (``extras[VAE_DECODER]``)
+            extra = stream.carry.extras.get(S.VAE_DECODER)
+            if extra is None:  # a new stream: its decoder's fresh (or primed) state
+                self._carry_decoder()
+            else:  # resumed or forked: the decoder continues the carried state
+                decoder.first = bool(extra["first"])
         self.prompt, self.negative_prompt, self.seed = prompt, negative, seed
         self.switches: list[tuple[int, str]] = [(stream.index, prompt)]
         self.given: dict | None = None  # what `Pipeline.start` committed from an image / video (None: from noise)
@@ -471,7 +474,7 @@ class PipelineStream:
         `PipelineError` for a chunk of non-finite latents."""
         index = self._stream.index
         x = next(self._stream)
-        frames, finite = jax.device_get((self._decoder(x), _finite(x)))  # the decode `jaxkv generate`'s mp4 runs
+        frames, finite = jax.device_get((self._decode(x), _finite(x)))  # the decode `jaxkv generate`'s mp4 runs
         if not finite:
             raise PipelineError(f"chunk {index} holds NaN/Inf latents")
         return np.asarray(frames[0])
@@ -486,6 +489,21 @@ class PipelineStream:
     @property
     def _vae_stateful(self) -> bool:
         return self.pipeline._vae is not None
+
+    def _decode(self, x):
+        """The decoder's frames of the chunk ``x``; a Wan VAE decodes from the state the stream carries and puts its
+        new state back there (host-side), so a save or fork of the stream takes the decoder with it."""
+        if not self._vae_stateful:
+            return self._decoder(x)
+        self._decoder.state = S.vae_state(self._stream.carry.extras[S.VAE_DECODER])
+        frames = self._decoder(x)
+        self._carry_decoder()
+        return frames
+
+    def _carry_decoder(self) -> None:
+        carry = self._stream.carry
+        extras = {**carry.extras, S.VAE_DECODER: S.vae_extra(self._decoder.state)}
+        self._stream.carry = carry.replace(extras=extras)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self
@@ -513,9 +531,6 @@ class PipelineStream:
             self.switches.append((index, prompt))
         return index
 
-    def _extras(self) -> dict:  # the latent ring is the stream's own (`Stream.session`)
-        return {S.VAE_DECODER: S.vae_extra(self._decoder.state)} if self._vae_stateful else {}
-
     def metadata(self) -> dict:
         """What `save` records in ``metadata["pipeline"]``."""
         p = self.pipeline
@@ -535,7 +550,7 @@ class PipelineStream:
     def save(self, path: str, *, overwrite: bool = False) -> str:
         """Saves the stream before its next chunk to the directory ``path`` (atomically; an existing session there
         only with ``overwrite``); returns its absolute path. The stream goes on unchanged."""
-        session = self._stream.session(copy=False, extras=self._extras())
+        session = self._stream.session(copy=False)  # the latent ring and a VAE's state included
         return S.save(os.fspath(path), session, force=overwrite, metadata={METADATA: self.metadata()})
 
     def fork(self) -> "PipelineStream":
@@ -543,12 +558,8 @@ class PipelineStream:
         the other as it was; both draw the same chunks until one switches prompts."""
         if self.remaining == 0:
             raise ValueError("fork: the stream has generated all its num_chunks; there is nothing left to fork")
-        twin = self._stream.fork()
-        decoder = self._decoder
-        if self._vae_stateful:
-            decoder = self.pipeline._new_decoder()
-            decoder.state = jax.tree.map(lambda a: jnp.array(a, copy=True), self._decoder.state)
-            decoder.first = self._decoder.first
+        twin = self._stream.fork()  # its copy of the carried state holds a VAE decoder's
+        decoder = self.pipeline._new_decoder() if self._vae_stateful else self._decoder
         out = PipelineStream(self.pipeline, twin, decoder, self.prompt, self.negative_prompt, self.seed)
         out.switches = list(self.switches)
         out.given = self.given

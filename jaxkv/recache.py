@@ -294,6 +294,6 @@ def SwitchableStream(stream):
         DeprecationWarning,
         stacklevel=2,
     )
-    if stream.ring is None:
-        stream.ring = stream._empty_ring()
+    if stream.ring is None and stream._empty_ring() is not None:
+        stream._put_ring(stream._empty_ring())
     return stream

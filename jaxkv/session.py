@@ -1,6 +1,7 @@
 """`Session`: everything a stream needs to continue, as one pytree; saved to disk, resumed, forked, offloaded.
 
-A session is the state of a `jaxkv.stream.Stream` (or of the scan `rollout`) between two chunks:
+A session is the state of a `jaxkv.stream.Stream` (or of the scan `rollout`) between two chunks; a stream carries
+exactly one (``stream.carry``, its latent history as ``extras["latent_ring"]``), replaced after each chunk:
 
   cache:       the stacked self-attention cache of every layer, any policy (`RingCache`, `RollingCache`,
                `jaxkv.cache.dilated.DilatedCache`): k, v [layers, sessions, capacity, heads, head_dim] in the cache

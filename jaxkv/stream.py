@@ -5,9 +5,16 @@ key or given); this module drives it chunk by chunk, checks what a stream is giv
 commits given latents (`Stream.commit`), moves a stream's state to and from a `jaxkv.session.Session`
 (`Stream.session`, `Stream.from_session`), forks it (`Stream.fork`) and switches its prompt (`Stream.switch_prompt`).
 
+Everything that changes between two chunks is one object, ``stream.carry``: a `jaxkv.session.Session` (cache and
+cross K/V, noise key, clock, extras such as a VAE decoder's state, the settings' fingerprint); each step, commit and
+switch replaces it by a new one (host-side: the step's donated cache is replaced by its successor, nothing is
+copied), and ``state``, ``key``, ``index`` and ``ring`` are read-only views of it, so no part can drift from the
+rest. A fork, an offload, a save acts on it whole (``stream.session()`` returns it, a copy by default).
+
 A stream keeps its latent history: the `jaxkv.recache.LatentRing` of the clean chunks the cache retains (what a
 prompt switch re-caches from), pushed by a small jitted program of its own after each step (the step's program is
-not changed), saved in its sessions (``extras[jaxkv.recache.RING_EXTRA]``) and restored from them. ``history=False``
+not changed), carried as ``carry.extras[jaxkv.recache.RING_EXTRA]`` (so its sessions save it, in the format of
+earlier releases) and restored from them. ``history=False``
 skips it for a stream that never switches. It sits above `jaxkv.rollout`, `jaxkv.session` and `jaxkv.recache`, which
 know nothing of it.
 """
@@ -20,6 +27,7 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import recache as RC
 from jaxkv import session as S
@@ -84,9 +92,11 @@ class Stream:
     endless stream raises OverflowError at that chunk instead of wrapping; with ``rope="cache-relative"`` the
     clock wraps (`wrap_clock`) and the stream is unbounded. ``num_chunks=None`` streams forever (with explicit
     ``noise [chunks, steps, batch, chunk_frames, h, w, in_dim]``: all its chunks; a larger num_chunks is a
-    ValueError). The state after the
-    latest chunk is ``stream.state`` (its cache: ``stream.state.cache``); ``stream.index`` is the stream index of the
-    next chunk. `Stream.from_session` continues a saved `jaxkv.session.Session` (``num_chunks`` then counts the
+    ValueError). What the stream carries is one `jaxkv.session.Session`, ``stream.carry`` (replaced
+    after each chunk); ``stream.state`` (the `RolloutState` after the latest chunk: ``stream.state.cache``),
+    ``stream.key``, ``stream.index`` (the stream index of the next chunk) and ``stream.ring`` are read-only views
+    of it. Per-layer params run on a per-layer carried cache (the fingerprint is the stacked one's).
+    `Stream.from_session` continues a saved `jaxkv.session.Session` (``num_chunks`` then counts the
     continuation's chunks); ``stream.session()`` takes one; ``stream.fork()`` is an independent copy.
 
     Prompt switching: ``stream.switch_prompt(context)`` re-caches the retained chunks under a new prompt before the
@@ -116,11 +126,16 @@ class Stream:
         for name, x in (("context", context), ("negative_context", negative_context)):
             _check_finite(name, x)
         self.params, self.config, self.rc = params, config, rc
-        self.key, self.noise, self.num_chunks = key, noise, num_chunks
+        self.noise, self.num_chunks = noise, num_chunks
         _check_history(history)
-        self.state = self._init_state(context, negative_context)
-        self.index = self.start = 0  # chunk index of the next chunk / of this Stream's first one
-        self.ring = self._empty_ring() if history else None
+        state = self._init_state(context, negative_context)
+        # the fingerprint is the stacked state's (a per-layer state is stacked only in its shapes here)
+        carry = S.Session.create(config, rc, jax.eval_shape(stacked_state, state), key=key, next_chunk=0)
+        self.carry = carry.replace(cache=state.cache, cross=state.cross, next_chunk=np.int32(0))
+        self.start = 0  # the chunk index of this Stream's first chunk
+        ring = self._empty_ring() if history else None
+        if ring is not None:
+            self._put_ring(ring)
 
     @classmethod
     def from_session(
@@ -173,12 +188,54 @@ class Stream:
                 ring = RC.ring_from_extra(session.extras[RC.RING_EXTRA], ring)
         self = cls.__new__(cls)
         self.params, self.config, self.rc = params, config, rc
-        self.key, self.noise, self.num_chunks = session.key, noise, num_chunks
+        self.noise, self.num_chunks = noise, num_chunks
         # Sessions hold stacked states; per-layer params run on a per-layer state (a copy, made once here).
-        self.state = per_layer_state(session.state) if is_per_layer(params) else session.state
-        self.index = self.start = int(session.next_chunk)
-        self.ring = ring
+        state = per_layer_state(session.state) if is_per_layer(params) else session.state
+        self.start = int(session.next_chunk)
+        extras = {k: v for k, v in session.extras.items() if k != RC.RING_EXTRA}  # the ring: `_put_ring`
+        self.carry = session.replace(
+            cache=state.cache, cross=state.cross, next_chunk=np.int32(self.start), extras=extras
+        )
+        if ring is not None:
+            self._put_ring(ring)
         return self
+
+    # ------------------------------------------------------------------------------ the one state and its views
+
+    @property
+    def state(self) -> RolloutState:
+        """The `jaxkv.rollout.RolloutState` (cache, cross K/V) the next step continues: a view of ``carry``."""
+        return self.carry.state
+
+    @property
+    def key(self):
+        """The noise key (None for a stream fed explicit noise): a view of ``carry``."""
+        return self.carry.key
+
+    @property
+    def index(self) -> int:
+        """The stream index of the next chunk: a view of ``carry.next_chunk``."""
+        return int(self.carry.next_chunk)
+
+    @property
+    def ring(self):
+        """The latent history (`jaxkv.recache.LatentRing`), or None for a stream that keeps none: a view of
+        ``carry.extras[jaxkv.recache.RING_EXTRA]``."""
+        extra = self.carry.extras.get(RC.RING_EXTRA)
+        if extra is None:
+            return None
+        spec = RC.ring_spec(self.config, self.rc)
+        return RC.LatentRing(extra["latents"], extra["chunks"], spec.sink_chunks, spec.window_chunks)
+
+    def _put_ring(self, ring) -> None:
+        """Stores ``ring`` (a `LatentRing`) as the carry's latent history (host-side: a new extras dict)."""
+        entry = {"latents": ring.latents, "chunks": ring.chunks}
+        self.carry = self.carry.replace(extras={**self.carry.extras, RC.RING_EXTRA: entry})
+
+    def _put_state(self, state: RolloutState, next_chunk: int | None = None) -> None:
+        """Replaces the carry's cache and cross K/V by ``state`` (and its clock by ``next_chunk``): host-side."""
+        nxt = self.carry.next_chunk if next_chunk is None else np.int32(next_chunk)
+        self.carry = self.carry.replace(cache=state.cache, cross=state.cross, next_chunk=nxt)
 
     def commit(self, latents) -> None:
         """Commits given clean latents float32 [batch, n * chunk_frames, h, w, in_dim] as the stream's first ``n``
@@ -215,10 +272,10 @@ class Stream:
         n = latents.shape[1] // cf
         check_position_room(self.config, self.rc, n + (self.num_chunks or 0), self.state.cache)
         for c in range(n):
-            self.state = self._commit_chunk(latents[:, c * cf : (c + 1) * cf])
+            self._put_state(self._commit_chunk(latents[:, c * cf : (c + 1) * cf]), c + 1)
             if self.ring is not None:  # committed at a fresh stream's start: chunk c is stream chunk c
-                self.ring = self.ring.push(latents[:, c * cf : (c + 1) * cf], jnp.full((batch,), c, jnp.int32))
-        self.index = self.start = n
+                self._put_ring(self.ring.push(latents[:, c * cf : (c + 1) * cf], jnp.full((batch,), c, jnp.int32)))
+        self.start = n
 
     def _commit_chunk(self, chunk) -> RolloutState:  # a mesh stream's own: `jaxkv.parallel.MeshStream`
         return commit_step(self.params, self.config, self.rc, self.state, chunk)
@@ -229,18 +286,23 @@ class Stream:
         ``copy`` (default): in buffers of its own, valid whatever the stream does next; without it the session
         shares the stream's buffers, which its next step donates (save it before stepping again). A stream on
         per-layer params holds its state per layer: the session gets a stacked copy either way."""
-        if self.ring is not None:
-            extras = {RC.RING_EXTRA: self.ring_extra(), **(extras or {})}
-        state = stacked_state(self.state)
-        s = S.Session.create(self.config, self.rc, state, key=self.key, next_chunk=self.index, extras=extras)
-        return s.fork() if copy and state is self.state else s
+        carry, state = self.carry, stacked_state(self.state)
+        if extras:
+            S._flat_extras(extras)  # checks the names
+        s = carry.replace(
+            cache=state.cache,
+            cross=state.cross,
+            next_chunk=jnp.asarray(carry.next_chunk, jnp.int32),
+            extras={**carry.extras, **(extras or {})},
+        )
+        return s.fork() if copy and state.cache is carry.cache else s
 
     def fork(self) -> "Stream":
         """An independent copy of this stream before its next chunk: state and latent history in buffers of their
         own (stepping or switching either leaves the other as it was), the same key, clock, remaining
         ``num_chunks`` and explicit noise, so both draw the same chunks until one switches prompts."""
         twin = copy.copy(self)
-        twin.state, twin.ring = jax.tree.map(lambda a: jnp.array(a, copy=True), (self.state, self.ring))
+        twin.carry = self.carry.fork().replace(next_chunk=self.carry.next_chunk)  # (the clock stays on the host)
         return twin
 
     # ---------------------------------------------------------------------------------------- prompt switching
@@ -257,7 +319,7 @@ class Stream:
         if not isinstance(keep_sink, bool):
             raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
         RC.check_ring(self.config, self.rc, self.state, self.ring)
-        self.state = self._switch(context, negative_context, keep_sink)
+        self._put_state(self._switch(context, negative_context, keep_sink))
 
     def switch(self, context, negative_context=None, *, keep_sink: bool = True) -> None:
         """Deprecated alias of `switch_prompt` (the name of the retired ``SwitchableStream``)."""
@@ -276,7 +338,7 @@ class Stream:
         one). ValueError, before anything changes, when it does not fit this stream or the stream keeps none."""
         if self.ring is None:
             raise ValueError("this stream keeps no latent history (history=False, or a cache no switch re-caches)")
-        self.ring = RC.ring_from_extra(extra, self.ring)
+        self._put_ring(RC.ring_from_extra(extra, self.ring))
 
     def _empty_ring(self):
         """An empty `jaxkv.recache.LatentRing` for this stream, or None when its cache cannot be re-cached."""
@@ -321,13 +383,13 @@ class Stream:
             )
         index = jnp.asarray(self.index, jnp.int32)
         if self.noise is not None:
-            x, self.state = self._run_step(None, None, self.noise[self.index - self.start])
+            x, state = self._run_step(None, None, self.noise[self.index - self.start])
         else:
-            x, self.state = self._run_step(self.key, index, None)
-        if self.ring is not None:  # the chunk the step reserved (wrapped clock included) holds x
-            cache = self.state.cache
-            self.ring = RC.push_chunk(self.ring, x, cache.chunk_start, cache.spec.chunk)
-        self.index += 1
+            x, state = self._run_step(self.key, index, None)
+        ring = self.ring
+        self._put_state(state, self.index + 1)  # the donated cache's successor replaces it in the one carry
+        if ring is not None:  # the chunk the step reserved (wrapped clock included) holds x
+            self._put_ring(RC.push_chunk(ring, x, state.cache.chunk_start, state.cache.spec.chunk))
         return x
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -230,6 +231,25 @@ def test_a_wan_release_streams_its_vae_frames_and_resumes_them(wan_release, tmp_
     f = r.fork()
     np.testing.assert_array_equal(f.step(), want[2])
     np.testing.assert_array_equal(r.step(), want[2])
+
+
+def test_a_forked_wan_stream_decodes_the_same_frames_from_the_fork_point(wan_release):
+    """The VAE decoder's feature caches are part of the stream's carried state: a fork takes them (in buffers of
+    its own), so the fork's frames equal the original's bit for bit from the fork point, whichever steps first."""
+    pipe = Pipeline.from_pretrained(wan_release, height=4, width=4)
+    s = pipe.start(WAN_PROMPT, seed=1)
+    s.step()
+    carried = s._stream.carry.extras[S.VAE_DECODER]
+    f = s.fork()
+    assert f.frames_per_chunk == s.frames_per_chunk == 12
+    twin = f._stream.carry.extras[S.VAE_DECODER]
+    for a, b in zip(jax.tree.leaves(carried), jax.tree.leaves(twin), strict=True):
+        assert a is not b
+        np.testing.assert_array_equal(a, b)
+    fork_frames = [f.step() for _ in range(2)]  # the fork first: its decodes leave the original's state alone
+    for n in range(2):
+        np.testing.assert_array_equal(s.step(), fork_frames[n], err_msg=f"frames of chunk {n + 1}")
+    assert s._stream.carry.extras[S.VAE_DECODER] is not carried  # each decode put its new state back in the carry
 
 
 def test_a_stream_continues_a_video_as_jaxkv_generate_does(pipe, tmp_path):

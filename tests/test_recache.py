@@ -208,11 +208,12 @@ def _stream(rc, chunks=2):
 def test_a_ring_that_lacks_a_held_chunk_is_refused_before_the_state_changes():
     rc = _rc()
     s = _stream(rc)
-    s.ring = RC.LatentRing.init(rc.spec(CFG), rc.chunk_shape(CFG, 2))  # as if never pushed
+    empty = RC.LatentRing.init(rc.spec(CFG), rc.chunk_shape(CFG, 2))  # as if never pushed
+    s.restore_ring({"latents": empty.latents, "chunks": empty.chunks})
     before = s.state
     with pytest.raises(ValueError, match="lacks chunk 0"):
         s.switch_prompt(_ctx(2, 2))
-    assert s.state is before and not s.state.cache.k.is_deleted()
+    assert s.state.cache is before.cache and not s.state.cache.k.is_deleted()
 
 
 def test_switch_argument_errors():

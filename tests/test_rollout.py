@@ -429,6 +429,6 @@ def test_rollout_and_stream_refuse_to_pass_the_int32_position_limit():
         R.rollout(params, CFG, rc, ctx, num_chunks=2, key=jax.random.key(0), state=late)
     # An endless stream stops with an error at the limit instead of wrapping.
     stream = Stream(params, CFG, rc, ctx, key=jax.random.key(0))
-    stream.index = limit
+    stream.carry = stream.carry.replace(next_chunk=np.int32(limit))
     with pytest.raises(OverflowError, match="int32 position limit"):
         next(stream)

@@ -57,7 +57,8 @@ def _dilated_state(rc, batch=1):
 def _dilated_stream(rc, num_chunks, key=KEY):
     """A Stream over a DilatedCache (RolloutConfig builds only ring / rolling caches): same step, another cache."""
     stream = Stream(PARAMS, CFG, rc, CTX, num_chunks=num_chunks, key=key)
-    stream.state = _dilated_state(rc)
+    # the one carried state, rebuilt around the other cache (its fingerprint names the DilatedCache)
+    stream.carry = S.Session.create(CFG, rc, _dilated_state(rc), key=key, next_chunk=0, extras=stream.carry.extras)
     return stream
 
 

@@ -35,7 +35,8 @@ def _old_wrapper_chunks(rc, before, total, ctx_b):
     for n in range(total):
         if n == before:
             RC.check_ring(CFG, rc, s.state, ring)
-            s.state = RC.jit_switch_prompt(s.params, CFG, rc, s.state, ring, ctx_b, None, keep_sink=True)
+            new = RC.jit_switch_prompt(s.params, CFG, rc, s.state, ring, ctx_b, None, keep_sink=True)
+            s.carry = s.carry.replace(cache=new.cache, cross=new.cross)
         x = next(s)
         ring = RC.push_chunk(ring, x, s.state.cache.chunk_start, s.state.cache.spec.chunk)
         out.append(np.asarray(x))
@@ -151,7 +152,7 @@ def test_history_false_refuses_a_switch_before_the_state_changes():
     before = s.state
     with pytest.raises(ValueError, match="cannot switch prompts: it was built with history=False"):
         s.switch_prompt(_ctx(2, 2))
-    assert s.state is before and not s.state.cache.k.is_deleted()
+    assert s.state.cache is before.cache and not s.state.cache.k.is_deleted()
     with pytest.raises(ValueError, match="keeps no latent history"):
         s.ring_extra()
     with pytest.raises(ValueError, match="history must be a bool"):
