@@ -253,3 +253,38 @@ def test_wrap_clock_moves_only_active_sessions():
     half = wrap_clock(near, jnp.array([True, False]))
     assert int(half.chunk_start[0]) == int(moved.chunk_start[0])
     assert int(half.chunk_start[1]) == int(near.chunk_start[1])
+
+
+@pytest.mark.slow
+def test_a_row_waiting_at_the_wrapped_clock_keeps_its_clock_until_its_own_step():
+    """Cache-relative RoPE: two rows whose clocks are due to wrap (moved near the int32 limit, as
+    tests/test_rope_modes.py moves a stream). Row a steps past the wrap while row b waits bit for bit (its clock is
+    due too: a wrap of every row would move it); then b steps and wraps. Every chunk equals the same pool's at the
+    true positions."""
+    from tests.test_rope_modes import _advanced
+
+    rc = _rc(rope="cache-relative")
+    params = wan.init_params(CFG, jax.random.key(0))
+    pools = [P.StreamPool(params, CFG, rc, rows=2) for _ in range(2)]
+    for pool in pools:
+        a, b = (pool.admit(_ctx(s), jax.random.key(100 + s)) for s in (1, 2))
+    shifted, true = pools
+    for pool in pools:
+        for _ in range(3):
+            pool.step()
+    spec, cache = rc.spec(CFG), shifted.state.rollout.cache
+    d = (spec.max_chunks - 6) // spec.window_chunks * spec.window_chunks
+    shifted.state = shifted.state._replace(rollout=shifted.state.rollout._replace(cache=_advanced(cache, d)))
+    while int(shifted.state.rollout.cache.chunk_start[b]) // spec.chunk < spec.max_chunks - 1:  # until both are due
+        for x, y in zip(shifted.step().values(), true.step().values()):
+            np.testing.assert_array_equal(x, y)
+    for rows in ([a], [a], [b], [b], None):
+        waiting = [r for r in (a, b) if rows is not None and r not in rows]
+        before = {r: _row_state(shifted, r) for r in waiting}
+        got, want = shifted.step(rows), true.step(rows)
+        for r in got:
+            np.testing.assert_array_equal(got[r], want[r], err_msg=f"row {r}")
+        for r in waiting:
+            _equal(_row_state(shifted, r), before[r], f"row {r} waiting at the wrap")
+    ends = np.asarray(shifted.state.rollout.cache.chunk_start) // spec.chunk
+    assert (ends < spec.max_chunks // 2 + 8).all(), ends  # both clocks wrapped (by about half the int32 range)
