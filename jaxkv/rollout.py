@@ -164,8 +164,9 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
     Args:
       noise: float [steps, batch, chunk_frames, h, w, in_dim]: noise[0] is the initial x, noise[i] the eps mixed in
         before step i.
-      active: optional bool [batch]: only these rows reserve a new chunk (`jaxkv.pool`); the others must hold no
-        chunk (an empty row: its output is meaningless and it stays empty). With guidance the mask covers both
+      active: optional bool [batch]: only these rows generate a chunk (`jaxkv.pool`). The others run through the
+        model (a fixed-shape batch) but reserve nothing, write nothing and keep their clock: their cache rows come
+        back bit for bit, chunks held or not; their output is meaningless. With guidance the mask covers both
         sessions of a row.
     """
     _check_model(config)
@@ -210,14 +211,18 @@ def generate_chunk(params, config: WanConfig, rc: RolloutConfig, state: RolloutS
             eps = x + (1.0 - sigma_i) * flow
         return ((1.0 - next_sigma_i) * x0 + next_sigma_i * eps, cache), None
 
-    cache = state.cache if rc.bounded else wrap_clock(state.cache)
     if active is not None:
         active = jnp.asarray(active)
         if active.shape != (batch,) or active.dtype != jnp.bool_:
             raise ValueError(f"active must be bool [{batch}], got {active.dtype}{list(active.shape)}")
         active = jnp.concatenate([active, active]) if guided else active
+    cache = state.cache if rc.bounded else wrap_clock(state.cache, active)
     cache = cache.begin_chunk(active)
+    if active is not None:  # the waiting rows' writes are no-ops (they may hold chunks: a pool's rows step apart)
+        cache = cache.only_writing(active)
     (x, cache), _ = lax.scan(one_pass, (noise[0], cache), (t, sigma, next_sigma, next_noise))
+    if active is not None:
+        cache = cache.only_writing(None)  # the state leaves as it came in: no mask
     return x, RolloutState(cache, state.cross)
 
 

@@ -6,6 +6,7 @@ with the whole stack in the loop carry and update ``[layer, session, slot]`` in 
   k, v:        [batch, capacity, heads, head_dim]          (or [layers, batch, capacity, heads, head_dim])
   positions:   int32 [batch, capacity]   absolute token position held by each slot, -1 when empty
   chunk_start: int32 [batch]             absolute position of the reserved chunk, -1 when none is reserved
+  writers:     bool [batch] or None      sessions whose writes land this chunk (`only_writing`); None: all
 
 A stack of layers may instead be held **per layer** (``init(..., per_layer=True)`` or `ChunkCache.per_layer`): k and
 v are then tuples of ``layers`` separate [batch, capacity, heads, head_dim] buffers, addressed by a static (Python
@@ -188,6 +189,9 @@ class ChunkCache:
     positions: jax.Array
     chunk_start: jax.Array
     spec: RingSpec = struct.field(pytree_node=False)
+    # bool [batch] or None: the sessions whose `write` lands during the reserved chunk (`only_writing`); the others'
+    # writes are no-ops, so a session that sits a chunk out keeps every byte even when it holds chunks.
+    writers: jax.Array | None = None
 
     # The type of ``spec`` that `init` takes (a class attribute, not a field).
     spec_type: ClassVar[type] = RingSpec
@@ -310,6 +314,17 @@ class ChunkCache:
     def begin_chunk(self, active=None):
         raise NotImplementedError
 
+    def only_writing(self, active=None):
+        """This cache with every later `write` (until ``only_writing(None)``) limited to the sessions where
+        ``active`` (bool [batch]) is True, as if each write were given ``active=``: the others' K/V and positions
+        keep their bytes. A pool's step of some rows (`jaxkv.rollout.generate_chunk`'s ``active``) runs the model
+        on every session and must leave the waiting ones, which may hold chunks, untouched. None: every session
+        writes (the default). Only the mask changes; it is a pytree leaf, so clear it before the cache leaves a
+        step whose input had none."""
+        if active is not None:
+            active = self._check_session_mask("only_writing: active", active)
+        return self.replace(writers=active)
+
     # ---------------------------------------------------------------- shared transitions
 
     def next_chunk_index(self) -> jax.Array:
@@ -407,12 +422,12 @@ class ChunkCache:
           layer: required iff the cache is stacked (``layers`` set): an int or a traced int32 scalar. Out of
             range: a ValueError when its value is known; when traced, the write writes nothing and
             `jax.experimental.checkify.checkify` reports it (see `_check_layer`). Never clamped onto another layer.
-          active: optional bool [batch]; sessions not active are left untouched.
+          active: optional bool [batch]; sessions not active are left untouched (default: `writers`).
 
         Sessions with no reserved chunk get nothing visible: their slot positions stay -1. Eagerly (outside jit)
         writing to a cache where no session has reserved a chunk raises.
         """
-        active = self._check_write_args(k, v, layer, active)
+        active = self._check_write_args(k, v, layer, self.writers if active is None else active)
 
         offsets = self.chunk_offsets()
         (buf_k, buf_v), at = self._layer_buffers(layer)

@@ -104,7 +104,7 @@ def wrap_period(spec) -> int:
     return period
 
 
-def wrap_clock(cache):
+def wrap_clock(cache, active=None):
     """Moves a session's clock back by `wrap_period` chunks when its next chunk would pass the int32 positions.
 
     For cache-relative RoPE only differences of positions matter: ranks (their order), the chunk-causal and window
@@ -113,12 +113,15 @@ def wrap_clock(cache):
     keeps every chunk's slot and every dilated frame's (`WRAPPING_POLICIES`). A session whose reserved chunk is the
     last that fits (``chunk_start >= last * chunk``, `_wrap_layout`) is shifted; others are returned as they are.
     A `MixedCache` moves both stacks by the same shift (they hold the same chunk). O(capacity) int32 work per call,
-    no K/V touched. Call it before ``begin_chunk``.
+    no K/V touched. Call it before ``begin_chunk``. ``active`` (optional bool [batch]): only these sessions may
+    move (as ``begin_chunk(active)``: a session that sits the chunk out keeps its clock until its own next chunk).
     """
     spec = cache.spec
     _, last, _, _ = _wrap_layout(spec)
     shift_tokens = wrap_period(spec) * spec.chunk  # <= 2**30: no overflow
     due = cache.chunk_start >= last * spec.chunk
+    if active is not None:
+        due &= active
     shift = jnp.where(due, shift_tokens, 0).astype(jnp.int32)
     if _is_mixed(cache):
         return cache.replace(dense=_shifted(cache.dense, shift), dilated=_shifted(cache.dilated, shift))

@@ -241,7 +241,7 @@ class DilatedCache(ChunkCache):
           k, v: [batch, chunk, heads, head_dim] (chunk = chunk_frames * tokens_per_frame) in the cache's dtype.
           layer: required iff the cache is stacked: an int or a traced int32 scalar (out of range: as in
             `ChunkCache.write`, a ValueError when known, nothing written when traced).
-          active: optional bool [batch]; sessions not active are left untouched.
+          active: optional bool [batch]; sessions not active are left untouched (default: `writers`).
           commit: static bool. False: the chunk goes to the scratch only (visible to this chunk, gone at the next
             `begin_chunk`). True: also copies the kept frames to their ring slots (visible from the next chunk on).
 
@@ -250,7 +250,7 @@ class DilatedCache(ChunkCache):
         """
         if not isinstance(commit, (bool, np.bool_)):
             raise ValueError(f"write: commit must be a Python bool (it selects the program), got {commit!r}")
-        active = self._check_write_args(k, v, layer, active)
+        active = self._check_write_args(k, v, layer, self.writers if active is None else active)
         spec = self.spec
         t, c = spec.tokens_per_frame, spec.chunk
         scratch = self.chunk_offsets()

@@ -162,13 +162,20 @@ class Fp8Cache:
         are -1 meanwhile, so nothing reads them)."""
         return self.replace(inner=self.inner.begin_chunk(active))
 
+    def only_writing(self, active=None) -> "Fp8Cache":
+        """`ChunkCache.only_writing`: later writes (bytes and scales) land only in the sessions where ``active``."""
+        return self.replace(inner=self.inner.only_writing(active))
+
     def reset(self, sessions=None) -> "Fp8Cache":
         return self.replace(inner=self.inner.reset(sessions))
 
     def write(self, k, v, layer=None, active=None) -> "Fp8Cache":
         """Quantizes k, v [batch, chunk, heads, head_dim] (in the read dtype) with one scale per session and head
         (amax over the chunk's tokens and head_dim / 448) and writes them and their scales into the reserved slot.
-        ``layer`` and ``active`` as `RingCache.write`; inactive sessions keep their bytes and scales."""
+        ``layer`` and ``active`` as `RingCache.write` (default: the inner cache's `writers`); inactive sessions keep
+        their bytes and scales."""
+        if active is None:
+            active = self.inner.writers
         for name, x in (("k", k), ("v", v)):
             if getattr(x, "dtype", None) != self.dtype:
                 raise ValueError(

@@ -174,6 +174,10 @@ class MixedCache:
         """`begin_chunk` of both stacks (``active``: optional bool [batch])."""
         return self.replace(dense=self.dense.begin_chunk(active), dilated=self.dilated.begin_chunk(active))
 
+    def only_writing(self, active=None) -> "MixedCache":
+        """`ChunkCache.only_writing` of both stacks (``active``: optional bool [batch])."""
+        return self.replace(dense=self.dense.only_writing(active), dilated=self.dilated.only_writing(active))
+
     def reset(self, sessions=None) -> "MixedCache":
         """`reset` of both stacks (``sessions``: optional bool [batch])."""
         return self.replace(dense=self.dense.reset(sessions), dilated=self.dilated.reset(sessions))

@@ -1,7 +1,8 @@
 """Many independent streams in one batch: a fixed number of rows, each holding one stream at its own position.
 
 - `jaxkv.pool.state`: `PoolState` and the pure row operations `init_pool`, `admit`, `finish`, `step` (rows traced:
-  one compilation per pool shape); any cache a rollout runs (ring, rolling, dilated, mixed).
+  one compilation per pool shape; a step advances every occupied row or a traced subset, the others wait bit for
+  bit); any cache a rollout runs (ring, rolling, dilated, mixed, FP8).
 - `jaxkv.pool.rows`: one row on its own: `switch_row` (per-row prompt switch with KV re-cache), `take_row` /
   `put_row` (a row out as a solo stream's state, or in).
 - `jaxkv.pool.driver`: `StreamPool`, the host-side driver.

@@ -22,12 +22,13 @@ from jaxkv.validate import check_int
 class StreamPool:
     """Many independent streams as the rows of one batch.
 
-    ``admit(context, key) -> row``, ``step() -> {row: latents [chunk_frames, h, w, in_dim]}`` for the occupied
-    rows, ``finish(row)``; ``switch_prompt(row, context)`` switches one row's prompt (KV re-cache, as
-    `jaxkv.stream.Stream.switch_prompt`); ``session(row)`` takes a row out as a `jaxkv.session.Session` and
-    ``admit_session(session) -> row`` puts one in (a pool row resumes solo and a solo stream joins a pool, bit for
-    bit). Each operation is one compiled program per pool shape (`jit_admit`, `jit_step`, `jit_finish`,
-    `jit_switch_row`, `jit_take_row`, `jit_put_row`), counted by ``jaxkv.compilation.compile_count``.
+    ``admit(context, key) -> row``, ``step(rows=None) -> {row: latents [chunk_frames, h, w, in_dim]}`` for the
+    occupied rows (or some of them: the others wait, bit for bit), ``finish(row)``; ``switch_prompt(row, context)``
+    switches one row's prompt (KV re-cache, as `jaxkv.stream.Stream.switch_prompt`); ``session(row)`` takes a row
+    out as a `jaxkv.session.Session` and ``admit_session(session) -> row`` puts one in (a pool row resumes solo and a
+    solo stream joins a pool, bit for bit). Each operation is one compiled program per pool shape (`jit_admit`,
+    `jit_step`, `jit_finish`, `jit_switch_row`, `jit_take_row`, `jit_put_row`), counted by
+    ``jaxkv.compilation.compile_count``.
     """
 
     def __init__(self, params, config: WanConfig, rc: R.RolloutConfig, rows: int):
@@ -91,21 +92,39 @@ class StreamPool:
         self.state = PS.jit_finish(self.rc, self.state, np.int32(row))
         self._occupied[row] = False
 
-    def step(self) -> dict[int, jax.Array]:
-        """One chunk for every occupied row: {row: latents float32 [chunk_frames, h, w, in_dim]}. ValueError when
-        no row is occupied; OverflowError when a row's next chunk would pass the int32 positions (absolute RoPE)."""
+    def step(self, rows=None) -> dict[int, jax.Array]:
+        """One chunk for every occupied row, or for the occupied ``rows`` given (a list of row numbers, each once):
+        {row: latents float32 [chunk_frames, h, w, in_dim]}. The rows that do not step wait: their state stays bit
+        for bit, and later they go on as their solo streams would. One compiled program for every subset.
+        ValueError, before anything changes, when no row is occupied, ``rows`` is empty, repeats a row or names a
+        free or out-of-range row; OverflowError when a stepping row's next chunk would pass the int32 positions
+        (absolute RoPE)."""
         busy = self.busy_rows
         if not busy:
             raise ValueError("no stream in the pool; admit one first")
+        stepping = busy if rows is None else self._step_rows(rows)
         limit = self.rc.spec(self.config).max_chunks
-        if self.rc.bounded and max(self._chunks[r] for r in busy) >= limit:
+        if self.rc.bounded and max(self._chunks[r] for r in stepping) >= limit:
             raise OverflowError(
                 f"a row's next chunk would pass the int32 position limit ({limit} chunks to a stream); finish it"
             )
-        x, self.state = PS.jit_step(self.params, self.config, self.rc, self.state)
-        for r in busy:
+        mask = np.zeros(self.rows, bool)
+        mask[stepping] = True
+        x, self.state = PS.jit_step(self.params, self.config, self.rc, self.state, mask)
+        for r in stepping:
             self._chunks[r] += 1
-        return {r: x[r] for r in busy}
+        return {r: x[r] for r in stepping}
+
+    def _step_rows(self, rows) -> list[int]:
+        """``rows`` checked: a non-empty list (or tuple) of distinct occupied rows, in the order given."""
+        if not isinstance(rows, (list, tuple)):
+            raise ValueError(f"rows must be a list of occupied row numbers or None, got {type(rows).__name__}")
+        if not rows:
+            raise ValueError(f"rows is empty: name at least one occupied row (occupied rows: {self.busy_rows})")
+        checked = [self._busy(r) for r in rows]
+        if len(set(checked)) != len(checked):
+            raise ValueError(f"rows repeats a row: {list(rows)}; a row steps once per step")
+        return checked
 
     def switch_prompt(self, row: int, context, negative_context=None, *, keep_sink: bool = True) -> None:
         """Switches ``row``'s prompt before its next chunk (context [1, text_tokens, text_dim]; with guidance the

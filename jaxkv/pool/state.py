@@ -3,6 +3,7 @@
 Every row of the pool is a cache session (two with guidance: the row and its negative at ``rows + row``). One step
 advances every occupied row by one chunk in a single compiled program, whatever their positions: the cache reserves
 per session (``begin_chunk(active=occupied)``), positions and slots are per session, and masks come from positions.
+A step may also advance only some occupied rows (``step(..., rows=mask)``): the others wait, bit for bit.
 A stream is *admitted* into a free row (the row's sessions are reset, its cross-attention K/V and noise key set),
 and *finished* (the row reset, freed). Row indices are traced, so admitting, finishing and stepping each compile
 once per pool shape, never per row or per position.
@@ -221,19 +222,24 @@ def finish(rc: R.RolloutConfig, state: PoolState, row) -> PoolState:
     )
 
 
-def step(params, config: WanConfig, rc: R.RolloutConfig, state: PoolState):
-    """Advances every occupied row by one chunk: (latents float32 [rows, chunk_frames, h, w, in_dim] (meaningless
-    in free rows), new state). The ring gets each occupied row's chunk, under the index its cache reserved (as
-    a `jaxkv.stream.Stream` pushes it: the wrapped clock's index on cache-relative RoPE)."""
+def step(params, config: WanConfig, rc: R.RolloutConfig, state: PoolState, rows=None):
+    """Advances every occupied row, or those of them where ``rows`` (bool [rows], traced: one program for every
+    subset) is True, by one chunk: (latents float32 [rows, chunk_frames, h, w, in_dim] (meaningless in the rows that
+    did not step), new state). A row that does not step keeps every byte of its state (cache rows, cross K/V, key,
+    chunk count, ring row): `jaxkv.rollout.generate_chunk`'s ``active``. The ring gets each stepping row's chunk,
+    under the index its cache reserved (as a `jaxkv.stream.Stream` pushes it: the wrapped clock's index on
+    cache-relative RoPE)."""
+    active = state.occupied if rows is None else state.occupied & jnp.asarray(rows, bool)
     keys = jax.random.wrap_key_data(state.keys)
     noise = jax.vmap(lambda k, n: R.chunk_noise(k, config, rc, 1, n)[:, 0])(keys, state.chunks)
     noise = jnp.moveaxis(noise, 0, 1)  # [steps, rows, ...]
-    x, rollout = R.generate_chunk(params, config, rc, state.rollout, noise, active=state.occupied)
+    x, rollout = R.generate_chunk(params, config, rc, state.rollout, noise, active=active)
     ring = state.ring
     if ring is not None:
         start = rollout.cache.chunk_start[: state.rows]  # free rows reserved nothing: -1
-        ring = _push_rows(ring, x, jnp.where(start < 0, RC.EMPTY, start // rollout.cache.spec.chunk))
-    return x, PoolState(rollout, state.keys, state.chunks + state.occupied.astype(jnp.int32), state.occupied, ring)
+        index = jnp.where(active & (start >= 0), start // rollout.cache.spec.chunk, RC.EMPTY)
+        ring = _push_rows(ring, x, index)
+    return x, PoolState(rollout, state.keys, state.chunks + active.astype(jnp.int32), state.occupied, ring)
 
 
 jit_init_pool = jax.jit(init_pool, static_argnums=(1, 2, 3))
