@@ -44,7 +44,7 @@ def saved(monkeypatch):
             raise S.SessionError(f"{path} is not a complete jaxkv session: missing")
         return manifests[path]
 
-    monkeypatch.setattr(S, "read_manifest", read_manifest)
+    monkeypatch.setattr(resume.CK, "read_manifest", read_manifest)  # what `resume.session_layer` reads
 
     def save(argv) -> str:
         name = f"session{len(manifests)}"
