@@ -23,9 +23,13 @@ from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
+from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
 from jaxkv.stream import Stream
+from tests.helpers.masked_reference import sample_history
 from tests.test_rollout_mixed import layer_masks
+
+XLA = RunOptions.of(backend="xla")  # the reference blocks' run options: float32, cross-attention on the XLA path
 
 CFG = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=4, in_dim=4, out_dim=4, text_dim=8, text_len=5, freq_dim=16)
 H, W = 2, 4  # 2 tokens per frame
@@ -61,10 +65,7 @@ def reference_relative_rollout(params, rc, context, noise, frame_masks):
     history every pass (as tests/helpers/masked_reference.py) where layer l's query frame qf sees key frame kf iff
     ``frame_masks[l, qf, kf]``, and RoPE is cache-relative by definition: in qf's row, every visible frame is
     rotated as the frame at its index among the row's visible frames (oldest 0), the query as its own frame."""
-    s = rc.schedule
-    lin = np.asarray(s.steps) / 1000.0
-    sig = s.shift * lin / (1 + (s.shift - 1) * lin)
-    num_chunks, steps, batch, cf = noise.shape[:4]
+    batch = noise.shape[2]
     tpf = CFG.tokens_per_frame(H, W)
     # frame index of key frame kf in query frame qf's row: the visible frames before it
     frame_rank = np.cumsum(frame_masks, axis=2) - frame_masks  # [layers, F, F]
@@ -95,21 +96,9 @@ def reference_relative_rollout(params, rc, context, noise, frame_masks):
             return jnp.einsum("bhqk,bkhd->bqhd", p, v), state
 
         positions = sequence_positions(batch, n)
-        return M._dit(params, CFG, x, t, positions, cross, attention, None, "xla", rotate=False)[0]
+        return M._dit(params, CFG, x, t, positions, cross, attention, None, XLA, rotate=False)[0]
 
-    done = []
-    for n in range(num_chunks):
-        x = noise[n, 0]
-        for i in range(steps):
-            hist = jnp.concatenate(done + [x], axis=1)
-            ts = jnp.concatenate(
-                [jnp.full((batch, n * cf), s.context_noise), jnp.full((batch, cf), 1000.0 * sig[i])], axis=1
-            )
-            v = fwd(hist, ts)[:, -cf:]
-            x0 = x - sig[i] * v
-            x = (1 - sig[i + 1]) * x0 + sig[i + 1] * noise[n, i + 1] if i + 1 < steps else x0
-        done.append(x)
-    return jnp.concatenate(done, axis=1)
+    return sample_history(fwd, rc.schedule, noise)
 
 
 @pytest.mark.slow  # a rollout and ~2 x num_chunks reference forwards per case

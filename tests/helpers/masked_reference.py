@@ -39,13 +39,33 @@ def dense_window_rows(num_frames, chunk_frames, window_frames, sink_frames=0):
     return chunk_rows(seen, num_frames, chunk_frames)
 
 
+def sample_history(fwd, schedule, noise):
+    """float32 [batch, num_chunks * chunk_frames, h, w, c]: the few-step sampler over a cache-free history, from the
+    schedule's definition. ``fwd(history, timesteps)`` is the model's flow over the whole history (past chunks at
+    their clean latents and ``context_noise``, the current chunk at the pass's timestep); ``noise`` [num_chunks,
+    steps, batch, chunk_frames, h, w, c]."""
+    lin = np.asarray(schedule.steps) / 1000.0
+    sig = schedule.shift * lin / (1 + (schedule.shift - 1) * lin)
+    num_chunks, steps, batch, cf = noise.shape[:4]
+    done = []
+    for n in range(num_chunks):
+        x = noise[n, 0]
+        for i in range(steps):
+            hist = jnp.concatenate(done + [x], axis=1)
+            ts = jnp.concatenate(
+                [jnp.full((batch, n * cf), schedule.context_noise), jnp.full((batch, cf), 1000.0 * sig[i])], axis=1
+            )
+            v = fwd(hist, ts)[:, -cf:]
+            x0 = x - sig[i] * v
+            x = (1 - sig[i + 1]) * x0 + sig[i + 1] * noise[n, i + 1] if i + 1 < steps else x0
+        done.append(x)
+    return jnp.concatenate(done, axis=1)
+
+
 def reference_rollout(params, config, rc, context, noise, frame_masks):
     """float32 [batch, num_chunks * chunk_frames, h, w, c] of a rollout without guidance whose layer l sees what
     ``frame_masks[l]`` (bool [F, F], F = num_chunks * chunk_frames) allows."""
-    s = rc.schedule
-    lin = np.asarray(s.steps) / 1000.0
-    sig = s.shift * lin / (1 + (s.shift - 1) * lin)
-    num_chunks, steps, batch, cf = noise.shape[:4]
+    num_chunks, _, batch, cf = noise.shape[:4]
     frames = num_chunks * cf
     assert frame_masks.shape == (config.num_layers, frames, frames)
     tpf = config.tokens_per_frame(rc.latent_height, rc.latent_width)
@@ -66,16 +86,4 @@ def reference_rollout(params, config, rc, context, noise, frame_masks):
 
         return M._dit(params, config, x, t, positions, cross, attention, None, RunOptions.of(backend="xla"))[0]
 
-    done = []
-    for n in range(num_chunks):
-        x = noise[n, 0]
-        for i in range(steps):
-            hist = jnp.concatenate(done + [x], axis=1)
-            ts = jnp.concatenate(
-                [jnp.full((batch, n * cf), s.context_noise), jnp.full((batch, cf), 1000.0 * sig[i])], axis=1
-            )
-            v = fwd(hist, ts)[:, -cf:]
-            x0 = x - sig[i] * v
-            x = (1 - sig[i + 1]) * x0 + sig[i + 1] * noise[n, i + 1] if i + 1 < steps else x0
-        done.append(x)
-    return jnp.concatenate(done, axis=1)
+    return sample_history(fwd, rc.schedule, noise)
