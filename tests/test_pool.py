@@ -114,4 +114,5 @@ def test_docs_switching_and_pool_example_runs():
     exec(compile(block, "docs/streaming.md", "exec"), scope)
     assert len(scope["chunks"]) == 8 and all(bool(np.isfinite(c).all()) for c in scope["chunks"])
     assert sorted(scope["out"]) == [scope["a"], scope["b"]] and scope["out"][scope["a"]].shape == (3, 16, 16, 16)
+    assert sorted(scope["alone"]) == [scope["a"]]  # the step of row a alone returns row a's chunk only
     assert scope["pool"].free_rows == [0, 2, 3]
