@@ -177,6 +177,21 @@ def _slices_of_stacks(text: str, cache_shape, stacked_shapes) -> tuple[int, int]
     return cache, other
 
 
+def _compiled_layouts(params, rc, noise, cache_shape, stacked_shapes, check_state=None):
+    """({layout: (cache-stack slices, other stack slices)}, {layout: aliased buffers}) of the compiled, donating
+    chunk step on stacked and on per-layer params; ``check_state(layout, state)`` looks at each initial state."""
+    counts, aliases = {}, {}
+    for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
+        state = R.init_state(p, CFG, rc, _ctx(10))
+        if check_state is not None:
+            check_state(name, state)
+        step = jax.jit(lambda p, s, n: R.generate_chunk(p, CFG, rc, s, n), donate_argnums=1)
+        text = step.lower(p, state, noise).compile().as_text()
+        counts[name] = _slices_of_stacks(text, cache_shape, stacked_shapes)
+        aliases[name] = text.count("may-alias") + text.count("must-alias")
+    return counts, aliases
+
+
 def test_compiled_chunk_step_slices_nothing_out_of_a_stack():
     """The jitted, donated chunk step (4 passes of the layer loop) on XLA:CPU. Stacked layout (the layer scan): the
     K/V of each layer is a dynamic slice of the stacked cache feeding attention, and every layer's weights and
@@ -189,13 +204,7 @@ def test_compiled_chunk_step_slices_nothing_out_of_a_stack():
     cache_shape = (CFG.num_layers, 1, rc.spec(CFG).capacity, CFG.num_heads, CFG.head_dim)
     stacked_shapes = {tuple(x.shape) for x in jax.tree.leaves(params["blocks"])}
     stacked_shapes.add((CFG.num_layers, 1, CFG.text_len, CFG.num_heads, CFG.head_dim))  # cross K/V
-    counts, aliases = {}, {}
-    for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
-        state = R.init_state(p, CFG, rc, _ctx(10))
-        step = jax.jit(lambda p, s, n: R.generate_chunk(p, CFG, rc, s, n), donate_argnums=1)
-        text = step.lower(p, state, noise).compile().as_text()
-        counts[name] = _slices_of_stacks(text, cache_shape, stacked_shapes)
-        aliases[name] = text.count("may-alias") + text.count("must-alias")
+    counts, aliases = _compiled_layouts(params, rc, noise, cache_shape, stacked_shapes)
     # The check sees the stacked program's slices (the program before the per-layer layout existed) ...
     assert counts["stacked"][0] >= 2 and counts["stacked"][1] >= 20, counts
     # ... and none in the per-layer program.
@@ -217,14 +226,11 @@ def test_compiled_per_layer_fp8_step_slices_nothing_out_of_a_stack():
     stacked_shapes = {tuple(x.shape) for x in jax.tree.leaves(params["blocks"])}
     stacked_shapes.add((CFG.num_layers, 1, CFG.text_len, CFG.num_heads, CFG.head_dim))  # cross K/V
     stacked_shapes.add((CFG.num_layers, 1, spec.num_slots, CFG.num_heads))  # the FP8 scales
-    counts, aliases = {}, {}
-    for name, p in (("stacked", params), ("per_layer", per_layer_params(params))):
-        state = R.init_state(p, CFG, rc, _ctx(10))
+
+    def is_fp8(name, state):
         assert isinstance(state.cache, Fp8Cache) and state.cache.is_per_layer == (name == "per_layer")
-        step = jax.jit(lambda p, s, n: R.generate_chunk(p, CFG, rc, s, n), donate_argnums=1)
-        text = step.lower(p, state, noise).compile().as_text()
-        counts[name] = _slices_of_stacks(text, cache_shape, stacked_shapes)
-        aliases[name] = text.count("may-alias") + text.count("must-alias")
+
+    counts, aliases = _compiled_layouts(params, rc, noise, cache_shape, stacked_shapes, is_fp8)
     assert counts["stacked"][0] >= 2 and counts["stacked"][1] >= 20, counts
     assert counts["per_layer"] == (0, 0), counts
     assert aliases["per_layer"] >= 4 * CFG.num_layers + 1, aliases  # K, V, k_scale, v_scale per layer; positions
