@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import continuation, recache
 from jaxkv import files as jfiles
 from jaxkv import parallel as PL
+from jaxkv import recache
 from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
 from jaxkv.files import DirectoryLost, Terminated
@@ -344,7 +344,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
             )
         if decoder is not None:
-            video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames)
+            video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames, stream=stream)
             sinks.append(video)
         files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
     except BaseException:
@@ -394,10 +394,11 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     try:
         if video is not None:  # inside the try: a failure here still finalises the files
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
-            if session is not None:
-                resume.restore_video(video, session)
+            # the decoder's state lives in the stream's carry (a resumed session's VAE caches, or fresh), so the
+            # saved session holds it
+            resume.continue_video(stream, video.decoder, resumed=session is not None)
             if given_context is not None:  # the decoder carries on from the given frames (not written)
-                continuation.prime_decoder(video.decoder, given_context.latents)
+                video.decode(given_context.latents)
         if entries is not None:
             summary["switch_sink"] = "keep" if keep_sink else "recompute"
         with count_compiles(stream.step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
@@ -442,7 +443,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
             reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
         if args.save_state and status != "failed":
             with stop.saving_session():
-                summary["session"] = resume.save(args, stream, video, files.chunks, text=drawing)
+                summary["session"] = resume.save(args, stream, files.chunks, text=drawing)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
         try:
             if stop.aborted_save:  # a second signal while saving the session
