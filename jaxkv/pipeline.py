@@ -139,9 +139,9 @@ class Pipeline:
             negative_prompt, text_encoder, vae, fps); a toy-world release fills those not given from its own.
         Raises ValueError naming the problem (nothing is loaded before the settings check out).
         """
-        from jaxkv.generate import inputs, loop, options, toy
+        from jaxkv.generate import inputs, options, toy
         from jaxkv.generate.options import UsageError
-        from jaxkv.generate.settings import resolve
+        from jaxkv.generate.settings import resolve, rollout_settings
         from jaxkv.toyworld import model as toy_model
 
         unknown = sorted(set(settings) - set(SETTINGS))
@@ -167,7 +167,7 @@ class Pipeline:
             args = resolve(flags, backend=backend)  # the settings as jaxkv generate resolves them: frozen
             toy_dir = args.toy_dir
             config, source = inputs.resolve_config(args)
-            _, rc = loop._settings(args, config)
+            _, rc = rollout_settings(args, config)
             vae_config = None if toy_dir else inputs.resolve_vae(args, config)
             params = inputs.load_params(args, config)
             encoder = inputs.text_encoder(args, config)
