@@ -8,7 +8,7 @@ times out is recorded and the others still run):
    fresh stream: time to the first decoded frame on the host; steady chunks as ``jaxkv generate`` runs them (chunk
    k+1 dispatched before chunk k is fetched, decoded by `Mp4Sink` and written to an mp4 by `jaxkv.video`):
    frames/s end to end until the mp4 is closed, and denoise-only frames/s from the chunks' device time
-   (`jaxkv.generate.loop.DeviceClock`); then the same stream's chunks alone (each waited for) and the VAE decode of
+   (`jaxkv.generate.report.DeviceClock`); then the same stream's chunks alone (each waited for) and the VAE decode of
    a chunk alone (``decode_ms``, TFLOP/s from the compiled decode's cost analysis). ``overlap`` is the share of the
    decode hidden behind denoising: ``(denoise_ms + decode_ms - e2e_ms) / decode_ms`` per chunk.
 2. ``keep``: the same path with the text encoder kept on the device (fewer chunks; the compiled programs come from
@@ -139,7 +139,7 @@ def decode_flops(params, vae_config, state, chunk_shape, dtype) -> tuple[float |
 def pipeline(s: dict, offload: bool, out_dir: str) -> dict:
     """One part: prompt -> mp4 with the figures of the module docstring."""
     from jaxkv import rollout as R
-    from jaxkv.generate.loop import DeviceClock
+    from jaxkv.generate.report import DeviceClock
     from jaxkv.generate.video import Mp4Sink
     from jaxkv.models import umt5, wan_vae
     from jaxkv.models.param_tree import unflatten

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import recache
+from jaxkv import decoding, recache
 from jaxkv import rollout as R
 from jaxkv import session as S
 from jaxkv.stream import Stream
@@ -139,9 +139,9 @@ class Pipeline:
             negative_prompt, text_encoder, vae, fps); a toy-world release fills those not given from its own.
         Raises ValueError naming the problem (nothing is loaded before the settings check out).
         """
-        from jaxkv.generate import inputs, loop, options, toy
+        from jaxkv.generate import inputs, options, toy
         from jaxkv.generate.options import UsageError
-        from jaxkv.generate.settings import resolve
+        from jaxkv.generate.settings import resolve, rollout_settings
         from jaxkv.toyworld import model as toy_model
 
         unknown = sorted(set(settings) - set(SETTINGS))
@@ -167,7 +167,7 @@ class Pipeline:
             args = resolve(flags, backend=backend)  # the settings as jaxkv generate resolves them: frozen
             toy_dir = args.toy_dir
             config, source = inputs.resolve_config(args)
-            _, rc = loop._settings(args, config)
+            _, rc = rollout_settings(args, config)
             vae_config = None if toy_dir else inputs.resolve_vae(args, config)
             params = inputs.load_params(args, config)
             encoder = inputs.text_encoder(args, config)
@@ -394,7 +394,10 @@ class Pipeline:
             raise
         except ValueError as e:
             raise ValueError(f"resume: {path}: {e}") from None
-        s = PipelineStream(pipe, stream, decoder, recorded["prompt"], recorded["negative_prompt"], recorded["seed"])
+        try:  # the decoder continues the session's VAE caches (checked to fit)
+            s = PipelineStream(pipe, stream, decoder, recorded["prompt"], recorded["negative_prompt"], recorded["seed"])
+        except ValueError as e:
+            raise ValueError(f"resume: {path}: {e}") from None
         s.switches = [tuple(x) for x in recorded["switches"]] or [(int(session.next_chunk), recorded["prompt"])]
         s.given = recorded.get("given")
         return s
@@ -440,12 +443,9 @@ class PipelineStream:
 
     def __init__(self, pipeline: Pipeline, stream: Stream, decoder, prompt, negative, seed):
         self.pipeline, self._stream, self._decoder = pipeline, stream, decoder
-        if self._vae_stateful:  # a Wan VAE's feature caches are carried by the stream (``extras[VAE_DECODER]``)
-            extra = stream.carry.extras.get(S.VAE_DECODER)
-            if extra is None:  # a new stream: its decoder's fresh (or primed) state
-                self._carry_decoder()
-            else:  # resumed or forked: the decoder continues the carried state
-                decoder.first = bool(extra["first"])
+        # a Wan VAE's feature caches are carried by the stream: a new stream takes its decoder's fresh (or primed)
+        # state, a resumed or forked one's decoder continues the carried state
+        decoding.adopt(stream, decoder)
         self.prompt, self.negative_prompt, self.seed = prompt, negative, seed
         self.switches: list[tuple[int, str]] = [(stream.index, prompt)]
         self.given: dict | None = None  # what `Pipeline.start` committed from an image / video (None: from noise)
@@ -491,19 +491,9 @@ class PipelineStream:
         return self.pipeline._vae is not None
 
     def _decode(self, x):
-        """The decoder's frames of the chunk ``x``; a Wan VAE decodes from the state the stream carries and puts its
-        new state back there (host-side), so a save or fork of the stream takes the decoder with it."""
-        if not self._vae_stateful:
-            return self._decoder(x)
-        self._decoder.state = S.vae_state(self._stream.carry.extras[S.VAE_DECODER])
-        frames = self._decoder(x)
-        self._carry_decoder()
-        return frames
-
-    def _carry_decoder(self) -> None:
-        carry = self._stream.carry
-        extras = {**carry.extras, S.VAE_DECODER: S.vae_extra(self._decoder.state)}
-        self._stream.carry = carry.replace(extras=extras)
+        """The decoder's frames of the chunk ``x``, from the decoder state the stream carries (`jaxkv.decoding`), so
+        a save or fork of the stream takes the decoder with it."""
+        return decoding.decode(self._stream, self._decoder, x)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self

@@ -21,7 +21,9 @@ Modules, one concern each:
   preview        the latent-to-RGB projection and the bounded latent preview (`PreviewSink`); png: the PNG writer
   video          the decode of each chunk into the mp4 (`Mp4Sink`, any `StreamDecoder`-like decoder)
   contact_sheet  the bounded grid of decoded frames spread over the stream (`ContactSheet`)
-  loop           the loop: signals, timing, the summary, `main`
+  loop           the run: build the stream, hand each chunk to the sinks, finish the files; `main`
+  stopping       the stop signals (`Stop`): finish the chunk, or abandon a save cleanly
+  report         the summary: its head, the chunk timing and throughputs (`DeviceClock`), the printed lines
 
 The output directory's layout is documented in `jaxkv.generate.outputs`.
 """

@@ -1,5 +1,5 @@
 """The generation loop of ``jaxkv generate``: check everything, build the stream, hand each chunk to the output
-sinks as it finishes, stop cleanly on a signal, summarise.
+sinks as it finishes, stop cleanly on a signal (`jaxkv.generate.stopping`), summarise (`jaxkv.generate.report`).
 
 Order of work: arguments and their combinations (`options`), the model config (a checkpoint's config.json only),
 the rollout settings, the context files, ``--out``; then the params (checked finite) and only then compilation and
@@ -14,10 +14,6 @@ many chunks run.
 from __future__ import annotations
 
 import argparse
-import collections
-import concurrent.futures
-import contextlib
-import math
 import os
 import signal
 import sys
@@ -28,26 +24,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import continuation, recache
-from jaxkv import files as jfiles
 from jaxkv import parallel as PL
-from jaxkv import rollout as R
+from jaxkv import recache
 from jaxkv.compilation import count_compiles
 from jaxkv.files import DirectoryLost, Terminated
-from jaxkv.generate import given, inputs, memory, options, outputs, prompts, resume, settings, toy
+from jaxkv.generate import given, inputs, options, outputs, prompts, report, resume, settings, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
+from jaxkv.generate.report import DeviceClock, print_summary, print_written
 from jaxkv.generate.settings import Settings
+from jaxkv.generate.stopping import STOP_SIGNALS, Stop, stop_on_signals
 from jaxkv.generate.video import Mp4Sink
 from jaxkv.models.checkpoint_dir import CheckpointError
-from jaxkv.schedule import Schedule
 from jaxkv.stream import Stream
 
-# Token positions are int32: the last token of the last chunk must stay below 2**31. (The cache layer may export
-# its own limit; use it here when it does.)
-STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
-# Latencies kept for the median (the mean runs over every chunk): bounded, so memory does not grow with the run.
-LATENCY_WINDOW = 1000
+__all__ = [
+    "STOP_SIGNALS",
+    "DeviceClock",
+    "GenerationError",
+    "Stop",
+    "main",
+    "print_summary",
+    "print_written",
+    "run",
+    "stop_on_signals",
+]
+
+# the settings' old name here (`jaxkv.generate.settings.rollout_settings`)
+_settings = settings.rollout_settings
 
 
 class GenerationError(RuntimeError):
@@ -59,108 +63,9 @@ class GenerationError(RuntimeError):
         self.summary = summary
 
 
-class Stop:
-    """Set by a stop signal (`stop_on_signals`): the loop finishes the current chunk and returns. A second signal
-    restores the default action and re-raises it (kills the process at once; the files stay readable), except
-    while the final ``--save-state`` is written (`saving_session`): there it raises `jaxkv.files.Terminated` (or
-    KeyboardInterrupt), so the save is abandoned and its temporary directory removed, never left half written."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.saving = False
-        self.aborted_save = False  # a second signal abandoned the --save-state save
-
-    def handler(self, signum, frame) -> None:
-        if self.signum is not None:
-            if self.saving:
-                self.aborted_save = True
-                jfiles.raise_stop(signum)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
-        what = "finishing the session save" if self.saving else "stopping after the current chunk"
-        print(
-            f"\njaxkv generate: {signal.Signals(signum).name}: {what} (send it again to abort "
-            f"{'the save' if self.saving else 'at once'})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    @contextlib.contextmanager
-    def saving_session(self):
-        """While the block writes the session, a second stop signal aborts it cleanly instead of killing."""
-        self.saving = True
-        try:
-            with jfiles.keeping_lost_signals():
-                yield
-        finally:
-            self.saving = False
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """Installs `Stop` for SIGINT, SIGTERM and SIGHUP while the block runs (main thread only; elsewhere the
-    returned Stop is never set)."""
-    stop = Stop()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = {s: signal.signal(s, stop.handler) for s in STOP_SIGNALS}
-    try:
-        yield stop
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 @jax.jit
 def _chunk_finite(x) -> jax.Array:
     return jnp.isfinite(x).all()
-
-
-def _settings(args: Settings, config):
-    """(Schedule, RolloutConfig) from the settings (its dtype policy and backend: ``args.run``); UsageError for any
-    inconsistency with the model."""
-    try:
-        schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
-        rc = R.RolloutConfig(
-            args.height,
-            args.width,
-            chunk_frames=args.chunk_frames,
-            window_frames=args.window_frames,
-            sink_frames=args.sink_frames,
-            schedule=schedule,
-            guidance_scale=args.guidance_scale,
-            policy=args.policy,
-            precision=args.run.precision,
-            backend=args.run.backend,
-            dilated_every=args.dilated_every,
-            dilation=args.dilation,
-            buckets=args.buckets,
-            rope=args.rope,
-        )
-        rc.cache_spec(config)  # validates the frame and layer settings against the model
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:
-        R.check_position_room(config, rc, args.num_chunks)
-    except ValueError as e:
-        raise UsageError(f"--num-chunks: {e}") from None
-    return schedule, rc
-
-
-def _check_memory(args, config, rc) -> None:
-    """UsageError, with the figures, when the run obviously cannot fit in memory (`memory.check`); before anything
-    is loaded or compiled."""
-    devices = 1 if args.mesh is None else math.prod(args.mesh.values())
-    flags = f"--height {args.height} --width {args.width} --window-frames {rc.window_frames} --batch {args.batch}"
-    try:
-        memory.check(
-            config, rc, args.batch, f"{flags} (a {config.num_layers}-layer, dim {config.dim} model)", devices=devices
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
 
 
 def _mesh(args, config, rc):
@@ -201,6 +106,28 @@ def _mesh_params(args, config, mesh):
     return params
 
 
+def _stream(args, params, config, rc, session, context, negative, *, history: bool, mesh) -> Stream:
+    """The stream the run draws from: ``session``'s continuation (``--resume``; UsageError when it does not fit) or
+    a new stream of ``context`` / ``negative`` drawn from ``--seed``; a `jaxkv.parallel.MeshStream` on ``mesh``."""
+    cls, on_mesh = (Stream, {}) if mesh is None else (PL.MeshStream, {"mesh": mesh})
+    if session is not None:
+        try:  # a saved latent ring comes back with the session (checked before anything runs)
+            return cls.from_session(params, config, rc, session, **on_mesh, num_chunks=args.num_chunks, history=history)
+        except ValueError as e:
+            raise UsageError(f"--resume: {e}") from None
+    return cls(
+        params,
+        config,
+        rc,
+        jnp.asarray(context),
+        **on_mesh,
+        num_chunks=args.num_chunks,
+        key=jax.random.key(args.seed),
+        negative_context=None if negative is None else jnp.asarray(negative),
+        history=history,
+    )
+
+
 def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     """Runs ``jaxkv generate`` for resolved settings (`jaxkv.generate.settings`; a Namespace parsed by
     `options.build_parser` is resolved first); returns the summary dict (as written to summary.json; ``"status"``
@@ -216,8 +143,8 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         args = settings.from_namespace(args)  # every check that needs no model; nothing changes args after this
     resumed, toy_dir = args.session_manifest, args.toy_dir
     config, source = inputs.resolve_config(args)
-    schedule, rc = _settings(args, config)
-    _check_memory(args, config, rc)
+    schedule, rc = settings.rollout_settings(args, config)
+    settings.check_memory(args, config, rc)
     vae_config = None if toy_dir else inputs.resolve_vae(args, config)
     given_vae, given_vae_dir = given.vae_config(args, config, toy_dir, vae_config)
     given_frames = given.read(args, rc, toy_dir, given_vae)  # read and checked before anything is written
@@ -273,42 +200,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
 
     # the latent history a switch re-caches from, kept for a schedule or a saved session (which then holds it)
     history = entries is not None or resume.keeps_ring(args, rc)
-    if session is not None:
-        try:  # a saved latent ring comes back with the session (checked before anything runs)
-            if mesh is None:
-                stream = Stream.from_session(params, config, rc, session, num_chunks=args.num_chunks, history=history)
-            else:
-                stream = PL.MeshStream.from_session(
-                    params, config, rc, session, mesh=mesh, num_chunks=args.num_chunks, history=history
-                )
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from None
-    else:
-        key = jax.random.key(args.seed)
-        negative = None if negative is None else jnp.asarray(negative)
-        if mesh is None:
-            stream = Stream(
-                params,
-                config,
-                rc,
-                jnp.asarray(context),
-                num_chunks=args.num_chunks,
-                key=key,
-                negative_context=negative,
-                history=history,
-            )
-        else:
-            stream = PL.MeshStream(
-                params,
-                config,
-                rc,
-                jnp.asarray(context),
-                mesh=mesh,
-                num_chunks=args.num_chunks,
-                key=key,
-                negative_context=negative,
-                history=history,
-            )
+    stream = _stream(args, params, config, rc, session, context, negative, history=history, mesh=mesh)
     given_context = given_info = None
     if given_frames is not None:  # the given frames become the stream's first chunks; the schedule counts after them
         frame_encoder = given.encoder(args, toy_dir, given_vae, given_vae_dir, vae_params)
@@ -344,42 +236,14 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
             )
         if decoder is not None:
-            video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames)
+            video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames, stream=stream)
             sinks.append(video)
         files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
     except BaseException:
         lock.release()
         raise
 
-    summary = {
-        "model": source,
-        "precision": args.precision,
-        "param_dtype": rc.precision.param_dtype,
-        "config": config.to_dict(),
-        "tokens_per_frame": rc.tokens_per_frame(config),
-        "chunk_frames": rc.chunk_frames,
-        "window_frames": rc.window_frames,
-        "sink_frames": rc.sink_frames,
-        "num_chunks": args.num_chunks,
-        "policy": rc.policy,
-        "cache_dtype": rc.precision.cache_dtype,
-        "dilated_every": rc.dilated_every,
-        "dilation": rc.dilation,
-        "buckets": rc.buckets,
-        "rope": rc.rope,
-        "steps": list(schedule.steps),
-        "timesteps": [round(float(t), 3) for t in schedule.timesteps()],
-        "guidance_scale": args.guidance_scale,
-        "seed": args.seed,
-        "backend": jax.default_backend(),
-        "mesh": None if mesh is None else PL.mesh_sizes(mesh),
-        "cache_bytes": int(stream.state.cache.nbytes),
-        "cache_sessions": int(stream.state.cache.batch),
-        "vae": _decoder_name(args, toy_dir),
-        **text_info,
-        "first_chunk": stream.start,
-        "resumed_from": None if session is None else os.path.abspath(args.resume),
-    }
+    summary = report.start(args, config, source, schedule, rc, mesh, stream, toy_dir, text_info, session is not None)
     if given_info is not None:
         summary["given"] = given_info
     progress = None
@@ -387,17 +251,15 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         from tqdm import tqdm
 
         progress = tqdm(total=args.num_chunks, unit="chunk", desc="generate", file=sys.stderr)
-    recent = collections.deque(maxlen=LATENCY_WINDOW)
-    first_s, total_s, steady_n, status, reason = None, 0.0, 0, "complete", None
-    # Device time of the chunks after the first (`DeviceClock`), for the denoise-only rate.
-    denoise_s, loop_start, clock = 0.0, None, DeviceClock()
+    status, reason, timing, clock = "complete", None, report.Timing(), DeviceClock()
     try:
         if video is not None:  # inside the try: a failure here still finalises the files
             summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
-            if session is not None:
-                resume.restore_video(video, session)
+            # the decoder's state lives in the stream's carry (a resumed session's VAE caches, or fresh), so the
+            # saved session holds it
+            resume.continue_video(stream, video.decoder, resumed=session is not None)
             if given_context is not None:  # the decoder carries on from the given frames (not written)
-                continuation.prime_decoder(video.decoder, given_context.latents)
+                video.decode(given_context.latents)
         if entries is not None:
             summary["switch_sink"] = "keep" if keep_sink else "recompute"
         with count_compiles(stream.step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
@@ -413,12 +275,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 device_s = clock.device_time(watched)
                 now = time.perf_counter()
                 latency, start = now - start, now
-                if first_s is None:
-                    first_s, loop_start = latency, now - latency
-                else:
-                    recent.append(latency)
-                    total_s, steady_n = total_s + latency, steady_n + 1
-                    denoise_s += device_s
+                timing.add(latency, device_s, now)
                 if not finite:
                     status = "failed"
                     reason = (
@@ -442,7 +299,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
             reason = f"{signal.Signals(stop.signum).name} after {files.chunks} of {args.num_chunks} chunks"
         if args.save_state and status != "failed":
             with stop.saving_session():
-                summary["session"] = resume.save(args, stream, video, files.chunks, text=drawing)
+                summary["session"] = resume.save(args, stream, files.chunks, text=drawing)
     except BaseException as e:  # KeyboardInterrupt included: finish the files, then let it propagate
         try:
             if stop.aborted_save:  # a second signal while saving the session
@@ -462,13 +319,9 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         clock.close()
         if progress is not None:
             progress.close()
-    steady = bool(steady_n)
     summary.update(
         latents_shape=[args.batch, files.chunks * rc.chunk_frames, *chunk_shape[2:]],
-        first_chunk_s=first_s,
-        chunk_latency_ms_median=float(np.median(recent) * 1e3) if steady else None,
-        chunk_latency_ms_mean=float(total_s / steady_n * 1e3) if steady else None,
-        compile_s_estimate=float(first_s - (np.median(recent) if steady else 0.0)) if first_s is not None else None,
+        **timing.figures(),
         compilations=compiles(),
     )
     if entries is not None:
@@ -477,7 +330,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         summary["signal"] = signal.Signals(stop.signum).name
     try:
         summary = files.close(status, summary, reason)
-        _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
+        timing.add_rates(summary, rc.chunk_frames, video)
         files.write_summary(summary)  # again, with the rates
     except OSError as e:
         if isinstance(e, DirectoryLost):
@@ -488,146 +341,6 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     if status == "failed":
         raise GenerationError(reason, summary)
     return summary
-
-
-class DeviceClock:
-    """When each dispatched chunk is done on the device, seen by a thread that blocks on it while the host loop goes
-    on writing the previous one. The device runs chunks in order, so a chunk's device time is its completion
-    minus the later of its dispatch and the previous chunk's completion: host time spent writing, decoding or
-    encoding the mp4 is never counted as denoising, and never subtracted from it."""
-
-    def __init__(self):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-device-clock")
-        self._last_done = None
-
-    def watch(self, x):
-        """Starts watching the just-dispatched array ``x``: (dispatch time, future of its completion time)."""
-        return time.perf_counter(), self._pool.submit(_done_at, x)
-
-    def device_time(self, watched) -> float:
-        """Seconds the device spent on a watched chunk; call once per chunk, in dispatch order."""
-        dispatched, done = watched[0], watched[1].result()
-        start = dispatched if self._last_done is None else max(dispatched, self._last_done)
-        self._last_done = done
-        return max(done - start, 0.0)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _done_at(x) -> float:
-    jax.block_until_ready(x)
-    return time.perf_counter()
-
-
-def _decoder_name(args, toy_dir) -> str | None:
-    """What decodes the mp4, for the summary (None without video)."""
-    if args.no_video:
-        return None
-    if toy_dir:
-        return f"toy-world latent map {os.path.join(toy_dir, toy.model.LATENT_MAP_DIR)}"
-    return args.vae or "tiny random (embedded default)"
-
-
-def _rates(summary: dict, chunk_frames: int, steady_n: int, denoise_s: float, loop_start: float | None, video) -> None:
-    """Adds the two throughputs to ``summary``: denoise-only (latent frames per second over the chunks after the
-    first, from their time on the device, `DeviceClock`) and end to end (from the first dispatch until every file
-    is closed, compilation included; latent frames, and decoded video frames when an mp4 is written)."""
-    summary["denoise_latent_frames_per_s"] = steady_n * chunk_frames / denoise_s if steady_n and denoise_s > 0 else None
-    latent = summary.get("latents_shape", [0, 0])[1]
-    end = video.closed_at if video is not None and video.closed_at is not None else time.perf_counter()
-    wall = end - loop_start if loop_start is not None else None
-    summary["end_to_end_s"] = wall
-    summary["end_to_end_latent_frames_per_s"] = latent / wall if wall else None
-    summary["end_to_end_video_frames_per_s"] = video.video_frames / wall if wall and video is not None else None
-
-
-def print_summary(s: dict) -> None:
-    """The human-readable summary on stdout."""
-    mib = s["cache_bytes"] / 2**20
-    lat = (
-        f"{s['chunk_latency_ms_median']:.1f} ms median, {s['chunk_latency_ms_mean']:.1f} ms mean"
-        if s["chunk_latency_ms_median"] is not None
-        else "n/a (one chunk)"
-    )
-    shape = s["latents_shape"]
-    print(f"model        {s['model']}")
-    print(
-        f"video        {shape[1]} latent frames of {shape[2]}x{shape[3]} ({s['tokens_per_frame']} tokens/frame), "
-        f"batch {shape[0]}"
-    )
-    print(
-        f"cache        {s['policy']}: sink {s['sink_frames']} + window {s['window_frames']} frames, chunks of "
-        f"{s['chunk_frames']}; {mib:.2f} MiB for {s['cache_sessions']} session(s)"
-    )
-    if s.get("mesh"):
-        m = s["mesh"]
-        print(f"mesh         data={m['data']} x model={m['model']} x seq={m.get('seq', 1)} devices")
-    print(
-        f"sampler      steps {s['steps']} -> timesteps {s['timesteps']}"
-        + (f", guidance {s['guidance_scale']}" if s["guidance_scale"] is not None else "")
-    )
-    if s["first_chunk_s"] is not None:
-        print(
-            f"compile      {s['compile_s_estimate']:.2f} s (first chunk {s['first_chunk_s']:.2f} s), "
-            f"{s['compilations']} compilation(s) of the chunk step"
-        )
-        print(f"per chunk    {lat} after compilation ({s['backend']})")
-    rates = []
-    if s.get("denoise_latent_frames_per_s") is not None:
-        rates.append(f"denoise only {s['denoise_latent_frames_per_s']:.2f} latent frames/s")
-    if s.get("end_to_end_s"):
-        rates.append(
-            f"end to end {s['end_to_end_latent_frames_per_s']:.2f} latent frames/s"
-            + (
-                f" = {s['end_to_end_video_frames_per_s']:.2f} video frames/s"
-                if s.get("end_to_end_video_frames_per_s") is not None
-                else ""
-            )
-            + f" over {s['end_to_end_s']:.2f} s, compilation included"
-        )
-    if rates:
-        print(f"throughput   {'; '.join(rates)}")
-    if s.get("prompt") is not None:
-        print(
-            f"text         {s['prompt']!r} by {s['text_encoder']}"
-            + (" (released before the rollout)" if s.get("text_encoder_released") else "")
-        )
-    print_written(s)
-    if s.get("given"):
-        g = s["given"]
-        print(
-            f"given        {g['path']} ({g['kind']}, {g['source_frames']} frame(s) of {g['source_size'][0]}x"
-            f"{g['source_size'][1]}): {g['frames_used']} frames, {g['padded']} repeated in front, {g['dropped']} "
-            f"oldest dropped, committed as chunks 0..{g['chunks'] - 1}; generated from chunk {s['first_chunk']}"
-        )
-    if s.get("resumed_from"):
-        print(f"resumed      {s['resumed_from']} at stream chunk {s['first_chunk']}")
-    if s.get("session"):
-        print(f"session      saved to {s['session']} (continue with --resume {s['session']})")
-
-
-def print_written(s: dict) -> None:
-    chunks = s.get("chunks_written", 0)
-    if not chunks and "manifest" not in s:
-        print("wrote        nothing")
-        return
-    print(
-        f"wrote        {chunks} chunk(s) to {s.get('latents_dir')} ({s['status']}), {s.get('preview', 'no preview')}, "
-        f"{os.path.join(os.path.dirname(s['manifest']), outputs.SUMMARY)}; read them with "
-        f"jaxkv.generate.load_latents({os.path.dirname(s['manifest'])!r})"
-    )
-    if s.get("video"):
-        size = s.get("video_size") or [0, 0]
-        print(
-            f"video        {s['video']}: {s['video_frames']} frames of {size[0]}x{size[1]} at {s['fps']} fps "
-            f"(VAE: {s['vae']})" + (f"; frames in {s['frames_dir']}" if s.get("frames_dir") else "")
-        )
-    if s.get("contact_sheet"):
-        print(
-            f"sheet        {s['contact_sheet']}: {len(s['contact_sheet_frames'])} frames of each video, evenly "
-            f"spaced, the last included"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import os
 
-from jaxkv import files, recache
+from jaxkv import decoding, files, recache
 from jaxkv import session as S
 from jaxkv.generate import options
 from jaxkv.generate.options import UsageError
@@ -146,33 +146,28 @@ def keeps_ring(args, rc) -> bool:
     return bool(args.save_state) and rc.policy in recache.RECACHE_POLICIES
 
 
-def restore_video(video, session: S.Session) -> None:
-    """Continues the mp4 sink's decoder from the session's VAE feature caches (after its warm-up reset). A toy-world
-    `FrameDecoder` carries nothing between chunks: nothing to restore."""
-    if not _stateful(video.decoder):
-        return
-    extra = session.extras.get(S.VAE_DECODER)
-    if extra is None:
+def continue_video(stream, decoder, *, resumed: bool) -> None:
+    """Hands the mp4 decoder the decoder state ``stream`` carries (`jaxkv.decoding.adopt`, after the decoder's
+    warm-up reset): a resumed session's VAE feature caches, or a new stream's fresh state. A toy-world
+    `FrameDecoder` carries nothing. UsageError for a resumed session without VAE caches or with ones that do not
+    fit."""
+    if resumed and decoding.stateful(decoder) and S.VAE_DECODER not in stream.carry.extras:
         raise UsageError(
             "--resume: the session holds no VAE decoder state, so a video cannot continue seamlessly; "
             "the session was made with --no-video, pass it again"
         )
-    state = S.vae_state(extra)
-    fresh = video.decoder.state
-    got = {k: (tuple(v.shape), v.dtype) for k, v in state.caches.items()}
-    want = {k: (tuple(v.shape), v.dtype) for k, v in fresh.caches.items()}
-    if got != want:
-        raise UsageError("--resume: the session's VAE decoder caches do not fit this VAE and video size")
-    video.decoder.state = state
-    video.decoder.first = bool(state.first)
+    try:
+        decoding.adopt(stream, decoder)
+    except ValueError:
+        raise UsageError("--resume: the session's VAE decoder caches do not fit this VAE and video size") from None
 
 
-def save(args, stream, video, chunks_written: int, *, text: dict | None = None) -> str:
-    """Writes the stream's session (the VAE decoder's caches and, for a stream that keeps one, its latent ring
-    too: `jaxkv.stream.Stream.session`) to ``--save-state``; returns its path. ``text``: what the next chunk is
-    drawn under (`text_of`). The stream must not step again before this returns (the session shares its buffers)."""
-    extras = {S.VAE_DECODER: S.vae_extra(video.decoder.state)} if video is not None and _stateful(video.decoder) else {}
-    session = stream.session(copy=False, extras=extras)
+def save(args, stream, chunks_written: int, *, text: dict | None = None) -> str:
+    """Writes the stream's session (what it carries: with video the VAE decoder's caches and, for a stream that
+    keeps one, its latent ring too: `jaxkv.stream.Stream.session`) to ``--save-state``; returns its path. ``text``:
+    what the next chunk is drawn under (`text_of`). The stream must not step or decode again before this returns
+    (the session shares its buffers)."""
+    session = stream.session(copy=False)
     mesh = getattr(stream, "mesh", None)  # a mesh stream's session is written shard by shard
     save = S.save if mesh is None else functools.partial(CK.save, mesh=mesh)
     return save(
@@ -185,10 +180,3 @@ def save(args, stream, video, chunks_written: int, *, text: dict | None = None) 
             "text_now": text,
         },
     )
-
-
-def _stateful(decoder) -> bool:
-    """A Wan VAE `StreamDecoder` (feature caches carried between chunks), not a toy-world `FrameDecoder`."""
-    from jaxkv.models.wan_vae import StreamDecoder
-
-    return isinstance(decoder, StreamDecoder)

@@ -14,22 +14,27 @@ Each layer overrides the ones below it:
 `resolve` runs every check that needs no model (one `UsageError` line naming the flag) before anything is loaded,
 compiled or written, and returns the `Settings`; nothing changes it afterwards (frozen: an assignment raises
 `dataclasses.FrozenInstanceError`). The dtype policy and the attention backend are parsed here once into
-`jaxkv.run_options.RunOptions` (``settings.run``), which the rollout config and the params' loaders read.
+`jaxkv.run_options.RunOptions` (``settings.run``), which the rollout config and the params' loaders read. Once the
+model config is known, `rollout_settings` turns them into the `Schedule` and `RolloutConfig` and `check_memory`
+refuses a run that obviously cannot fit, still before anything is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from jaxkv import defaults
-from jaxkv.generate import given, inputs, options, resume, toy
+from jaxkv import rollout as R
+from jaxkv.generate import given, inputs, memory, options, resume, toy
 from jaxkv.generate.options import UsageError
 from jaxkv.precision import Precision
 from jaxkv.run_options import RunOptions
+from jaxkv.schedule import Schedule
 
 LAYERS = ("default", "release", "session", "flag")  # low to high: `Settings.origin` names one per setting
 
@@ -182,3 +187,47 @@ def from_namespace(args: argparse.Namespace) -> Settings:
     set, else every destination whose value differs from its default (`options.explicit`)."""
     given_now = options.explicit(args)
     return resolve({k: v for k, v in vars(args).items() if k in given_now})
+
+
+def rollout_settings(args: Settings, config):
+    """(Schedule, RolloutConfig) from the settings (its dtype policy and backend: ``args.run``); UsageError for any
+    inconsistency with the model."""
+    try:
+        schedule = Schedule(steps=args.steps, shift=args.shift, context_noise=args.context_noise)
+        rc = R.RolloutConfig(
+            args.height,
+            args.width,
+            chunk_frames=args.chunk_frames,
+            window_frames=args.window_frames,
+            sink_frames=args.sink_frames,
+            schedule=schedule,
+            guidance_scale=args.guidance_scale,
+            policy=args.policy,
+            precision=args.run.precision,
+            backend=args.run.backend,
+            dilated_every=args.dilated_every,
+            dilation=args.dilation,
+            buckets=args.buckets,
+            rope=args.rope,
+        )
+        rc.cache_spec(config)  # validates the frame and layer settings against the model
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        R.check_position_room(config, rc, args.num_chunks)
+    except ValueError as e:
+        raise UsageError(f"--num-chunks: {e}") from None
+    return schedule, rc
+
+
+def check_memory(args, config, rc) -> None:
+    """UsageError, with the figures, when the run obviously cannot fit in memory (`memory.check`); before anything
+    is loaded or compiled."""
+    devices = 1 if args.mesh is None else math.prod(args.mesh.values())
+    flags = f"--height {args.height} --width {args.width} --window-frames {rc.window_frames} --batch {args.batch}"
+    try:
+        memory.check(
+            config, rc, args.batch, f"{flags} (a {config.num_layers}-layer, dim {config.dim} model)", devices=devices
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None

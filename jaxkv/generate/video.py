@@ -5,7 +5,10 @@
 The decoder is any object with the `jaxkv.models.wan_vae.StreamDecoder` interface: ``decoder(latents [batch, T, h,
 w, C]) -> uint8 [batch, n, H, W, 3]`` (asynchronous) and ``reset()``. Two exist: the Wan VAE's `StreamDecoder`
 (T latent frames give ``1 + 4 (T - 1)`` video frames for the first chunk, ``4 T`` later: the VAE's causal first
-frame) and the toy world's `jaxkv.toyworld.latents.FrameDecoder` (one frame per latent frame).
+frame) and the toy world's `jaxkv.toyworld.latents.FrameDecoder` (one frame per latent frame). Given the stream the
+chunks come from, the sink decodes through `jaxkv.decoding.decode`: a Wan VAE's feature caches live in the stream's
+carry (``stream.carry.extras["vae_decoder"]``), as a `jaxkv.pipeline.PipelineStream`'s do, so the stream's saved
+session holds them; without a stream the decoder keeps its own state.
 
 Nothing here waits for the device: `write_chunk` dispatches the decode and hands the resulting device array to the
 `VideoWriter`, whose host thread is the one that waits for and encodes it. The loop has already dispatched the next
@@ -21,7 +24,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import files
+from jaxkv import decoding, files
 from jaxkv.generate.contact_sheet import FILE as CONTACT_SHEET
 from jaxkv.generate.contact_sheet import ContactSheet
 from jaxkv.generate.outputs import FRAMES_DIR, array_bytes
@@ -46,12 +49,14 @@ class Mp4Sink:
       fps: frames per second of the mp4.
       frames: None, "png" (``frames/frame_B_NNNNNN.png`` per video frame) or "npy" (``frames/chunk_NNNNNN.npy``,
         uint8 [batch, n, H, W, 3] per chunk).
+      stream: the `jaxkv.stream.Stream` the chunks come from, whose carry holds the decoder's state (`warm_up`
+        hands it over, `jaxkv.decoding`); None: the decoder keeps its own.
     """
 
-    def __init__(self, out: str, decoder, *, batch: int, fps: int, frames: str | None = None):
+    def __init__(self, out: str, decoder, *, batch: int, fps: int, frames: str | None = None, stream=None):
         if frames not in (None, "png", "npy"):
             raise ValueError(f"frames must be None, 'png' or 'npy', got {frames!r}")
-        self.decoder = decoder
+        self.decoder, self.stream = decoder, stream
         self.paths = [os.path.join(out, n) for n in video_names(batch)]
         self.fps, self.frames, self.frames_dir = fps, frames, os.path.join(out, FRAMES_DIR)
         self.sheet = ContactSheet(os.path.join(out, CONTACT_SHEET))
@@ -64,15 +69,23 @@ class Mp4Sink:
         self.closed_at: float | None = None
 
     def warm_up(self, chunk_shape: tuple[int, ...]) -> float:
-        """Compiles the decode (one chunk of zeros, waited for, then the stream reset) so that no chunk's timing
-        carries the VAE's compilation; returns the seconds it took."""
+        """Compiles the decode (one chunk of zeros, waited for, then the decoder reset) so that no chunk's timing
+        carries the VAE's compilation; returns the seconds it took. The stream's carried decoder state is not
+        touched."""
         start = time.perf_counter()
         np.asarray(self.decoder(jnp.zeros(chunk_shape, jnp.float32)))
         self.decoder.reset()
         return time.perf_counter() - start
 
+    def decode(self, latents):
+        """Frames uint8 [batch, n, H, W, 3] of the latents [batch, T, h, w, C], still being computed; with a stream,
+        from (and back into) the decoder state it carries."""
+        if self.stream is None:
+            return self.decoder(jnp.asarray(latents))
+        return decoding.decode(self.stream, self.decoder, jnp.asarray(latents))
+
     def write_chunk(self, index: int, latents: np.ndarray) -> None:
-        frames = self.decoder(jnp.asarray(latents))  # uint8 [batch, n, H, W, 3], still being computed
+        frames = self.decode(latents)  # uint8 [batch, n, H, W, 3], still being computed
         first = self.video_frames
         self.video_frames += frames.shape[1]
         self.size = (int(frames.shape[2]), int(frames.shape[3]))
