@@ -147,7 +147,7 @@ def test_rows_stepping_at_random_paces_are_their_solo_streams_and_waiting_rows_k
     first = sorted(where)[0]
     where[first]["chunks"].append(np.asarray(pool.step([first])[first]))
     tails = {}
-    for row, stream in where.items() if not rc.precision.fp8_kv else ():  # (FP8 pool rows do not go out as sessions)
+    for row, stream in where.items():
         stream["extra"] = 2
         tails[row] = [np.asarray(x[0]) for x in Stream.from_session(params, CFG, rc, pool.session(row), num_chunks=2)]
     for stream in streams:
