@@ -16,7 +16,9 @@ quantized chunk and its scales in the reserved slot, both O(chunk). `layer_kv` d
 scale``, in the read dtype), so every attention path that reads `layer_kv` runs unchanged on an FP8 cache;
 `layer_fp8` hands out the raw FP8 buffers and scales for a kernel that reads FP8 itself. Per-chunk scales follow the
 activations as a stream moves on (a chunk's scale is fixed when it is written, never rescaled by a later chunk), and
-per-head scales keep one loud head from flattening the others.
+per-head scales keep one loud head from flattening the others. That rule lives in one place, `quantize_slots`: a
+prompt switch's re-cache (`jaxkv.recache.recompute`) runs on `dequantized` (the ring this cache reads as) and
+writes back through `requantized`, each re-run chunk quantized as a step's `write` quantizes it.
 
 Cost: K/V bytes halve against bfloat16 (a quarter of float32); the scales add ``2 * 4 * heads`` bytes per slot and
 layer (for Wan 1.3B's 12 heads and 4,680-token chunks: 96 bytes beside 2.9 MB of FP8 K/V). Only the ring policy is
