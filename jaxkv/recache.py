@@ -23,7 +23,9 @@ the ring rule (sink chunk n in slot n, later chunks in ``sink + (n - sink) % win
 ``lax.dynamic_update_slice`` at traced slots, like the cache. It is matched to the cache's slots by chunk index
 (modulo `jaxkv.rollout.wrap_period` on the cache-relative wrapped clock), so the ring and rolling policies both work
 (`RECACHE_POLICIES`). Caches with dilated layers (`DilatedCache`, `MixedCache`) are re-cached by
-replaying their held chunks instead (`jaxkv.recache_dilated`), from a ring that also reaches their horizon.
+replaying their held chunks instead (`jaxkv.recache_dilated`), from a ring that also reaches their horizon. An FP8
+cache (`Fp8Cache`, a ring) is re-computed as the read-dtype ring it reads as, and each re-run chunk re-quantized
+with its own per-(chunk, head) scales by the rule its step's write uses (`recompute`).
 
 Costs: a switch is one forward over the cache's capacity (the window's frames at once) plus the new cross K/V,
 compiled once per shape (`jit_switch_prompt`); the step is not recompiled. The ring adds
@@ -32,6 +34,7 @@ compiled once per shape (`jit_switch_prompt`); the step is not recompiled. The r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -43,7 +46,7 @@ from jax import lax
 
 from jaxkv import recache_dilated as D
 from jaxkv import rollout as R
-from jaxkv.cache import RECACHE_POLICIES, ChunkCache, RingSpec
+from jaxkv.cache import RECACHE_POLICIES, ChunkCache, Fp8Cache, RingSpec
 from jaxkv.cache.clock import ring_slot
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
@@ -236,8 +239,21 @@ def switch_prompt(
         latents = jnp.concatenate([latents, latents], axis=0)
     keep = ((cache.positions >= 0) & (cache.positions < cache.spec.sink)) if keep_sink else None
     t = jnp.full((cache.batch,), rc.schedule.context_noise, jnp.float32)
-    cache = M.recompute_cache(params, config, cache, cross, latents, t, keep=keep, rope=rc.rope, run=rc.run)
+    cache = recompute(params, config, rc, cache, cross, latents, t, keep)
     return R.RolloutState(cache, cross)
+
+
+def recompute(params, config: WanConfig, rc: R.RolloutConfig, cache, cross, latents, t, keep=None):
+    """`jaxkv.models.wan.recompute_cache` of ``cache`` under ``rc``, an `Fp8Cache` included: that one is read as
+    the read-dtype ring it stands for (`Fp8Cache.dequantized`, so the re-run frames attend to the kept sink exactly
+    as a step reads it), re-computed, and each re-run slot quantized with its own per-(chunk, head) scales by the
+    rule a step's write uses (`Fp8Cache.requantized`); kept slots keep their FP8 bytes and scales. The re-cache
+    forward itself attends in the read dtype (as `recompute_cache` does on every cache: no FP8 attention)."""
+    if not isinstance(cache, Fp8Cache):
+        return M.recompute_cache(params, config, cache, cross, latents, t, keep=keep, rope=rc.rope, run=rc.run)
+    run = dataclasses.replace(rc.run, precision=dataclasses.replace(rc.run.precision, fp8_kv=False))
+    dense = M.recompute_cache(params, config, cache.dequantized(), cross, latents, t, keep=keep, rope=rc.rope, run=run)
+    return cache.requantized(dense, None if keep is None else keep[:, :: cache.spec.chunk])
 
 
 jit_switch_prompt = jax.jit(
@@ -256,16 +272,14 @@ def push_chunk(ring: LatentRing, latents, chunk_start, chunk: int) -> LatentRing
 
 
 def switch_refusal(rc: R.RolloutConfig) -> str | None:
-    """Why a stream under ``rc`` cannot switch prompts (so keeps no latent history), or None when it can: a
-    re-cachable policy (`RECACHE_POLICIES`; dilated layers are replayed) without an FP8 cache, which
-    `recompute_cache` does not rebuild."""
+    """Why a stream (or a pool) under ``rc`` cannot switch prompts (so keeps no latent history), or None when it
+    can: a re-cachable policy (`RECACHE_POLICIES`; dilated layers are replayed, an FP8 cache re-quantized:
+    `recompute`)."""
     if rc.policy not in RECACHE_POLICIES:
         return (
             f"prompt switching re-runs slots that hold whole chunks: policies {sorted(RECACHE_POLICIES)}, "
             f"got {rc.policy!r}"
         )
-    if rc.precision.fp8_kv:
-        return "an FP8 KV cache (precision.fp8_kv) is not rebuilt by a re-cache"
     return None
 
 

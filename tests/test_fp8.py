@@ -95,6 +95,24 @@ def test_fp8_cache_tracks_a_bf16_ring_through_fill_wrap_sessions_and_reset():
             assert np.all(ok | ~filled)
             quiet = np.abs(got - want)[..., :-1][np.broadcast_to(filled, want.shape)[..., :-1]]
             assert quiet.max() <= 0.1 * np.abs(want[..., :-1]).max()  # not flattened by the loud head
+    # one quantization rule: the bf16 ring's whole buffer re-quantized (what a re-cache writes back) is the FP8
+    # cache its chunk-by-chunk writes made, bit for bit; kept slots keep the FP8 bytes and scales whatever the K/V
+    again = cache.requantized(ref)
+    for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    noisy = ref.replace(k=ref.k * 3, v=ref.v + 1)
+    keep = jnp.array([[True, False, True], [False, True, True]])
+    mixed = cache.requantized(noisy, keep)
+    fresh = cache.requantized(noisy)
+    slot = keep[None, :, :, None]
+    np.testing.assert_array_equal(mixed.k_scale, jnp.where(slot, cache.k_scale, fresh.k_scale))
+    tokens = jnp.repeat(keep, 4, axis=1)[None, :, :, None, None]
+    np.testing.assert_array_equal(
+        np.asarray(mixed.v.astype(jnp.float32)), np.asarray(jnp.where(tokens, cache.v, fresh.v).astype(jnp.float32))
+    )
+    assert not np.array_equal(np.asarray(fresh.k_scale), np.asarray(cache.k_scale))
+    with pytest.raises(ValueError, match="requantized: the K/V must be bfloat16"):
+        cache.requantized(ref.replace(k=ref.k.astype(jnp.float32), v=ref.v.astype(jnp.float32)))
 
 
 def test_fp8_cache_halves_the_kv_bytes_and_refuses_what_would_bypass_quantization():

@@ -20,6 +20,7 @@ from jaxkv import recache as RC
 from jaxkv import session as S
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
+from jaxkv.precision import Precision
 from jaxkv.stream import Stream
 from tests.test_pool import CFG, _ctx, _rc
 
@@ -137,8 +138,10 @@ def test_per_row_negative_prompts_with_guidance_admit_and_switch_as_solo_streams
 
 
 @pytest.mark.slow
-def test_a_row_taken_out_resumes_solo_and_a_solo_session_joins_a_pool_bit_for_bit(tmp_path):
-    rc = _rc()
+@pytest.mark.parametrize("precision", [None, Precision(fp8_kv=True)], ids=["f32", "fp8"])
+def test_a_row_taken_out_resumes_solo_and_a_solo_session_joins_a_pool_bit_for_bit(tmp_path, precision):
+    """On the float32 cache and the FP8 one (its bytes and per-(chunk, head) scales go in and out with the row)."""
+    rc = _rc() if precision is None else _rc(precision=precision)
     params = _params()
     pool = P.StreamPool(params, CFG, rc, rows=2)
     other = pool.admit(_ctx(2), jax.random.key(102))

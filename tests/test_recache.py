@@ -14,12 +14,13 @@ from jaxkv import generate as G
 from jaxkv import recache as RC
 from jaxkv import rollout as R
 from jaxkv.attention.reference import dense_attention
-from jaxkv.cache import RingSpec
+from jaxkv.cache import Fp8Cache, RingSpec
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
+from jaxkv.precision import Precision
 from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
 from jaxkv.stream import Stream
@@ -50,12 +51,14 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
     """The cache a switch must build, made without the ring, the slots or `recompute_cache`: the retained chunks
     (read off the old cache's positions) are laid out chronologically from the test's own record of clean chunks,
     run through one cache-free forward at their absolute positions under the block-causal mask and the new
-    context, and their K/V written chunk by chunk into a fresh cache. With keep_sink the sink tokens' K/V are
-    replaced (and attended) by the old cache's, chronologically ordered. Cache-relative RoPE rotates by index in
-    the chronological sequence (= rank)."""
+    context, and their K/V written chunk by chunk into a fresh cache (of ``rc``'s kind: an FP8 cache quantizes
+    each chunk in its own `write`, as a step does). With keep_sink the sink tokens' K/V are replaced (and attended)
+    by the old cache's as it reads them (an FP8 cache dequantized), chronologically ordered. Cache-relative RoPE
+    rotates by index in the chronological sequence (= rank)."""
     spec = old_cache.spec
     c = spec.chunk
-    old_k, old_v, old_pos = old_cache.chronological()
+    fp8 = rc.precision.fp8_kv
+    old_k, old_v, old_pos = (old_cache.dequantized() if fp8 else old_cache).chronological()
     held = [int(p) // c for p in np.asarray(old_pos[0, ::c]) if p >= 0]
     batch = old_cache.batch
     latents = jnp.concatenate([clean[i] for i in held], axis=1)
@@ -86,7 +89,7 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
         lambda p, x: M._dit(p, CFG, x, t, positions, cross, self_attention, (zeros, zeros), XLA, rotate=not relative)[1]
     )
     ks, vs = forward(params, latents)
-    cache = M.init_cache(CFG, spec, batch, policy=rc.policy)
+    cache = M.init_cache(CFG, spec, batch, policy=rc.policy, fp8=fp8)
     for j, i in enumerate(held):
         cache = cache.replace(chunk_start=jnp.full((batch,), (i - 1) * c if i else -1, jnp.int32)).begin_chunk()
         for layer in range(CFG.num_layers):
@@ -149,6 +152,58 @@ def test_switch_equals_cache_free_reference_then_continues_alike(policy, keep_si
         x, state = R.stream_step(CFG, rc, params, state, None, None, noise[n])  # the stream's own program
         err = float(jnp.abs(x - chunks[n]).max() / jnp.abs(x).max())
         assert err <= 1e-4, (n, err)
+
+
+FP8 = Precision(fp8_kv=True)  # float32 params, reads and cross K/V: the FP8 cache's own rounding is all that differs
+
+
+@pytest.mark.parametrize(
+    "keep_sink,rope,before",
+    [
+        (True, "absolute", 5),  # wrapped window, the sink's FP8 bytes kept
+        pytest.param(False, "cache-relative", 4, marks=pytest.mark.slow),  # sink re-quantized too
+    ],
+)
+def test_an_fp8_switch_is_the_cache_free_reference_written_through_the_fp8_cache(keep_sink, rope, before):
+    """An FP8 stream switched at chunk n against `reference_cache` built on an FP8 cache: the same cache-free
+    forward, each re-run chunk written by `Fp8Cache.write` as a step writes it. The two forwards sum in other
+    orders (float32, ~1e-6 apart), so a value lying at an e4m3 rounding boundary may land one e4m3 step apart:
+    the scales agree to 1e-5, the dequantized K/V to one e4m3 step (2**-3 of the value, or the subnormal step
+    scale * 2**-9 near zero), and nearly every byte is equal. Kept sink slots keep their FP8 bytes and scales bit
+    for bit. The stream then continues as one continued from the reference cache. Measured here: every byte
+    equal, the continuation 2e-7 relative (bound 1e-5)."""
+    rc = _rc(rope=rope, precision=FP8)
+    params, ctx_a, ctx_b = _params(), _ctx(1, 2), _ctx(2, 2)
+    after = 2
+    noise = jax.random.normal(jax.random.key(3), rc.noise_shape(CFG, 2, before + after))
+    chunks, old, switched = _stream_then_switch(params, rc, ctx_a, ctx_b, noise, before, keep_sink)
+    assert isinstance(switched.cache, Fp8Cache)
+
+    ref = reference_cache(params, rc, old.cache, chunks, ctx_b, keep_sink)
+    np.testing.assert_array_equal(switched.cache.positions, ref.cache.positions)
+    np.testing.assert_allclose(switched.cache.k_scale, ref.cache.k_scale, rtol=1e-5)
+    np.testing.assert_allclose(switched.cache.v_scale, ref.cache.v_scale, rtol=1e-5)
+    for name in ("k", "v"):
+        got, want = (np.asarray(getattr(c.cache.dequantized(), name)) for c in (switched, ref))
+        scale = np.repeat(np.asarray(getattr(ref.cache, f"{name}_scale")), rc.spec(CFG).chunk, axis=2)[..., None]
+        assert np.all(np.abs(got - want) <= 2.0**-3 * np.abs(want) + scale * 2.0**-9 * 1.0001), name
+        same = np.asarray(getattr(switched.cache, name)).view(np.uint8) == np.asarray(getattr(ref.cache, name)).view(
+            np.uint8
+        )
+        assert same.mean() >= 0.99, (name, same.mean())
+        # the prompt matters: the re-run window's bytes changed
+        assert (np.asarray(getattr(switched.cache, name)) != np.asarray(getattr(old.cache, name))).mean() > 0.1
+    sink = np.asarray(old.cache.positions[:, :: rc.spec(CFG).chunk] < rc.spec(CFG).sink) & (
+        np.asarray(old.cache.positions[:, :: rc.spec(CFG).chunk]) >= 0
+    )
+    kept = np.asarray(switched.cache.k_scale)[:, sink] == np.asarray(old.cache.k_scale)[:, sink]
+    assert kept.all() == keep_sink  # kept bit for bit, or re-quantized from the new K/V
+
+    state = ref
+    for n in range(before, before + after):
+        x, state = R.stream_step(CFG, rc, params, state, None, None, noise[n])
+        err = float(jnp.abs(x - chunks[n]).max() / jnp.abs(x).max())
+        assert err <= 1e-5, (n, err)
 
 
 def test_switching_to_the_same_prompt_before_the_window_wraps_changes_nothing():

@@ -161,10 +161,23 @@ def test_history_false_refuses_a_switch_before_the_state_changes():
         _key_stream(rc).switch_prompt(_ctx(2, 2), keep_sink=1)
 
 
-def test_a_cache_no_switch_rebuilds_keeps_no_ring_and_says_why():
+def test_an_fp8_stream_keeps_its_history_switches_and_resumes_switched_from_disk_bit_for_bit(tmp_path):
+    """Every cache a RolloutConfig builds can be re-cached now (an FP8 cache re-quantized, `jaxkv.recache.recompute`;
+    its numbers against the cache-free reference: tests/test_recache.py): an FP8 stream keeps its latent history,
+    switches, and a session saved to disk after the switch, with its ring, resumes and switches again bit for bit
+    as the uninterrupted stream."""
     fp8 = _rc(precision=Precision("float32", "float32", "bfloat16", fp8_kv=True))
-    assert "FP8" in RC.switch_refusal(fp8) and RC.switch_refusal(_rc()) is None
-    s = _key_stream(fp8)  # history asked for (the default), none kept: `recompute_cache` does not rebuild FP8
-    assert s.ring is None
-    with pytest.raises(ValueError, match="cannot switch prompts: an FP8 KV cache"):
-        s.switch_prompt(_ctx(2, 2))
+    assert RC.switch_refusal(fp8) is None and RC.switch_refusal(_rc(policy="rolling")) is None
+    s = _key_stream(fp8)
+    assert s.ring is not None
+    for _ in range(3):
+        next(s)
+    s.switch_prompt(_ctx(2, 2))
+    next(s)
+    path = S.save(str(tmp_path / "fp8.session"), s.session())
+    resumed = Stream.from_session(_params(), CFG, fp8, S.load(path, CFG, fp8))
+    np.testing.assert_array_equal(resumed.ring.latents, s.ring.latents)
+    for stream in (s, resumed):
+        stream.switch_prompt(_ctx(3, 2), keep_sink=False)
+    for n in range(2):
+        np.testing.assert_array_equal(np.asarray(next(resumed)), np.asarray(next(s)), err_msg=f"chunk {4 + n}")

@@ -16,7 +16,9 @@ quantized chunk and its scales in the reserved slot, both O(chunk). `layer_kv` d
 scale``, in the read dtype), so every attention path that reads `layer_kv` runs unchanged on an FP8 cache;
 `layer_fp8` hands out the raw FP8 buffers and scales for a kernel that reads FP8 itself. Per-chunk scales follow the
 activations as a stream moves on (a chunk's scale is fixed when it is written, never rescaled by a later chunk), and
-per-head scales keep one loud head from flattening the others.
+per-head scales keep one loud head from flattening the others. That rule lives in one place, `quantize_slots`: a
+prompt switch's re-cache (`jaxkv.recache.recompute`) runs on `dequantized` (the ring this cache reads as) and
+writes back through `requantized`, each re-run chunk quantized as a step's `write` quantizes it.
 
 Cost: K/V bytes halve against bfloat16 (a quarter of float32); the scales add ``2 * 4 * heads`` bytes per slot and
 layer (for Wan 1.3B's 12 heads and 4,680-token chunks: 96 bytes beside 2.9 MB of FP8 K/V). Only the ring policy is
@@ -182,8 +184,8 @@ class Fp8Cache:
                     f"Fp8Cache.write: {name} must be in the cache's read dtype {self.read_dtype}, got "
                     f"{getattr(x, 'dtype', type(x).__name__)} (cast it explicitly)"
                 )
-        k_s, v_s = fp8.scale_of(k, axis=(1, 3)), fp8.scale_of(v, axis=(1, 3))  # [batch, heads]
-        k8, v8 = fp8.quantize(k, k_s[:, None, :, None]), fp8.quantize(v, v_s[:, None, :, None])
+        (k8, k_s), (v8, v_s) = quantize_slots(k, 1), quantize_slots(v, 1)
+        k_s, v_s = k_s[:, 0], v_s[:, 0]  # [batch, heads]
         inner = self.inner.write(k8, v8, layer=layer, active=active)  # checks shapes, layer, active, reservation
         slot = (self.inner.chunk_offsets() // self.spec.chunk).astype(jnp.int32)
         scales = []
@@ -196,6 +198,40 @@ class Fp8Cache:
             buf = write_chunk_rows(buf, new[:, None, :], slot, at)
             scales.append(tuple(buf if i == layer else b for i, b in enumerate(bufs)) if self.is_per_layer else buf)
         return Fp8Cache(inner, *scales, self.read_dtype)
+
+    def requantized(self, dense: RingCache, keep=None) -> "Fp8Cache":
+        """This cache holding ``dense``'s K/V (a `RingCache` in the read dtype with this cache's spec, sessions and
+        layers, e.g. `dequantized` re-computed by a re-cache), each slot's chunk quantized with its own per-head
+        scales by the rule `write` uses (`quantize_slots`); positions and the reserved chunk stay this cache's.
+        ``keep`` bool [batch, num_slots]: slots whose FP8 bytes and scales stay as they are (not re-rounded)."""
+        here = self.stacked()
+        dense = dense.stacked()
+        if dense.k.shape != here.k.shape or dense.dtype != self.dtype:
+            raise ValueError(
+                f"Fp8Cache.requantized: the K/V must be {self.read_dtype}{list(here.k.shape)}, got "
+                f"{dense.dtype}{list(dense.k.shape)}"
+            )
+        slots = self.spec.num_slots
+        k8, k_s = quantize_slots(dense.k, slots)
+        v8, v_s = quantize_slots(dense.v, slots)
+        if keep is not None:
+            keep = jnp.asarray(keep, bool)
+            if keep.shape != (self.batch, slots):
+                raise ValueError(f"Fp8Cache.requantized: keep must be bool [{self.batch}, {slots}], got {keep.shape}")
+            tokens = jnp.repeat(keep, self.spec.chunk, axis=1)[:, :, None, None]  # [batch, capacity, 1, 1]
+            k8, v8 = jnp.where(tokens, here.k, k8), jnp.where(tokens, here.v, v8)
+            k_s, v_s = jnp.where(keep[..., None], here.k_scale, k_s), jnp.where(keep[..., None], here.v_scale, v_s)
+        out = Fp8Cache(here.inner.replace(k=k8, v=v8), k_s, v_s, self.read_dtype)
+        return out.per_layer() if self.is_per_layer else out
+
+    def dequantized(self) -> RingCache:
+        """The `RingCache` in the read dtype that this cache reads as (every layer's `layer_kv`, stacked or per
+        layer as this cache is); positions and the reserved chunk as here."""
+        here = self.stacked()
+        k = dequantize_slots(here.inner.k, here.k_scale, self.dtype)
+        v = dequantize_slots(here.inner.v, here.v_scale, self.dtype)
+        dense = here.inner.replace(k=k, v=v)
+        return dense.per_layer() if self.is_per_layer else dense
 
     # ---------------------------------------------------------------- reads
 
@@ -219,10 +255,21 @@ class Fp8Cache:
         return dequantize_slots(k8, k_s, self.dtype), dequantize_slots(v8, v_s, self.dtype)
 
 
+def quantize_slots(x, slots: int):
+    """The one FP8 rule of the cache: x [..., batch, slots * chunk, heads, head_dim] (in the read dtype) quantized
+    with one scale per (slot, head), the amax over that slot's tokens and head_dim / 448 (`jaxkv.fp8`). Returns
+    (x8 float8_e4m3fn, x's shape; scale float32 [..., batch, slots, heads]). `Fp8Cache.write` runs it on one chunk,
+    `Fp8Cache.requantized` on a whole re-cached buffer."""
+    *lead, n, h, d = x.shape
+    blocks = x.reshape(*lead, slots, n // slots, h, d)
+    scale = fp8.scale_of(blocks, axis=(-3, -1))  # [..., slots, heads]
+    return fp8.quantize(blocks, scale[..., None, :, None]).reshape(x.shape), scale
+
+
 def dequantize_slots(x8, scale, dtype):
-    """x8 float8 [batch, capacity, heads, head_dim] times its per-(slot, head) scale [batch, num_slots, heads], in
-    ``dtype`` (capacity = num_slots * chunk)."""
-    b, n, h, d = x8.shape
-    slots = scale.shape[1]
-    blocks = x8.reshape(b, slots, n // slots, h, d)
-    return fp8.dequantize(blocks, scale[:, :, None, :, None], dtype).reshape(b, n, h, d)
+    """x8 float8 [..., batch, capacity, heads, head_dim] times its per-(slot, head) scale [..., batch, num_slots,
+    heads], in ``dtype`` (capacity = num_slots * chunk)."""
+    *lead, n, h, d = x8.shape
+    slots = scale.shape[-2]
+    blocks = x8.reshape(*lead, slots, n // slots, h, d)
+    return fp8.dequantize(blocks, scale[..., None, :, None], dtype).reshape(x8.shape)

@@ -130,15 +130,12 @@ class StreamPool:
         """Switches ``row``'s prompt before its next chunk (context [1, text_tokens, text_dim]; with guidance the
         row's new negative_context, same shape): its cross K/V are replaced and its retained frames re-cached, as a
         solo `jaxkv.stream.Stream.switch_prompt` does; the other rows are untouched. ValueError, before
-        anything changes, for a free row, a bad context, a pool that cannot switch (an FP8 cache) or a
-        row whose ring lacks a chunk its cache holds (a session admitted without its ring)."""
+        anything changes, for a free row, a bad context, a pool that cannot switch (`jaxkv.recache.switch_refusal`)
+        or a row whose ring lacks a chunk its cache holds (a session admitted without its ring)."""
         row = self._busy(row)
-        if not PS.switchable(self.rc):
-            raise ValueError(
-                f"prompt switching in a pool needs a ring or rolling policy and no FP8 cache (policy "
-                f"{self.rc.policy!r}, fp8_kv={self.rc.precision.fp8_kv}): `recompute_cache` does not rebuild an FP8 "
-                f"cache"
-            )
+        why = RC.switch_refusal(self.rc)
+        if why is not None:
+            raise ValueError(f"this pool cannot switch prompts: {why}")
         if not isinstance(keep_sink, bool):
             raise ValueError(f"keep_sink must be a bool, got {keep_sink!r}")
         context, negative_context = self._one_context("switch_prompt", context, negative_context)
@@ -196,19 +193,13 @@ class StreamPool:
         return row
 
     def _ring_of(self, session: S.Session):
-        """The session's saved ring as a `LatentRing` of batch 1 (checked by `jaxkv.recache.ring_from_extra`'s
-        rules), or None (no ring saved, or a pool that keeps none)."""
+        """The session's saved ring as a `LatentRing` of batch 1 (checked by `jaxkv.recache.ring_from_extra`, its
+        ValueError raised as a `jaxkv.session.SessionError`), or None (no ring saved, or a pool that keeps none)."""
         extra = session.extras.get(RC.RING_EXTRA)
         if extra is None or self.state.ring is None:
             return None
         empty = RC.LatentRing.init(RC.ring_spec(self.config, self.rc), self.rc.chunk_shape(self.config, 1))
-        if not isinstance(extra, dict) or set(extra) != {"latents", "chunks"}:
-            raise S.SessionError(f"the saved latent ring must hold 'latents' and 'chunks', got {sorted(extra or {})}")
-        for name in ("latents", "chunks"):
-            want, got = getattr(empty, name), extra[name]
-            if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-                raise S.SessionError(
-                    f"the saved latent ring's {name} are {got.dtype}{list(got.shape)}, a pool row's "
-                    f"{want.dtype}{list(want.shape)}"
-                )
-        return empty.replace(latents=jnp.asarray(extra["latents"]), chunks=jnp.asarray(extra["chunks"]))
+        try:
+            return RC.ring_from_extra(extra, empty)
+        except ValueError as e:
+            raise S.SessionError(str(e)) from None

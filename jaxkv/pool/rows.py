@@ -38,8 +38,8 @@ def switch_row(
     change; other rows are untouched. Call it between steps."""
     if state.ring is None:
         raise ValueError(
-            "prompt switching in a pool re-caches from the rows' latent rings, which a pool keeps only under a ring "
-            f"or rolling policy without an FP8 cache (policy {rc.policy!r}, fp8_kv={rc.precision.fp8_kv})"
+            "prompt switching in a pool re-caches from the rows' latent rings, which this pool keeps none of: "
+            f"{RC.switch_refusal(rc)}"
         )
     index = PS.session_index(rc, state.rows, row)
     sub = R.RolloutState(PS.take_sessions(state.rollout.cache, index), PS.take_cross(state.rollout.cross, index))

@@ -15,7 +15,7 @@ meaningless, they stay empty, and nothing they compute can reach another row. An
 ring / rolling, all-dilated (``dilated_every=1``) and mixed dense / dilated (``dilated_every >= 2``): ``reset``
 and ``begin_chunk(active)`` act per session on every stack.
 
-Unless the cache is FP8, the pool also keeps each row's clean chunks (``ring``, a `jaxkv.recache.LatentRing` with
+The pool also keeps each row's clean chunks (``ring``, a `jaxkv.recache.LatentRing` with
 one row per pool row, pushed by every step), which a per-row prompt switch (`jaxkv.pool.rows`) re-caches from.
 """
 
@@ -29,7 +29,7 @@ from jax import lax
 
 from jaxkv import recache as RC
 from jaxkv import rollout as R
-from jaxkv.cache import ChunkCache, MixedCache
+from jaxkv.cache import ChunkCache, Fp8Cache, MixedCache
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.validate import check_int
@@ -55,10 +55,10 @@ class PoolState(NamedTuple):
 
 
 def switchable(rc: R.RolloutConfig) -> bool:
-    """True when a pool under ``rc`` keeps latent rings and can switch a row's prompt: a sink + window cache of a
-    re-cachable policy (`jaxkv.recache.RECACHE_POLICIES`; dilated and mixed caches are replayed, their rings reach
-    the dilated horizon: `jaxkv.recache.ring_spec`), no FP8 cache (`recompute_cache` does not rebuild one)."""
-    return rc.policy in RC.RECACHE_POLICIES and not rc.precision.fp8_kv
+    """True when a pool under ``rc`` keeps latent rings and can switch a row's prompt: when a solo stream under
+    ``rc`` could (`jaxkv.recache.switch_refusal` is None; the rings reach the dilated horizon of dilated and mixed
+    caches: `jaxkv.recache.ring_spec`)."""
+    return RC.switch_refusal(rc) is None
 
 
 def session_index(rc: R.RolloutConfig, rows: int, row) -> jax.Array:
@@ -74,19 +74,28 @@ def _sessions_of(rc: R.RolloutConfig, rows: int, row) -> jax.Array:
 
 
 def _check_stacked(cache) -> None:
-    for part in (cache.dense, cache.dilated) if isinstance(cache, MixedCache) else (cache,):
-        if not isinstance(part, ChunkCache):  # e.g. an FP8 cache
-            raise ValueError(f"a pool row is taken from a ChunkCache or MixedCache, got {type(part).__name__}")
+    parts = {MixedCache: lambda c: (c.dense, c.dilated), Fp8Cache: lambda c: (c.inner,)}.get(type(cache))
+    for part in (cache,) if parts is None else parts(cache):
+        if not isinstance(part, ChunkCache):
+            raise ValueError(
+                f"a pool row is taken from a ChunkCache, MixedCache or Fp8Cache, got {type(part).__name__}"
+            )
         if part.is_per_layer:
             raise ValueError("a pool row is taken from a stacked cache, got a per-layer one")
 
 
 def take_sessions(cache, index):
-    """The sessions ``index`` (int32 [n]) of a stacked cache (`ChunkCache` or `MixedCache`), as a cache of n
-    sessions: k, v [layers, n, ...], positions [n, capacity], chunk_start [n]."""
+    """The sessions ``index`` (int32 [n]) of a stacked cache (`ChunkCache`, `MixedCache` or `Fp8Cache`), as a cache
+    of n sessions: k, v [layers, n, ...] (and an FP8 cache's scales [layers, n, slots, heads]), positions
+    [n, capacity], chunk_start [n]."""
     _check_stacked(cache)
     if isinstance(cache, MixedCache):
         return cache.replace(dense=take_sessions(cache.dense, index), dilated=take_sessions(cache.dilated, index))
+    if isinstance(cache, Fp8Cache):
+        take = lambda x: jnp.take(x, index, axis=1)
+        return cache.replace(
+            inner=take_sessions(cache.inner, index), k_scale=take(cache.k_scale), v_scale=take(cache.v_scale)
+        )
     return cache.replace(
         k=jnp.take(cache.k, index, axis=1),
         v=jnp.take(cache.v, index, axis=1),
@@ -107,6 +116,12 @@ def put_sessions(cache, index, part):
     if isinstance(cache, MixedCache):
         return cache.replace(
             dense=put_sessions(cache.dense, index, part.dense), dilated=put_sessions(cache.dilated, index, part.dilated)
+        )
+    if isinstance(cache, Fp8Cache):
+        return cache.replace(
+            inner=put_sessions(cache.inner, index, part.inner),
+            k_scale=cache.k_scale.at[:, index].set(part.k_scale),
+            v_scale=cache.v_scale.at[:, index].set(part.v_scale),
         )
     return cache.replace(
         k=cache.k.at[:, index].set(part.k),
