@@ -40,6 +40,7 @@ from jaxkv.cache.clock import check_chunk_room, wrap_clock
 from jaxkv.cache.clock import wrap_period as wrap_period  # re-exported: callers read it as jaxkv.rollout.wrap_period
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.inputs import check_context
 from jaxkv.models.wan.params import is_per_layer
 from jaxkv.rollout_config import RolloutConfig as RolloutConfig  # re-exported: jaxkv.rollout.RolloutConfig
 from jaxkv.validate import check_int, is_concrete
@@ -79,7 +80,7 @@ def per_layer_state(state: RolloutState) -> RolloutState:
 def _check_context(config: WanConfig, rc: RolloutConfig, context, negative_context):
     """The sessions' text context: [batch, text_len, text_dim], or [2*batch, text_len, text_dim] with guidance
     (conditional rows first), zero-padded as `jaxkv.models.wan.cross_kv` pads."""
-    context = M._check_context(config, context)
+    context = check_context(config, context)
     if rc.guidance_scale is None:
         if negative_context is not None:
             raise ValueError(
@@ -89,7 +90,7 @@ def _check_context(config: WanConfig, rc: RolloutConfig, context, negative_conte
         return context
     if negative_context is None:
         raise ValueError(f"guidance_scale={rc.guidance_scale} needs a negative_context [batch, tokens, text_dim]")
-    negative_context = M._check_context(config, negative_context, context.shape[0], name="negative_context")
+    negative_context = check_context(config, negative_context, context.shape[0], name="negative_context")
     return jnp.concatenate([context, negative_context], axis=0)
 
 

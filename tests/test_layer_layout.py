@@ -19,6 +19,7 @@ from jaxkv.attention import cudnn, dispatch
 from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.compilation import compile_count
 from jaxkv.models.wan import model as M
+from jaxkv.models.wan import streaming
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.models.wan.params import is_per_layer, per_layer_params, stacked_params
 from jaxkv.precision import Precision
@@ -264,7 +265,7 @@ def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(
     monkeypatch.setattr(dispatch.pallas_gpu, "supported", lambda head_dim: False)  # fallback: XLA, not Pallas
     monkeypatch.setattr(dispatch, "_blockwise", dispatch._dense)  # ... the dense one (no branches of its own)
     made = {"model": 0, "per_call": 0}
-    model_plan, call_plan = M.plan_attention, cudnn.plan_attention
+    model_plan, call_plan = streaming.plan_attention, cudnn.plan_attention
 
     def counted(where, fn):
         def plan(*a):
@@ -273,7 +274,7 @@ def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(
 
         return plan
 
-    monkeypatch.setattr(M, "plan_attention", counted("model", model_plan))
+    monkeypatch.setattr(streaming, "plan_attention", counted("model", model_plan))
     monkeypatch.setattr(cudnn, "plan_attention", counted("per_call", call_plan))
     params = _params(11, jnp.bfloat16)
     params = per_layer_params(params) if layout == "per_layer" else params

@@ -15,6 +15,7 @@ from examples import streaming_encoder as example
 from examples.streaming_encoder import StreamingEncoder
 from jaxkv.attention import CacheRope, MaskSpec
 from jaxkv.nn import CachedSelfAttention, cached_attention, rotary
+from jaxkv.run_options import RunOptions
 
 
 def _stream(model, x, cache):
@@ -134,3 +135,30 @@ def test_cached_attention_is_write_read_cast_attend():
     out, by_hand = cached_attention(fresh, qx, kx, vx, mask=spec.mask())
     np.testing.assert_array_equal(np.asarray(written.k), np.asarray(by_hand.k))
     np.testing.assert_allclose(np.asarray(y), np.asarray(layer.o(out.reshape(b, t, 12))), atol=1e-6)
+
+
+def test_layer_runs_the_mosaic_emulation_through_run_options_cached_and_not():
+    """``run=RunOptions(backend="mosaic", interpret=True)`` reaches `attend` from both branches: the whole-sequence
+    `forward` (no cache) and the cached `__call__`; each equals backend "xla" within the Wan model's mosaic-vs-xla
+    tolerance (tests/test_attention_layer.py). Without ``interpret`` the Mosaic GPU kernel cannot run on CPU."""
+    mask = MaskSpec(chunk=8)
+    x = jax.random.normal(jax.random.key(7), (2, 16, 12))
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+    spec = jaxkv.RingSpec(chunk=8, window=16, sink=0)
+    outs = {}
+    for name, run in (("xla", RunOptions.of(backend="xla")), ("mosaic", RunOptions(backend="mosaic", interpret=True))):
+        layer = _layer(mask, run=run)
+        assert layer.run == run
+        cache = jaxkv.RingCache.init(spec, batch=2, heads=1, head_dim=6)
+        streamed = []
+        for n in range(2):
+            y, cache = layer(x[:, 8 * n : 8 * n + 8], cache.begin_chunk())
+            streamed.append(y)
+        outs[name] = (layer.forward(x, positions), jnp.concatenate(streamed, axis=1))
+    for got, want in zip(outs["mosaic"], outs["xla"]):
+        assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) <= 1e-5
+    np.testing.assert_allclose(outs["xla"][1], outs["xla"][0], atol=2e-5)  # streaming equals the whole sequence
+    with pytest.raises(TypeError, match="either run= or backend="):
+        _layer(mask, run=RunOptions(), backend="xla")
+    with pytest.raises(TypeError, match="run must be a jaxkv.run_options.RunOptions, got str"):
+        _layer(mask, run="mosaic")

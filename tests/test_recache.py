@@ -19,6 +19,7 @@ from jaxkv.compilation import compile_count
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.dit import dit
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 from jaxkv.precision import Precision
 from jaxkv.run_options import RunOptions
@@ -86,7 +87,7 @@ def reference_cache(params, rc, old_cache, clean, context, keep_sink):
     zeros = jnp.zeros((CFG.num_layers, batch, n, CFG.num_heads, CFG.head_dim))
     t = jnp.full((batch,), rc.schedule.context_noise)
     forward = jax.jit(
-        lambda p, x: M._dit(p, CFG, x, t, positions, cross, self_attention, (zeros, zeros), XLA, rotate=not relative)[1]
+        lambda p, x: dit(p, CFG, x, t, positions, cross, self_attention, (zeros, zeros), XLA, rotate=not relative)[1]
     )
     ks, vs = forward(params, latents)
     cache = M.init_cache(CFG, spec, batch, policy=rc.policy, fp8=fp8)

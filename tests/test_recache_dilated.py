@@ -15,6 +15,7 @@ import pytest
 from jaxkv import rollout as R
 from jaxkv.cache import MixedCache
 from jaxkv.models.wan import model as M
+from jaxkv.models.wan.dit import dit
 from jaxkv.run_options import RunOptions
 from jaxkv.stream import Stream
 from tests.test_rollout_mixed import CFG, SCHEDULE, H, W, _ctx, _params, layer_masks
@@ -92,7 +93,7 @@ def reference_kv(params, rc, old_cache, clean, context, keep_sink, num_chunks):
 
     zeros = jnp.zeros((CFG.num_layers, batch, n, CFG.num_heads, CFG.head_dim))
     t = jnp.full((batch,), rc.schedule.context_noise)
-    ks, vs = jax.jit(lambda p, x: M._dit(p, CFG, x, t, pos_b, cross, self_attention, (zeros, zeros), XLA)[1])(
+    ks, vs = jax.jit(lambda p, x: dit(p, CFG, x, t, pos_b, cross, self_attention, (zeros, zeros), XLA)[1])(
         params, latents
     )
     return ks, vs, positions, held

@@ -20,8 +20,8 @@ from jaxkv.cache.clock import history_chunks, wrap_period
 from jaxkv.cache.dilated import stored_positions
 from jaxkv.compilation import compile_count
 from jaxkv.models import wan
-from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.dit import dit
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin, sequence_positions
 from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
@@ -96,7 +96,7 @@ def reference_relative_rollout(params, rc, context, noise, frame_masks):
             return jnp.einsum("bhqk,bkhd->bqhd", p, v), state
 
         positions = sequence_positions(batch, n)
-        return M._dit(params, CFG, x, t, positions, cross, attention, None, XLA, rotate=False)[0]
+        return dit(params, CFG, x, t, positions, cross, attention, None, XLA, rotate=False)[0]
 
     return sample_history(fwd, rc.schedule, noise)
 

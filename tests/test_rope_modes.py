@@ -16,6 +16,7 @@ from jaxkv.cache.spec import POSITION_LIMIT
 from jaxkv.models import wan
 from jaxkv.models.wan import model as M
 from jaxkv.models.wan.config import WanConfig
+from jaxkv.models.wan.dit import dit
 from jaxkv.models.wan.rope import apply_rope, rope_angles, rope_cos_sin
 from jaxkv.run_options import RunOptions
 from jaxkv.schedule import Schedule
@@ -73,7 +74,7 @@ def reference_relative_stream(params, rc, context, noise):
             return out, (rec[0].at[layer].set(k), rec[1].at[layer].set(v))
 
         zeros = jnp.zeros((CFG.num_layers, batch, c, CFG.num_heads, CFG.head_dim))
-        return M._dit(params, CFG, x, jnp.full((batch,), tt), q_rank, cross, attn, (zeros, zeros), XLA, rotate=False)
+        return dit(params, CFG, x, jnp.full((batch,), tt), q_rank, cross, attn, (zeros, zeros), XLA, rotate=False)
 
     history, out = [], []
     for n in range(noise.shape[0]):

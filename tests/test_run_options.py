@@ -101,20 +101,19 @@ def test_generate_settings_use_the_library_run_options():
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The public entry points, the only functions in jaxkv/models/wan and jaxkv/nn that take `backend=` / `precision=`
-# (each builds one RunOptions at its top); everything they call takes `run`.
+# (each builds one RunOptions at its top); everything they call takes `run`. jaxkv/models/wan/model.py re-exports the
+# model's ones.
 ENTRY_POINTS = {
-    "jaxkv/models/wan/model.py": {
-        "cross_kv",
-        "forward",
-        "forward_block_causal",
-        "forward_teacher_forcing",
-        "forward_chunk",
-        "recompute_cache",
-    },
+    "jaxkv/models/wan/attention.py": {"cross_kv"},
+    "jaxkv/models/wan/sequence.py": {"forward", "forward_block_causal", "forward_teacher_forcing"},
+    "jaxkv/models/wan/streaming.py": {"forward_chunk", "recompute_cache"},
     "jaxkv/models/wan/module.py": {"__call__", "block_causal", "cross_kv", "step"},  # WanModel: pass them through
     "jaxkv/nn/attention.py": {"__init__"},  # CachedSelfAttention(backend=...), held as self.run
 }
 CHECKS = {"as_precision", "check_params", "named", "resolve"}  # parse or check a precision / resolve the options
+RESOLVER = "jaxkv/models/wan/dtypes.py"  # `_run_of`: what the entry points hand the keywords to
+MODEL = ("jaxkv/models/wan/attention.py", "jaxkv/models/wan/sequence.py", "jaxkv/models/wan/streaming.py")
+MODEL_ENTRY_POINTS = {name for path in MODEL for name in ENTRY_POINTS[path]}  # the pure functions' entry points
 
 
 def _modules():
@@ -150,27 +149,28 @@ def test_only_the_entry_points_take_backend_or_precision():
             names = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
             if names & {"backend", "precision"}:
                 found.setdefault(path, set()).add(_name(fn))
-    resolver = {"jaxkv/models/wan/model.py": {"_run_of"}}  # what the entry points hand the keywords to
-    assert found == {path: names | resolver.get(path, set()) for path, names in ENTRY_POINTS.items()}
+    assert found == {**ENTRY_POINTS, RESOLVER: {"_run_of"}}
 
 
 def test_the_precision_is_checked_once_per_entry_point():
-    """In model.py only `_run_of` resolves the options and checks the params; each entry point calls it once; no
-    function there calls an entry point (which would check again); module.py and nn/ check nothing themselves."""
+    """In jaxkv/models/wan only `_run_of` (dtypes.py) resolves the options and checks the params; each of the model's
+    entry points calls it once; no other function of the model's modules calls it or an entry point (which would
+    check again); module.py (WanModel, which calls the entry points) and nn/ check nothing themselves."""
     modules = _modules()
-    model = modules["jaxkv/models/wan/model.py"]
-    top = {n.name: n for n in model.body if isinstance(n, ast.FunctionDef)}
-    checking = {name for name, fn in top.items() if CHECKS & set(_calls(fn))}
-    assert checking == {"_run_of"}
-    for name, fn in top.items():
+    model = {path: tree for path, tree in modules.items() if path.startswith("jaxkv/models/wan/")}
+    model.pop("jaxkv/models/wan/module.py")
+    top = {(path, n.name): n for path, tree in model.items() for n in tree.body if isinstance(n, ast.FunctionDef)}
+    checking = {key for key, fn in top.items() if CHECKS & set(_calls(fn))}
+    assert checking == {(RESOLVER, "_run_of")}
+    for (path, name), fn in top.items():
         calls = _calls(fn)
-        if name in ENTRY_POINTS["jaxkv/models/wan/model.py"]:
+        if name in ENTRY_POINTS.get(path, ()):
             assert calls.count("_run_of") == 1, name
         else:
             assert "_run_of" not in calls, name
-        assert not set(calls) & ENTRY_POINTS["jaxkv/models/wan/model.py"], name
+        assert not set(calls) & MODEL_ENTRY_POINTS, name
     for path, tree in modules.items():
-        if path != "jaxkv/models/wan/model.py":
+        if path != RESOLVER:
             assert not CHECKS & set(_calls(tree)), path
 
 

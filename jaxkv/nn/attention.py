@@ -48,8 +48,12 @@ class CachedSelfAttention(nnx.Module):
       mask: `MaskSpec` applied both streaming and in `forward` (e.g. chunk-causal with a sink + window).
       rope: optional hook `rope(x, positions)` at absolute positions, applied to q and k before the cache write.
       cache_rope: optional `CacheRope` instead: keys cached unrotated and rotated at read by rank (StreamingLLM).
-      backend: attention backend (see `jaxkv.attention.attend`), checked here and held as ``self.run``
-        (`jaxkv.run_options.RunOptions`; the layer's dtypes are ``dtype`` / ``param_dtype``, not its precision).
+      backend: attention backend (see `jaxkv.attention.attend`; default "auto"), checked here and held as
+        ``self.run`` (`jaxkv.run_options.RunOptions`; the layer's dtypes are ``dtype`` / ``param_dtype``, not its
+        precision).
+      run: a `jaxkv.run_options.RunOptions` instead of ``backend`` (TypeError if given with it): its backend and
+        ``interpret`` (the kernel backends off their GPU, e.g. "mosaic" emulated on CPU) reach both `__call__` and
+        `forward`; its precision is unused.
       use_bias, dtype, param_dtype, rngs: as for `nnx.Linear`.
     """
 
@@ -63,7 +67,8 @@ class CachedSelfAttention(nnx.Module):
         mask: MaskSpec = MaskSpec(),
         rope: RopeHook | None = None,
         cache_rope: CacheRope | None = None,
-        backend: str = "auto",
+        backend: str | None = None,
+        run: RunOptions | None = None,
         use_bias: bool = True,
         dtype=None,
         param_dtype=jnp.float32,
@@ -84,7 +89,13 @@ class CachedSelfAttention(nnx.Module):
             raise ValueError("pass either rope (absolute positions, keys cached rotated) or cache_rope, not both")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.mask, self.rope, self.cache_rope = mask, rope, cache_rope
-        self.run = RunOptions.of(backend=backend)
+        if run is not None and backend is not None:
+            raise TypeError("CachedSelfAttention: pass either run= or backend=, not both (run= holds the backend)")
+        if run is not None and not isinstance(run, RunOptions):
+            raise TypeError(
+                f"CachedSelfAttention: run must be a jaxkv.run_options.RunOptions, got {type(run).__name__}"
+            )
+        self.run = RunOptions.of(backend=backend) if run is None else run
         linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q = nnx.Linear(dim, num_heads * head_dim, **linear)
         self.k = nnx.Linear(dim, num_kv_heads * head_dim, **linear)
@@ -130,6 +141,16 @@ class CachedSelfAttention(nnx.Module):
     def forward(self, x, positions):
         """The whole sequence at once, no cache: x [batch, tokens, dim], positions int [batch, tokens]."""
         q, k, v = self._qkv(x, positions)
-        return self._out(
-            attend(q, k, v, positions, positions, mask=self.mask, rope=self.cache_rope, backend=self.run.backend)
+        run = self.run
+        out = attend(
+            q,
+            k,
+            v,
+            positions,
+            positions,
+            mask=self.mask,
+            rope=self.cache_rope,
+            backend=run.backend,
+            interpret=run.interpret,
         )
+        return self._out(out)

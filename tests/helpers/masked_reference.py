@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.models import wan
-from jaxkv.models.wan import model as M
+from jaxkv.models.wan.dit import dit
 from jaxkv.models.wan.rope import sequence_positions
 from jaxkv.run_options import RunOptions
 
@@ -84,6 +84,6 @@ def reference_rollout(params, config, rc, context, noise, frame_masks):
             p = jax.nn.softmax(jnp.where(mask[None, None], logits, -jnp.inf), axis=-1)
             return jnp.einsum("bhqk,bkhd->bqhd", p, v), state
 
-        return M._dit(params, config, x, t, positions, cross, attention, None, RunOptions.of(backend="xla"))[0]
+        return dit(params, config, x, t, positions, cross, attention, None, RunOptions.of(backend="xla"))[0]
 
     return sample_history(fwd, rc.schedule, noise)

@@ -4,7 +4,7 @@ Dtypes: a linear layer multiplies in its kernel's dtype, accumulates in float32 
 unless told); its bias is added in that dtype, so with a bf16 ``dtype`` the GEMM emits bf16 and the bias (and a
 following GELU) fuse into its epilogue. Norms compute their statistics in float32 and write ``dtype`` (float32
 unless told). Which dtype each kernel and activation is in is decided in one place, the model's
-`jaxkv.precision.Precision` (`jaxkv.models.wan.model`), never here; with the float32 defaults every function is
+`jaxkv.precision.Precision` (`jaxkv.models.wan.dtypes`), never here; with the float32 defaults every function is
 exactly the float32 computation.
 """
 
