@@ -292,7 +292,10 @@ def recompute_cache(
     check_rope_mode(rope)
     run = _run_of(params, run, backend, precision, "recompute_cache")
     if isinstance(cache, Fp8Cache):
-        raise ValueError("recompute_cache does not rebuild an FP8 cache (fp8_kv); re-cache with a bf16 cache")
+        raise ValueError(
+            "recompute_cache does not rebuild an FP8 cache (fp8_kv) itself: `jaxkv.recache.recompute` re-caches it "
+            "(dequantized, re-computed, re-quantized by the write's own rule)"
+        )
     if isinstance(cache, MixedCache) or not isinstance(cache.spec, RingSpec):
         raise ValueError(
             f"recompute_cache rebuilds a sink + window cache (ring or rolling, a RingSpec); a "
