@@ -10,7 +10,8 @@ repository (the embedded default of ``jaxkv generate``), and a quality metric th
   losses    the training objectives: teacher forcing, self-forcing and its colour-share and outline terms
   snapshot  a training run's snapshots, which --resume continues from
   sample    streaming a toy model to frames
-  metric    a quality metric of generated toy-world video: detect the shapes, score adherence, continuity, drift
+  detect    finding the shapes in frames: colour masks, one object per colour, its features
+  metric    a quality metric of generated toy-world video: score adherence, continuity, drift of what detect finds
   quality   the bar a model must clear (``jaxkv toyworld check``)
   cli       ``jaxkv toyworld train | check``
 """
