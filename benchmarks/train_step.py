@@ -2,9 +2,9 @@
 and the gradient, with and without it, side by side in one process.
 
 Both training losses of `jaxkv toyworld train` are timed on one batch each (the recipe's sizes): teacher forcing
-(stages 2-3: 8 clips of 9 frames, `train.teacher_forcing_loss`) and self-forcing past the cache (stage 4: 4 clips,
+(stages 2-3: 8 clips of 9 frames, `losses.teacher_forcing_loss`) and self-forcing past the cache (stage 4: 4 clips,
 the sink and one chunk committed, 4 chunks rolled out on the ring with the 4-step sampler,
-`train.self_forcing_loss` with the recipe's loss terms and weights). Each program is compiled first, then
+`losses.self_forcing_loss` with the recipe's loss terms and weights). Each program is compiled first, then
 the two variants of a loss run in turn ``--repeats`` times (so both see the same machine load); the table gives the
 median seconds of a loss-and-gradient evaluation, the ratio, XLA's scratch (temp) bytes of each compiled program,
 and the largest difference between the two gradients relative to the largest gradient entry (float rounding: the
@@ -40,6 +40,8 @@ def main(argv=None) -> int:
         return 2
 
     from jaxkv.models import umt5
+    from jaxkv.toyworld import clips as C
+    from jaxkv.toyworld import losses as L
     from jaxkv.toyworld import model as toy_model
     from jaxkv.toyworld import text
     from jaxkv.toyworld import train as T
@@ -51,17 +53,17 @@ def main(argv=None) -> int:
     _, text_params, _ = umt5.load(os.path.join(directory, toy_model.PARTS["umt5"]), dtype=jnp.float32)
     params = {"dit": toy.params, "text": text_params}
     key = jax.random.key(0)
-    sf_frames = (T.context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
-    tf_batch = T.batch(lm, tokenizer, settings, 0, 1, 0, tc.batch, tc.start_share, 0.0, settings.window_frames)
-    sf_batch = T.batch(lm, tokenizer, settings, 0, 3, 0, tc.sf_batch, tc.start_share, 0.0, sf_frames)
+    sf_frames = (C.context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
+    tf_batch = C.batch(lm, tokenizer, settings, 0, 1, 0, tc.batch, tc.start_share, 0.0, settings.window_frames)
+    sf_batch = C.batch(lm, tokenizer, settings, 0, 3, 0, tc.sf_batch, tc.start_share, 0.0, sf_frames)
     losses = {
         f"teacher forcing ({tc.batch} clips x {settings.sink_frames + settings.window_frames} frames)": lambda remat: (
-            lambda prm: T.teacher_forcing_loss(
+            lambda prm: L.teacher_forcing_loss(
                 prm, *tf_batch[:4], key, settings, tc.refine_pure_noise_share, remat, toy.config
             )
         ),
         f"self-forcing ({tc.sf_batch} clips, {tc.sf_chunks} chunks rolled out)": lambda remat: (
-            lambda prm: T.self_forcing_loss(
+            lambda prm: L.self_forcing_loss(
                 prm,
                 *sf_batch[:4],
                 key,

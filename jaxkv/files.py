@@ -20,21 +20,31 @@ One home for what every jaxkv writer of a directory needs (`jaxkv convert`, the 
   the holder notices (`DirectoryLock.check`) when the directory was moved, deleted or replaced under it.
 * `write_file(path, data)`: one file written under ``PATH.tmp`` and renamed; a failure (disk full, file-size
   limit) removes the temporary and raises `WriteError` naming the file and the cause.
+
+The destination rules live in `jaxkv.destination` and the live-directory lock in `jaxkv.dirlock`; both are
+re-exported here, the one place writers import them from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import secrets
 import shutil
 import socket
 import time
-from typing import Callable, Collection, Iterable, Iterator
+from typing import Callable, Collection, Iterator
 
+from jaxkv.destination import DestinationError as DestinationError  # re-exported, as jaxkv.files.X
+from jaxkv.destination import check_destination as check_destination  # re-exported, as jaxkv.files.X
+from jaxkv.destination import directory_problem, replace_problem
+from jaxkv.dirlock import LOCK as LOCK  # re-exported, as jaxkv.files.X
+from jaxkv.dirlock import DirectoryLock as DirectoryLock  # re-exported, as jaxkv.files.X
+from jaxkv.dirlock import DirectoryLost as DirectoryLost  # re-exported, as jaxkv.files.X
+from jaxkv.dirlock import LockedError as LockedError  # re-exported, as jaxkv.files.X
+from jaxkv.dirlock import live_writer as live_writer  # re-exported, as jaxkv.files.X
 from jaxkv.signals import Terminated as Terminated  # re-exported: callers read it as jaxkv.files.Terminated
 from jaxkv.signals import _deferred_signals, check_signals
 from jaxkv.signals import keeping_lost_signals as keeping_lost_signals  # re-exported, as jaxkv.files.X
@@ -42,121 +52,7 @@ from jaxkv.signals import raise_stop as raise_stop  # re-exported, as jaxkv.file
 from jaxkv.signals import signals_as_exceptions as signals_as_exceptions  # re-exported, as jaxkv.files.X
 
 MARKER = ".jaxkv-partial"  # inside every temporary directory while it is written: {"pid", "start", "host", ...}
-LOCK = ".jaxkv-lock"  # inside a directory written in place; flock-ed by its writer, holds {"pid", "host"}
 _NEW, _OLD = "new", "old"  # the directory being built / the replaced one, both inside the marked temporary dir
-
-
-class DestinationError(ValueError):
-    """The output path cannot be written without destroying something that is not ours."""
-
-
-# ------------------------------------------------------------------------------------------------ destinations
-
-
-def _inside(child: str, parent: str) -> bool:
-    return os.path.commonpath([child, parent]) == parent and child != parent
-
-
-def directory_problem(
-    path: str,
-    *,
-    required: Collection[str],
-    optional: Collection[str] = (),
-    formats: Collection[str] | None = None,
-    marker_file: str = "config.json",
-) -> str | None:
-    """Why ``path`` is not a directory that a jaxkv writer made, or None if it is one.
-
-    One of ours is a real directory (not a symlink) whose entries are all regular files, that holds every name in
-    ``required``, nothing outside ``required`` and ``optional``, and whose ``marker_file`` (JSON) has a ``"format"``
-    in ``formats`` (None: any format starting with ``"jaxkv-"``).
-    """
-    if os.path.islink(path):
-        return f"{path} is a symbolic link"
-    if not os.path.isdir(path):
-        return f"{path} is not a directory" if os.path.lexists(path) else f"{path} does not exist"
-    entries = sorted(os.listdir(path))
-    missing = sorted(set(required) - set(entries))
-    foreign = [
-        e
-        for e in entries
-        if e not in required
-        and e not in optional
-        or not os.path.isfile(os.path.join(path, e))
-        or os.path.islink(os.path.join(path, e))
-    ]
-    if foreign:
-        shown = ", ".join(foreign[:8]) + (f" ... and {len(foreign) - 8} more" if len(foreign) > 8 else "")
-        return f"{path} holds entries a jaxkv writer does not make ({shown})"
-    if missing:
-        return f"{path} lacks {', '.join(missing)}"
-    try:
-        with open(os.path.join(path, marker_file)) as f:
-            found = json.load(f).get("format")
-    except (OSError, ValueError, AttributeError):
-        found = None
-    ok = found in formats if formats is not None else isinstance(found, str) and found.startswith("jaxkv-")
-    if not ok:
-        want = f"one of {sorted(formats)}" if formats is not None else "'jaxkv-...'"
-        return f'{os.path.join(path, marker_file)} has no jaxkv format marker ("format": {want}; found {found!r})'
-    return None
-
-
-def _replace_problem(path: str, replaceable: Callable[[str], str | None] | None) -> str | None:
-    """An empty real directory may always be replaced (nothing is lost); anything else only if ``replaceable``
-    recognises it."""
-    if not os.path.islink(path) and os.path.isdir(path) and not os.listdir(path):
-        return None
-    if replaceable is None:
-        return f"{path} is not known to be a jaxkv output"
-    return replaceable(path)
-
-
-def check_destination(
-    dst: str,
-    *,
-    sources: Iterable[str] = (),
-    force: bool = False,
-    replaceable: Callable[[str], str | None] | None = None,
-    flag: str = "--force",
-) -> None:
-    """Raises DestinationError unless writing the directory ``dst`` destroys nothing but a previous output.
-
-    Always refused: ``dst`` equal to, inside, or containing any of ``sources`` (compared both as given and with
-    symlinks resolved, so a source file's own directory counts as containing it), and an existing ``dst`` that is
-    the current directory or contains it. An existing ``dst`` needs ``force``, and is then replaced only if
-    ``replaceable(dst)`` (e.g. a `functools.partial` of `directory_problem`) returns None, or if it is an empty
-    directory; the reason is reported otherwise. ``flag`` is the option that sets ``force``, for the messages.
-    Checks only; touches nothing.
-    """
-    targets = {os.path.abspath(dst), os.path.realpath(dst)}
-    for src in sources:
-        for s in {os.path.abspath(src), os.path.realpath(src)}:
-            for d in targets:
-                if d == s:
-                    raise DestinationError(f"the output {dst} is the source {src}; choose another output path")
-                if _inside(d, s):
-                    raise DestinationError(f"the output {dst} lies inside the source {src}; choose a path outside it")
-                if _inside(s, d):
-                    raise DestinationError(
-                        f"the output {dst} contains the source {src}; replacing it would delete "
-                        f"the source; choose another output path"
-                    )
-    if not os.path.lexists(dst):
-        return
-    if not force:
-        raise DestinationError(
-            f"{dst} already exists; pass {flag} to replace it (only a previous jaxkv output directory is replaced)"
-        )
-    cwd = os.path.realpath(os.getcwd())
-    if any(d == cwd or _inside(cwd, d) for d in targets):
-        raise DestinationError(f"refusing to replace {dst}: it is (or contains) the current directory")
-    problem = _replace_problem(dst, replaceable)
-    if problem is not None:
-        raise DestinationError(
-            f"refusing to replace {dst} even with {flag}: {problem}; {flag} only replaces a "
-            f"directory that jaxkv wrote (remove it yourself or choose another output path)"
-        )
 
 
 # ------------------------------------------------------------------------------------------------ single files
@@ -193,132 +89,6 @@ def write_file(path: str, data: bytes | str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise write_error(path, e) from e
-
-
-# ------------------------------------------------------------------------------------------------ live directories
-
-
-class LockedError(DestinationError):
-    """The directory is being written by another running process (it holds the directory's `LOCK`)."""
-
-
-class DirectoryLost(OSError):
-    """The directory a run was writing was moved, deleted or replaced by someone else while it ran (the message
-    says which)."""
-
-
-def _read_lock_info(fd: int) -> dict:
-    try:
-        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _describe_writer(info: dict) -> str:
-    pid, host = info.get("pid"), info.get("host")
-    if not isinstance(pid, int):
-        return "a running process"
-    return f"a running process (pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "") + ")"
-
-
-def live_writer(path: str) -> str | None:
-    """Who is writing directory ``path`` now ("a running process (pid N)"), or None when no process holds its
-    `LOCK` (no lock file, or one left by a finished or killed writer). Touches nothing."""
-    try:
-        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                return _describe_writer(_read_lock_info(fd))
-            return None  # a file system without flock: cannot tell
-        return None
-    finally:
-        os.close(fd)  # also drops the probe's shared lock
-
-
-class DirectoryLock:
-    """An exclusive ``flock`` on ``path/LOCK`` held for as long as this process writes the directory ``path``.
-
-    `acquire` creates the lock file (recording this process's pid) and locks it, or raises `LockedError` naming
-    the holder. The directory's identity (device, inode) is recorded: `check` raises `DirectoryLost` once
-    ``path`` no longer is that directory or its lock file was removed (someone moved, deleted or replaced it).
-    `release` removes the lock file (only while it is still ours) and unlocks; a process that dies unlocks too,
-    leaving a lock file that no one holds (not live).
-    """
-
-    def __init__(self, path: str, fd: int, identity: tuple[int, int], lock_identity: tuple[int, int]):
-        self.path, self._fd, self._identity, self._lock_identity = path, fd, identity, lock_identity
-
-    @classmethod
-    def acquire(cls, path: str) -> "DirectoryLock":
-        path = os.path.abspath(path)
-        lock_path = os.path.join(path, LOCK)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.EAGAIN, errno.EACCES):
-                    raise LockedError(f"{path} is being written by {_describe_writer(_read_lock_info(fd))}") from None
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise
-                # a file system without flock: the lock file still records the writer, unenforced
-            info = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, info, 0)
-            st, dst = os.fstat(fd), os.stat(path)
-            return cls(path, fd, (dst.st_dev, dst.st_ino), (st.st_dev, st.st_ino))
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def problem(self) -> str | None:
-        """Why ``path`` is no longer the directory this lock was taken on, or None while it is."""
-        if self._fd is None:
-            return f"the lock on {self.path} was released"
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return f"{self.path} vanished while this run was writing it (moved or deleted by another process)"
-        if (st.st_dev, st.st_ino) != self._identity:
-            return f"{self.path} was replaced by another directory while this run was writing it"
-        try:
-            lock = os.stat(os.path.join(self.path, LOCK), follow_symlinks=False)
-        except OSError:
-            return f"{os.path.join(self.path, LOCK)} was removed while this run was writing {self.path}"
-        if (lock.st_dev, lock.st_ino) != self._lock_identity:
-            return f"{os.path.join(self.path, LOCK)} was replaced while this run was writing {self.path}"
-        return None
-
-    def check(self) -> None:
-        """Raises `DirectoryLost` unless ``path`` is still the directory this lock was taken on."""
-        problem = self.problem()
-        if problem is not None:
-            raise DirectoryLost(problem)
-
-    def release(self) -> None:
-        """Removes the lock file if it is still ours and unlocks. Idempotent."""
-        if self._fd is None:
-            return
-        try:
-            if self.problem() is None:
-                os.remove(os.path.join(self.path, LOCK))
-        except OSError:
-            pass
-        finally:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> "DirectoryLock":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 # ------------------------------------------------------------------------------------------------ temporaries
@@ -447,7 +217,7 @@ def atomic_directory(
     if os.path.lexists(path):
         if replace is None:
             raise FileExistsError(f"{path} already exists")
-        problem = _replace_problem(path, replace)
+        problem = replace_problem(path, replace)
         if problem is not None:
             raise DestinationError(f"refusing to replace {path}: {problem}")
     parent = os.path.dirname(path)

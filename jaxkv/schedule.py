@@ -23,7 +23,7 @@ SAMPLERS = ("self-forcing", "euler")
 def shifted(sigma, shift: float):
     """The flow-matching shift of noise levels: ``s * sigma / (1 + (s - 1) * sigma)`` (numpy or jax arrays; s > 1
     moves levels towards 1). The table's warp below, and the level distribution a model is trained on
-    (`jaxkv.toyworld.train.noise_levels`), so the two cannot drift apart."""
+    (`jaxkv.toyworld.losses.noise_levels`), so the two cannot drift apart."""
     return shift * sigma / (1.0 + (shift - 1.0) * sigma)
 
 

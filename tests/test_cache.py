@@ -327,7 +327,7 @@ def test_single_layer_bf16_write_is_in_place_in_the_compiled_program():
     outputs, no whole-buffer float32 conversion appears (XLA:CPU's bf16 dynamic_update_slice becomes a
     bf16->f32->bf16 pass over the whole buffer, O(window) per write, unless written through the integer view),
     and scratch memory does not depend on the window."""
-    from jaxkv.cache import base
+    from jaxkv.cache import rows
 
     heads, dim, chunk = 4, 64, 256
     k = jnp.ones((1, chunk, heads, dim), jnp.bfloat16)
@@ -349,7 +349,7 @@ def test_single_layer_bf16_write_is_in_place_in_the_compiled_program():
     assert temps[0] == temps[1] <= 2 * chunk * heads * dim * 4, temps
 
     # The check can fail: a native bf16 update (no integer view) shows the whole-buffer conversion.
-    native = compiled(32, lambda c, k, v: c.replace(k=base._write_rows(c.k, k, c.chunk_start, None)))
+    native = compiled(32, lambda c, k, v: c.replace(k=rows.write_rows_in_dtype(c.k, k, c.chunk_start, None)))
     assert f"f32[1,{chunk * 32},{heads},{dim}]" in native.as_text()
 
 
@@ -514,22 +514,22 @@ def test_a_scanned_write_with_an_out_of_range_layer_list_leaves_no_trace_on_othe
 def test_both_programs_of_a_guarded_write_equal_the_write_or_write_nothing(dtype, stacked):
     """The two programs of a write that may write nothing: XLA:CPU's (a cond) and the one GPUs and TPUs compile
     (a dropping scatter, never run by the cache on a CPU, so run here directly), against the plain write."""
-    from jaxkv.cache import base
+    from jaxkv.cache import rows
 
     rng = np.random.default_rng(0)
     lead = (3,) if stacked else ()
     buf = jnp.asarray(rng.normal(size=(*lead, 2, 8, 2, 3)) * 100, dtype)
     update = jnp.asarray(rng.normal(size=(2, 4, 2, 3)) * 100, dtype)
     offsets = jnp.array([4, 0], jnp.int32)
-    for program in (base._only_if_by_cond, base._only_if_by_scatter):
+    for program in (rows._only_if_by_cond, rows._only_if_by_scatter):
         run = jax.jit(program)
         for layer in range(3) if stacked else [None]:
             layer_arg = None if layer is None else jnp.int32(layer)
-            expected = base._write_rows(buf, update, offsets, layer_arg)
+            expected = rows.write_rows_in_dtype(buf, update, offsets, layer_arg)
             np.testing.assert_array_equal(run(buf, update, offsets, layer_arg, jnp.bool_(True)), expected)
             np.testing.assert_array_equal(run(buf, update, offsets, layer_arg, jnp.bool_(False)), buf)
     for layer in (3, 7, -1) if stacked else ():  # the scatter drops an out-of-range layer by itself
-        np.testing.assert_array_equal(jax.jit(base._scatter_rows_or_drop)(buf, update, offsets, jnp.int32(layer)), buf)
+        np.testing.assert_array_equal(jax.jit(rows._scatter_rows_or_drop)(buf, update, offsets, jnp.int32(layer)), buf)
 
 
 @pytest.mark.parametrize("cls", POLICIES, ids=lambda c: c.__name__)

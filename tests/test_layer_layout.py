@@ -260,7 +260,7 @@ def test_cudnn_plan_is_made_once_per_forward_and_cross_attention_takes_no_check(
     """backend="cudnn" through `forward_chunk` on CPU, the kernel replaced by an independent stand-in: the result is
     the XLA path's; the plan is made once per forward (not per layer); the program branches on the plan once per
     layer (the self-attention's plan mode), never for cross-attention. The stacked form also holds the guarded
-    writes of its traced layer index (`jaxkv.cache.base.write_chunk_rows`), the per-layer form nothing else."""
+    writes of its traced layer index (`jaxkv.cache.rows.write_chunk_rows`), the per-layer form nothing else."""
     monkeypatch.setattr(cudnn, "cudnn_call", standin)
     monkeypatch.setattr(dispatch.pallas_gpu, "supported", lambda head_dim: False)  # fallback: XLA, not Pallas
     monkeypatch.setattr(dispatch, "_blockwise", dispatch._dense)  # ... the dense one (no branches of its own)

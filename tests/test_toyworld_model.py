@@ -95,10 +95,10 @@ def test_tokenizer_gives_every_prompt_a_distinct_sequence_within_text_len():
 
 
 def test_release_round_trip(fitted, tmp_path):
+    from jaxkv.toyworld import losses as L
     from jaxkv.toyworld import model as TM
-    from jaxkv.toyworld import train as T
 
-    params = T.init_dit(jax.random.key(0))
+    params = L.init_dit(jax.random.key(0))
     text_params = text.init_text_params(0)
     out = str(tmp_path / "release")
     TM.save(out, params, text_params, fitted, TM.Settings(), {"training": {"seed": 0}})
@@ -136,10 +136,10 @@ def test_training_noise_levels_follow_the_samplers_warped_table():
     of levels at or below the sampler's sigma for step d is d / 1000 (the sampler's steps sit at the quantiles of
     the training levels), checked against `Schedule`'s own warp."""
     from jaxkv.schedule import Schedule
-    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld import losses as L
 
     for shift in (1.0, 3.0, 5.0):
-        levels = np.asarray(T.noise_levels(jax.random.key(0), (200_000,), shift))
+        levels = np.asarray(L.noise_levels(jax.random.key(0), (200_000,), shift))
         assert levels.dtype == np.float32 and levels.min() >= 0.0 and levels.max() < 1.0
         for d in (900, 750, 500, 250, 100):
             sigma = Schedule(steps=(d,), shift=shift).sigmas()[0]
@@ -148,14 +148,15 @@ def test_training_noise_levels_follow_the_samplers_warped_table():
 
 def test_a_pure_noise_share_of_training_levels_is_one_and_the_rest_keep_the_warped_table():
     from jaxkv.schedule import Schedule
+    from jaxkv.toyworld import losses as L
     from jaxkv.toyworld import train as T
 
     key = jax.random.key(1)
     np.testing.assert_array_equal(
-        np.asarray(T.noise_levels(key, (1000,), 3.0, 0.0)), np.asarray(T.noise_levels(key, (1000,), 3.0))
+        np.asarray(L.noise_levels(key, (1000,), 3.0, 0.0)), np.asarray(L.noise_levels(key, (1000,), 3.0))
     )
     for share in (0.25, 0.5):
-        levels = np.asarray(T.noise_levels(key, (200_000,), 3.0, share))
+        levels = np.asarray(L.noise_levels(key, (200_000,), 3.0, share))
         pure = levels == 1.0
         assert abs(pure.mean() - share) < 0.005
         rest = levels[~pure]  # still the warped uniform draw, independent of the choice
@@ -168,15 +169,15 @@ def test_a_pure_noise_share_of_training_levels_is_one_and_the_rest_keep_the_warp
 
 
 def test_text_dropout_captions_clips_with_the_empty_prompt_and_changes_nothing_else(fitted):
-    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld import clips as C
     from jaxkv.toyworld.model import Settings
 
     tokenizer = text.tokenizer()
     empty_ids, empty_mask, _ = tokenizer([""], text.CONFIG.text_len)
-    draw = lambda dropout: T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5, dropout)
+    draw = lambda dropout: C.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5, dropout)
     kept, default, gone, half = (
         draw(0.0),
-        T.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5),
+        C.batch(fitted, tokenizer, Settings(), 0, 1, 3, 16, 0.5),
         draw(1.0),
         draw(0.5),
     )
@@ -228,13 +229,14 @@ def test_a_guided_toy_stream_at_scale_one_is_the_unguided_stream(fitted, tmp_pat
 def test_self_forcing_clips_are_the_teacher_forcing_draws_run_on_past_the_cache(fitted):
     """Stage 4's clips: the same draws as a teacher-forcing batch of that (seed, stage, step), with more frames of
     each scene after the sink; at_start clips run straight on from the sink."""
+    from jaxkv.toyworld import clips as C
     from jaxkv.toyworld import train as T
     from jaxkv.toyworld.model import Settings
 
     tokenizer, settings = text.tokenizer(), Settings()
     cache = settings.sink_frames + settings.window_frames
-    short = T.batch(fitted, tokenizer, settings, 0, 3, 5, 6, 0.5)
-    long = T.batch(fitted, tokenizer, settings, 0, 3, 5, 6, 0.5, after_sink=15)
+    short = C.batch(fitted, tokenizer, settings, 0, 3, 5, 6, 0.5)
+    long = C.batch(fitted, tokenizer, settings, 0, 3, 5, 6, 0.5, after_sink=15)
     assert short[0].shape[1] == cache and long[0].shape[1] == settings.sink_frames + 15 > cache
     np.testing.assert_array_equal(long[0][:, :cache], short[0])
     for a, b in zip(long[1:], short[1:]):
@@ -245,16 +247,17 @@ def test_self_forcing_clips_are_the_teacher_forcing_draws_run_on_past_the_cache(
 
 
 def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fade(fitted):
-    """`train.colour_shares` of encoded world frames: each palette colour's share of the pixels, counted exactly on
+    """`losses.colour_shares` of encoded world frames: each palette colour's share of the pixels, counted exactly on
     the rendered frames, to within 0.8 percentage points; shapes faded three quarters of the way into the
     background lose their share, and `colour_share_error` sees it (and is zero for the frames themselves)."""
+    from jaxkv.toyworld import losses as L
     from jaxkv.toyworld import train as T
 
     video, _ = world.clips(np.random.default_rng(1), 8, 6)
     palette = [world.BACKGROUND, world.WALL, *world.COLOURS.values()]
     counted = 100 * np.stack([(video == np.asarray(c, np.uint8)).all(-1).mean((-2, -1)) for c in palette], -1)
     x = fitted.encode(video)
-    shares = np.asarray(T.colour_shares(fitted, x))
+    shares = np.asarray(L.colour_shares(fitted, x))
     assert shares.shape == (8, 6, len(palette))
     # the largest error depends on the fit: over 5 fits and clip sets 0.34-0.75 points (shapes passing over each
     # other), 0.41-0.61 (bouncing, as now); half a point held for this one fit only before the world changed
@@ -266,13 +269,13 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
     )
     faded = video.astype(np.float32)
     faded[shape_pixels] = 0.25 * faded[shape_pixels] + 0.75 * np.asarray(world.BACKGROUND, np.float32)
-    faded_shares = np.asarray(T.colour_shares(fitted, fitted.encode(np.round(faded).astype(np.uint8))))
+    faded_shares = np.asarray(L.colour_shares(fitted, fitted.encode(np.round(faded).astype(np.uint8))))
     present = counted[..., 2:] > 1.0
     assert (faded_shares[..., 2:][present] < 0.1 * shares[..., 2:][present]).all()
-    assert float(T.colour_share_error(fitted, x, x)) == 0.0
+    assert float(L.colour_share_error(fitted, x, x)) == 0.0
     expected = np.mean((faded_shares[..., 2:] - shares[..., 2:]) ** 2)
     np.testing.assert_allclose(
-        float(T.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)), x)), expected, rtol=1e-5
+        float(L.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)), x)), expected, rtol=1e-5
     )
     for bad in (-1.0, float("inf"), float("nan"), "1"):
         for name in ("sf_colour_weight", "sf_outline_weight"):
@@ -283,11 +286,11 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
 def test_batch_names_each_clips_objects_as_its_frames_show_them(fitted):
     """`Batch.objects` of each clip: the colours and shapes that detection finds in its first frame (the canonical
     starts lie apart), in prompt order, -1 rows after the last named one."""
+    from jaxkv.toyworld import clips as C
     from jaxkv.toyworld import metric
-    from jaxkv.toyworld import train as T
     from jaxkv.toyworld.model import Settings
 
-    clips = T.batch(fitted, text.tokenizer(), Settings(), 0, 3, 2, 12, 0.5)
+    clips = C.batch(fitted, text.tokenizer(), Settings(), 0, 3, 2, 12, 0.5)
     assert clips.objects.shape == (12, world.MAX_OBJECTS, 2) and clips.objects.dtype == np.int32
     found = metric.detect(np.asarray(fitted.decode_uint8(clips.latents[:, 0])))
     counts = set()
@@ -301,24 +304,24 @@ def test_batch_names_each_clips_objects_as_its_frames_show_them(fitted):
 
 
 def test_shape_outline_is_the_renderers_shape():
-    """`train.shape_outline` thresholded at one half is `world.shape_mask`, for every shape and any centre."""
-    from jaxkv.toyworld import train as T
+    """`losses.shape_outline` thresholded at one half is `world.shape_mask`, for every shape and any centre."""
+    from jaxkv.toyworld import losses as L
 
     centres = np.random.default_rng(0).uniform(world.MARGIN, world.SIZE - world.MARGIN, (16, 2))
     for index, shape in enumerate(world.SHAPES):
-        soft = np.asarray(T.shape_outline(np.full(16, index), centres))
+        soft = np.asarray(L.shape_outline(np.full(16, index), centres))
         assert soft.shape == (16, world.SIZE, world.SIZE)
         np.testing.assert_array_equal(soft > 0.5, world.shape_mask(shape, centres), err_msg=shape)
 
 
 def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted):
-    """`train.outline_error` of world clips (through the latent map) is low; the same clips with the shapes
+    """`losses.outline_error` of world clips (through the latent map) is low; the same clips with the shapes
     blurred, faded half-way into the background, or with another shape drawn in the named one's colour, score
     clearly higher; the same shapes drawn
     elsewhere score the same (blind to place); an object a clip does not name costs nothing; it has a gradient."""
     import dataclasses
 
-    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld import losses as L
 
     rng = np.random.default_rng(4)
     scenes = [
@@ -331,7 +334,7 @@ def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted
         for r, thing in zip(row, scene.things):
             r[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
     render = lambda scenes, start=0: np.stack([world.render(sc, 6, start) for sc in scenes])
-    error = lambda video, objects=objects: float(T.outline_error(fitted, fitted.encode(video), objects))
+    error = lambda video, objects=objects: float(L.outline_error(fitted, fitted.encode(video), objects))
     truth = error(render(scenes))
     assert truth < 0.12
     assert abs(error(render(scenes, 40)) - truth) < 0.03
@@ -346,33 +349,34 @@ def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted
         for sc in scenes
     ]
     assert error(render(wrong)) > truth + 0.25
-    assert float(T.outline_error(fitted, fitted.encode(render(wrong)), np.full_like(objects, -1))) == 0.0
-    grad = jax.grad(lambda x: T.outline_error(fitted, x, objects))(jnp.asarray(fitted.encode(render(scenes))))
+    assert float(L.outline_error(fitted, fitted.encode(render(wrong)), np.full_like(objects, -1))) == 0.0
+    grad = jax.grad(lambda x: L.outline_error(fitted, x, objects))(jnp.asarray(fitted.encode(render(scenes))))
     assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).sum()) > 0
 
 
 @pytest.mark.slow
 def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fitted):
-    """`train.self_forcing_loss` on a clip of sink + 5 chunks: the squared error of what a stream that committed the
+    """`losses.self_forcing_loss` on a clip of sink + 5 chunks: the squared error of what a stream that committed the
     sink and the first window chunk then generates chunk by chunk (`rollout.generate_chunk`, the ring wrapping past
     its 9 frames) against the clip's last 4 chunks; and its gradient reaches the weights through every chunk."""
     from jaxkv import rollout as R
     from jaxkv.models import wan
-    from jaxkv.toyworld import train as T
+    from jaxkv.toyworld import clips as C
+    from jaxkv.toyworld import losses as L
     from jaxkv.toyworld.model import WAN_CONFIG, Settings
 
     settings = Settings()
     rc = settings.rollout_config()
-    x0, ids, mask, at_start, objects = T.batch(fitted, text.tokenizer(), settings, 0, 3, 1, 2, 0.5, after_sink=15)
+    x0, ids, mask, at_start, objects = C.batch(fitted, text.tokenizer(), settings, 0, 3, 1, 2, 0.5, after_sink=15)
     params = {"dit": wan.init_params(WAN_CONFIG, jax.random.key(1)), "text": text.init_text_params(1)}
     key = jax.random.key(7)
-    loss, grads = jax.jit(jax.value_and_grad(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings)))(
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: L.self_forcing_loss(p, x0, ids, mask, at_start, key, settings)))(
         params
     )
 
     @jax.jit
     def stream(p):
-        state = R.init_state(p["dit"], WAN_CONFIG, rc, T._context(p["text"], ids, mask))
+        state = R.init_state(p["dit"], WAN_CONFIG, rc, L._context(p["text"], ids, mask))
         state = R.commit(p["dit"], WAN_CONFIG, rc, state, x0[:, :6])
         chunks = []
         for c in range(2, 6):  # chunk indices of the stream: 0 the sink, 1 the committed window chunk
@@ -384,25 +388,25 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
     assert int(state.cache.chunk_start.max()) >= 5 * rc.chunk_frames * 64  # the stream ran past its cache
     np.testing.assert_allclose(float(loss), float(jnp.mean((frames - x0[:, 6:]) ** 2)), rtol=1e-5)
     # with the colour-share term: the same stream's frames, their shares against the clip's
-    coloured = jax.jit(lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.5))
+    coloured = jax.jit(lambda p: L.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.5))
     np.testing.assert_allclose(
         float(coloured(params)),
-        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 0.5 * float(T.colour_share_error(fitted, frames, x0[:, 6:])),
+        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 0.5 * float(L.colour_share_error(fitted, frames, x0[:, 6:])),
         rtol=1e-5,
     )
     with pytest.raises(ValueError, match="a colour_weight or outline_weight needs the latent_map"):
-        T.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, None, 0.5)
+        L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, None, 0.5)
     # with the outline term: the same stream's frames against the clips' named objects
     outlined = jax.jit(
-        lambda p: T.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, objects, 2.0)
+        lambda p: L.self_forcing_loss(p, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, objects, 2.0)
     )
     np.testing.assert_allclose(
         float(outlined(params)),
-        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 2.0 * float(T.outline_error(fitted, frames, objects)),
+        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 2.0 * float(L.outline_error(fitted, frames, objects)),
         rtol=1e-5,
     )
     with pytest.raises(ValueError, match="an outline_weight needs the clips' named objects"):
-        T.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, None, 2.0)
+        L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, None, 2.0)
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
     assert all(np.isfinite(norms)) and sum(norms) > 0
 

@@ -208,7 +208,7 @@ def test_wan22_vae_is_refused_and_nothing_is_written(tmp_path):
 def test_real_size_layout_matches_diffusers_shapes():
     """The converter's tables and the params layout at the real Wan 2.1 size, against diffusers' own module
     (built on the meta device: shapes only, nothing allocated)."""
-    from jaxkv.convert.wan_vae import _source_shape, mapping
+    from jaxkv.convert.vae_layouts import mapping, source_shape
     from jaxkv.models.wan_vae import num_params
     from jaxkv.models.wan_vae.params import flat_param_shapes
 
@@ -220,7 +220,7 @@ def test_real_size_layout_matches_diffusers_shapes():
     table = mapping(config, "diffusers")
     assert sorted(src for src, _ in table.values()) == sorted(ref)
     for key, (src, kind) in table.items():
-        assert _source_shape(kind, shapes[key]) == ref[src], key
+        assert source_shape(kind, shapes[key]) == ref[src], key
     decoder = sum(int(np.prod(s)) for k, s in ref.items() if k.startswith(("decoder.", "post_quant_conv.")))
     assert num_params(config, "decoder") + num_params(config, "post_quant_conv") == decoder
     assert 70e6 < decoder < 76e6  # ~73 M, as published for the Wan 2.1 decoder

@@ -57,7 +57,8 @@ import numpy as np
 from flax import struct
 
 from jaxkv.attention.masks import MaskSpec
-from jaxkv.cache.base import EMPTY, ChunkCache, read_chunk_rows, write_chunk_rows
+from jaxkv.cache.base import EMPTY, ChunkCache
+from jaxkv.cache.rows import read_chunk_rows, write_chunk_rows
 from jaxkv.cache.spec import POSITION_LIMIT
 from jaxkv.validate import check_int
 

@@ -34,8 +34,8 @@ import numpy as np
 from jax import lax
 
 from jaxkv import fp8
-from jaxkv.cache.base import read_chunk_rows, write_chunk_rows
 from jaxkv.cache.ring import RingCache
+from jaxkv.cache.rows import read_chunk_rows, write_chunk_rows
 from jaxkv.cache.spec import RingSpec
 
 _READ_DTYPES = ("float32", "bfloat16", "float16")

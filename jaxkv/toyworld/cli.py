@@ -49,14 +49,14 @@ def _parser() -> argparse.ArgumentParser:
         "--sf-colour-weight",
         type=float,
         default=d.sf_colour_weight,
-        help="weight of the self-forcing loss's colour-share term (train.colour_share_error: the shapes' "
+        help="weight of the self-forcing loss's colour-share term (losses.colour_share_error: the shapes' "
         "pixel shares of the rollout against the world's; it keeps the shapes from fading)",
     )
     t.add_argument(
         "--sf-outline-weight",
         type=float,
         default=d.sf_outline_weight,
-        help="weight of the self-forcing loss's outline term (train.outline_error: each named shape's "
+        help="weight of the self-forcing loss's outline term (losses.outline_error: each named shape's "
         "colour drawn as that shape, whole and sharp, wherever the rollout puts it)",
     )
     t.add_argument(

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.convert.wan_vae import (
-    _source_shape,
-    mapping,
-)
+from jaxkv.convert.vae_layouts import mapping, source_shape
 from jaxkv.models.wan_vae import preset
 
 CONFIG = preset("tiny")
@@ -37,9 +34,9 @@ def torch_layout(flat: dict, naming: str) -> dict:
         elif kind == "conv2d":
             a = a.transpose(3, 2, 0, 1)
         elif kind in ("dense3", "dense2"):
-            a = a.T.reshape(_source_shape(kind, a.shape))
+            a = a.T.reshape(source_shape(kind, a.shape))
         elif kind in ("norm3", "norm2"):
-            a = a.reshape(_source_shape(kind, a.shape))
-        assert a.shape == _source_shape(kind, flat[key].shape)
+            a = a.reshape(source_shape(kind, a.shape))
+        assert a.shape == source_shape(kind, flat[key].shape)
         out[src] = np.ascontiguousarray(a)
     return out

@@ -1,0 +1,80 @@
+"""The toy world's training clips: a clip is laid out as a full cache holds it (the sink, then window frames from
+anywhere along the scene's path or straight on from the sink), drawn from (seed, stage, step) alone (`batch`), and
+which of its chunks a clip fixes the answer of (`context_chunks`). Used by every stage of `jaxkv.toyworld.train`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxkv.toyworld import text, world
+from jaxkv.toyworld.model import Settings
+
+# Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
+CONTEXT_FRAMES = 2
+
+
+def context_chunks(settings: Settings) -> int:
+    """Window chunks of a clip that must precede a chunk for its answer to be fixed (`CONTEXT_FRAMES`)."""
+    return -(-CONTEXT_FRAMES // settings.chunk_frames)
+
+
+class Batch(NamedTuple):
+    """What `batch` draws (``size`` clips)."""
+
+    latents: np.ndarray  # float32 [size, sink_frames + after_sink, 16, 16, 16]
+    ids: np.ndarray  # int32 [size, text_len]: the prompts' tokens
+    mask: np.ndarray  # int32 [size, text_len]
+    at_start: np.ndarray  # bool [size]: the clip runs straight on from the sink
+    objects: np.ndarray  # int32 [size, world.MAX_OBJECTS, 2]: (colour, shape) index of each named object in
+    # prompt order (into world.COLOURS, world.SHAPES); -1 rows where a prompt names fewer
+
+
+def batch(
+    latent_map,
+    tokenizer,
+    settings: Settings,
+    seed: int,
+    stage: int,
+    step: int,
+    size: int,
+    start_share: float,
+    text_dropout: float = 0.0,
+    after_sink: int | None = None,
+) -> Batch:
+    """A `Batch` of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone. Each clip is a
+    random prompt's `world.canonical_scene`: its first ``sink_frames`` frames (the sink), then ``after_sink`` frames
+    (default ``window_frames``; more for a clip that runs on past the cache) from frame ``sink_frames`` on
+    (``at_start``, a ``start_share`` of the clips) or from a frame uniform in ``sink_frames + 1`` .. `MAX_START`. A
+    ``text_dropout`` share of the clips is captioned with the empty prompt (drawn last, so the other draws do not
+    depend on it); `Batch.objects` names the scene's objects whatever the caption."""
+    rng = np.random.default_rng([seed, stage, step])
+    prompts = [world.random_prompt(rng) for _ in range(size)]
+    at_start = rng.random(size) < start_share
+    sink = settings.sink_frames
+    starts = np.where(at_start, sink, rng.integers(sink + 1, MAX_START + 1, size))
+    scenes = [world.canonical_scene(p) for p in prompts]
+    after_sink = settings.window_frames if after_sink is None else after_sink
+    video = np.stack(
+        [
+            np.concatenate([world.render(scene, sink), world.render(scene, after_sink, int(t))])
+            for scene, t in zip(scenes, starts)
+        ]
+    )
+    objects = np.full((size, world.MAX_OBJECTS, 2), -1, np.int32)
+    for clip, scene in zip(objects, scenes):
+        for row, thing in zip(clip, scene.things):
+            row[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
+    if text_dropout:
+        prompts = ["" if drop else p for p, drop in zip(prompts, rng.random(size) < text_dropout)]
+    ids, mask, _ = tokenizer(prompts, text.CONFIG.text_len)
+    return Batch(latent_map.encode(video), ids, mask, at_start, objects)
+
+
+# Training clips start anywhere in the first MAX_START frames of a scene: a lone shape's path (folds of period
+# 2 x 36 px / |v| per axis, at most ~126 frames at the world's speeds: `world.trajectory`) has long covered every
+# state by then; two shapes bouncing off each other (`world.paths`) are not periodic, and meet 55-111 times (slow)
+# or 171-227 times (fast) in those frames of each canonical two-shape scene.
+MAX_START = 4096
