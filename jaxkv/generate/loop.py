@@ -35,11 +35,13 @@ from jaxkv import rollout as R
 from jaxkv.compilation import count_compiles
 from jaxkv.files import DirectoryLost, Terminated
 from jaxkv.generate import given, inputs, memory, options, outputs, prompts, resume, settings, toy
+from jaxkv.generate import processes as PJ
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.settings import Settings
 from jaxkv.generate.video import Mp4Sink
 from jaxkv.models.checkpoint_dir import CheckpointError
+from jaxkv.parallel.processes import ProcessFailed
 from jaxkv.schedule import Schedule
 from jaxkv.stream import Stream
 
@@ -165,19 +167,18 @@ def _check_memory(args, config, rc) -> None:
 
 def _mesh(args, config, rc):
     """The --mesh as a `jax.sharding.Mesh` (None without it); UsageError when it does not fit the devices, the
-    batch or the model."""
+    batch or the model. In a multi-process job (`jaxkv.generate.processes`) every process meets here, after every
+    check: all go on, or all stop."""
     if args.mesh is None:
+        if PJ.multi():
+            raise UsageError("a multi-process JAX job runs jaxkv generate with --mesh (over every process's devices)")
         return None
-    if jax.process_count() > 1:
-        raise UsageError(
-            "--mesh: jaxkv generate writes its files from one process; a multi-process job runs "
-            "jaxkv.parallel.MeshStream from Python (docs/scaling.md)"
-        )
-    try:
-        mesh = PL.make_mesh(**args.mesh)
-        PL.check_mesh(mesh, config, rc, args.batch)
-    except ValueError as e:
-        raise UsageError(f"--mesh: {e}") from None
+    with PJ.together("checking the settings"):
+        try:
+            mesh = PL.make_mesh(**args.mesh)
+            PL.check_mesh(mesh, config, rc, args.batch)
+        except ValueError as e:
+            raise UsageError(f"--mesh: {e}") from None
     return mesh
 
 
@@ -327,29 +328,32 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
             drawing = prompts.entry_text(entry)
         return next(stream)
 
-    # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
-    lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
-    out = lock.path
     chunk_shape = rc.chunk_shape(config, args.batch)
-    video = None
-    try:
-        sinks = [
-            outputs.LatentsSink(out, args.format),
-            PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
-        ]
-        if vae_config is not None:
-            from jaxkv.models.wan_vae import StreamDecoder
+    video, files = None, PJ.Quiet()  # a multi-process job: process 0 alone writes the outputs
+    PJ.meet("loading the inputs")  # every process loaded its inputs (else none opens anything)
+    with PJ.together("opening the outputs"):
+        if PJ.lead():
+            # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
+            lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
+            out = lock.path
+            try:
+                sinks = [
+                    outputs.LatentsSink(out, args.format),
+                    PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
+                ]
+                if vae_config is not None:
+                    from jaxkv.models.wan_vae import StreamDecoder
 
-            decoder = StreamDecoder(
-                vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
-            )
-        if decoder is not None:
-            video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames)
-            sinks.append(video)
-        files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
-    except BaseException:
-        lock.release()
-        raise
+                    decoder = StreamDecoder(
+                        vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
+                    )
+                if decoder is not None:
+                    video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames)
+                    sinks.append(video)
+                files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
+            except BaseException:
+                lock.release()
+                raise
 
     summary = {
         "model": source,
@@ -392,12 +396,13 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     # Device time of the chunks after the first (`DeviceClock`), for the denoise-only rate.
     denoise_s, loop_start, clock = 0.0, None, DeviceClock()
     try:
-        if video is not None:  # inside the try: a failure here still finalises the files
-            summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
-            if session is not None:
-                resume.restore_video(video, session)
-            if given_context is not None:  # the decoder carries on from the given frames (not written)
-                continuation.prime_decoder(video.decoder, given_context.latents)
+        with PJ.together("starting the video decoder"):
+            if video is not None:  # inside the try: a failure here still finalises the files
+                summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
+                if session is not None:
+                    resume.restore_video(video, session)
+                if given_context is not None:  # the decoder carries on from the given frames (not written)
+                    continuation.prime_decoder(video.decoder, given_context.latents)
         if entries is not None:
             summary["switch_sink"] = "keep" if keep_sink else "recompute"
         with count_compiles(stream.step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
@@ -409,7 +414,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 if index + 1 < args.num_chunks and stop.signum is None:
                     nxt = advance()  # dispatched now: the device computes it while this chunk is written
                     pending = (nxt, _chunk_finite(nxt), clock.watch(nxt))
-                x, finite = jax.device_get((x, finite))
+                x, finite = PJ.fetch(x, finite)  # a multi-process job: in every process
                 device_s = clock.device_time(watched)
                 now = time.perf_counter()
                 latency, start = now - start, now
@@ -429,7 +434,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                         f"before writing any chunk"
                     )
                     break
-                files.write_chunk(index, x)
+                PJ.agree_chunk(files, index, x, stop)  # and a stop heard anywhere
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(f"{latency * 1e3:.0f} ms")
@@ -476,9 +481,10 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     if stop.signum is not None:
         summary["signal"] = signal.Signals(stop.signum).name
     try:
-        summary = files.close(status, summary, reason)
-        _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
-        files.write_summary(summary)  # again, with the rates
+        with PJ.together("closing the outputs"):
+            summary = files.close(status, summary, reason)
+            _rates(summary, rc.chunk_frames, steady_n, denoise_s, loop_start, video)
+            files.write_summary(summary)  # again, with the rates
     except OSError as e:
         if isinstance(e, DirectoryLost):
             raise
@@ -609,6 +615,9 @@ def print_summary(s: dict) -> None:
 
 def print_written(s: dict) -> None:
     chunks = s.get("chunks_written", 0)
+    if s.get("written_by"):  # a multi-process job's other processes
+        print(f"wrote        nothing from this process ({s['written_by']} wrote the {chunks} chunk(s))")
+        return
     if not chunks and "manifest" not in s:
         print("wrote        nothing")
         return
@@ -644,8 +653,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     with stop_on_signals() as stop:
         try:
-            args = settings.resolve(flags)  # defaults < release < saved session < flags, checked; frozen
-            summary = run(args, stop)
+            try:
+                PJ.join(flags)  # --coordinator: a multi-process job, joined before anything touches a device
+                PJ.defer_signals(stop)
+                args = settings.resolve(flags)  # defaults < release < saved session < flags, checked; frozen
+                summary = run(args, stop)
+            except BaseException as e:  # a multi-process job: the others hear of it at their next meeting point
+                PJ.join_after_failure(e)
+                raise
         except UsageError as e:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             return 2
@@ -653,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             print_written(e.summary)
             return 1
-        except OSError as e:
+        except (OSError, ProcessFailed) as e:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             return 1
         except (KeyboardInterrupt, Terminated) as e:  # a second signal aborted the --save-state save

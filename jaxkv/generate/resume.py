@@ -22,7 +22,7 @@ import os
 
 from jaxkv import files, recache
 from jaxkv import session as S
-from jaxkv.generate import options
+from jaxkv.generate import options, processes
 from jaxkv.generate.options import UsageError
 from jaxkv.parallel import checkpoint as CK
 
@@ -172,6 +172,7 @@ def save(args, stream, video, chunks_written: int, *, text: dict | None = None) 
     too: `jaxkv.stream.Stream.session`) to ``--save-state``; returns its path. ``text``: what the next chunk is
     drawn under (`text_of`). The stream must not step again before this returns (the session shares its buffers)."""
     extras = {S.VAE_DECODER: S.vae_extra(video.decoder.state)} if video is not None and _stateful(video.decoder) else {}
+    extras = processes.from_lead(extras)  # a multi-process job: process 0 alone decodes; every process saves its state
     session = stream.session(copy=False, extras=extras)
     mesh = getattr(stream, "mesh", None)  # a mesh stream's session is written shard by shard
     save = S.save if mesh is None else functools.partial(CK.save, mesh=mesh)
