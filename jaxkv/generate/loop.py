@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + signum
     if summary["status"] == "interrupted":
         print(f"jaxkv generate: interrupted by {summary['signal']}", file=sys.stderr)
-        if "manifest" in summary:
+        if "manifest" in summary or summary.get("written_by"):  # (another process of a job: it wrote nothing)
             print_summary(summary)
         else:
             print("wrote        nothing (stopped before the first chunk)")
