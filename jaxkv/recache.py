@@ -161,6 +161,16 @@ def _period(rc: R.RolloutConfig, spec: RingSpec) -> int | None:
     return None if rc.bounded else R.wrap_period(spec)
 
 
+def _host(x) -> np.ndarray:
+    """``x`` whole on the host; gathered from every process where a multi-process mesh spreads it (a collective:
+    every process checks alike)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def check_ring(config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ring: LatentRing) -> None:
     """ValueError (eager, concrete arrays) when the cache holds a chunk whose clean latents the ring lacks: a
     re-cache would otherwise run those slots on zeros. Traced arguments are not checked."""
@@ -171,11 +181,12 @@ def check_ring(config: WanConfig, rc: R.RolloutConfig, state: R.RolloutState, ri
         return
     spec = state.cache.spec
     _, found = ring.for_cache(state.cache, _period(rc, spec))
-    held = np.asarray(state.cache.positions[: ring.batch, :: spec.chunk]) >= 0
-    missing = held & ~np.asarray(found)
+    positions = _host(state.cache.positions[: ring.batch])
+    held = positions[:, :: spec.chunk] >= 0
+    missing = held & ~_host(found)
     if missing.any():
         row, slot = np.argwhere(missing)[0]
-        chunk = int(state.cache.positions[row, slot * spec.chunk]) // spec.chunk
+        chunk = int(positions[row, slot * spec.chunk]) // spec.chunk
         raise ValueError(
             f"the latent ring lacks chunk {chunk} (row {row}) that the cache holds: push every "
             f"chunk's clean latents (LatentRing.push) to re-cache after a prompt switch"

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import parallel as PL
 from jaxkv.generate.options import UsageError
 from jaxkv.models import wan
 from jaxkv.models.checkpoint_dir import CONFIG_FILE
@@ -105,6 +106,26 @@ def load_params(args, config):
     if bad:
         where = f"checkpoint {args.checkpoint}" if args.checkpoint else "the random weights"
         raise UsageError(f"{where} hold NaN or Inf values in {', '.join(bad)}; refusing to generate from them")
+    return params
+
+
+def load_mesh_params(args, config, mesh):
+    """The params on ``mesh``: a checkpoint read straight into its shards, or the random weights placed by the
+    rule table; finite, as `load_params` checks."""
+    dtype = jnp.dtype(args.run.precision.param_dtype)
+    if not args.checkpoint:
+        return PL.shard_params(load_params(args, config), mesh)
+    try:
+        loaded, params = PL.load_sharded(args.checkpoint, mesh, dtype)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if loaded != config:
+        raise UsageError(f"checkpoint {args.checkpoint} changed while it was read; run again")
+    bad = nonfinite_leaves(params)
+    if bad:
+        raise UsageError(
+            f"checkpoint {args.checkpoint} holds NaN or Inf values in {', '.join(bad)}; refusing to generate from them"
+        )
     return params
 
 

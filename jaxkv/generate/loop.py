@@ -29,13 +29,14 @@ from jaxkv import recache
 from jaxkv.compilation import count_compiles
 from jaxkv.files import DirectoryLost, Terminated
 from jaxkv.generate import given, inputs, options, outputs, prompts, report, resume, settings, toy
+from jaxkv.generate import processes as PJ
 from jaxkv.generate.options import UsageError
 from jaxkv.generate.preview import PreviewSink
 from jaxkv.generate.report import DeviceClock, print_summary, print_written
 from jaxkv.generate.settings import Settings
 from jaxkv.generate.stopping import STOP_SIGNALS, Stop, stop_on_signals
 from jaxkv.generate.video import Mp4Sink
-from jaxkv.models.checkpoint_dir import CheckpointError
+from jaxkv.parallel.processes import ProcessFailed
 from jaxkv.stream import Stream
 
 __all__ = [
@@ -70,40 +71,19 @@ def _chunk_finite(x) -> jax.Array:
 
 def _mesh(args, config, rc):
     """The --mesh as a `jax.sharding.Mesh` (None without it); UsageError when it does not fit the devices, the
-    batch or the model."""
+    batch or the model. In a multi-process job (`jaxkv.generate.processes`) every process meets here, after every
+    check: all go on, or all stop."""
     if args.mesh is None:
+        if PJ.multi():
+            raise UsageError("a multi-process JAX job runs jaxkv generate with --mesh (over every process's devices)")
         return None
-    if jax.process_count() > 1:
-        raise UsageError(
-            "--mesh: jaxkv generate writes its files from one process; a multi-process job runs "
-            "jaxkv.parallel.MeshStream from Python (docs/scaling.md)"
-        )
-    try:
-        mesh = PL.make_mesh(**args.mesh)
-        PL.check_mesh(mesh, config, rc, args.batch)
-    except ValueError as e:
-        raise UsageError(f"--mesh: {e}") from None
+    with PJ.together("checking the settings"):
+        try:
+            mesh = PL.make_mesh(**args.mesh)
+            PL.check_mesh(mesh, config, rc, args.batch)
+        except ValueError as e:
+            raise UsageError(f"--mesh: {e}") from None
     return mesh
-
-
-def _mesh_params(args, config, mesh):
-    """The params on ``mesh``: a checkpoint read straight into its shards, or the random weights placed by the
-    rule table; finite, as `inputs.load_params` checks."""
-    dtype = jnp.dtype(args.run.precision.param_dtype)
-    if not args.checkpoint:
-        return PL.shard_params(inputs.load_params(args, config), mesh)
-    try:
-        loaded, params = PL.load_sharded(args.checkpoint, mesh, dtype)
-    except CheckpointError as e:
-        raise UsageError(str(e)) from None
-    if loaded != config:
-        raise UsageError(f"checkpoint {args.checkpoint} changed while it was read; run again")
-    bad = inputs.nonfinite_leaves(params)
-    if bad:
-        raise UsageError(
-            f"checkpoint {args.checkpoint} holds NaN or Inf values in {', '.join(bad)}; refusing to generate from them"
-        )
-    return params
 
 
 def _stream(args, params, config, rc, session, context, negative, *, history: bool, mesh) -> Stream:
@@ -193,7 +173,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
         context = scheduled[0]
         switches = {e.chunk: (e, jnp.asarray(c)) for e, c in zip(entries[1:], scheduled[1:])}
-    params = inputs.load_params(args, config) if mesh is None else _mesh_params(args, config, mesh)
+    params = inputs.load_params(args, config) if mesh is None else inputs.load_mesh_params(args, config, mesh)
     vae_params = None if vae_config is None else inputs.load_vae(args, vae_config)
     if stop.signum is not None:
         return {"status": "interrupted", "signal": signal.Signals(stop.signum).name, "chunks_written": 0}
@@ -219,29 +199,34 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
             drawing = prompts.entry_text(entry)
         return next(stream)
 
-    # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
-    lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
-    out = lock.path
     chunk_shape = rc.chunk_shape(config, args.batch)
-    video = None
-    try:
-        sinks = [
-            outputs.LatentsSink(out, args.format),
-            PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
-        ]
-        if vae_config is not None:
-            from jaxkv.models.wan_vae import StreamDecoder
+    video, files = None, PJ.Quiet()  # a multi-process job: process 0 alone writes the outputs
+    PJ.meet("loading the inputs")  # every process loaded its inputs (else none opens anything)
+    with PJ.together("opening the outputs"):
+        if PJ.lead():
+            # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
+            lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
+            out = lock.path
+            try:
+                sinks = [
+                    outputs.LatentsSink(out, args.format),
+                    PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
+                ]
+                if vae_config is not None:
+                    from jaxkv.models.wan_vae import StreamDecoder
 
-            decoder = StreamDecoder(
-                vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
-            )
-        if decoder is not None:
-            video = Mp4Sink(out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames, stream=stream)
-            sinks.append(video)
-        files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
-    except BaseException:
-        lock.release()
-        raise
+                    decoder = StreamDecoder(
+                        vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
+                    )
+                if decoder is not None:
+                    video = Mp4Sink(
+                        out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames, stream=stream
+                    )
+                    sinks.append(video)
+                files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
+            except BaseException:
+                lock.release()
+                raise
 
     summary = report.start(args, config, source, schedule, rc, mesh, stream, toy_dir, text_info, session is not None)
     if given_info is not None:
@@ -253,13 +238,14 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         progress = tqdm(total=args.num_chunks, unit="chunk", desc="generate", file=sys.stderr)
     status, reason, timing, clock = "complete", None, report.Timing(), DeviceClock()
     try:
-        if video is not None:  # inside the try: a failure here still finalises the files
-            summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
-            # the decoder's state lives in the stream's carry (a resumed session's VAE caches, or fresh), so the
-            # saved session holds it
-            resume.continue_video(stream, video.decoder, resumed=session is not None)
-            if given_context is not None:  # the decoder carries on from the given frames (not written)
-                video.decode(given_context.latents)
+        with PJ.together("starting the video decoder"):
+            if video is not None:  # inside the try: a failure here still finalises the files
+                summary["vae_warm_up_s"] = video.warm_up(chunk_shape)
+                # the decoder's state lives in the stream's carry (a resumed session's VAE caches, or fresh), so
+                # the saved session holds it (in a multi-process job process 0's: `resume.save`)
+                resume.continue_video(stream, video.decoder, resumed=session is not None)
+                if given_context is not None:  # the decoder carries on from the given frames (not written)
+                    video.decode(given_context.latents)
         if entries is not None:
             summary["switch_sink"] = "keep" if keep_sink else "recompute"
         with count_compiles(stream.step) as compiles, count_compiles(recache.jit_switch_prompt) as switch_compiles:
@@ -271,7 +257,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 if index + 1 < args.num_chunks and stop.signum is None:
                     nxt = advance()  # dispatched now: the device computes it while this chunk is written
                     pending = (nxt, _chunk_finite(nxt), clock.watch(nxt))
-                x, finite = jax.device_get((x, finite))
+                x, finite = PJ.fetch(x, finite)  # a multi-process job: in every process
                 device_s = clock.device_time(watched)
                 now = time.perf_counter()
                 latency, start = now - start, now
@@ -286,7 +272,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                         f"before writing any chunk"
                     )
                     break
-                files.write_chunk(index, x)
+                PJ.agree_chunk(files, index, x, stop)  # and a stop heard anywhere
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(f"{latency * 1e3:.0f} ms")
@@ -329,9 +315,10 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     if stop.signum is not None:
         summary["signal"] = signal.Signals(stop.signum).name
     try:
-        summary = files.close(status, summary, reason)
-        timing.add_rates(summary, rc.chunk_frames, video)
-        files.write_summary(summary)  # again, with the rates
+        with PJ.together("closing the outputs"):
+            summary = files.close(status, summary, reason)
+            timing.add_rates(summary, rc.chunk_frames, video)
+            files.write_summary(summary)  # again, with the rates
     except OSError as e:
         if isinstance(e, DirectoryLost):
             raise
@@ -357,8 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     with stop_on_signals() as stop:
         try:
-            args = settings.resolve(flags)  # defaults < release < saved session < flags, checked; frozen
-            summary = run(args, stop)
+            try:
+                PJ.join(flags)  # --coordinator: a multi-process job, joined before anything touches a device
+                PJ.defer_signals(stop)
+                args = settings.resolve(flags)  # defaults < release < saved session < flags, checked; frozen
+                summary = run(args, stop)
+            except BaseException as e:  # a multi-process job: the others hear of it at their next meeting point
+                PJ.join_after_failure(e)
+                raise
         except UsageError as e:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             return 2
@@ -366,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             print_written(e.summary)
             return 1
-        except OSError as e:
+        except (OSError, ProcessFailed) as e:
             print(f"jaxkv generate: error: {e}", file=sys.stderr)
             return 1
         except (KeyboardInterrupt, Terminated) as e:  # a second signal aborted the --save-state save
@@ -382,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + signum
     if summary["status"] == "interrupted":
         print(f"jaxkv generate: interrupted by {summary['signal']}", file=sys.stderr)
-        if "manifest" in summary:
+        if "manifest" in summary or summary.get("written_by"):  # (another process of a job: it wrote nothing)
             print_summary(summary)
         else:
             print("wrote        nothing (stopped before the first chunk)")

@@ -343,6 +343,22 @@ def build_parser() -> argparse.ArgumentParser:
         "the session's; passing one of them with another value is an error. --out gets the new chunks, "
         "numbered from 0 (summary.json records the stream's first_chunk)",
     )
+    j = p.add_argument_group(
+        "multi-process job (jaxkv.generate.processes)",
+        "every process runs the same command; process 0 writes the outputs, each process its own --save-state "
+        "shards; --out, --save-state and --resume must be on a file system every process sees",
+    )
+    j.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="join a multi-process JAX job (jax.distributed.initialize) whose process 0 listens at HOST:PORT; "
+        "'auto' lets JAX detect the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU). Needs --mesh, which then "
+        "spans every process's devices",
+    )
+    j.add_argument("--num-processes", type=_positive, metavar="N", help="the job's process count (with --coordinator)")
+    j.add_argument(
+        "--process-id", type=_non_negative, metavar="I", help="this process's index, 0..N-1 (with --coordinator)"
+    )
     return p
 
 

@@ -205,6 +205,9 @@ def print_summary(s: dict) -> None:
 
 def print_written(s: dict) -> None:
     chunks = s.get("chunks_written", 0)
+    if s.get("written_by"):  # a multi-process job's other processes
+        print(f"wrote        nothing from this process ({s['written_by']} wrote the {chunks} chunk(s))")
+        return
     if not chunks and "manifest" not in s:
         print("wrote        nothing")
         return

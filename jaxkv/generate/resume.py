@@ -22,7 +22,7 @@ import os
 
 from jaxkv import decoding, files, recache
 from jaxkv import session as S
-from jaxkv.generate import options
+from jaxkv.generate import options, processes
 from jaxkv.generate.options import UsageError
 from jaxkv.parallel import checkpoint as CK
 
@@ -168,6 +168,9 @@ def save(args, stream, chunks_written: int, *, text: dict | None = None) -> str:
     what the next chunk is drawn under (`text_of`). The stream must not step or decode again before this returns
     (the session shares its buffers)."""
     session = stream.session(copy=False)
+    if processes.multi():  # process 0 alone decodes, so only its carry holds the decoder's caches: all save those
+        carried = {S.VAE_DECODER: session.extras[S.VAE_DECODER]} if S.VAE_DECODER in session.extras else {}
+        session = session.replace(extras={**session.extras, **processes.from_lead(carried)})
     mesh = getattr(stream, "mesh", None)  # a mesh stream's session is written shard by shard
     save = S.save if mesh is None else functools.partial(CK.save, mesh=mesh)
     return save(

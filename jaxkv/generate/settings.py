@@ -96,6 +96,10 @@ class Settings:
     video: str | None
     save_state: str | None
     resume: str | None
+    # multi-process job (`jaxkv.generate.processes`; joined before resolution)
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
     # added by resolution
     release: str | None = None  # a converted or toy-world release's root (``--checkpoint`` as given)
     toy_dir: str | None = None  # the toy-world release (absolute), or None for a Wan model

@@ -1,0 +1,170 @@
+"""``jaxkv generate --mesh data=2,model=2`` as a two-process job (``--coordinator``, 2 CPU devices per process,
+gloo collectives) against the same commands in one process on 4 devices (tests/multiprocess_generate.py runs both):
+the latents bit for bit (prompt switches included), the decoded video frames within one uint8 step, process 0
+alone writing the outputs (the same files as the one process), ``--save-state`` then ``--resume`` across the two
+processes continuing as the uninterrupted run (the session saved by the job equals the single-process one, tensor
+for tensor), and a failure in one process ending every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from jaxkv.generate import load_latents
+from jaxkv.models.wan.config import PRESETS
+from jaxkv.parallel import checkpoint as CK
+from tests.helpers.processes import run_processes
+
+
+def _frames(path: str) -> np.ndarray:
+    import av
+
+    with av.open(path) as f:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in f.decode(video=0)])
+
+
+def _tensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    whole = {}
+    for piece in CK.read_manifest(path)["pieces"]:
+        whole.setdefault(piece["tensor"], []).append(piece)
+    out = {}
+    for name, pieces in whole.items():
+        shape = CK.read_manifest(path)["tensors"][name]["shape"]
+        dtype = CK.read_manifest(path)["tensors"][name]["dtype"]
+        array = np.zeros(shape, np.dtype(dtype) if dtype != "bfloat16" else np.float32)
+        for p in pieces:
+            data = load_file(os.path.join(path, p["file"]))[p["key"]]
+            array[tuple(slice(a, b) for a, b in p["index"])] = data
+        out[name] = array
+    return out
+
+
+@pytest.mark.slow
+def test_generate_on_a_two_process_mesh_matches_one_process(tmp_path):
+    job, ref = tmp_path / "job", tmp_path / "ref"
+    rng = np.random.default_rng(5)
+    contexts = {name: rng.standard_normal((5, PRESETS["tiny"].text_dim)).astype(np.float32) for name in "ab"}
+    for d in (job, ref):
+        d.mkdir()
+        for name, context in contexts.items():
+            np.save(d / f"{name}.npy", context)
+        for name, entries in (("ab", [(0, "a"), (1, "b")]), ("b", [(0, "b")])):
+            (d / f"{name}.json").write_text(json.dumps([{"chunk": c, "context": f"{e}.npy"} for c, e in entries]))
+    run_processes("multiprocess_generate.py", 2, str(job))
+    run_processes("multiprocess_generate.py", 1, str(ref))
+    for name in ("whole", "part", "rest", "switch", "switch_resumed"):
+        np.testing.assert_array_equal(load_latents(str(job / name)), load_latents(str(ref / name)), err_msg=name)
+        summary = json.loads((job / name / "summary.json").read_text())
+        assert summary["status"] == "complete" and summary["mesh"]["data"] == 2, summary
+        assert sorted(os.listdir(job / name)) == sorted(os.listdir(ref / name)), name
+    for name in ("whole", "part", "rest"):
+        # The VAE's frames (the mp4 encoder is lossy): the same single-device decode of the same latents, in a
+        # process with 2 CPU devices against one with 4; seen to differ by one uint8 step in 1 of 221184 values.
+        for chunk in sorted(os.listdir(ref / name / "frames")):
+            got = np.load(job / name / "frames" / chunk).astype(np.int16)
+            want = np.load(ref / name / "frames" / chunk).astype(np.int16)
+            assert np.abs(got - want).max() <= 1 and np.mean(got != want) < 1e-3, (name, chunk)
+        for video in ("video_0.mp4", "video_1.mp4"):
+            assert len(_frames(str(job / name / video))) == len(_frames(str(ref / name / video)))
+    # the saved session continues as the uninterrupted run: chunk 0 + the resumed chunks 1, 2 == the 3-chunk run
+    whole = load_latents(str(job / "whole"))
+    resumed = np.concatenate([load_latents(str(job / "part")), load_latents(str(job / "rest"))], axis=1)
+    np.testing.assert_array_equal(resumed, whole)
+    assert sorted(os.listdir(job / "s")) == ["session.json", "shards-00000.safetensors", "shards-00001.safetensors"]
+    got, want = _tensors(str(job / "s")), _tensors(str(ref / "s"))
+    assert set(got) == set(want) and any(n.startswith("extras/") for n in got)  # the VAE decoder's caches too
+    for n in want:  # the state bit for bit; the VAE decoder's caches as its frames (see above)
+        if n.startswith("extras/"):
+            np.testing.assert_allclose(got[n], want[n], rtol=1e-5, atol=1e-5, err_msg=n)
+        else:
+            np.testing.assert_array_equal(got[n], want[n], err_msg=n)
+    # process 0's failed write: its files say so; the check failing in process 1 alone: nothing written
+    failed = json.loads((job / "fail_write" / "summary.json").read_text())
+    assert failed["status"] == "failed" and failed["chunks_written"] == 0, failed
+    assert not (job / "fail_check").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-processes", "2"], "--num-processes / --process-id need --coordinator"),
+        (["--process-id", "0"], "--num-processes / --process-id need --coordinator"),
+        (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "0"], "needs --mesh"),
+        (["--mesh", "data=1", "--coordinator", "localhost:1234", "--process-id", "0"], "needs --num-processes N"),
+        (
+            ["--mesh", "data=1", "--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+            "--process-id 2 must be below --num-processes 2",
+        ),
+    ],
+)
+def test_incomplete_job_flags_are_refused_before_joining(argv, message, tmp_path, capsys):
+    """Each names the problem (exit 2), before jax.distributed is initialised and before --out exists."""
+    from jaxkv.generate import loop
+
+    out = tmp_path / "out"
+    assert loop.main(["--random-weights", "--num-chunks", "1", "--out", str(out), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _two_processes(monkeypatch, others):
+    """This process as process 0 of two, the other's part of each exchange from ``others(value, error, step)``;
+    returns the list of (step, value, error) this process exchanged."""
+    from jaxkv.generate import processes as PJ
+
+    calls = []
+
+    def exchange(value, error, step):
+        calls.append((step, value, error))
+        if error is not None:
+            raise error
+        return [value, others(value, error, step)]
+
+    PJ.join({})  # a fresh run's record of meeting points
+    monkeypatch.setattr(PJ, "multi", lambda: True)
+    monkeypatch.setattr(PJ, "lead", lambda: True)
+    monkeypatch.setattr(PJ, "exchange", exchange)
+    return calls
+
+
+@pytest.mark.parametrize("other_heard", [None, signal.SIGTERM])
+def test_a_stop_signal_heard_by_any_process_stops_every_one_at_the_same_chunk(monkeypatch, other_heard):
+    from jaxkv.generate import loop
+    from jaxkv.generate import processes as PJ
+
+    calls = _two_processes(monkeypatch, lambda value, error, step: other_heard)
+    stop, files = loop.Stop(), PJ.Quiet()
+    stop.heard = None  # as `defer_signals` sets it: this process heard nothing
+    PJ.agree_chunk(files, 0, np.zeros(2), stop)
+    assert files.chunks == 1 and calls == [("writing chunk 0", None, None)]
+    assert stop.signum == other_heard
+
+
+def test_a_failure_before_the_loop_meets_the_others_at_the_next_point(monkeypatch):
+    """A process that left the run meets the others at the first point it had not passed, with its error; after
+    a meeting where every process raised, it meets nobody (they have stopped)."""
+    from jaxkv.generate import processes as PJ
+    from jaxkv.parallel.processes import ProcessFailed
+
+    calls = _two_processes(monkeypatch, lambda value, error, step: None)
+    with PJ.together("checking the settings"):
+        pass
+    error = ValueError("no such file")
+    PJ.join_after_failure(error)
+    assert calls == [("checking the settings", None, None), ("loading the inputs", None, error)]
+
+    def fail(value, error, step):
+        raise ProcessFailed(f"{step} failed in process 1 of 2: OSError: disk full")
+
+    calls = _two_processes(monkeypatch, fail)
+    with pytest.raises(ProcessFailed, match="opening the outputs failed in process 1"):
+        with PJ.together("opening the outputs"):
+            pass
+    PJ.join_after_failure(RuntimeError("later"))
+    assert [c[0] for c in calls] == ["opening the outputs"]
