@@ -184,6 +184,10 @@ def stage_table(tc: TrainConfig, settings: Settings, latent_map: latents.LatentM
             p, b.latents, b.ids, b.mask, b.at_start, k, settings, pure_noise_share, tc.remat, config
         )
 
+    def self_forcing(p, b, k):
+        options = (tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight, config)
+        return self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map, *options)
+
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
     return [
         (
@@ -207,21 +211,7 @@ def stage_table(tc: TrainConfig, settings: Settings, latent_map: latents.LatentM
             tc.sf_steps,
             tc.sf_batch,
             sf_frames,
-            lambda p, b, k: self_forcing_loss(
-                p,
-                b.latents,
-                b.ids,
-                b.mask,
-                b.at_start,
-                k,
-                settings,
-                latent_map,
-                tc.sf_colour_weight,
-                tc.remat,
-                b.objects,
-                tc.sf_outline_weight,
-                config,
-            ),
+            self_forcing,
             _optimizer(tc.sf_lr, tc.sf_steps, 20),
         ),
     ]
