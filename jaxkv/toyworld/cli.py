@@ -10,6 +10,7 @@ from jaxkv.argparsing import Parser
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxkv.toyworld.clips import SCENES
     from jaxkv.toyworld.train import TrainConfig
 
     d = TrainConfig()
@@ -30,6 +31,14 @@ def _parser() -> argparse.ArgumentParser:
         default=d.refine_steps,
         help=f"teacher-forcing steps after --steps (lr {d.refine_lr:g}, "
         f"{d.refine_pure_noise_share * 100:.0f}%% of the chunks at noise level 1)",
+    )
+    t.add_argument(
+        "--scenes",
+        choices=SCENES,
+        default=d.scenes,
+        help="every stage's training clips: windows of each prompt's one canonical scene (the prompt also says where "
+        "the shapes start) or of random scenes of it (random positions and directions: the prompt says what and how "
+        "fast, never where)",
     )
     t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
     t.add_argument("--sf-batch", type=int, default=d.sf_batch, help="clips per self-forcing step")
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             tc = dataclasses.replace(
                 TrainConfig(),
                 seed=args.seed,
+                scenes=args.scenes,
                 steps=args.steps,
                 refine_steps=args.refine_steps,
                 sf_steps=args.sf_steps,

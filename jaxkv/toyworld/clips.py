@@ -1,6 +1,10 @@
 """The toy world's training clips: a clip is laid out as a full cache holds it (the sink, then window frames from
 anywhere along the scene's path or straight on from the sink), drawn from (seed, stage, step) alone (`batch`), and
 which of its chunks a clip fixes the answer of (`context_chunks`). Used by every stage of `jaxkv.toyworld.train`.
+
+A clip's scene is its prompt's `world.canonical_scene` (``scenes="canonical"``, the shipped recipe: the prompt then
+also says where the shapes start) or a random scene of it (``"random"``, `world.sample_scene`: the same shapes,
+colours and speed at random positions and directions, so the prompt says what and how fast, never where).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import numpy as np
 
 from jaxkv.toyworld import text, world
 from jaxkv.toyworld.model import Settings
+
+SCENES = ("canonical", "random")  # what `batch` draws a clip's scene as (the module docstring)
 
 # Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
 CONTEXT_FRAMES = 2
@@ -43,28 +49,36 @@ def batch(
     start_share: float,
     text_dropout: float = 0.0,
     after_sink: int | None = None,
+    scenes: str = "canonical",
 ) -> Batch:
     """A `Batch` of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone. Each clip is a
-    random prompt's `world.canonical_scene`: its first ``sink_frames`` frames (the sink), then ``after_sink`` frames
-    (default ``window_frames``; more for a clip that runs on past the cache) from frame ``sink_frames`` on
-    (``at_start``, a ``start_share`` of the clips) or from a frame uniform in ``sink_frames + 1`` .. `MAX_START`. A
-    ``text_dropout`` share of the clips is captioned with the empty prompt (drawn last, so the other draws do not
+    random prompt's `world.canonical_scene` (``scenes="random"``: a `world.sample_scene` of the prompt drawn from the
+    clip's own generator, seeded with (seed, stage, step, clip index), so every other draw is the canonical batch's):
+    its first ``sink_frames`` frames (the sink), then ``after_sink`` frames (default ``window_frames``; more for a
+    clip that runs on past the cache) from frame ``sink_frames`` on (``at_start``, a ``start_share`` of the clips) or
+    from a frame uniform in ``sink_frames + 1`` .. `MAX_START`. A ``text_dropout`` share of the clips is captioned
+    with the empty prompt (drawn last, so the other draws do not
     depend on it); `Batch.objects` names the scene's objects whatever the caption."""
+    if scenes not in SCENES:
+        raise ValueError(f"scenes is one of {SCENES}, got {scenes!r}")
     rng = np.random.default_rng([seed, stage, step])
     prompts = [world.random_prompt(rng) for _ in range(size)]
     at_start = rng.random(size) < start_share
     sink = settings.sink_frames
     starts = np.where(at_start, sink, rng.integers(sink + 1, MAX_START + 1, size))
-    scenes = [world.canonical_scene(p) for p in prompts]
+    if scenes == "random":
+        chosen = [world.sample_scene(np.random.default_rng([seed, stage, step, i]), p) for i, p in enumerate(prompts)]
+    else:
+        chosen = [world.canonical_scene(p) for p in prompts]
     after_sink = settings.window_frames if after_sink is None else after_sink
     video = np.stack(
         [
             np.concatenate([world.render(scene, sink), world.render(scene, after_sink, int(t))])
-            for scene, t in zip(scenes, starts)
+            for scene, t in zip(chosen, starts)
         ]
     )
     objects = np.full((size, world.MAX_OBJECTS, 2), -1, np.int32)
-    for clip, scene in zip(objects, scenes):
+    for clip, scene in zip(objects, chosen):
         for row, thing in zip(clip, scene.things):
             row[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
     if text_dropout:

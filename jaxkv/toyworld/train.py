@@ -2,7 +2,8 @@
 
 1. The latent map is fitted on world frames (`latents.LatentMap.fit`, a second).
 2. **Teacher forcing on the stream's own layout.** A clip is what the cache holds once it is full: the sink (the
-   prompt's first `Settings.sink_frames` frames, `world.canonical_scene`) and then `Settings.window_frames` frames
+   prompt's first `Settings.sink_frames` frames, `world.canonical_scene`, or with ``scenes="random"`` a random scene
+   of the prompt, `clips.batch`) and then `Settings.window_frames` frames
    from anywhere along the scene's path (or, for ``start_share`` of the clips, straight on from the sink: a stream's
    beginning). `jaxkv.models.wan.forward_teacher_forcing` denoises every chunk of it at once as a stream denoises it,
    after the clean chunks before it, each chunk at its own noise level (`noise_levels`: every level in [0, 1),
@@ -65,7 +66,7 @@ import optax
 
 from jaxkv.models.wan.config import WanConfig
 from jaxkv.toyworld import latents, text, world
-from jaxkv.toyworld.clips import Batch, batch, context_chunks
+from jaxkv.toyworld.clips import SCENES, Batch, batch, context_chunks
 from jaxkv.toyworld.losses import init_dit, self_forcing_loss, teacher_forcing_loss
 from jaxkv.toyworld.model import WAN_CONFIG, Settings
 from jaxkv.toyworld.model import save as save_release
@@ -82,6 +83,8 @@ class TrainConfig:
     warmup: int = 100
     start_share: float = 0.5  # clips that run straight on from the sink (a stream's beginning)
     text_dropout: float = 0.0  # clips whose text is the empty prompt (what classifier-free guidance subtracts)
+    # every stage's clips: each prompt's canonical scene (the shipped recipe) or random scenes of it (`clips.batch`)
+    scenes: str = "canonical"
     pure_noise_share: float = 0.0  # chunks trained at sigma 1 exactly (the sampler's first step) among `noise_levels`
     refine_steps: int = 300  # stage 3: teacher-forcing steps from stage 2's weights (see the module docstring)
     refine_lr: float = 5e-4
@@ -125,6 +128,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value < float("inf"):
                 raise ValueError(f"TrainConfig.{name} is a loss weight, finite and >= 0; got {value!r}")
+        if self.scenes not in SCENES:
+            raise ValueError(f"TrainConfig.scenes is one of {SCENES}, got {self.scenes!r}")
         if isinstance(self.sf_chunks, bool) or not isinstance(self.sf_chunks, int) or self.sf_chunks < 1:
             raise ValueError(f"TrainConfig.sf_chunks is a number of chunks, >= 1; got {self.sf_chunks!r}")
         if not isinstance(self.remat, bool):
@@ -168,13 +173,57 @@ def _step_fn(loss_fn, optimizer):
     return step
 
 
+def stage_table(tc: TrainConfig, settings: Settings, latent_map: latents.LatentMap) -> list[tuple]:
+    """The stages of the recipe, 2, 3 and 4 of the module docstring, as (name, steps, clips per step, frames after
+    the sink, loss ``(params, batch: Batch, key) -> float``, optax optimizer): what `train` runs and what a fine-tune
+    of a release runs of stage 4 (benchmarks/finetune_scenes.py)."""
+    config = tc.wan_config()
+
+    def teacher_forcing(pure_noise_share):
+        return lambda p, b, k: teacher_forcing_loss(
+            p, b.latents, b.ids, b.mask, b.at_start, k, settings, pure_noise_share, tc.remat, config
+        )
+
+    def self_forcing(p, b, k):
+        options = (tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight, config)
+        return self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map, *options)
+
+    sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
+    return [
+        (
+            "teacher forcing",
+            tc.steps,
+            tc.batch,
+            settings.window_frames,
+            teacher_forcing(tc.pure_noise_share),
+            _optimizer(tc.lr, tc.steps, tc.warmup),
+        ),
+        (
+            "teacher forcing, level-1 share",
+            tc.refine_steps,
+            tc.batch,
+            settings.window_frames,
+            teacher_forcing(tc.refine_pure_noise_share),
+            _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup),
+        ),
+        (
+            "self-forcing",
+            tc.sf_steps,
+            tc.sf_batch,
+            sf_frames,
+            self_forcing,
+            _optimizer(tc.sf_lr, tc.sf_steps, 20),
+        ),
+    ]
+
+
 # ------------------------------------------------------------------------------------------------ the run
 
 
 # What a resumed run may change (`resume_conflicts`). The stages (0, 1, 2: the docstring's 2, 3, 4) each TrainConfig
-# field changes; fields not listed change every stage (seed, fit_frames, start_share, text_dropout: the latent map and
-# the clips) but those in _RESUME_FREE, which change how a step is computed, not what (remat: float rounding only,
-# like resuming on another machine; each stage's record says whether it ran with remat).
+# field changes; fields not listed change every stage (seed, fit_frames, start_share, text_dropout, scenes: the latent
+# map and the clips) but those in _RESUME_FREE, which change how a step is computed, not what (remat: float rounding
+# only, like resuming on another machine; each stage's record says whether it ran with remat).
 _FIELD_STAGES = {
     "batch": (0, 1),
     "steps": (0,),
@@ -194,7 +243,7 @@ _FIELD_STAGES = {
 }
 _RESUME_FREE = ("remat",)
 # The value a field added after snapshots began recording their config had before it existed (else its default).
-_BEFORE_FIELD = {"sf_outline_weight": 0.0}
+_BEFORE_FIELD = {"sf_outline_weight": 0.0, "scenes": "canonical"}
 
 
 def resume_conflicts(position: dict, tc: TrainConfig) -> list[tuple[str, Any, Any]]:
@@ -250,53 +299,7 @@ def train(
     config = tc.wan_config()
     params = {"dit": init_dit(jax.random.fold_in(key, 0), config), "text": text.init_text_params(tc.seed)}
 
-    def teacher_forcing(pure_noise_share):
-        return lambda p, b, k: teacher_forcing_loss(
-            p, b.latents, b.ids, b.mask, b.at_start, k, settings, pure_noise_share, tc.remat, config
-        )
-
-    # (name, steps, batch, frames after the sink, loss, optimizer): stages 2, 3 and 4 of the docstring
-    sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
-    stages = [
-        (
-            "teacher forcing",
-            tc.steps,
-            tc.batch,
-            settings.window_frames,
-            teacher_forcing(tc.pure_noise_share),
-            _optimizer(tc.lr, tc.steps, tc.warmup),
-        ),
-        (
-            "teacher forcing, level-1 share",
-            tc.refine_steps,
-            tc.batch,
-            settings.window_frames,
-            teacher_forcing(tc.refine_pure_noise_share),
-            _optimizer(tc.refine_lr, tc.refine_steps, tc.refine_warmup),
-        ),
-        (
-            "self-forcing",
-            tc.sf_steps,
-            tc.sf_batch,
-            sf_frames,
-            lambda p, b, k: self_forcing_loss(
-                p,
-                b.latents,
-                b.ids,
-                b.mask,
-                b.at_start,
-                k,
-                settings,
-                latent_map,
-                tc.sf_colour_weight,
-                tc.remat,
-                b.objects,
-                tc.sf_outline_weight,
-                config,
-            ),
-            _optimizer(tc.sf_lr, tc.sf_steps, 20),
-        ),
-    ]
+    stages = stage_table(tc, settings, latent_map)
     record: dict[str, Any] = {"stages": []}
     first_stage, first_step, losses = 0, 0, []
     before, stage_before = 0.0, 0.0  # seconds spent in earlier processes (a resumed run): run, stage
@@ -339,6 +342,7 @@ def train(
                     tc.start_share,
                     tc.text_dropout,
                     after_sink,
+                    tc.scenes,
                 )
                 params, opt_state, loss = step_fn(
                     params, opt_state, clips, jax.random.fold_in(jax.random.fold_in(key, stage + 1), step)

@@ -1,0 +1,72 @@
+"""benchmarks/finetune_scenes.py: stage 4 of the recipe from a release's weights, on random or canonical scenes,
+written as a release that loads (the fine-tune itself is the integrator's experiment, issue 44)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.helpers.benchmarks import load_benchmark
+
+SMALL = dict(steps=0, refine_steps=0, sf_steps=0, sf_chunks=1, sf_batch=1, fit_frames=64)
+SMALL.update(dit_dim=32, dit_ffn_dim=32, dit_heads=1, dit_layers=1)
+
+
+@pytest.fixture(scope="module")
+def small_release(tmp_path_factory):
+    """A release of the smallest DiT, as initialised (every stage 0 steps), recording a 1-clip, 1-chunk stage 4."""
+    from jaxkv.toyworld import train as T
+
+    out = str(tmp_path_factory.mktemp("release") / "small")
+    T.train(out, T.TrainConfig(**SMALL), progress=False)
+    return out
+
+
+@pytest.mark.slow  # three compilations of a (small) self-forcing step
+def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    from jaxkv.toyworld import model as TM
+
+    bench = load_benchmark("finetune_scenes")
+    dirs = {name: str(tmp_path / name) for name in ("random", "again", "canonical")}
+    for name, out in dirs.items():
+        scenes = "canonical" if name == "canonical" else "random"
+        argv = ["--release", small_release, "--out", out, "--steps", "2", "--scenes", scenes]
+        assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("steps 1-2 of 2: mean loss") == 3 and "benchmarks/motion.py --release" in printed
+    toy = TM.load(dirs["random"])
+    assert toy.config == TM.load(small_release).config
+    record = toy.info["finetune"]
+    assert (record["steps"], record["scenes"], record["seed"], record["from"]) == (2, "random", 1, small_release)
+    assert record["train_config"]["sf_chunks"] == 1 and record["train_config"]["dit_dim"] == 32
+    assert len(record["loss_per_10_steps"]) == 1 and np.isfinite(record["loss_per_10_steps"][0])
+    assert toy.info["training"] == TM.load(small_release).info["training"]  # the original's record is kept
+    weights = {
+        n: load_file(os.path.join(d, "dit", "params.safetensors")) for n, d in {"start": small_release, **dirs}.items()
+    }
+    same = lambda a, b: all(np.array_equal(weights[a][k], weights[b][k]) for k in weights[a])
+    assert same("random", "again")  # drawn from (seed, stage, step): reproducible
+    assert not same("random", "start") and not same("random", "canonical")
+    with open(os.path.join(dirs["canonical"], "toyworld.json")) as f:
+        assert json.load(f)["finetune"]["scenes"] == "canonical"
+
+
+def test_finetune_refuses_bad_arguments_before_writing_anything(tmp_path, capsys):
+    bench = load_benchmark("finetune_scenes")
+    out = tmp_path / "out"
+    assert bench.main(["--out", str(out), "--steps", "0"]) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert bench.main(["--out", str(tmp_path), "--steps", "1"]) == 2  # exists
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--release", str(out), "--overwrite"]) == 2
+    assert "must not be the --release" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--release", str(tmp_path / "none")]) == 2
+    assert "is not a toy-world release" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(out), "--scenes", "sampled"])
+    assert not out.exists()
