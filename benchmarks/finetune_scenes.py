@@ -72,20 +72,9 @@ def finetune(release: str, out: str, steps: int, scenes: str, seed: int, *, forc
     tokenizer, key = text.tokenizer(), jax.random.key(seed)
     losses, started, first_done = [], time.perf_counter(), None
     for step in range(steps):
-        batch = clips.batch(
-            toy.latent_map,
-            tokenizer,
-            toy.settings,
-            seed,
-            STAGE,
-            step,
-            size,
-            tc.start_share,
-            tc.text_dropout,
-            after_sink,
-            tc.scenes,
+        batch, key_step = T.step_inputs(
+            toy.latent_map, tokenizer, toy.settings, tc, seed, STAGE, step, size, after_sink, key
         )
-        key_step = jax.random.fold_in(jax.random.fold_in(key, STAGE), step)
         params, opt_state, loss = step_fn(params, opt_state, batch, key_step)
         losses.append(float(loss))  # waits for the step
         if first_done is None:

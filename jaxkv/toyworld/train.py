@@ -263,6 +263,14 @@ def resume_conflicts(position: dict, tc: TrainConfig) -> list[tuple[str, Any, An
     return out
 
 
+def step_inputs(latent_map, tokenizer, settings: Settings, tc: TrainConfig, seed, stage, step, size, after_sink, key):
+    """A training step's clips (`clips.batch`) and noise key, drawn from (seed, stage, step) alone as `train` draws
+    them (``stage`` counted from 1, ``key`` the run's ``jax.random.key(seed)``)."""
+    args = (tc.start_share, tc.text_dropout, after_sink, tc.scenes)
+    clips = batch(latent_map, tokenizer, settings, seed, stage, step, size, *args)
+    return clips, jax.random.fold_in(jax.random.fold_in(key, stage), step)
+
+
 def train(
     out: str,
     tc: TrainConfig = TrainConfig(),
@@ -331,22 +339,10 @@ def train(
         done = first_step  # steps of this stage whose update is in params
         try:
             for step in bar:
-                clips = batch(
-                    latent_map,
-                    tokenizer,
-                    settings,
-                    tc.seed,
-                    stage + 1,
-                    step,
-                    size,
-                    tc.start_share,
-                    tc.text_dropout,
-                    after_sink,
-                    tc.scenes,
+                clips, step_key = step_inputs(
+                    latent_map, tokenizer, settings, tc, tc.seed, stage + 1, step, size, after_sink, key
                 )
-                params, opt_state, loss = step_fn(
-                    params, opt_state, clips, jax.random.fold_in(jax.random.fold_in(key, stage + 1), step)
-                )
+                params, opt_state, loss = step_fn(params, opt_state, clips, step_key)
                 done = step + 1
                 losses.append(float(loss))
                 if step % 10 == 0:
