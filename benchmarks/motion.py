@@ -14,12 +14,19 @@ Per prompt and named shape it reports
 
 The prompts come in slow / fast pairs: if the model reads the speed word, "fast" travels ~2x "slow" as in the world.
 
-    python benchmarks/motion.py [--frames 600] [--seed 0] [--release DIR] [--json PATH]
+It also reads the one step a stream repeats, from the world's own frames (`jaxkv.toyworld.quality.next_chunk`),
+on each prompt's canonical scene and on random scenes of the same prompts: a model that continues the random
+scenes as well as the canonical ones reads the motion from the frames, not from a memory of the prompt's scene.
+``--sampler-steps`` streams with other sampler steps than the release's (the model is trained on every level).
+
+    python benchmarks/motion.py [--frames 600] [--seed 0] [--release DIR] [--sampler-steps 1000,750,500,100]
+                                [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -27,7 +34,7 @@ import time
 
 import numpy as np
 
-from jaxkv.toyworld import metric, sample, world
+from jaxkv.toyworld import metric, quality, sample, world
 from jaxkv.toyworld import model as toy_model
 
 PROMPTS = (
@@ -121,19 +128,35 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=600, help="frames per stream (whole chunks; default 600)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--release", default=toy_model.RELEASE_DIR, help="a toy-world release (default: the shipped one)")
+    ap.add_argument(
+        "--sampler-steps",
+        help="the sampler's timesteps, comma-separated, first step first (default: the release's own)",
+    )
     ap.add_argument("--json", help="write the rows and the settings here")
     args = ap.parse_args(argv)
     model = toy_model.load(args.release)
+    if args.sampler_steps is not None:
+        try:
+            steps = tuple(int(v) for v in args.sampler_steps.split(","))
+        except ValueError:
+            ap.error(f"--sampler-steps takes integers separated by commas, got {args.sampler_steps!r}")
+        if not (steps and steps[0] <= 1000 and steps[-1] > 0 and all(b < a for a, b in zip(steps, steps[1:]))):
+            ap.error(f"--sampler-steps must fall from at most 1000 to above 0, got {args.sampler_steps!r}")
+        model = dataclasses.replace(model, settings=dataclasses.replace(model.settings, steps=steps))
     st = model.settings
     if args.frames % st.chunk_frames or args.frames < metric.TRAVEL_FRAMES:
         ap.error(f"--frames must be whole {st.chunk_frames}-frame chunks and at least {metric.TRAVEL_FRAMES}")
     t0 = time.perf_counter()
     rows = measure(model, PROMPTS, args.frames, args.seed)
+    steps_from_truth = {
+        scenes: quality.next_chunk(model, seed=args.seed, scenes=scenes) for scenes in ("canonical", "random")
+    }
     seconds = time.perf_counter() - t0
     evict = (st.sink_frames + st.window_frames) // st.chunk_frames
     print(
         f"{args.frames} frames per stream, seed {args.seed}; chunks of {st.chunk_frames} frames, sink "
-        f"{st.sink_frames} + window {st.window_frames} frames: chunk {evict} is the first to evict; {seconds:.0f} s"
+        f"{st.sink_frames} + window {st.window_frames} frames: chunk {evict} is the first to evict; sampler steps "
+        f"{list(st.steps)}; {seconds:.0f} s"
     )
     print(f"{'prompt':<38} {'shape':<14} {'world':>6} {'model':>6} {'ratio':>6} {'seen':>5} {'heading m/w':>12}")
     for r in rows:
@@ -151,6 +174,12 @@ def main(argv=None) -> int:
             f"  {r['prompt'][:30]:<30} {r['shape']:<14} model {_fmt(r['first_chunks_step_model_px'])} | world "
             f"{_fmt(r['first_chunks_step_world_px'])}"
         )
+    print(f"\nthe next chunk from the world's own frames ({quality.NEXT_CLIPS} clips), px from the world per frame:")
+    for scenes, step in steps_from_truth.items():
+        print(
+            f"  {scenes + ' scenes':<17} model {_fmt(step.model)} | held still {_fmt(step.still)} | the world through "
+            f"the latent map {_fmt(step.world)}"
+        )
     for shape_rows in _pairs(rows):
         slow, fast = shape_rows
         print(
@@ -163,12 +192,14 @@ def main(argv=None) -> int:
             "frames": args.frames,
             "seed": args.seed,
             "release": args.release,
+            "sampler_steps": list(st.steps),
             "seconds": seconds,
             "machine": platform.platform(),
             "python": sys.version.split()[0],
         }
         with open(args.json, "w") as f:
-            json.dump({"settings": meta, "rows": rows}, f, indent=1)
+            next_chunk = {k: {f: v.tolist() for f, v in step._asdict().items()} for k, step in steps_from_truth.items()}
+            json.dump({"settings": meta, "rows": rows, "next_chunk": next_chunk}, f, indent=1)
     return 0
 
 

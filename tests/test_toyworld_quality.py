@@ -107,6 +107,20 @@ def test_chunk_errors_measure_against_the_world():
     assert np.isinf(quality.chunk_errors(world.empty_frames(3)[None].repeat(6, 0), prompts, starts)).all()
 
 
+def test_random_scene_chunks_are_measured_against_their_own_scenes(shipped):
+    canonical = quality._world_chunks(shipped, 8, quality.SEED)
+    drawn = quality._world_chunks(shipped, 8, quality.SEED, scenes="random")
+    assert drawn.prompts == canonical.prompts and (drawn.starts == canonical.starts).all()
+    assert [sc.prompt for sc in drawn.scenes] == drawn.prompts
+    assert all(a != b for a, b in zip(drawn.scenes, canonical.scenes))
+    own = quality.chunk_errors(drawn.truth, drawn.prompts, drawn.starts, drawn.scenes)
+    assert own.max() <= np.sqrt(2) * metric.CENTROID_ERROR
+    # read against each prompt's canonical scene instead, the same frames are mostly far off
+    assert np.median(quality.chunk_errors(drawn.truth, drawn.prompts, drawn.starts)) > 5.0
+    with pytest.raises(ValueError, match="scenes"):
+        quality._world_chunks(shipped, 2, quality.SEED, scenes="anywhere")
+
+
 @pytest.mark.slow
 def test_next_chunk_reads_the_world_the_still_frame_and_the_model(shipped):
     step = quality.next_chunk(shipped, clips=12)
@@ -115,6 +129,8 @@ def test_next_chunk_reads_the_world_the_still_frame_and_the_model(shipped):
     # half the prompts are slow (1 px a frame), half fast (2 px): the still frame's median error grows by a step
     assert (np.diff(step.still) > 0.5).all() and 0.5 < step.still[0] < 2.5
     assert np.isfinite(step.model).all()
+    elsewhere = quality.next_chunk(shipped, clips=12, scenes="random")
+    assert (elsewhere.world <= 0.5).all() and (np.diff(elsewhere.still) > 0.5).all()
     random = dataclasses.replace(shipped, params=wan.init_params(shipped.config, jax.random.key(1)))
     assert np.isinf(quality.next_chunk(random, clips=4).model).all()
 
@@ -228,7 +244,7 @@ def test_denoising_errors_scale_as_sigma_squared_for_a_dit_that_predicts_no_flow
         errors.model / errors.model[:1], np.broadcast_to(errors.sigmas[:, None] ** 2, errors.model.shape), rtol=1e-4
     )
     assert (errors.model[0] > 1.0).all()  # eps - x0: unit noise plus the latents
-    _, _, context, truth = quality._world_chunks(shipped, 6, quality.SEED)
+    _, _, context, truth, _ = quality._world_chunks(shipped, 6, quality.SEED)
     x = shipped.latent_map.encode(np.concatenate([context[:, -1:], truth], axis=1))
     np.testing.assert_allclose(errors.still, np.mean((x[:, 1:] - x[:, :1]) ** 2, axis=(0, 2, 3, 4)), rtol=1e-5)
 
@@ -241,7 +257,7 @@ def test_denoising_errors_first_level_is_the_streams_first_step(shipped):
     clips, st = 4, shipped.settings
     errors = quality.denoising_errors(shipped, clips=clips)
     # the same clips streamed: the world's frames committed, then one sampler step from the same noise
-    prompts, _, context, truth = quality._world_chunks(shipped, clips, quality.SEED)
+    prompts, _, context, truth, _ = quality._world_chunks(shipped, clips, quality.SEED)
     x0 = shipped.latent_map.encode(np.concatenate([context, truth], axis=1))
     eps = np.random.default_rng([quality.SEED, clips, 1]).standard_normal(x0.shape).astype(np.float32)
     rc = st.rollout_config(schedule=Schedule(steps=(1000,), shift=st.shift))

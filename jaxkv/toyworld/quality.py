@@ -266,11 +266,22 @@ class NextChunk(NamedTuple):
     world: np.ndarray  # float64 [chunk_frames]: the world's own chunk through the latent map (the floor)
 
 
-def _world_chunks(model: ToyModel, clips: int, seed: int):
-    """The clips `next_chunk` and `denoising_errors` read: ``clips`` random prompts' canonical scenes, each at a
-    random frame t < `NEXT_START`; returns (prompts, starts int [clips], context uint8 [clips, sink + window -
-    chunk frames, 64, 64, 3]: the sink and the window's frames before t, truth uint8 [clips, chunk_frames, ...]:
-    frames t .. t + chunk_frames - 1)."""
+class WorldChunks(NamedTuple):
+    """The clips `next_chunk` and `denoising_errors` read (`_world_chunks`)."""
+
+    prompts: list  # str [clips]
+    starts: np.ndarray  # int [clips]: the frame each clip's chunk starts at
+    context: np.ndarray  # uint8 [clips, sink + window - chunk frames, 64, 64, 3]: the sink and the window before t
+    truth: np.ndarray  # uint8 [clips, chunk_frames, 64, 64, 3]: frames t .. t + chunk_frames - 1
+    scenes: list  # world.Scene [clips]: the scene each clip shows
+
+
+def _world_chunks(model: ToyModel, clips: int, seed: int, scenes: str = "canonical") -> WorldChunks:
+    """``clips`` random prompts' scenes (each prompt's canonical scene, or with ``scenes="random"`` a random scene
+    of it, `world.sample_scene`: the prompt then says what and how fast but not where), each at a random frame
+    t < `NEXT_START`."""
+    if scenes not in ("canonical", "random"):
+        raise ValueError(f"scenes is 'canonical' or 'random', got {scenes!r}")
     st = model.settings
     cf, sink, before = st.chunk_frames, st.sink_frames, st.window_frames - st.chunk_frames
     if sink % cf or before % cf:
@@ -281,23 +292,28 @@ def _world_chunks(model: ToyModel, clips: int, seed: int):
     rng = np.random.default_rng([seed, clips])
     prompts = [world.random_prompt(rng) for _ in range(clips)]
     starts = rng.integers(sink + before, NEXT_START, clips)
-    scenes = [world.canonical_scene(p) for p in prompts]
+    if scenes == "canonical":
+        drawn = [world.canonical_scene(p) for p in prompts]
+    else:  # drawn after the prompts and starts, so both are the canonical clips' own
+        drawn = [world.sample_scene(rng, p) for p in prompts]
     context = np.stack(
         [
             np.concatenate([world.render(sc, sink), world.render(sc, before, int(t) - before)])
             if before
             else world.render(sc, sink)
-            for sc, t in zip(scenes, starts)
+            for sc, t in zip(drawn, starts)
         ]
     )
-    truth = np.stack([world.render(sc, cf, int(t)) for sc, t in zip(scenes, starts)])
-    return prompts, starts, context, truth
+    truth = np.stack([world.render(sc, cf, int(t)) for sc, t in zip(drawn, starts)])
+    return WorldChunks(prompts, starts, context, truth, drawn)
 
 
-def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) -> NextChunk:
+def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED, scenes: str = "canonical") -> NextChunk:
     """How well the model continues the world's own frames by one chunk, the step every chunk of a stream takes.
 
-    ``clips`` random prompts' canonical scenes; for each, the cache is given what a full cache holds when a stream
+    ``clips`` random prompts' canonical scenes (or random scenes of them, ``scenes="random"``: a model that
+    continues those as well as the canonical ones reads the motion from the frames, not from a memory of the
+    prompt's one scene); for each, the cache is given what a full cache holds when a stream
     makes the chunk starting at a random frame t (`NEXT_START`): the sink (the scene's first frames) and the
     window's frames before t, all committed from the world's true frames (`jaxkv.rollout.commit`); the model then
     samples the chunk t .. t + chunk_frames - 1 with its sampler. Motion is what this reads: a model that draws
@@ -307,7 +323,7 @@ def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) ->
     from jaxkv import rollout as R
 
     st = model.settings
-    prompts, starts, context, truth = _world_chunks(model, clips, seed)
+    prompts, starts, context, truth, drawn = _world_chunks(model, clips, seed, scenes)
     rc = st.rollout_config()
     negative = model.negative_context(clips, rc)
     state = R.init_state(model.params, model.config, rc, model.context(prompts), negative)
@@ -325,7 +341,9 @@ def next_chunk(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SEED) ->
     generated = np.asarray(model.latent_map.decode_uint8(out.latents))
     still = np.repeat(context[:, -1:], st.chunk_frames, axis=1)
     through_map = np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(truth)))
-    return NextChunk(*(np.median(chunk_errors(v, prompts, starts), axis=0) for v in (generated, still, through_map)))
+    return NextChunk(
+        *(np.median(chunk_errors(v, prompts, starts, drawn), axis=0) for v in (generated, still, through_map))
+    )
 
 
 class DenoisingErrors(NamedTuple):
@@ -351,7 +369,7 @@ def denoising_errors(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SE
 
     st = model.settings
     schedule = st.schedule()
-    prompts, _, context, truth = _world_chunks(model, clips, seed)
+    prompts, _, context, truth, _ = _world_chunks(model, clips, seed)
     x0 = model.latent_map.encode(np.concatenate([context, truth], axis=1))  # [clips, F, 16, 16, 16]
     eps = np.random.default_rng([seed, clips, 1]).standard_normal(x0.shape).astype(np.float32)
     text = model.context(prompts)
@@ -391,14 +409,14 @@ def denoising_errors(model: ToyModel, *, clips: int = NEXT_CLIPS, seed: int = SE
     return DenoisingErrors(sigmas, errors.astype(np.float64), still.astype(np.float64))
 
 
-def chunk_errors(chunks: np.ndarray, prompts, starts) -> np.ndarray:
+def chunk_errors(chunks: np.ndarray, prompts, starts, scenes=None) -> np.ndarray:
     """float64 [sum of the prompts' shapes, F]: for ``chunks`` uint8 [len(prompts), F, 64, 64, 3] showing frames
-    starts[i] .. starts[i] + F - 1 of each prompt's canonical scene, each named shape's distance (px) from its
-    detected centre to the world's (inf where not detected)."""
+    starts[i] .. starts[i] + F - 1 of each prompt's canonical scene (or of ``scenes[i]``, a `world.Scene`), each
+    named shape's distance (px) from its detected centre to the world's (inf where not detected)."""
     errors = []
-    for frames, prompt, start in zip(chunks, prompts, starts):
+    scenes = [world.canonical_scene(p) for p in prompts] if scenes is None else scenes
+    for frames, scene, start in zip(chunks, scenes, starts):
         detections = metric.detect(frames)
-        scene = world.canonical_scene(prompt)
         for thing, path in zip(scene.things, np.moveaxis(world.paths(scene, len(frames), int(start)), 1, 0)):
             centre = detections.centroid[:, metric.COLOUR_NAMES.index(thing.colour)]
             error = np.linalg.norm(centre - path, axis=-1)
