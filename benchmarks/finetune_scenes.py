@@ -4,6 +4,7 @@ and how fast, never where) or of its one canonical scene (``--scenes canonical``
 result as a release directory (issue 44: does the prompt stop anchoring where the default stream's shapes circle?).
 
     python benchmarks/finetune_scenes.py --out DIR [--steps 300] [--scenes random] [--release DIR] [--seed 1]
+                                         [--snapshot-every 50] [--resume]
 
 It starts from the release's weights (its DiT is stored in bfloat16 and read as float32) and the recipe its
 toyworld.json records (`TrainConfig`: the ``sf_*`` loss and settings, remat), with ``--steps`` self-forcing steps of
@@ -11,15 +12,19 @@ the recipe's stage-4 optimizer (lr ``sf_lr``, 20 warm-up steps, cosine decay to 
 and noise drawn from (``--seed``, stage 3, step) as `jaxkv.toyworld.train` draws them. The default seed, 1, is
 not release 8's, whose stage 4 drew seed 0's clips. It prints the mean loss per 10 steps and the wall time; the
 release it writes keeps the original's record ("training") and adds this run's ("finetune"), and reads with
-``python benchmarks/motion.py --release DIR`` and ``jaxkv toyworld check DIR``.
+``python benchmarks/motion.py --release DIR`` and ``jaxkv toyworld check DIR``. Like ``jaxkv toyworld train`` it
+keeps a snapshot in ``DIR.partial`` (every ``--snapshot-every`` steps and on Ctrl-C): ``--resume`` continues an
+interrupted run exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
+import shutil
 import sys
 import time
 
@@ -32,6 +37,7 @@ from jaxkv.models.release import PARTS
 from jaxkv.toyworld import clips, text
 from jaxkv.toyworld import model as toy_model
 from jaxkv.toyworld import train as T
+from jaxkv.toyworld.snapshot import load_snapshot, read_position, save_snapshot
 
 STAGE = 3  # the self-forcing stage's index in the draws of `train.train` (seed, stage, step)
 
@@ -58,8 +64,29 @@ def recipe(toy: toy_model.ToyModel, steps: int, scenes: str, seed: int) -> T.Tra
     return tc
 
 
-def finetune(release: str, out: str, steps: int, scenes: str, seed: int, *, force: bool = False, log=print) -> dict:
-    """Runs the fine-tune of the module docstring and writes the release ``out``; returns its "finetune" record."""
+def snapshot_path(out: str) -> str:
+    """Where a fine-tune writing ``out`` keeps its snapshot (as `jaxkv.toyworld.train` does: ``out.partial``)."""
+    return os.path.abspath(out) + ".partial"
+
+
+def finetune(
+    release: str,
+    out: str,
+    steps: int,
+    scenes: str,
+    seed: int,
+    *,
+    force: bool = False,
+    resume: bool = False,
+    snapshot_every: int = 50,
+    log=print,
+) -> dict:
+    """Runs the fine-tune of the module docstring and writes the release ``out``; returns its "finetune" record.
+
+    Every ``snapshot_every`` steps and on Ctrl-C it writes params, optimizer state and losses to `snapshot_path`
+    (`jaxkv.toyworld.snapshot`); ``resume`` continues from there, bit for bit as the uninterrupted run, after
+    checking that the snapshot is this fine-tune's (release, steps, scenes, seed). The snapshot goes once the
+    release is written."""
     toy = toy_model.load(release)
     tc = recipe(toy, steps, scenes, seed)
     config, text_params, _ = umt5.load(os.path.join(release, PARTS["umt5"]), dtype=jnp.float32)
@@ -69,24 +96,54 @@ def finetune(release: str, out: str, steps: int, scenes: str, seed: int, *, forc
     name, _, size, after_sink, loss_fn, optimizer = T.stage_table(tc, toy.settings, toy.latent_map)[2]
     step_fn = T._step_fn(loss_fn, optimizer)
     opt_state = optimizer.init(params)
-    tokenizer, key = text.tokenizer(), jax.random.key(seed)
-    losses, started, first_done = [], time.perf_counter(), None
-    for step in range(steps):
-        batch, key_step = T.step_inputs(
-            toy.latent_map, tokenizer, toy.settings, tc, seed, STAGE, step, size, after_sink, key
-        )
-        params, opt_state, loss = step_fn(params, opt_state, batch, key_step)
-        losses.append(float(loss))  # waits for the step
-        if first_done is None:
-            first_done = time.perf_counter()  # the first step includes compiling it
-        if (step + 1) % 10 == 0 or step + 1 == steps:
-            first = 10 * (step // 10)
-            log(
-                f"{name} ({scenes} scenes) steps {first + 1}-{step + 1} of {steps}: mean loss "
-                f"{np.mean(losses[first:]):.4f}, {time.perf_counter() - started:.0f} s"
+    snapshot, origin = snapshot_path(out), {"finetune_from": os.path.abspath(release)}
+    first, losses, before = 0, [], 0.0
+    if resume:
+        if not os.path.isdir(snapshot):
+            raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
+        position = read_position(snapshot)
+        mine = json.loads(json.dumps(dataclasses.asdict(tc)))  # as position.json holds it (tuples as lists)
+        if position.get("finetune_from") != origin["finetune_from"] or position.get("train_config") != mine:
+            raise ValueError(
+                f"--resume: the snapshot at {snapshot} is another fine-tune's (from "
+                f"{position.get('finetune_from')!r}); resume with the --release, --steps, --scenes and --seed it "
+                "was started with"
             )
-    seconds = time.perf_counter() - started
-    per_step = (time.perf_counter() - first_done) / (steps - 1) if steps > 1 else None
+        position, (params, opt_state) = load_snapshot(snapshot, (params, opt_state))
+        first, losses, before = position["step"], position["losses"], position["seconds"]
+    elif os.path.exists(snapshot):
+        raise FileExistsError(f"{snapshot} holds an interrupted fine-tune: pass --resume, or delete it to start over")
+    tokenizer, key = text.tokenizer(), jax.random.key(seed)
+    started, first_done, done = time.perf_counter(), None, first
+
+    def seconds():
+        return before + time.perf_counter() - started
+
+    try:
+        for step in range(first, steps):
+            batch, key_step = T.step_inputs(
+                toy.latent_map, tokenizer, toy.settings, tc, seed, STAGE, step, size, after_sink, key
+            )
+            params, opt_state, loss = step_fn(params, opt_state, batch, key_step)
+            losses.append(float(loss))  # waits for the step
+            done = step + 1
+            if first_done is None:
+                first_done = (time.perf_counter(), done)  # the first step includes compiling it
+            if done % 10 == 0 or done == steps:
+                tens = 10 * (step // 10)
+                log(
+                    f"{name} ({scenes} scenes) steps {tens + 1}-{done} of {steps}: mean loss "
+                    f"{np.mean(losses[tens:]):.4f}, {seconds():.0f} s"
+                )
+            if done % snapshot_every == 0 and done < steps:
+                save_snapshot(snapshot, STAGE, done, params, opt_state, losses, [], (seconds(), seconds()), tc, origin)
+    except KeyboardInterrupt:
+        save_snapshot(snapshot, STAGE, done, params, opt_state, losses[:done], [], (seconds(), seconds()), tc, origin)
+        log(f"interrupted: snapshot at step {done} in {snapshot}; continue with --resume")
+        raise
+    total = seconds()
+    timed = None if first_done is None else steps - first_done[1]  # steps after this process's first
+    per_step = (time.perf_counter() - first_done[0]) / timed if timed else None
     record = {
         "from": os.path.abspath(release),
         "command": "python benchmarks/finetune_scenes.py " + " ".join(sys.argv[1:]),
@@ -95,7 +152,7 @@ def finetune(release: str, out: str, steps: int, scenes: str, seed: int, *, forc
         "scenes": scenes,
         "seed": seed,
         "train_config": dataclasses.asdict(tc),
-        "seconds": round(seconds, 1),
+        "seconds": round(total, 1),
         "seconds_per_step_after_the_first": None if per_step is None else round(per_step, 2),
         "loss_per_10_steps": [round(float(np.mean(losses[i : i + 10])), 5) for i in range(0, steps, 10)],
         "jax_version": jax.__version__,
@@ -105,6 +162,7 @@ def finetune(release: str, out: str, steps: int, scenes: str, seed: int, *, forc
     toy_model.save(
         out, params["dit"], params["text"], toy.latent_map, toy.settings, info, config=toy.config, force=force
     )
+    shutil.rmtree(snapshot, ignore_errors=True)  # the release holds everything it held
     return record
 
 
@@ -116,9 +174,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of the clips and the noise (default 1)")
     ap.add_argument("--release", default=toy_model.RELEASE_DIR, help="the release to start from (default: shipped)")
     ap.add_argument("--overwrite", action="store_true", help="replace DIR if it is a toy-world release")
+    ap.add_argument("--resume", action="store_true", help="continue the interrupted run from DIR.partial")
+    ap.add_argument("--snapshot-every", type=int, default=50, help="steps between snapshots (default 50)")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.seed < 0:
-        print("finetune_scenes: --steps must be >= 1 and --seed >= 0", file=sys.stderr)
+    if args.steps < 1 or args.seed < 0 or args.snapshot_every < 1:
+        print("finetune_scenes: --steps and --snapshot-every must be >= 1 and --seed >= 0", file=sys.stderr)
         return 2
     if os.path.exists(args.out) and not args.overwrite:
         print(f"finetune_scenes: {args.out} exists; pass --overwrite to replace a toy-world release", file=sys.stderr)
@@ -127,8 +187,19 @@ def main(argv=None) -> int:
         print("finetune_scenes: --out must not be the --release it starts from", file=sys.stderr)
         return 2
     try:
-        record = finetune(args.release, args.out, args.steps, args.scenes, args.seed, force=args.overwrite)
-    except (FileNotFoundError, ValueError) as e:
+        record = finetune(
+            args.release,
+            args.out,
+            args.steps,
+            args.scenes,
+            args.seed,
+            force=args.overwrite,
+            resume=args.resume,
+            snapshot_every=args.snapshot_every,
+        )
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"finetune_scenes: {e}", file=sys.stderr)
         return 2
     print(

@@ -60,7 +60,11 @@ def test_finetune_refuses_bad_arguments_before_writing_anything(tmp_path, capsys
     bench = load_benchmark("finetune_scenes")
     out = tmp_path / "out"
     assert bench.main(["--out", str(out), "--steps", "0"]) == 2
-    assert "--steps must be >= 1" in capsys.readouterr().err
+    assert "--steps and --snapshot-every must be >= 1" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--snapshot-every", "0"]) == 2
+    assert "--snapshot-every must be >= 1" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--resume"]) == 2  # nothing to resume
+    assert "no snapshot at" in capsys.readouterr().err
     assert bench.main(["--out", str(tmp_path), "--steps", "1"]) == 2  # exists
     assert "exists; pass --overwrite" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--release", str(out), "--overwrite"]) == 2
@@ -70,3 +74,41 @@ def test_finetune_refuses_bad_arguments_before_writing_anything(tmp_path, capsys
     with pytest.raises(SystemExit):
         bench.main(["--out", str(out), "--scenes", "sampled"])
     assert not out.exists()
+
+
+@pytest.mark.slow  # three compilations of a (small) self-forcing step
+def test_an_interrupted_finetune_resumes_from_its_snapshot_to_the_same_release(small_release, tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    from jaxkv.toyworld import model as TM
+
+    bench = load_benchmark("finetune_scenes")
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    quiet = dict(snapshot_every=1, log=lambda *_: None)
+    bench.finetune(small_release, whole, 3, "random", 1, **quiet)
+    assert not os.path.exists(bench.snapshot_path(whole))  # gone once the release is written
+
+    draw = bench.T.step_inputs
+
+    def interrupted(*args):
+        if args[6] == 2:  # the step index: Ctrl-C once two steps are done
+            raise KeyboardInterrupt
+        return draw(*args)
+
+    monkeypatch.setattr(bench.T, "step_inputs", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.finetune(small_release, cut, 3, "random", 1, **quiet)
+    monkeypatch.setattr(bench.T, "step_inputs", draw)
+    snapshot = bench.snapshot_path(cut)
+    assert not os.path.exists(cut) and bench.read_position(snapshot)["step"] == 2
+    with pytest.raises(FileExistsError, match="--resume"):  # never started over on top of it
+        bench.finetune(small_release, cut, 3, "random", 1, **quiet)
+    with pytest.raises(ValueError, match="another fine-tune"):
+        bench.finetune(small_release, cut, 3, "random", 2, resume=True, **quiet)
+    assert bench.read_position(snapshot)["step"] == 2  # refused before anything changed
+    bench.finetune(small_release, cut, 3, "random", 1, resume=True, **quiet)
+    assert not os.path.exists(snapshot)
+    a, b = (load_file(os.path.join(d, "dit", "params.safetensors")) for d in (whole, cut))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    losses = [TM.load(d).info["finetune"]["loss_per_10_steps"] for d in (whole, cut)]
+    assert losses[0] == losses[1]

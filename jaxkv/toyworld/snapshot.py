@@ -25,10 +25,12 @@ def save_snapshot(
     done: list,
     seconds: tuple[float, float],
     tc,
+    extra: dict | None = None,
 ) -> None:
     """params + optimizer state + position, atomically (a Ctrl-C while writing keeps the previous snapshot).
     ``seconds``: (the run's, the stage's) training time so far, so a resumed run records the whole of it; ``tc``
-    the run's `jaxkv.toyworld.train.TrainConfig`, which a resumed run must repeat."""
+    the run's `jaxkv.toyworld.train.TrainConfig`, which a resumed run must repeat; ``extra``: more of what a
+    resumed run must repeat (JSON), kept in position.json beside the rest."""
     from safetensors.numpy import save_file
 
     leaves = jax.tree.leaves((params, opt_state))
@@ -45,6 +47,7 @@ def save_snapshot(
                 "seconds": round(seconds[0], 1),
                 "stage_seconds": round(seconds[1], 1),
                 "train_config": dataclasses.asdict(tc),
+                **(extra or {}),
             },
             f,
         )
