@@ -310,3 +310,23 @@ def load_vae(args, vae_config) -> dict:
 
 # The embedded default's random VAE (it only has to show the full path; its pictures mean nothing).
 DEFAULT_VAE_SEED = 0
+
+
+def source_paths(args, entries=None) -> list[str]:
+    """Every file or directory the run reads (its release, checkpoint, contexts, VAE, text encoder, embeddings
+    cache, prompt schedule and the contexts it names, session, given image / video): what ``--out`` must not
+    overwrite or hold (`jaxkv.generate.outputs.prepare_output_dir`)."""
+    flags = (
+        args.release,
+        args.checkpoint,
+        args.context,
+        args.negative_context,
+        args.vae,
+        args.text_encoder,
+        args.embeddings_cache,
+        args.prompt_schedule,
+        args.resume,
+    )
+    paths = [p for p in flags if p]
+    paths += [e.context for e in entries or () if e.context]
+    return paths + [p for p in (args.image, args.video) if p]

@@ -108,6 +108,46 @@ def _stream(args, params, config, rc, session, context, negative, *, history: bo
     )
 
 
+def _open_outputs(args, sources, chunk_shape, stream, decoder, vae_config, vae_params):
+    """(the output directory's `outputs.OutputDir`, its `Mp4Sink` or None): the latents, the preview and the
+    mp4 (decoded by ``decoder``, the toy model's, or a Wan VAE's built here from ``vae_config``), the directory
+    locked for the whole run (another run refuses it, even with --overwrite: `outputs.claim_output_dir`). In a
+    multi-process job only process 0 writes: the others get a `processes.Quiet` and no video."""
+    if not PJ.lead():
+        return PJ.Quiet(), None
+    lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
+    try:
+        sinks = [
+            outputs.LatentsSink(lock.path, args.format),
+            PreviewSink(os.path.join(lock.path, "preview.png"), args.preview_frames, args.preview_scale),
+        ]
+        if vae_config is not None:
+            from jaxkv.models.wan_vae import StreamDecoder
+
+            decoder = StreamDecoder(
+                vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
+            )
+        video = None
+        if decoder is not None:
+            video = Mp4Sink(
+                lock.path, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames, stream=stream
+            )
+            sinks.append(video)
+        files = outputs.OutputDir(lock.path, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
+        return files, video
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _non_finite(index: int, x: np.ndarray) -> str:
+    """Why a run stopped at chunk ``index``, whose latents ``x`` are not all finite."""
+    count = int((~np.isfinite(x)).sum())
+    if index:
+        return f"chunk {index} holds NaN/Inf latents ({count} values); stopped, chunks 0..{index - 1} are written"
+    return f"chunk 0 holds NaN/Inf latents ({count} values); stopped before writing any chunk"
+
+
 def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     """Runs ``jaxkv generate`` for resolved settings (`jaxkv.generate.settings`; a Namespace parsed by
     `options.build_parser` is resolved first); returns the summary dict (as written to summary.json; ``"status"``
@@ -132,47 +172,14 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
     if toy_dir and entries:
         toy.check_schedule(entries)
     decoder = toy.frame_decoder(toy_dir) if toy_dir and not args.no_video else None  # a Wan VAE's: below
-    sources = [
-        p
-        for p in (
-            args.release,
-            args.checkpoint,
-            args.context,
-            args.negative_context,
-            args.vae,
-            args.text_encoder,
-            args.embeddings_cache,
-            args.prompt_schedule,
-            args.resume,
-        )
-        if p
-    ]
-    sources += [e.context for e in entries or () if e.context]
-    sources += [p for p in (args.image, args.video) if p]
+    sources = inputs.source_paths(args, entries)
     outputs.prepare_output_dir(args.out, overwrite=args.overwrite, create=False, sources=sources)
     resume.check_save_state(args, sources)
     mesh = _mesh(args, config, rc)
-    session = None
-    switches = {}  # chunk of this run -> (the schedule entry, its context): where the stream switches prompts
-    drawing = resume.text_of(args, resumed)  # the text the next chunk is drawn under (recorded in a saved session)
-    if resumed is None and entries is not None:
-        drawing = prompts.entry_text(entries[0])
-    if resumed is not None:  # the session holds the cross-attention K/V: only a schedule's texts are encoded
-        session = resume.load(args, config, rc, schedule=entries is not None, mesh=mesh)
-        context, negative, text_info = None, None, {}
-        if entries is not None:  # the schedule counts this run's chunks; its chunk-0 entry switches unless current
-            scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
-            switches = {
-                e.chunk: (e, jnp.asarray(c))
-                for e, c in zip(entries, scheduled)
-                if e.chunk > 0 or prompts.entry_text(e) != drawing
-            }
-    elif entries is None:
-        context, negative, text_info = inputs.contexts(args, config)  # encodes --prompt (after the cheap checks)
-    else:
-        scheduled, negative, text_info = prompts.schedule_contexts(args, config, entries)
-        context = scheduled[0]
-        switches = {e.chunk: (e, jnp.asarray(c)) for e, c in zip(entries[1:], scheduled[1:])}
+    # a resumed session holds the cross-attention K/V: only a schedule's texts are encoded
+    session = None if resumed is None else resume.load(args, config, rc, schedule=entries is not None, mesh=mesh)
+    texts = prompts.starting_texts(args, config, entries, resume.text_of(args, resumed), resumed=resumed is not None)
+    context, negative, text_info, switches, drawing = texts
     params = inputs.load_params(args, config) if mesh is None else inputs.load_mesh_params(args, config, mesh)
     vae_params = None if vae_config is None else inputs.load_vae(args, vae_config)
     if stop.signum is not None:
@@ -200,34 +207,10 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
         return next(stream)
 
     chunk_shape = rc.chunk_shape(config, args.batch)
-    video, files = None, PJ.Quiet()  # a multi-process job: process 0 alone writes the outputs
     PJ.meet("loading the inputs")  # every process loaded its inputs (else none opens anything)
     with PJ.together("opening the outputs"):
-        if PJ.lead():
-            # Locked for the whole run: another run refuses it, even with --overwrite (`outputs.claim_output_dir`).
-            lock = outputs.claim_output_dir(args.out, overwrite=args.overwrite, sources=sources)
-            out = lock.path
-            try:
-                sinks = [
-                    outputs.LatentsSink(out, args.format),
-                    PreviewSink(os.path.join(out, "preview.png"), args.preview_frames, args.preview_scale),
-                ]
-                if vae_config is not None:
-                    from jaxkv.models.wan_vae import StreamDecoder
-
-                    decoder = StreamDecoder(
-                        vae_params, vae_config, latent_height=args.height, latent_width=args.width, batch=args.batch
-                    )
-                if decoder is not None:
-                    video = Mp4Sink(
-                        out, decoder, batch=args.batch, fps=args.fps_or_default, frames=args.frames, stream=stream
-                    )
-                    sinks.append(video)
-                files = outputs.OutputDir(out, sinks, chunk_shape=chunk_shape, latents_format=args.format, lock=lock)
-            except BaseException:
-                lock.release()
-                raise
-
+        # a multi-process job: process 0 alone writes the outputs
+        files, video = _open_outputs(args, sources, chunk_shape, stream, decoder, vae_config, vae_params)
     summary = report.start(args, config, source, schedule, rc, mesh, stream, toy_dir, text_info, session is not None)
     if given_info is not None:
         summary["given"] = given_info
@@ -263,14 +246,7 @@ def run(args: Settings | argparse.Namespace, stop: Stop | None = None) -> dict:
                 latency, start = now - start, now
                 timing.add(latency, device_s, now)
                 if not finite:
-                    status = "failed"
-                    reason = (
-                        f"chunk {index} holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); "
-                        f"stopped, chunks 0..{index - 1} are written"
-                        if index
-                        else f"chunk 0 holds NaN/Inf latents ({int((~np.isfinite(x)).sum())} values); stopped "
-                        f"before writing any chunk"
-                    )
+                    status, reason = "failed", _non_finite(index, x)
                     break
                 PJ.agree_chunk(files, index, x, stop)  # and a stop heard anywhere
                 if progress is not None:

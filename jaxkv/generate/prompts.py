@@ -25,6 +25,7 @@ import json
 import os
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.generate import inputs
@@ -124,3 +125,33 @@ def schedule_contexts(args, config, entries: list[Entry]) -> tuple[list[np.ndarr
     ]
     batched = [np.broadcast_to(c, (args.batch, *c.shape)) for c in contexts]
     return batched, None if negative is None else np.broadcast_to(negative, (args.batch, *negative.shape)), info
+
+
+class Texts(NamedTuple):
+    """What a run draws its chunks under (`starting_texts`)."""
+
+    context: np.ndarray | None  # the first chunk's text context; None: a resumed session holds its cross K/V
+    negative: np.ndarray | None  # the negative context (guidance), or None
+    info: dict  # how the texts were made (the summary's)
+    switches: dict  # chunk of this run -> (the schedule entry, its context as a jax array): where the stream switches
+    drawing: dict | None  # the text the next chunk is drawn under (recorded in a saved session)
+
+
+def starting_texts(args, config, entries: list[Entry] | None, drawing: dict | None, *, resumed: bool) -> Texts:
+    """The contexts a run starts from and the switches its schedule makes, ``drawing`` being what a resumed
+    session was drawing (`jaxkv.generate.resume.text_of`). A resumed run encodes only its schedule's texts (the
+    session holds the cross-attention K/V), and its chunk-0 entry switches only if it differs from ``drawing``;
+    a fresh run starts from --prompt / --context, or from the schedule's first entry."""
+    if entries is None:
+        if resumed:
+            return Texts(None, None, {}, {}, drawing)
+        context, negative, info = inputs.contexts(args, config)  # encodes --prompt (after the cheap checks)
+        return Texts(context, negative, info, {}, drawing)
+    scheduled, negative, info = schedule_contexts(args, config, entries)
+    if resumed:  # the schedule counts this run's chunks
+        switches = {
+            e.chunk: (e, jnp.asarray(c)) for e, c in zip(entries, scheduled) if e.chunk > 0 or entry_text(e) != drawing
+        }
+        return Texts(None, negative, info, switches, drawing)
+    switches = {e.chunk: (e, jnp.asarray(c)) for e, c in zip(entries[1:], scheduled[1:])}
+    return Texts(scheduled[0], negative, info, switches, entry_text(entries[0]))
