@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from jaxkv.generate.options import parse_steps
 from jaxkv.toyworld import metric, quality, sample, world
 from jaxkv.toyworld import model as toy_model
 
@@ -130,19 +131,19 @@ def main(argv=None) -> int:
     ap.add_argument("--release", default=toy_model.RELEASE_DIR, help="a toy-world release (default: the shipped one)")
     ap.add_argument(
         "--sampler-steps",
+        type=parse_steps,
         help="the sampler's timesteps, comma-separated, first step first (default: the release's own)",
     )
     ap.add_argument("--json", help="write the rows and the settings here")
     args = ap.parse_args(argv)
     model = toy_model.load(args.release)
     if args.sampler_steps is not None:
+        settings = dataclasses.replace(model.settings, steps=args.sampler_steps)
         try:
-            steps = tuple(int(v) for v in args.sampler_steps.split(","))
-        except ValueError:
-            ap.error(f"--sampler-steps takes integers separated by commas, got {args.sampler_steps!r}")
-        if not (steps and steps[0] <= 1000 and steps[-1] > 0 and all(b < a for a, b in zip(steps, steps[1:]))):
-            ap.error(f"--sampler-steps must fall from at most 1000 to above 0, got {args.sampler_steps!r}")
-        model = dataclasses.replace(model, settings=dataclasses.replace(model.settings, steps=steps))
+            settings.schedule()  # checks the steps as every schedule's are checked
+        except ValueError as e:
+            ap.error(f"--sampler-steps: {e}")
+        model = dataclasses.replace(model, settings=settings)
     st = model.settings
     if args.frames % st.chunk_frames or args.frames < metric.TRAVEL_FRAMES:
         ap.error(f"--frames must be whole {st.chunk_frames}-frame chunks and at least {metric.TRAVEL_FRAMES}")

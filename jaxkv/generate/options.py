@@ -40,7 +40,8 @@ class UsageError(ValueError):
     """A bad command-line argument or input file: reported as one line, exit code 2."""
 
 
-def _parse_steps(text: str) -> tuple[int, ...]:
+def parse_steps(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated denoising steps ("1000,750,500,250"), as --steps takes them."""
     try:
         steps = tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
@@ -254,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("sampler", toy_note)
     s.add_argument(
         "--steps",
-        type=_parse_steps,
-        default=_parse_steps(d["steps"]),
+        type=parse_steps,
+        default=parse_steps(d["steps"]),
         help="denoising steps on the 1000-step grid, comma-separated",
     )
     s.add_argument("--shift", type=float, default=d["shift"], help="flow-matching shift")
