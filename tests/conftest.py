@@ -7,19 +7,38 @@ same tolerances hold on every platform. Nothing changes on CPU, which computes f
 
 The marker is the declaration; a test still calls ``pytest.importorskip`` before importing, but a forgotten guard
 can no longer turn a missing optional dependency into a failure of the README's test command.
+
+CI runs the suite in two environments (``.ci/run``): the first pass records the node ids of the tests that passed
+(``--record-passed FILE``) and the second, with torch and the browser, leaves those out (``--skip-recorded FILE``),
+so each test runs once, in the first environment that can run it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import pathlib
 
 import pytest
 
 _OPTIONAL = ("torch", "diffusers", "transformers")
+_record_passed_to: str | None = None  # --record-passed FILE; the report hook has no config to read it from
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("jaxkv", "jaxkv's CI passes")
+    group.addoption("--record-passed", metavar="FILE", help="write the node id of each test that passes to FILE")
+    group.addoption(
+        "--skip-recorded", metavar="FILE", help="deselect the tests whose node ids FILE lists (one per line)"
+    )
 
 
 def pytest_configure(config):
     import jax
+
+    global _record_passed_to
+    _record_passed_to = config.getoption("--record-passed")
+    if _record_passed_to:
+        pathlib.Path(_record_passed_to).write_text("")  # this run's passes only, however often FILE is reused
 
     if jax.default_backend() == "gpu":
         jax.config.update("jax_default_matmul_precision", "highest")
@@ -27,6 +46,19 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     import jax
+
+    recorded = config.getoption("--skip-recorded")
+    if recorded is not None:
+        try:
+            passed = set(pathlib.Path(recorded).read_text().splitlines())
+        except FileNotFoundError:
+            raise pytest.UsageError(
+                f"--skip-recorded: no such file {recorded!r} (written by --record-passed)"
+            ) from None
+        deselected = [item for item in items if item.nodeid in passed]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item.nodeid not in passed]
 
     if jax.default_backend() != "gpu":
         skip_gpu = pytest.mark.skip(reason="needs a GPU (run with a CUDA jaxlib: python -m pytest -m gpu)")
@@ -39,6 +71,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "torch" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    # an xfail that passes unexpectedly is not a pass to leave out of the next run
+    if _record_passed_to and report.when == "call" and report.passed and not hasattr(report, "wasxfail"):
+        with open(_record_passed_to, "a") as f:
+            f.write(report.nodeid + "\n")
 
 
 @pytest.fixture(autouse=True, scope="module")
