@@ -36,7 +36,8 @@ def pytest_configure(config):
     import jax
 
     global _record_passed_to
-    _record_passed_to = config.getoption("--record-passed")
+    # under pytest-xdist the controller sees every worker's reports: it alone writes
+    _record_passed_to = None if hasattr(config, "workerinput") else config.getoption("--record-passed")
     if _record_passed_to:
         pathlib.Path(_record_passed_to).write_text("")  # this run's passes only, however often FILE is reused
 

@@ -22,7 +22,7 @@ def test_readme_opens_with_the_two_commands():
     text = README.read_text()
     first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
     commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
-    assert commands == ["pip install -e . && jaxkv generate", "pip install -e '.[test]' && python -m pytest -q"]
+    assert commands == ["pip install -e . && jaxkv generate", "pip install -e '.[test]' && python -m pytest -q -n 2"]
 
 
 def test_cache_example_runs_and_streams_past_the_window():

@@ -17,6 +17,7 @@
     paused: false,
     queue: [], // frames received, in order: {chunk, prompt, last, bitmap}
     pending: null, // the chunk header whose frames are arriving
+    stopping: false, // stop was sent: frames still on their way belong to that stream and are dropped unshown
     framesShown: 0,
     chunksShown: 0,
     lastChunkShown: -1,
@@ -114,6 +115,7 @@
         state.session = m;
         state.queue = [];
         state.pending = null;
+        state.stopping = false;
         state.switches = m.switches.slice();
         state.paused = false;
         $("pause").textContent = "Pause";
@@ -132,6 +134,7 @@
         break;
       }
       case "chunk": {
+        if (state.stopping) break; // its frames find no header and are dropped
         state.pending = Object.assign({ received: 0 }, m);
         if (m.step_ms > 0) $("fps-generated").textContent = ((1000 * m.frames) / m.step_ms).toFixed(1);
         break;
@@ -164,7 +167,8 @@
         break;
       }
       case "stopped":
-        state.queue = []; // the user stopped the stream: frames not yet shown are dropped (and never acknowledged)
+        state.stopping = false;
+        state.queue = []; // frames of the stopped stream are never shown (nor acknowledged)
         state.pending = null;
       // falls through
       case "ended":
@@ -247,7 +251,14 @@
   $("pause").onclick = () => send({ type: state.paused ? "play" : "pause" });
   $("save").onclick = () => send({ type: "save" });
   $("fork").onclick = () => send({ type: "fork" });
-  $("stop").onclick = () => send({ type: "stop" });
+  // Frames not yet shown are dropped at once and never acknowledged: an ack sent after the stop would reach a
+  // server with no stream (a no_session error), or the next stream.
+  $("stop").onclick = () => {
+    state.stopping = true;
+    state.queue = [];
+    state.pending = null;
+    send({ type: "stop" });
+  };
   $("resume").onclick = () => {
     if ($("saved").value) send({ type: "start", resume: $("saved").value });
   };
