@@ -9,27 +9,21 @@ The marker is the declaration; a test still calls ``pytest.importorskip`` before
 can no longer turn a missing optional dependency into a failure of the README's test command.
 
 CI runs the suite in two environments (``.ci/run``): the first pass records the node ids of the tests that passed
-(``--record-passed FILE``) and the second, with torch and the browser, leaves those out (``--skip-recorded FILE``),
-so each test runs once, in the first environment that can run it.
+(``JAXKV_RECORD_PASSED=FILE``) and the second, with torch and the browser, leaves those out
+(``JAXKV_SKIP_RECORDED=FILE``), so each test runs once, in the first environment that can run it. (Environment
+variables rather than options: pytest-xdist's workers do not see options added by a conftest below the root.)
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 
 import pytest
 
 _OPTIONAL = ("torch", "diffusers", "transformers")
-_record_passed_to: str | None = None  # --record-passed FILE; the report hook has no config to read it from
-
-
-def pytest_addoption(parser):
-    group = parser.getgroup("jaxkv", "jaxkv's CI passes")
-    group.addoption("--record-passed", metavar="FILE", help="write the node id of each test that passes to FILE")
-    group.addoption(
-        "--skip-recorded", metavar="FILE", help="deselect the tests whose node ids FILE lists (one per line)"
-    )
+_record_passed_to: str | None = None  # JAXKV_RECORD_PASSED, in the controller only (see pytest_configure)
 
 
 def pytest_configure(config):
@@ -37,7 +31,7 @@ def pytest_configure(config):
 
     global _record_passed_to
     # under pytest-xdist the controller sees every worker's reports: it alone writes
-    _record_passed_to = None if hasattr(config, "workerinput") else config.getoption("--record-passed")
+    _record_passed_to = None if hasattr(config, "workerinput") else os.environ.get("JAXKV_RECORD_PASSED")
     if _record_passed_to:
         pathlib.Path(_record_passed_to).write_text("")  # this run's passes only, however often FILE is reused
 
@@ -48,14 +42,12 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     import jax
 
-    recorded = config.getoption("--skip-recorded")
-    if recorded is not None:
+    recorded = os.environ.get("JAXKV_SKIP_RECORDED")
+    if recorded:
         try:
             passed = set(pathlib.Path(recorded).read_text().splitlines())
         except FileNotFoundError:
-            raise pytest.UsageError(
-                f"--skip-recorded: no such file {recorded!r} (written by --record-passed)"
-            ) from None
+            raise pytest.UsageError(f"JAXKV_SKIP_RECORDED: no such file {recorded!r}") from None
         deselected = [item for item in items if item.nodeid in passed]
         if deselected:
             config.hook.pytest_deselected(items=deselected)

@@ -30,7 +30,9 @@ def test_the_gpu_kernel_module_is_marked_gpu():
 
 
 def test_a_second_pass_leaves_out_what_the_first_passed(tmp_path):
-    """CI's two passes (.ci/run): --record-passed writes the node ids that passed, --skip-recorded deselects them."""
+    """CI's two passes (.ci/run): JAXKV_RECORD_PASSED=FILE writes the node ids that passed, JAXKV_SKIP_RECORDED=FILE
+    deselects them, in one process or on pytest-xdist's workers."""
+    import os
     import subprocess
     import sys
 
@@ -38,20 +40,20 @@ def test_a_second_pass_leaves_out_what_the_first_passed(tmp_path):
     second = "tests/test_markers.py::test_the_gpu_kernel_module_is_marked_gpu"
     passed = tmp_path / "passed.txt"
     passed.write_text("stale line from an earlier run\n")
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", *args],
-        cwd=TESTS.parent,
-        capture_output=True,
-        text=True,
-    )
-    one = run("--record-passed", str(passed), first)
+
+    def run(env: dict, *args):
+        env = {**os.environ, "JAXKV_RECORD_PASSED": "", "JAXKV_SKIP_RECORDED": "", **env}
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *args]
+        return subprocess.run(command, cwd=TESTS.parent, env=env, capture_output=True, text=True)
+
+    one = run({"JAXKV_RECORD_PASSED": str(passed)}, "-n", "2", first)
     assert one.returncode == 0, one.stdout + one.stderr
     assert passed.read_text().splitlines() == [first]
 
-    two = run("--skip-recorded", str(passed), first, second)
+    two = run({"JAXKV_SKIP_RECORDED": str(passed)}, "-n", "2", first, second)
     assert two.returncode == 0, two.stdout + two.stderr
-    assert f"{second} PASSED" in two.stdout and f"{first} PASSED" not in two.stdout
-    assert "1 passed, 1 deselected" in two.stdout
+    assert f"PASSED {second}" in two.stdout and f"PASSED {first}" not in two.stdout
+    assert " 1 passed" in two.stdout.splitlines()[-1]  # (xdist's controller does not count workers' deselections)
 
-    missing = run("--skip-recorded", str(tmp_path / "absent.txt"), second)
-    assert missing.returncode == 4 and "--skip-recorded: no such file" in missing.stderr
+    missing = run({"JAXKV_SKIP_RECORDED": str(tmp_path / "absent.txt")}, second)
+    assert missing.returncode == 4 and "JAXKV_SKIP_RECORDED: no such file" in missing.stderr
