@@ -39,8 +39,27 @@ def pytest_configure(config):
         jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# With -n 2 (pytest-xdist, --dist loadfile) whole modules are handed to the workers in collection order: the
+# heaviest start first, so the two workers finish together rather than one running a heavy module alone at the end.
+# Measured with a serial `python -m pytest -m "slow or torch" --durations=0` on 2 cores (4,087 s in all): these took
+# 433, 340, 330, 223, 189, 157, 153 and 144 s. Every other module keeps its place.
+_HEAVY_FIRST = (
+    "test_parallel.py",
+    "test_toyworld_quality.py",
+    "test_toyworld_model.py",
+    "test_train_step_benchmark.py",
+    "test_rollout.py",
+    "test_gpu_check.py",
+    "test_toyworld_scenes.py",
+    "test_finetune_scenes_benchmark.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     import jax
+
+    first = {name: rank for rank, name in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: order within a module is kept
 
     recorded = os.environ.get("JAXKV_SKIP_RECORDED")
     if recorded:
