@@ -67,10 +67,10 @@ def pytest_collection_modifyitems(config, items):
             passed = set(pathlib.Path(recorded).read_text().splitlines())
         except FileNotFoundError:
             raise pytest.UsageError(f"JAXKV_SKIP_RECORDED: no such file {recorded!r}") from None
-        deselected = [item for item in items if item.nodeid in passed]
-        if deselected:
-            config.hook.pytest_deselected(items=deselected)
-            items[:] = [item for item in items if item.nodeid not in passed]
+        kept = [item for item in items if item.nodeid not in passed]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item.nodeid in passed])
+            items[:] = kept
 
     if jax.default_backend() != "gpu":
         skip_gpu = pytest.mark.skip(reason="needs a GPU (run with a CUDA jaxlib: python -m pytest -m gpu)")
