@@ -180,7 +180,7 @@ OLD_RANDOM = {
     ),
     **dict.fromkeys(("image", "mesh", "negative_context", "negative_prompt", "prompt", "prompt_schedule"), None),
     **dict.fromkeys(("release", "resume", "save_state", "switch_sink", "text_encoder", "vae", "video"), None),
-    **dict.fromkeys(("coordinator", "num_processes", "process_id"), None),  # the multi-process flags (new)
+    **dict.fromkeys(("coordinator", "num_processes", "process_id", "heartbeat_timeout"), None),  # multi-process flags
     **dict.fromkeys(("no_progress", "no_video", "offload_text_encoder", "overwrite"), False),
     **dict(batch=1, chunk_frames=3, context_noise=0.0, dilated_every=0, format="npy", height=16, num_chunks=200),
     **dict(out="jaxkv_out", policy="ring", precision="float32", preset="tiny", preview_frames=12, preview_scale=4),

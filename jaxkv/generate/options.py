@@ -360,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument(
         "--process-id", type=_non_negative, metavar="I", help="this process's index, 0..N-1 (with --coordinator)"
     )
+    j.add_argument(
+        "--heartbeat-timeout",
+        type=_positive,
+        metavar="SECONDS",
+        help="how long the job waits for a process that stopped answering (killed, its machine lost) before "
+        "ending every process (with --coordinator; default JAX's, 100)",
+    )
     return p
 
 

@@ -16,7 +16,7 @@ between two points is carried to the next point (`join_after_failure` from ``mai
 every process raises (that one its own error, the others `ProcessFailed` naming it), so none hangs and process 0's
 files say "failed". A stop signal is acted on only where every process agrees on it (`defer_signals`): at the next
 chunk every process stops alike. A process killed outright leaves the others blocked in a collective until JAX's
-coordination service notices (its heartbeat timeout, 100 s by default) and ends them.
+coordination service notices (its heartbeat timeout: 100 s by default, ``--heartbeat-timeout``) and ends them.
 """
 
 from __future__ import annotations
@@ -69,9 +69,13 @@ def join(flags: Mapping[str, Any]) -> None:
     _job.passed.clear()  # a new run (in a job joined by an earlier run of this process too)
     _job.over = False
     coordinator, count, index = (flags.get(k) for k in ("coordinator", "num_processes", "process_id"))
+    heartbeat = flags.get("heartbeat_timeout")
     if coordinator is None:
-        if count is not None or index is not None:
-            raise UsageError("--num-processes / --process-id need --coordinator HOST:PORT (or --coordinator auto)")
+        if count is not None or index is not None or heartbeat is not None:
+            raise UsageError(
+                "--num-processes / --process-id / --heartbeat-timeout need --coordinator HOST:PORT (or "
+                "--coordinator auto)"
+            )
         return
     if flags.get("mesh") is None:
         raise UsageError(
@@ -88,7 +92,10 @@ def join(flags: Mapping[str, Any]) -> None:
             raise UsageError(f"--process-id {index} must be below --num-processes {count}")
     try:
         jax.distributed.initialize(
-            coordinator_address=None if coordinator == AUTO else coordinator, num_processes=count, process_id=index
+            coordinator_address=None if coordinator == AUTO else coordinator,
+            num_processes=count,
+            process_id=index,
+            **({} if heartbeat is None else {"heartbeat_timeout_seconds": heartbeat}),
         )
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"--coordinator {coordinator}: joining the job failed: {e}") from None

@@ -100,6 +100,7 @@ class Settings:
     coordinator: str | None
     num_processes: int | None
     process_id: int | None
+    heartbeat_timeout: int | None
     # added by resolution
     release: str | None = None  # a converted or toy-world release's root (``--checkpoint`` as given)
     toy_dir: str | None = None  # the toy-world release (absolute), or None for a Wan model
