@@ -4,11 +4,14 @@ and how fast, never where) or of its one canonical scene (``--scenes canonical``
 result as a release directory (issue 44: does the prompt stop anchoring where the default stream's shapes circle?).
 
     python benchmarks/finetune_scenes.py --out DIR [--steps 300] [--scenes random] [--release DIR] [--seed 1]
-                                         [--snapshot-every 50] [--resume]
+                                         [--snapshot-every 50] [--resume] [--lr 2e-5] [--position-weight 0.03]
+                                         [--sampler-steps 1000,750,500,100]
 
 It starts from the release's weights (its DiT is stored in bfloat16 and read as float32) and the recipe its
 toyworld.json records (`TrainConfig`: the ``sf_*`` loss and settings, remat), with ``--steps`` self-forcing steps of
-the recipe's stage-4 optimizer (lr ``sf_lr``, 20 warm-up steps, cosine decay to a tenth over ``--steps``) and clips
+the recipe's stage-4 optimizer (lr ``sf_lr`` or ``--lr``, 20 warm-up steps, cosine decay to a tenth over
+``--steps``), the position term (`jaxkv.toyworld.losses.position_error`) at ``--position-weight``, rollouts with
+``--sampler-steps`` (written into the release's settings; default the release's own) and clips
 and noise drawn from (``--seed``, stage 3, step) as `jaxkv.toyworld.train` draws them. The default seed, 1, is
 not release 8's, whose stage 4 drew seed 0's clips. It prints the mean loss per 10 steps and the wall time; the
 release it writes keeps the original's record ("training") and adds this run's ("finetune"), and reads with
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.generate.options import parse_steps
 from jaxkv.models import umt5
 from jaxkv.models.release import PARTS
 from jaxkv.toyworld import clips, text
@@ -42,9 +46,17 @@ from jaxkv.toyworld.snapshot import load_snapshot, read_position, save_snapshot
 STAGE = 3  # the self-forcing stage's index in the draws of `train.train` (seed, stage, step)
 
 
-def recipe(toy: toy_model.ToyModel, steps: int, scenes: str, seed: int) -> T.TrainConfig:
+def recipe(
+    toy: toy_model.ToyModel,
+    steps: int,
+    scenes: str,
+    seed: int,
+    position_weight: float = 0.0,
+    lr: float | None = None,
+) -> T.TrainConfig:
     """The `TrainConfig` the release records (defaults where it records none; the DiT's shape is the release's own)
-    with ``steps`` self-forcing steps, ``scenes`` and ``seed``."""
+    with ``steps`` self-forcing steps, ``scenes``, ``seed``, stage 4's ``position_weight`` and its peak ``lr``
+    (None: the recipe's)."""
     recorded = toy.info.get("training", {}).get("train_config") or {}
     known = {f.name for f in dataclasses.fields(T.TrainConfig)}
     tc = T.TrainConfig(**{k: v for k, v in recorded.items() if k in known})
@@ -54,6 +66,8 @@ def recipe(toy: toy_model.ToyModel, steps: int, scenes: str, seed: int) -> T.Tra
         sf_steps=steps,
         scenes=scenes,
         seed=seed,
+        sf_position_weight=position_weight,
+        sf_lr=tc.sf_lr if lr is None else lr,
         dit_dim=c.dim,
         dit_ffn_dim=c.ffn_dim,
         dit_heads=c.num_heads,
@@ -79,16 +93,23 @@ def finetune(
     force: bool = False,
     resume: bool = False,
     snapshot_every: int = 50,
+    position_weight: float = 0.0,
+    sampler_steps: tuple[int, ...] | None = None,
+    lr: float | None = None,
     log=print,
 ) -> dict:
     """Runs the fine-tune of the module docstring and writes the release ``out``; returns its "finetune" record.
 
     Every ``snapshot_every`` steps and on Ctrl-C it writes params, optimizer state and losses to `snapshot_path`
     (`jaxkv.toyworld.snapshot`); ``resume`` continues from there, bit for bit as the uninterrupted run, after
-    checking that the snapshot is this fine-tune's (release, steps, scenes, seed). The snapshot goes once the
-    release is written."""
+    checking that the snapshot is this fine-tune's (release, steps, scenes, seed, position weight, sampler steps).
+    The snapshot goes once the release is written. ``sampler_steps``: the rollouts' and the written release's
+    sampler steps (default: the release's own)."""
     toy = toy_model.load(release)
-    tc = recipe(toy, steps, scenes, seed)
+    if sampler_steps is not None:
+        toy = dataclasses.replace(toy, settings=dataclasses.replace(toy.settings, steps=tuple(sampler_steps)))
+        toy.settings.schedule()  # checks the steps as every schedule's are checked (ValueError)
+    tc = recipe(toy, steps, scenes, seed, position_weight, lr)
     config, text_params, _ = umt5.load(os.path.join(release, PARTS["umt5"]), dtype=jnp.float32)
     if config != text.CONFIG:
         raise ValueError(f"{release}: its text encoder is not the toy model's ({config})")
@@ -96,18 +117,20 @@ def finetune(
     name, _, size, after_sink, loss_fn, optimizer = T.stage_table(tc, toy.settings, toy.latent_map)[2]
     step_fn = T._step_fn(loss_fn, optimizer)
     opt_state = optimizer.init(params)
-    snapshot, origin = snapshot_path(out), {"finetune_from": os.path.abspath(release)}
+    snapshot = snapshot_path(out)
+    origin = {"finetune_from": os.path.abspath(release), "sampler_steps": list(toy.settings.steps)}
     first, losses, before = 0, [], 0.0
     if resume:
         if not os.path.isdir(snapshot):
             raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
         position = read_position(snapshot)
         mine = json.loads(json.dumps(dataclasses.asdict(tc)))  # as position.json holds it (tuples as lists)
-        if position.get("finetune_from") != origin["finetune_from"] or position.get("train_config") != mine:
+        theirs = (position.get("finetune_from"), position.get("sampler_steps"), position.get("train_config"))
+        if theirs != (origin["finetune_from"], origin["sampler_steps"], mine):
             raise ValueError(
                 f"--resume: the snapshot at {snapshot} is another fine-tune's (from "
-                f"{position.get('finetune_from')!r}); resume with the --release, --steps, --scenes and --seed it "
-                "was started with"
+                f"{position.get('finetune_from')!r}); resume with the --release, --steps, --scenes, --seed, "
+                "--position-weight, --sampler-steps and --lr it was started with"
             )
         position, (params, opt_state) = load_snapshot(snapshot, (params, opt_state))
         first, losses, before = position["step"], position["losses"], position["seconds"]
@@ -151,6 +174,7 @@ def finetune(
         "steps": steps,
         "scenes": scenes,
         "seed": seed,
+        "sampler_steps": list(toy.settings.steps),
         "train_config": dataclasses.asdict(tc),
         "seconds": round(total, 1),
         "seconds_per_step_after_the_first": None if per_step is None else round(per_step, 2),
@@ -176,9 +200,37 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace DIR if it is a toy-world release")
     ap.add_argument("--resume", action="store_true", help="continue the interrupted run from DIR.partial")
     ap.add_argument("--snapshot-every", type=int, default=50, help="steps between snapshots (default 50)")
+    ap.add_argument(
+        "--position-weight",
+        type=float,
+        default=0.0,
+        help="weight of stage 4's position term (losses.position_error; default 0, the recipe's)",
+    )
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="the peak learning rate (default: the recipe's sf_lr, 1e-4 for release 8, with which its stage 4 began "
+        "from stage 3's weights; a fine-tune of a converged model may want less)",
+    )
+    ap.add_argument(
+        "--sampler-steps",
+        type=parse_steps,
+        default=None,
+        help="the rollouts' and the written release's sampler timesteps, comma-separated (default: the release's)",
+    )
     args = ap.parse_args(argv)
     if args.steps < 1 or args.seed < 0 or args.snapshot_every < 1:
         print("finetune_scenes: --steps and --snapshot-every must be >= 1 and --seed >= 0", file=sys.stderr)
+        return 2
+    if args.lr is not None and not (0.0 < args.lr < float("inf")):
+        print(f"finetune_scenes: --lr must be finite and > 0, got {args.lr}", file=sys.stderr)
+        return 2
+    if not (0.0 <= args.position_weight < float("inf")):
+        print(
+            f"finetune_scenes: --position-weight must be finite and >= 0, got {args.position_weight}",
+            file=sys.stderr,
+        )
         return 2
     if os.path.exists(args.out) and not args.overwrite:
         print(f"finetune_scenes: {args.out} exists; pass --overwrite to replace a toy-world release", file=sys.stderr)
@@ -196,6 +248,9 @@ def main(argv=None) -> int:
             force=args.overwrite,
             resume=args.resume,
             snapshot_every=args.snapshot_every,
+            position_weight=args.position_weight,
+            sampler_steps=args.sampler_steps,
+            lr=args.lr,
         )
     except KeyboardInterrupt:
         return 130

@@ -25,20 +25,27 @@ def small_release(tmp_path_factory):
     return out
 
 
-@pytest.mark.slow  # three compilations of a (small) self-forcing step
+@pytest.mark.slow  # four compilations of a (small) self-forcing step
 def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_path, capsys):
     from safetensors.numpy import load_file
 
     from jaxkv.toyworld import model as TM
 
     bench = load_benchmark("finetune_scenes")
-    dirs = {name: str(tmp_path / name) for name in ("random", "again", "canonical")}
+    dirs = {name: str(tmp_path / name) for name in ("random", "again", "canonical", "placed")}
     for name, out in dirs.items():
         scenes = "canonical" if name == "canonical" else "random"
         argv = ["--release", small_release, "--out", out, "--steps", "2", "--scenes", scenes]
+        if name == "placed":
+            argv += ["--position-weight", "0.25", "--sampler-steps", "1000,500,100", "--lr", "3e-5"]
         assert bench.main(argv) == 0
     printed = capsys.readouterr().out
-    assert printed.count("steps 1-2 of 2: mean loss") == 3 and "benchmarks/motion.py --release" in printed
+    assert printed.count("steps 1-2 of 2: mean loss") == 4 and "benchmarks/motion.py --release" in printed
+    placed = TM.load(dirs["placed"])
+    assert placed.settings.steps == (1000, 500, 100) and placed.info["finetune"]["sampler_steps"] == [1000, 500, 100]
+    assert placed.info["finetune"]["train_config"]["sf_position_weight"] == 0.25
+    assert placed.info["finetune"]["train_config"]["sf_lr"] == 3e-5
+    assert TM.load(dirs["random"]).settings == TM.load(small_release).settings  # by default the release's own
     toy = TM.load(dirs["random"])
     assert toy.config == TM.load(small_release).config
     record = toy.info["finetune"]
@@ -71,6 +78,12 @@ def test_finetune_refuses_bad_arguments_before_writing_anything(tmp_path, capsys
     assert "must not be the --release" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--release", str(tmp_path / "none")]) == 2
     assert "is not a toy-world release" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--lr", "0"]) == 2
+    assert "--lr must be finite and > 0" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--position-weight", "-1"]) == 2
+    assert "--position-weight must be finite and >= 0" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--sampler-steps", "500,1000"]) == 2  # the schedule's own check
+    assert "strictly decreasing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--out", str(out), "--scenes", "sampled"])
     assert not out.exists()

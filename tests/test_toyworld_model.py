@@ -278,7 +278,7 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
         float(L.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)), x)), expected, rtol=1e-5
     )
     for bad in (-1.0, float("inf"), float("nan"), "1"):
-        for name in ("sf_colour_weight", "sf_outline_weight"):
+        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight"):
             with pytest.raises(ValueError, match=f"TrainConfig.{name} is a loss weight"):
                 T.TrainConfig(**{name: bad})
 
@@ -354,6 +354,43 @@ def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted
     assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).sum()) > 0
 
 
+def test_position_error_is_how_far_each_named_shape_is_drawn_from_its_place(fitted):
+    """`losses.position_error` between world clips (through the latent map) k frames apart is the pseudo-Huber mean
+    of the named shapes' true displacement (`world.paths`) to within the map's blur; 0 against itself; a shape the
+    latents do not draw, or an object the clips do not name, costs nothing; a shape drawn nearer its place costs
+    less; it has a gradient."""
+    from jaxkv.toyworld import losses as L
+
+    rng = np.random.default_rng(5)
+    scenes = [
+        world.sample_scene(rng, "a red square and a green triangle, slow"),
+        world.sample_scene(rng, "a blue circle, fast"),
+        world.sample_scene(rng, "a yellow triangle, fast"),
+    ]
+    objects = np.full((3, 2, 2), -1, np.int32)
+    for row, scene in zip(objects, scenes):
+        for r, thing in zip(row, scene.things):
+            r[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
+    render = lambda start: np.stack([world.render(sc, 6, start) for sc in scenes])
+    error = lambda video, target, objects=objects: float(
+        L.position_error(fitted, fitted.encode(video), fitted.encode(target), objects)
+    )
+    assert error(render(0), render(0)) == 0.0
+    for k in (1, 3, 6):
+        distances = np.concatenate(
+            [np.linalg.norm(world.paths(sc, 6, k) - world.paths(sc, 6), axis=-1).ravel() for sc in scenes]
+        )
+        expected = np.mean(np.sqrt(distances**2 + 1.0) - 1.0)
+        assert abs(error(render(k), render(0)) - expected) < 0.1, k
+    assert error(render(1), render(0)) < error(render(3), render(0)) < error(render(6), render(0))
+    assert error(render(6), render(0), np.full_like(objects, -1)) == 0.0
+    empty = np.broadcast_to(world.empty_frames(6), render(0).shape)
+    assert error(empty, render(0)) == 0.0  # nothing drawn: no centre to compare (the colour term's case)
+    x = jnp.asarray(fitted.encode(render(3)))
+    grad = jax.grad(lambda x: L.position_error(fitted, x, fitted.encode(render(0)), objects))(x)
+    assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).sum()) > 0
+
+
 @pytest.mark.slow
 def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fitted):
     """`losses.self_forcing_loss` on a clip of sink + 5 chunks: the squared error of what a stream that committed the
@@ -394,7 +431,7 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
         float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 0.5 * float(L.colour_share_error(fitted, frames, x0[:, 6:])),
         rtol=1e-5,
     )
-    with pytest.raises(ValueError, match="a colour_weight or outline_weight needs the latent_map"):
+    with pytest.raises(ValueError, match="a colour_weight, outline_weight or position_weight needs the latent_map"):
         L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, None, 0.5)
     # with the outline term: the same stream's frames against the clips' named objects
     outlined = jax.jit(
@@ -405,8 +442,21 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
         float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 2.0 * float(L.outline_error(fitted, frames, objects)),
         rtol=1e-5,
     )
-    with pytest.raises(ValueError, match="an outline_weight needs the clips' named objects"):
+    with pytest.raises(ValueError, match="an outline_weight or position_weight needs the clips' named objects"):
         L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, None, 2.0)
+    # with the position term: the same stream's frames against the clip's, for its named objects
+    placed = jax.jit(
+        lambda p: L.self_forcing_loss(
+            p, x0, ids, mask, at_start, key, settings, fitted, objects=objects, position_weight=0.5
+        )
+    )
+    np.testing.assert_allclose(
+        float(placed(params)),
+        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 0.5 * float(L.position_error(fitted, frames, x0[:, 6:], objects)),
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match="an outline_weight or position_weight needs the clips' named objects"):
+        L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, position_weight=0.5)
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
     assert all(np.isfinite(norms)) and sum(norms) > 0
 
@@ -501,7 +551,8 @@ def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp
 def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
     """`train.resume_conflicts`: a resumed run must repeat the settings of every stage its snapshot has begun (a
     stage at step 0 has not begun), may change those of later stages, and may always change remat (float rounding
-    only). A field a snapshot predates reads as its value before it existed (sf_outline_weight: 0, no term)."""
+    only). A field a snapshot predates reads as its value before it existed (sf_outline_weight and
+    sf_position_weight: 0, no term)."""
     import dataclasses
 
     from jaxkv.toyworld import train as T
@@ -530,6 +581,10 @@ def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
     del old["train_config"]["sf_outline_weight"], old["train_config"]["remat"]
     assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=0.0, remat=True)) == []
     assert T.resume_conflicts(old, T.TrainConfig(sf_outline_weight=2.0)) == [("sf_outline_weight", 0.0, 2.0)]
+    del old["train_config"]["sf_position_weight"]
+    assert T.resume_conflicts(old, T.TrainConfig(sf_position_weight=0.0)) == []
+    assert T.resume_conflicts(old, T.TrainConfig(sf_position_weight=0.1)) == [("sf_position_weight", 0.0, 0.1)]
+    assert T.resume_conflicts(position(1, 5), T.TrainConfig(sf_position_weight=0.1)) == []  # stage 4 not begun
     assert T.resume_conflicts({"stage": 2, "step": 4}, T.TrainConfig(steps=1)) == []  # no config recorded
     # the DiT's shape is every stage's: snapshots from before it was a setting read the shipped shape
     del old["train_config"]["dit_dim"], old["train_config"]["dit_heads"]
@@ -567,7 +622,7 @@ def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
 
 
-@pytest.mark.parametrize("flag", ["--sf-colour-weight", "--sf-outline-weight"])
+@pytest.mark.parametrize("flag", ["--sf-colour-weight", "--sf-outline-weight", "--sf-position-weight"])
 @pytest.mark.parametrize("value", ["-0.5", "inf", "nan"])
 def test_train_cli_refuses_a_loss_weight_out_of_range_before_writing_anything(tmp_path, capsys, flag, value):
     from jaxkv.toyworld import cli

@@ -69,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         "colour drawn as that shape, whole and sharp, wherever the rollout puts it)",
     )
     t.add_argument(
+        "--sf-position-weight",
+        type=float,
+        default=d.sf_position_weight,
+        help="weight of the self-forcing loss's position term (losses.position_error: how far, in px, each named "
+        "shape is drawn from where the world puts it)",
+    )
+    t.add_argument(
         "--remat",
         action="store_true",
         help="recompute each DiT block's activations in the backward pass instead of storing them: "
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0.0 < args.sf_lr < float("inf"):
             print("jaxkv toyworld train: --sf-lr must be finite and > 0", file=sys.stderr)
             return 2
-        for name in ("sf_colour_weight", "sf_outline_weight"):
+        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight"):
             if not 0.0 <= getattr(args, name) < float("inf"):
                 print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be finite and >= 0", file=sys.stderr)
                 return 2
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 sf_lr=args.sf_lr,
                 sf_colour_weight=args.sf_colour_weight,
                 sf_outline_weight=args.sf_outline_weight,
+                sf_position_weight=args.sf_position_weight,
                 remat=args.remat,
                 dit_dim=args.dit_dim,
                 dit_ffn_dim=args.dit_ffn_dim,

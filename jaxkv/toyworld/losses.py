@@ -1,8 +1,9 @@
 """The toy world's training objectives (`jaxkv.toyworld.train` runs them in stages; its docstring says why each is
 there): the DiT's starting params (`init_dit`), the teacher-forcing flow loss at every noise level
 (`teacher_forcing_loss`, `noise_levels`), and the self-forcing loss through the ring (`self_forcing_loss`) with its
-pixel-space terms, blind to where a shape is: each colour's pixel share (`colour_share_error`) and each named shape's
-outline (`outline_error`).
+pixel-space terms: each colour's pixel share (`colour_share_error`) and each named shape's outline
+(`outline_error`), both blind to where a shape is, and each named shape's distance from its place in the world
+(`position_error`).
 """
 
 from __future__ import annotations
@@ -165,6 +166,22 @@ def shape_outline(shape, centre) -> jax.Array:
     return jax.nn.sigmoid(-chosen / OUTLINE_SOFTNESS)
 
 
+def _named_masks(latent_map: latents.LatentMap, x, objects) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each named object's colour mask in latents x [B, F, h, w, 16] decoded to the frame (`colour_shares`' soft
+    assignment): (mask [B, N, F, SIZE, SIZE], its mass in px [B, N, F], its centre of mass [B, N, F, 2] as (x, y)
+    in the world's units) for ``objects`` int [B, N, 2] (`outline_error`)."""
+    masks = _palette_weights(latent_map.decode(x, clamp=False))[..., SHAPE_COLOURS]  # [B, F, SIZE, SIZE, colours]
+    drawn = jnp.einsum("bfyxc,bnc->bnfyx", masks, jax.nn.one_hot(objects[..., 0], masks.shape[-1]))
+    mass = jnp.sum(drawn, axis=(-2, -1))
+    centre = (
+        jnp.stack(
+            [jnp.sum(drawn * _PIXEL_CENTRES[1], axis=(-2, -1)), jnp.sum(drawn * _PIXEL_CENTRES[0], axis=(-2, -1))], -1
+        )
+        / jnp.maximum(mass, 1e-3)[..., None]
+    )
+    return drawn, mass, centre
+
+
 def outline_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
     """How far each named object of the clips is from its own shape where the latents x [B, F, h, w, 16] draw it:
     the squared difference, summed over pixels and divided by the shape's area, between its colour's soft mask
@@ -177,17 +194,9 @@ def outline_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
     Blind to where a shape is, like `colour_share_error`: the squared error to the world's frames rewards, where the
     model is unsure of a shape's place, a blob spread over its possible places; this term rewards the named shape,
     whole and sharp, wherever the model draws it. On the world's own frames (through the map) it is ~0.09."""
-    masks = _palette_weights(latent_map.decode(x, clamp=False))[..., SHAPE_COLOURS]  # [B, F, SIZE, SIZE, colours]
     objects = jnp.asarray(objects)
     named = objects[..., 0] >= 0  # [B, N]
-    drawn = jnp.einsum("bfyxc,bnc->bnfyx", masks, jax.nn.one_hot(objects[..., 0], masks.shape[-1]))
-    mass = jnp.sum(drawn, axis=(-2, -1))  # [B, N, F]
-    centre = (
-        jnp.stack(
-            [jnp.sum(drawn * _PIXEL_CENTRES[1], axis=(-2, -1)), jnp.sum(drawn * _PIXEL_CENTRES[0], axis=(-2, -1))], -1
-        )
-        / jnp.maximum(mass, 1e-3)[..., None]
-    )
+    drawn, mass, centre = _named_masks(latent_map, x, objects)
     outline = shape_outline(jnp.maximum(objects[..., 1], 0)[:, :, None], jax.lax.stop_gradient(centre))
     outline = outline * named[:, :, None, None, None]  # [B, N, F, SIZE, SIZE]
     count = objects.shape[1]
@@ -207,6 +216,25 @@ def outline_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
     return jnp.sum(errors * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+def position_error(latent_map: latents.LatentMap, x, target, objects) -> jax.Array:
+    """How far each named object is drawn from where the world puts it, in px: the pseudo-Huber distance
+    ``sqrt(d^2 + 1) - 1`` between the centre of mass of its colour's mask (`_named_masks`) in latents x and in
+    target [B, F, h, w, 16], the mean over the objects and frames where both masks hold `OUTLINE_PRESENT` px (a
+    shape not drawn has no centre; the colour-share term is what keeps it drawn). ``objects`` as `outline_error`.
+
+    Unlike the squared error of the latents, it does not reward a faint copy of the shape at each of its possible
+    places (their mean centre is the target only if the places are balanced around it): a shape drawn behind where
+    the world puts it costs its lag in px, however sharp or faint. Linear past ~1 px, so a shape that went the
+    wrong way at a bounce does not outweigh the rest. World frames through the latent map against themselves: 0."""
+    objects = jnp.asarray(objects)
+    _, mass, centre = _named_masks(latent_map, x, objects)
+    _, target_mass, target_centre = jax.lax.stop_gradient(_named_masks(latent_map, target, objects))
+    counts = (objects[..., 0] >= 0)[:, :, None] & (target_mass >= OUTLINE_PRESENT)
+    counts = jax.lax.stop_gradient(counts & (mass >= OUTLINE_PRESENT)).astype(jnp.float32)
+    distance = jnp.sqrt(jnp.sum((centre - target_centre) ** 2, axis=-1) + 1.0) - 1.0  # [B, N, F]
+    return jnp.sum(distance * counts) / jnp.maximum(jnp.sum(counts), 1.0)
+
+
 def self_forcing_loss(
     params,
     x0,
@@ -221,20 +249,24 @@ def self_forcing_loss(
     objects=None,
     outline_weight: float = 0.0,
     config: WanConfig = WAN_CONFIG,
+    position_weight: float = 0.0,
 ):
     """x0 [B, F, ...] (`batch`, ``after_sink`` frames after the sink): commit the sink and the first
     `context_chunks` window chunks, roll the other (F - committed) / chunk_frames chunks out on the ring (noise of
     chunk n from ``fold_in(key, n)``, n counted from the stream's first chunk); the mean squared error of the
-    rolled-out latents to the clip's, plus ``colour_weight`` x their `colour_share_error` and ``outline_weight`` x
-    their `outline_error` against the clips' named ``objects`` (`Batch.objects`); either weight needs the
-    ``latent_map`` that decodes the latents. ``remat``: the rollout's blocks under `jax.checkpoint`
-    (`jaxkv.rollout.RolloutConfig.remat`)."""
-    if (colour_weight or outline_weight) and latent_map is None:
+    rolled-out latents to the clip's, plus ``colour_weight`` x their `colour_share_error`, ``outline_weight`` x
+    their `outline_error` and ``position_weight`` x their `position_error` against the clips' named ``objects``
+    (`Batch.objects`); each weight needs the ``latent_map`` that decodes the latents. ``remat``: the rollout's
+    blocks under `jax.checkpoint` (`jaxkv.rollout.RolloutConfig.remat`)."""
+    if (colour_weight or outline_weight or position_weight) and latent_map is None:
         raise ValueError(
-            "self_forcing_loss: a colour_weight or outline_weight needs the latent_map that decodes the latents"
+            "self_forcing_loss: a colour_weight, outline_weight or position_weight needs the latent_map that "
+            "decodes the latents"
         )
-    if outline_weight and objects is None:
-        raise ValueError("self_forcing_loss: an outline_weight needs the clips' named objects (Batch.objects)")
+    if (outline_weight or position_weight) and objects is None:
+        raise ValueError(
+            "self_forcing_loss: an outline_weight or position_weight needs the clips' named objects (Batch.objects)"
+        )
     rc = settings.rollout_config(guidance_scale=None, remat=remat)  # training rolls out the conditional model alone
     cf = settings.chunk_frames
     committed = settings.sink_frames // cf + context_chunks(settings)
@@ -256,4 +288,6 @@ def self_forcing_loss(
         loss = loss + colour_weight * colour_share_error(latent_map, out.latents, target)
     if outline_weight:
         loss = loss + outline_weight * outline_error(latent_map, out.latents, objects)
+    if position_weight:
+        loss = loss + position_weight * position_error(latent_map, out.latents, target, objects)
     return loss

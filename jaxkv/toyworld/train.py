@@ -98,6 +98,8 @@ class TrainConfig:
     # weight of stage 4's outline term (`outline_error`); 0 in the shipped recipe so far (docs/toyworld-experiments.md,
     # "The outline term")
     sf_outline_weight: float = 0.0
+    # weight of stage 4's position term (`position_error`, px); 0 in the shipped recipe (docs/toyworld.md, "Motion")
+    sf_position_weight: float = 0.0
     fit_frames: int = 2048  # frames the latent map is fitted on
     snapshot_every: int = 250
     # Recompute each DiT block's activations in the backward pass instead of storing them (`jax.checkpoint`):
@@ -124,7 +126,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"TrainConfig.{name} is a share of clips or chunks, in [0, 1]; got {value!r}")
-        for name in ("sf_colour_weight", "sf_outline_weight"):
+        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight"):
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value < float("inf"):
                 raise ValueError(f"TrainConfig.{name} is a loss weight, finite and >= 0; got {value!r}")
@@ -186,7 +188,18 @@ def stage_table(tc: TrainConfig, settings: Settings, latent_map: latents.LatentM
 
     def self_forcing(p, b, k):
         options = (tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight, config)
-        return self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map, *options)
+        return self_forcing_loss(
+            p,
+            b.latents,
+            b.ids,
+            b.mask,
+            b.at_start,
+            k,
+            settings,
+            latent_map,
+            *options,
+            position_weight=tc.sf_position_weight,
+        )
 
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
     return [
@@ -240,10 +253,11 @@ _FIELD_STAGES = {
     "sf_lr": (2,),
     "sf_colour_weight": (2,),
     "sf_outline_weight": (2,),
+    "sf_position_weight": (2,),
 }
 _RESUME_FREE = ("remat",)
 # The value a field added after snapshots began recording their config had before it existed (else its default).
-_BEFORE_FIELD = {"sf_outline_weight": 0.0, "scenes": "canonical"}
+_BEFORE_FIELD = {"sf_outline_weight": 0.0, "sf_position_weight": 0.0, "scenes": "canonical"}
 
 
 def resume_conflicts(position: dict, tc: TrainConfig) -> list[tuple[str, Any, Any]]:
