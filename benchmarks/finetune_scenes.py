@@ -102,7 +102,8 @@ def finetune(
 
     Every ``snapshot_every`` steps and on Ctrl-C it writes params, optimizer state and losses to `snapshot_path`
     (`jaxkv.toyworld.snapshot`); ``resume`` continues from there, bit for bit as the uninterrupted run, after
-    checking that the snapshot is this fine-tune's (release, steps, scenes, seed, position weight, sampler steps).
+    checking that the snapshot is this fine-tune's (release, steps, scenes, seed, position weight, lr, sampler
+    steps).
     The snapshot goes once the release is written. ``sampler_steps``: the rollouts' and the written release's
     sampler steps (default: the release's own)."""
     toy = toy_model.load(release)

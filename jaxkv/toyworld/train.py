@@ -37,7 +37,9 @@
    term (off in the shipped recipe, ``sf_outline_weight`` 0), also blind to place, holds each named colour's mask
    to its own shape, whole and sharp, wherever the rollout draws it (the squared error rewards a blob spread over
    the shape's possible places, and the metric needs the shape's outline to tell it); docs/toyworld-experiments.md, "The
-   outline term".
+   outline term". The position term (``sf_position_weight``, off too) is each named shape's distance in px from
+   where the world's frame puts it (`position_error`); tried on release 8, it lifted the check but not the survey
+   nor the default prompt's travel (docs/toyworld.md, "Motion").
 
 Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, docs/toyworld.md):
 ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
