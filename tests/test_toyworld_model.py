@@ -314,16 +314,10 @@ def test_shape_outline_is_the_renderers_shape():
         np.testing.assert_array_equal(soft > 0.5, world.shape_mask(shape, centres), err_msg=shape)
 
 
-def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted):
-    """`losses.outline_error` of world clips (through the latent map) is low; the same clips with the shapes
-    blurred, faded half-way into the background, or with another shape drawn in the named one's colour, score
-    clearly higher; the same shapes drawn
-    elsewhere score the same (blind to place); an object a clip does not name costs nothing; it has a gradient."""
-    import dataclasses
-
-    from jaxkv.toyworld import losses as L
-
-    rng = np.random.default_rng(4)
+def _three_scenes(seed: int):
+    """Three random scenes (a slow pair, a fast circle, a fast triangle) and their named objects int [3, 2, 2] as
+    `clips.Batch.objects` gives them (colour index, shape index; -1 rows after the last)."""
+    rng = np.random.default_rng(seed)
     scenes = [
         world.sample_scene(rng, "a red square and a green triangle, slow"),
         world.sample_scene(rng, "a blue circle, fast"),
@@ -333,6 +327,19 @@ def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted
     for row, scene in zip(objects, scenes):
         for r, thing in zip(row, scene.things):
             r[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
+    return scenes, objects
+
+
+def test_outline_error_rewards_the_named_shape_sharp_wherever_it_is_drawn(fitted):
+    """`losses.outline_error` of world clips (through the latent map) is low; the same clips with the shapes
+    blurred, faded half-way into the background, or with another shape drawn in the named one's colour, score
+    clearly higher; the same shapes drawn
+    elsewhere score the same (blind to place); an object a clip does not name costs nothing; it has a gradient."""
+    import dataclasses
+
+    from jaxkv.toyworld import losses as L
+
+    scenes, objects = _three_scenes(4)
     render = lambda scenes, start=0: np.stack([world.render(sc, 6, start) for sc in scenes])
     error = lambda video, objects=objects: float(L.outline_error(fitted, fitted.encode(video), objects))
     truth = error(render(scenes))
@@ -361,16 +368,7 @@ def test_position_error_is_how_far_each_named_shape_is_drawn_from_its_place(fitt
     less; it has a gradient."""
     from jaxkv.toyworld import losses as L
 
-    rng = np.random.default_rng(5)
-    scenes = [
-        world.sample_scene(rng, "a red square and a green triangle, slow"),
-        world.sample_scene(rng, "a blue circle, fast"),
-        world.sample_scene(rng, "a yellow triangle, fast"),
-    ]
-    objects = np.full((3, 2, 2), -1, np.int32)
-    for row, scene in zip(objects, scenes):
-        for r, thing in zip(row, scene.things):
-            r[:] = list(world.COLOURS).index(thing.colour), world.SHAPES.index(thing.shape)
+    scenes, objects = _three_scenes(5)
     render = lambda start: np.stack([world.render(sc, 6, start) for sc in scenes])
     error = lambda video, target, objects=objects: float(
         L.position_error(fitted, fitted.encode(video), fitted.encode(target), objects)
