@@ -5,13 +5,14 @@ result as a release directory (issue 44: does the prompt stop anchoring where th
 
     python benchmarks/finetune_scenes.py --out DIR [--steps 300] [--scenes random] [--release DIR] [--seed 1]
                                          [--snapshot-every 50] [--resume] [--lr 2e-5] [--position-weight 0.03]
-                                         [--sampler-steps 1000,750,500,100]
+                                         [--sampler-steps 1000,750,500,100] [--sf-chunks 9]
 
 It starts from the release's weights (its DiT is stored in bfloat16 and read as float32) and the recipe its
 toyworld.json records (`TrainConfig`: the ``sf_*`` loss and settings, remat), with ``--steps`` self-forcing steps of
 the recipe's stage-4 optimizer (lr ``sf_lr`` or ``--lr``, 20 warm-up steps, cosine decay to a tenth over
 ``--steps``), the position term (`jaxkv.toyworld.losses.position_error`) at ``--position-weight``, rollouts with
-``--sampler-steps`` (written into the release's settings; default the release's own) and clips
+``--sampler-steps`` (written into the release's settings; default the release's own), ``--sf-chunks`` chunks
+rolled out past each clip's context (default the recipe's) and clips
 and noise drawn from (``--seed``, stage 3, step) as `jaxkv.toyworld.train` draws them. The default seed, 1, is
 not release 8's, whose stage 4 drew seed 0's clips. It prints the mean loss per 10 steps and the wall time; the
 release it writes keeps the original's record ("training") and adds this run's ("finetune"), and reads with
@@ -53,10 +54,11 @@ def recipe(
     seed: int,
     position_weight: float = 0.0,
     lr: float | None = None,
+    sf_chunks: int | None = None,
 ) -> T.TrainConfig:
     """The `TrainConfig` the release records (defaults where it records none; the DiT's shape is the release's own)
-    with ``steps`` self-forcing steps, ``scenes``, ``seed``, stage 4's ``position_weight`` and its peak ``lr``
-    (None: the recipe's)."""
+    with ``steps`` self-forcing steps, ``scenes``, ``seed``, stage 4's ``position_weight``, its peak ``lr`` and the
+    chunks each clip rolls out past its context, ``sf_chunks`` (None: the recipe's)."""
     recorded = toy.info.get("training", {}).get("train_config") or {}
     known = {f.name for f in dataclasses.fields(T.TrainConfig)}
     tc = T.TrainConfig(**{k: v for k, v in recorded.items() if k in known})
@@ -68,6 +70,7 @@ def recipe(
         seed=seed,
         sf_position_weight=position_weight,
         sf_lr=tc.sf_lr if lr is None else lr,
+        sf_chunks=tc.sf_chunks if sf_chunks is None else sf_chunks,
         dit_dim=c.dim,
         dit_ffn_dim=c.ffn_dim,
         dit_heads=c.num_heads,
@@ -96,6 +99,7 @@ def finetune(
     position_weight: float = 0.0,
     sampler_steps: tuple[int, ...] | None = None,
     lr: float | None = None,
+    sf_chunks: int | None = None,
     log=print,
 ) -> dict:
     """Runs the fine-tune of the module docstring and writes the release ``out``; returns its "finetune" record.
@@ -103,14 +107,14 @@ def finetune(
     Every ``snapshot_every`` steps and on Ctrl-C it writes params, optimizer state and losses to `snapshot_path`
     (`jaxkv.toyworld.snapshot`); ``resume`` continues from there, bit for bit as the uninterrupted run, after
     checking that the snapshot is this fine-tune's (release, steps, scenes, seed, position weight, lr, sampler
-    steps).
+    steps, chunks rolled out).
     The snapshot goes once the release is written. ``sampler_steps``: the rollouts' and the written release's
     sampler steps (default: the release's own)."""
     toy = toy_model.load(release)
     if sampler_steps is not None:
         toy = dataclasses.replace(toy, settings=dataclasses.replace(toy.settings, steps=tuple(sampler_steps)))
         toy.settings.schedule()  # checks the steps as every schedule's are checked (ValueError)
-    tc = recipe(toy, steps, scenes, seed, position_weight, lr)
+    tc = recipe(toy, steps, scenes, seed, position_weight, lr, sf_chunks)
     config, text_params, _ = umt5.load(os.path.join(release, PARTS["umt5"]), dtype=jnp.float32)
     if config != text.CONFIG:
         raise ValueError(f"{release}: its text encoder is not the toy model's ({config})")
@@ -131,7 +135,7 @@ def finetune(
             raise ValueError(
                 f"--resume: the snapshot at {snapshot} is another fine-tune's (from "
                 f"{position.get('finetune_from')!r}); resume with the --release, --steps, --scenes, --seed, "
-                "--position-weight, --sampler-steps and --lr it was started with"
+                "--position-weight, --sampler-steps, --lr and --sf-chunks it was started with"
             )
         position, (params, opt_state) = load_snapshot(snapshot, (params, opt_state))
         first, losses, before = position["step"], position["losses"], position["seconds"]
@@ -215,12 +219,21 @@ def main(argv=None) -> int:
         "from stage 3's weights; a fine-tune of a converged model may want less)",
     )
     ap.add_argument(
+        "--sf-chunks",
+        type=int,
+        default=None,
+        help="chunks each clip rolls out past its context (default: the recipe's sf_chunks, 4 for release 8)",
+    )
+    ap.add_argument(
         "--sampler-steps",
         type=parse_steps,
         default=None,
         help="the rollouts' and the written release's sampler timesteps, comma-separated (default: the release's)",
     )
     args = ap.parse_args(argv)
+    if args.sf_chunks is not None and args.sf_chunks < 1:
+        print(f"finetune_scenes: --sf-chunks must be >= 1, got {args.sf_chunks}", file=sys.stderr)
+        return 2
     if args.steps < 1 or args.seed < 0 or args.snapshot_every < 1:
         print("finetune_scenes: --steps and --snapshot-every must be >= 1 and --seed >= 0", file=sys.stderr)
         return 2
@@ -252,6 +265,7 @@ def main(argv=None) -> int:
             position_weight=args.position_weight,
             sampler_steps=args.sampler_steps,
             lr=args.lr,
+            sf_chunks=args.sf_chunks,
         )
     except KeyboardInterrupt:
         return 130

@@ -135,9 +135,12 @@ _FP8_SCALES = ("k_scale", "v_scale")
 
 
 def _fp8_bytes(x, to):
-    """An FP8 array (or abstract one) as its uint8 bytes (``to`` uint8), or back (``to`` float8): the same bits."""
+    """An FP8 array (or abstract one) as its uint8 bytes (``to`` uint8), or back (``to`` float8): the same bits. A
+    sharding (`cache_tensors` of a cache's shardings) is the bytes' sharding as it is: the shapes are the same."""
+    if isinstance(x, jax.sharding.Sharding):
+        return x
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, to)
+        return jax.ShapeDtypeStruct(x.shape, to, sharding=x.sharding)
     return jax.lax.bitcast_convert_type(jnp.asarray(x), to)
 
 

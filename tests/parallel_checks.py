@@ -411,11 +411,17 @@ def assert_same_tensors(got, want):
 def session_from_tensors(rc, tensors, key, next_chunk):
     """A single-device Session built from host tensors in rollout order (independently of the checkpoint code)."""
     from jaxkv import session as S
+    from jaxkv.cache import Fp8Cache
 
-    cache = S.expected_cache(CONFIG, rc, tensors["cache/positions"].shape[0])
-    cache = type(cache)(
-        **{f: jax.numpy.asarray(tensors[f"cache/{f}"]) for f in ("k", "v", "positions", "chunk_start")}, spec=cache.spec
-    )
+    like = S.expected_cache(CONFIG, rc, tensors["cache/positions"].shape[0])
+    ring = like.inner if isinstance(like, Fp8Cache) else like
+    fields = {f: np.asarray(tensors[f"cache/{f}"]) for f in ("k", "v", "positions", "chunk_start")}
+    if isinstance(like, Fp8Cache):  # the file holds FP8 K/V as their uint8 bytes
+        fields["k"], fields["v"] = fields["k"].view(ring.k.dtype), fields["v"].view(ring.v.dtype)
+    cache = type(ring)(**{f: jax.numpy.asarray(x) for f, x in fields.items()}, spec=ring.spec)
+    if isinstance(like, Fp8Cache):
+        scales = (jax.numpy.asarray(tensors[f"cache/{f}"]) for f in ("k_scale", "v_scale"))
+        cache = Fp8Cache(cache, *scales, like.read_dtype)
     state = R.RolloutState(
         cache, M.CrossKV(jax.numpy.asarray(tensors["cross/k"]), jax.numpy.asarray(tensors["cross/v"]))
     )
@@ -1121,6 +1127,102 @@ def assert_moves_no_cache_layer(exe, state):
         int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
     )
     assert exe.memory_analysis().alias_size_in_bytes >= state_bytes, (exe.memory_analysis(), state_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ FP8 KV cache
+
+
+def rc_fp8(window_frames=4):
+    """`rc_of` (guided) with its KV cache in FP8 (`jaxkv.cache.Fp8Cache`) read as float32: every other number f32."""
+    from jaxkv.precision import Precision
+
+    precision = Precision("float32", "float32", "float32", fp8_kv=True)
+    return dataclasses.replace(rc_of(window_frames, guidance=3.0), precision=precision)
+
+
+def check_fp8():
+    """An FP8 KV cache on a mesh: a `MeshStream` switched after chunk 0 gives the single-device FP8 stream's chunks
+    on data=2,model=1 bit for bit and on data=2,model=2 to f32 rounding; its FP8 ring and its per-(slot, head) scales
+    are split by session and head; the compiled step moves no cache layer and writes in place; a session saved on
+    2x2 resumes everywhere `resumes_everywhere` checks (its scales by rows too)."""
+    from jaxkv.cache import Fp8Cache
+    from jaxkv.parallel import checkpoint as CK
+
+    rc, batch = rc_fp8(), 2
+    ctx, neg = contexts(batch)
+    other = np.random.default_rng(11).standard_normal(ctx.shape).astype(np.float32)
+    want, _, _ = switched_chunks(None, rc, batch, other, neg)
+    m21 = PL.make_mesh(2, 1, jax.devices()[4:6])
+    got, _, _ = switched_chunks(m21, rc, batch, other, neg)
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
+    m22 = PL.make_mesh(2, 2, jax.devices()[:4])
+    got, stream, _ = switched_chunks(m22, rc, batch, other, neg)
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=f"2x2 chunk {n}")
+    cache = stream.state.cache
+    assert isinstance(cache, Fp8Cache) and cache.k.dtype == jax.numpy.float8_e4m3fn, type(cache)
+    slots, heads = cache.spec.num_slots, CONFIG.num_heads
+    # 4 rows (batch 2, each with its negative) over data=2; 4 heads over model=2
+    assert cache.k_scale.addressable_shards[0].data.shape == (CONFIG.num_layers, 2, slots, heads // 2)
+    assert cache.k.addressable_shards[0].data.shape[1:4:2] == (2, heads // 2)
+    state, exe = compiled(m22, CONFIG, rc_fp8(16), batch)
+    assert_moves_no_cache_layer(exe, state)
+
+    session, saved, whole = saved_on_2x2(rc, batch, m22)
+    assert {"cache/k_scale", "cache/v_scale"} <= set(saved)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = CK.save(os.path.join(tmp, "s"), session, mesh=m22)
+        pieces = [p for p in CK.read_manifest(path)["pieces"] if p["tensor"] == "cache/k_scale"]
+        # as the K/V: 4 distinct shards (data x model), each two runs of logical rows (guided: cond, negative)
+        assert len(pieces) == 8, pieces
+        resumes_everywhere(path, rc, batch, saved, whole, m22)
+
+
+def check_generate_fp8():
+    """``jaxkv generate --precision fp8 --mesh data=2,model=4`` (FP8 KV cache and FP8 attention, bfloat16 elsewhere)
+    with a prompt switch at chunk 1: saved after chunk 0 (``--save-state``) and resumed on the same mesh, it
+    continues as the uninterrupted run bit for bit; the switch changes chunk 1; and the run on one device draws
+    the same chunks to bfloat16 rounding."""
+    import json
+
+    from jaxkv.generate import load_latents
+    from jaxkv.generate.loop import main
+    from jaxkv.models.wan import checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ckpt")
+        checkpoint.save(ckpt, CONFIG, PARAMS)
+        rng = np.random.default_rng(5)
+        for name in ("a", "b", "neg"):
+            np.save(os.path.join(tmp, f"{name}.npy"), rng.standard_normal((5, CONFIG.text_dim)).astype(np.float32))
+        for name, entries in (("ab", [(0, "a"), (1, "b")]), ("a", [(0, "a")]), ("b", [(0, "b")])):
+            with open(os.path.join(tmp, f"{name}.json"), "w") as f:
+                json.dump([{"chunk": c, "context": f"{e}.npy"} for c, e in entries], f)
+        common = ["--height", "4", "--width", "4", "--chunk-frames", "1", "--window-frames", "2", "--sink-frames", "1"]
+        common += ["--steps", "1000,500", "--batch", "2", "--guidance-scale", "3", "--precision", "fp8"]
+        common += ["--checkpoint", ckpt, "--negative-context", os.path.join(tmp, "neg.npy"), "--no-video"]
+        common += ["--no-progress"]
+        mesh = ["--mesh", "data=2,model=4"]
+        whole, plain, one = (os.path.join(tmp, n) for n in ("whole", "plain", "one"))
+        sched = lambda name: ["--prompt-schedule", os.path.join(tmp, f"{name}.json")]
+        assert main([*common, *sched("ab"), "--num-chunks", "2", "--out", whole, *mesh]) == 0
+        assert main([*common, *sched("a"), "--num-chunks", "2", "--out", plain, *mesh]) == 0
+        assert main([*common, *sched("ab"), "--num-chunks", "2", "--out", one]) == 0
+        with open(os.path.join(whole, "summary.json")) as f:
+            summary = json.load(f)
+        assert summary["mesh"] == {"data": 2, "seq": 1, "model": 4}, summary
+        want = load_latents(whole)
+        assert np.isfinite(want).all() and want.dtype == np.float32
+        assert not np.allclose(want[:, 1:], load_latents(plain)[:, 1:], atol=1e-2)  # the switch changed chunk 1
+        np.testing.assert_array_equal(load_latents(plain)[:, :1], want[:, :1])
+        np.testing.assert_allclose(load_latents(one), want, rtol=0.1, atol=0.1)
+        first, state, out = (os.path.join(tmp, n) for n in ("first", "state", "resumed"))
+        assert main([*common, *sched("a"), "--num-chunks", "1", "--out", first, *mesh, "--save-state", state]) == 0
+        argv = ["--resume", state, *sched("b"), "--num-chunks", "1", "--out", out, "--no-video", "--no-progress"]
+        assert main([*argv, *mesh]) == 0
+        np.testing.assert_array_equal(load_latents(first), want[:, :1])
+        np.testing.assert_array_equal(load_latents(out), want[:, 1:])
 
 
 if __name__ == "__main__":

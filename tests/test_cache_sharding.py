@@ -126,3 +126,24 @@ def test_dilated_and_mixed_caches_shard_as_the_ring_cache():
     for part in (specs.dense, specs.dilated):
         assert_ring_specs(part, ("model", "seq"))
     assert cache_partition_specs(mixed, data_axis=None).dilated.positions == P(None, None)
+
+
+def test_an_fp8_cache_shards_its_ring_and_its_scales_by_session_and_head():
+    """An `Fp8Cache` gets its inner ring's specs, and its per-(slot, head) scales [layers, batch, slots, heads] split
+    by session and head like the K/V they scale (in-process: no mesh); a per-layer cache is refused, not mis-specced."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxkv.cache import Fp8Cache, RingSpec
+    from jaxkv.cache.sharding import cache_partition_specs
+
+    cache = Fp8Cache.init(RingSpec(chunk=2, window=4, sink=2), 2, 4, 8, dtype="float32", layers=3)
+    specs = cache_partition_specs(cache, head_axis=("model", "seq"))
+    assert isinstance(specs, Fp8Cache)
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(cache)
+    assert specs.k == specs.v == P(None, "data", None, ("model", "seq"), None)
+    assert specs.positions == P("data", None) and specs.chunk_start == P("data")
+    assert specs.k_scale == specs.v_scale == P(None, "data", None, ("model", "seq"))
+    assert cache_partition_specs(cache, data_axis=None, head_axis=None).k_scale == P(None, None, None, None)
+    with pytest.raises(ValueError, match="a per-layer cache is not sharded; stack it first"):
+        cache_partition_specs(cache.per_layer())

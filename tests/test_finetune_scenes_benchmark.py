@@ -37,7 +37,7 @@ def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_
         scenes = "canonical" if name == "canonical" else "random"
         argv = ["--release", small_release, "--out", out, "--steps", "2", "--scenes", scenes]
         if name == "placed":
-            argv += ["--position-weight", "0.25", "--sampler-steps", "1000,500,100", "--lr", "3e-5"]
+            argv += ["--position-weight", "0.25", "--sampler-steps", "1000,500,100", "--lr", "3e-5", "--sf-chunks", "2"]
         assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.count("steps 1-2 of 2: mean loss") == 4 and "benchmarks/motion.py --release" in printed
@@ -45,6 +45,7 @@ def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_
     assert placed.settings.steps == (1000, 500, 100) and placed.info["finetune"]["sampler_steps"] == [1000, 500, 100]
     assert placed.info["finetune"]["train_config"]["sf_position_weight"] == 0.25
     assert placed.info["finetune"]["train_config"]["sf_lr"] == 3e-5
+    assert placed.info["finetune"]["train_config"]["sf_chunks"] == 2  # the small release's recipe rolls out 1
     assert TM.load(dirs["random"]).settings == TM.load(small_release).settings  # by default the release's own
     toy = TM.load(dirs["random"])
     assert toy.config == TM.load(small_release).config
@@ -82,6 +83,8 @@ def test_finetune_refuses_bad_arguments_before_writing_anything(tmp_path, capsys
     assert "--lr must be finite and > 0" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--position-weight", "-1"]) == 2
     assert "--position-weight must be finite and >= 0" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--sf-chunks", "0"]) == 2
+    assert "--sf-chunks must be >= 1" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--sampler-steps", "500,1000"]) == 2  # the schedule's own check
     assert "strictly decreasing" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -181,3 +181,27 @@ def test_an_fp8_stream_keeps_its_history_switches_and_resumes_switched_from_disk
         stream.switch_prompt(_ctx(3, 2), keep_sink=False)
     for n in range(2):
         np.testing.assert_array_equal(np.asarray(next(resumed)), np.asarray(next(s)), err_msg=f"chunk {4 + n}")
+
+
+def test_a_per_layer_fp8_stream_switches_as_the_stacked_one():
+    """Per-layer params (the unrolled layer loop) hold the FP8 cache per layer; its switches (keeping the sink, then
+    re-running it) re-quantize layer by layer and give the stacked stream's chunks to float32 rounding."""
+    from jaxkv.models.wan.params import per_layer_params
+
+    fp8 = _rc(precision=Precision("float32", "float32", "float32", fp8_kv=True))
+    chunks = {}
+    for name, params in (("stacked", _params()), ("per layer", per_layer_params(_params()))):
+        s = Stream(params, CFG, fp8, _ctx(1, 2), key=jax.random.key(7))
+        xs = [np.asarray(next(s)) for _ in range(3)]
+        s.switch_prompt(_ctx(2, 2))
+        xs.append(np.asarray(next(s)))
+        s.switch_prompt(_ctx(3, 2), keep_sink=False)
+        xs.append(np.asarray(next(s)))
+        assert s.state.cache.is_per_layer == (name == "per layer"), name
+        chunks[name] = xs
+    for n, (a, b) in enumerate(zip(chunks["per layer"], chunks["stacked"], strict=True)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"chunk {n}")
+    unswitched = Stream(_params(), CFG, fp8, _ctx(1, 2), key=jax.random.key(7))
+    plain = [np.asarray(next(unswitched)) for _ in range(4)]
+    np.testing.assert_array_equal(chunks["stacked"][2], plain[2])
+    assert not np.allclose(chunks["stacked"][3], plain[3], atol=1e-3)  # the switch changes the next chunk

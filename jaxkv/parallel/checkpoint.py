@@ -67,12 +67,13 @@ _DTYPES = {"BF16": "bfloat16", "BOOL": "bool"} | {
 
 def rows_axis(name: str) -> int | None:
     """The session axis of a session tensor (None: it has none): k, v [layers, sessions, ...] of the cache (of each
-    stack of a `jaxkv.cache.MixedCache`: "cache/dense/k", ...) and of the cross K/V -> 1; positions
+    stack of a `jaxkv.cache.MixedCache`: "cache/dense/k", ...; an FP8 cache's k_scale, v_scale [layers, sessions,
+    slots, heads] too) and of the cross K/V -> 1; positions
     [sessions, capacity], chunk_start [sessions] -> 0; the key, next_chunk and the VAE's extras -> None."""
     if name.startswith("cross/"):
         return 1
     if name.startswith("cache/"):
-        return 1 if name.rsplit("/", 1)[1] in ("k", "v") else 0
+        return 1 if name.rsplit("/", 1)[1] in ("k", "v", "k_scale", "v_scale") else 0
     return None
 
 
