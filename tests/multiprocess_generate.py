@@ -12,6 +12,7 @@ the same argv in every process but --process-id):
 3. ``rest``: ``--resume DIR/s`` for the next 2 chunks;
    ``switch``: 2 chunks of ``--prompt-schedule DIR/ab.json`` (a switch at chunk 1), and ``switch_resumed``:
    ``--resume DIR/s`` with ``--prompt-schedule DIR/b.json`` (a switch at the resume);
+   ``image`` (``--image DIR/given.png``), ``dilated`` (``--dilated-every 2``) and ``fp8`` (``--precision fp8``);
 4. (2 processes only) ``fail_write``: process 0's writes fail (a file-size limit): every process returns 1, none
    hangs;
 5. (2 processes only) ``fail_check``: process 1 alone is given a --context file it cannot read (as on a file system
@@ -71,6 +72,12 @@ generate(
     "--prompt-schedule",
     os.path.join(out, "b.json"),
 )
+# given frames and other caches in the job: an image the run continues from (read and encoded by every process, the
+# parent's DIR/given.png), a mixed dense / dilated cache, an FP8 KV cache with FP8 attention
+generate("image", "--num-chunks", "2", "--no-video", "--image", os.path.join(out, "given.png"))
+dilated = ["--chunk-frames", "1", "--window-frames", "2", "--sink-frames", "1", "--dilated-every", "2"]
+generate("dilated", "--num-chunks", "3", "--no-video", *dilated, "--dilation", "2", "--buckets", "2")
+generate("fp8", "--num-chunks", "2", "--no-video", "--precision", "fp8")
 
 if num_processes > 1:
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)

@@ -1,6 +1,7 @@
 """``jaxkv generate --mesh data=2,model=2`` as a two-process job (``--coordinator``, 2 CPU devices per process,
 gloo collectives) against the same commands in one process on 4 devices (tests/multiprocess_generate.py runs both):
-the latents bit for bit (prompt switches included), the decoded video frames within one uint8 step, process 0
+the latents bit for bit (prompt switches, a given image, a mixed dense / dilated cache and an FP8 KV cache
+included), the decoded video frames within one uint8 step, process 0
 alone writing the outputs (the same files as the one process), ``--save-state`` then ``--resume`` across the two
 processes continuing as the uninterrupted run (the session saved by the job equals the single-process one, tensor
 for tensor), and a failure in one process ending every process."""
@@ -13,6 +14,7 @@ import signal
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from jaxkv.generate import load_latents
 from jaxkv.models.wan.config import PRESETS
@@ -50,19 +52,24 @@ def test_generate_on_a_two_process_mesh_matches_one_process(tmp_path):
     job, ref = tmp_path / "job", tmp_path / "ref"
     rng = np.random.default_rng(5)
     contexts = {name: rng.standard_normal((5, PRESETS["tiny"].text_dim)).astype(np.float32) for name in "ab"}
+    picture = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
     for d in (job, ref):
         d.mkdir()
         for name, context in contexts.items():
             np.save(d / f"{name}.npy", context)
         for name, entries in (("ab", [(0, "a"), (1, "b")]), ("b", [(0, "b")])):
             (d / f"{name}.json").write_text(json.dumps([{"chunk": c, "context": f"{e}.npy"} for c, e in entries]))
+        Image.fromarray(picture).save(d / "given.png")
     run_processes("multiprocess_generate.py", 2, str(job))
     run_processes("multiprocess_generate.py", 1, str(ref))
-    for name in ("whole", "part", "rest", "switch", "switch_resumed"):
+    for name in ("whole", "part", "rest", "switch", "switch_resumed", "image", "dilated", "fp8"):
         np.testing.assert_array_equal(load_latents(str(job / name)), load_latents(str(ref / name)), err_msg=name)
         summary = json.loads((job / name / "summary.json").read_text())
         assert summary["status"] == "complete" and summary["mesh"]["data"] == 2, summary
         assert sorted(os.listdir(job / name)) == sorted(os.listdir(ref / name)), name
+    given = json.loads((job / "image" / "summary.json").read_text())
+    assert given["first_chunk"] > 0 and given["given"]["kind"] == "image", given
+    assert json.loads((job / "dilated" / "summary.json").read_text())["dilated_every"] == 2
     for name in ("whole", "part", "rest"):
         # The VAE's frames (the mp4 encoder is lossy): the same single-device decode of the same latents, in a
         # process with 2 CPU devices against one with 4; seen to differ by one uint8 step in 1 of 221184 values.
