@@ -132,7 +132,7 @@ class Pipeline:
         Args:
           path: None for the toy world shipped in the package (``jaxkv generate``'s default); a toy-world release
             directory; or a converted release (`jaxkv convert`: ``dit/``, ``vae/``, ``text_encoder/``).
-          precision: "float32" or "bfloat16" (`jaxkv.precision` presets).
+          precision: "float32", "bfloat16" or "fp8" (`jaxkv.precision` presets).
           backend: the attention backend (`jaxkv.attend`'s names; "auto" picks per platform).
           settings: ``jaxkv generate`` flags by destination (`SETTINGS`: height, width, chunk_frames,
             window_frames, sink_frames, policy, steps, shift, context_noise, rope, guidance_scale,

@@ -114,6 +114,31 @@ def test_save_and_resume_continue_bit_for_bit(pipe, tmp_path):
     assert r2.save(path, overwrite=True) == str(path)
 
 
+def test_an_fp8_pipeline_switches_as_generate_does_and_resumes_bit_for_bit(tmp_path):
+    """``precision="fp8"`` (what ``jaxkv serve --precision fp8`` loads): a switch gives what ``jaxkv generate
+    --precision fp8 --prompt-schedule`` writes, and a session saved after it resumes (on the class: the precision
+    comes from the session) to the uninterrupted stream's frames."""
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps([{"chunk": 0, "prompt": P0}, {"chunk": 2, "prompt": P1}]))
+    out = tmp_path / "cli"
+    _generate(["--out", str(out), "--num-chunks", "4", "--prompt-schedule", str(schedule), "--precision", "fp8"])
+    want = _cli_frames(out, 4)
+    fp8 = Pipeline.from_pretrained(precision="fp8")
+    assert fp8.rc.precision.fp8_kv and fp8.rc.precision.fp8_attention
+    s = fp8.start(P0, seed=0)
+    got = [s.step(), s.step()]
+    assert s.switch_prompt(P1) == 2
+    got.append(s.step())
+    path = s.save(tmp_path / "sess")
+    assert S.read_metadata(path)["pipeline"]["precision"] == "fp8"
+    got.append(s.step())
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"chunk {i}")
+    r = Pipeline.resume(path)
+    assert r.pipeline.rc.precision == fp8.rc.precision and r.chunk_index == 3 and r.prompt == P1
+    np.testing.assert_array_equal(r.step(), want[3])
+
+
 def test_a_generate_session_resumes_in_the_pipeline(pipe, tmp_path):
     out, state = tmp_path / "cli", tmp_path / "state"
     _generate(["--out", str(out), "--num-chunks", "2", "--seed", "5", "--save-state", str(state)])

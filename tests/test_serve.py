@@ -123,6 +123,16 @@ def test_serve_command_refuses_before_loading(argv, message, capsys, monkeypatch
     assert message in err and err.count("\n") == 1
 
 
+def test_serve_takes_every_precision_preset():
+    """``--precision fp8`` serves streams on an FP8 KV cache (they switch, fork, save and resume:
+    tests/test_pipeline.py::test_an_fp8_pipeline_switches_as_generate_does_and_resumes_bit_for_bit)."""
+    from jaxkv.precision import PRESETS
+
+    for name in PRESETS:
+        assert cli.build_parser().parse_args(["--precision", name]).precision == name
+    assert set(PRESETS) == {"float32", "bfloat16", "fp8"}
+
+
 def test_serve_is_a_jaxkv_command(capsys):
     from jaxkv import cli as jaxkv_cli
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 from jaxkv.argparsing import Parser
+from jaxkv.precision import PRESETS
 
 TOKEN_ENV = "JAXKV_SERVE_TOKEN"
 
@@ -32,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a converted release or a toy-world release (default: the toy world shipped in the package)",
     )
-    p.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="weights and caches")
+    p.add_argument(
+        "--precision",
+        choices=tuple(PRESETS),
+        default="float32",
+        help="dtype policy of weights, activations and caches (jaxkv.precision presets; fp8: bfloat16 with an FP8 KV "
+        "cache and FP8 attention, half the cache bytes of bfloat16)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --token")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument(
