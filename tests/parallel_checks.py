@@ -627,6 +627,19 @@ def check_checkpoint_errors():
         )
 
 
+def write_schedules(tmp):
+    """Writes contexts a.npy, b.npy, neg.npy (5 x text_dim, seed 5) and prompt schedules ab.json (a, then b from
+    chunk 1), a.json and b.json into ``tmp``."""
+    import json
+
+    rng = np.random.default_rng(5)
+    for name in ("a", "b", "neg"):
+        np.save(os.path.join(tmp, f"{name}.npy"), rng.standard_normal((5, CONFIG.text_dim)).astype(np.float32))
+    for name, entries in (("ab", [(0, "a"), (1, "b")]), ("a", [(0, "a")]), ("b", [(0, "b")])):
+        with open(os.path.join(tmp, f"{name}.json"), "w") as f:
+            json.dump([{"chunk": c, "context": f"{e}.npy"} for c, e in entries], f)
+
+
 def check_generate_save_resume():
     """``jaxkv generate --mesh data=2,model=4 --save-state`` after one chunk, then ``--resume``: on the same mesh the
     continuation is the uninterrupted mesh run's next chunk bit for bit; on ``data=4,model=2`` and on one device
@@ -669,12 +682,7 @@ def check_generate_save_resume():
             else:
                 np.testing.assert_allclose(load_latents(out), want[:, 1:], **TOL)
         # a prompt schedule on the mesh (a switch at chunk 1), and across a resume: the single-device run's chunks
-        rng = np.random.default_rng(5)
-        for name in ("a", "b", "neg"):
-            np.save(os.path.join(tmp, f"{name}.npy"), rng.standard_normal((5, CONFIG.text_dim)).astype(np.float32))
-        for name, entries in (("ab", [(0, "a"), (1, "b")]), ("a", [(0, "a")]), ("b", [(0, "b")])):
-            with open(os.path.join(tmp, f"{name}.json"), "w") as f:
-                json.dump([{"chunk": c, "context": f"{e}.npy"} for c, e in entries], f)
+        write_schedules(tmp)
         common += ["--negative-context", os.path.join(tmp, "neg.npy")]
         sched = ["--prompt-schedule", os.path.join(tmp, "ab.json"), "--num-chunks", "2"]
         one, mesh = os.path.join(tmp, "sched_one"), os.path.join(tmp, "sched_mesh")
@@ -1193,12 +1201,7 @@ def check_generate_fp8():
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         checkpoint.save(ckpt, CONFIG, PARAMS)
-        rng = np.random.default_rng(5)
-        for name in ("a", "b", "neg"):
-            np.save(os.path.join(tmp, f"{name}.npy"), rng.standard_normal((5, CONFIG.text_dim)).astype(np.float32))
-        for name, entries in (("ab", [(0, "a"), (1, "b")]), ("a", [(0, "a")]), ("b", [(0, "b")])):
-            with open(os.path.join(tmp, f"{name}.json"), "w") as f:
-                json.dump([{"chunk": c, "context": f"{e}.npy"} for c, e in entries], f)
+        write_schedules(tmp)
         common = ["--height", "4", "--width", "4", "--chunk-frames", "1", "--window-frames", "2", "--sink-frames", "1"]
         common += ["--steps", "1000,500", "--batch", "2", "--guidance-scale", "3", "--precision", "fp8"]
         common += ["--checkpoint", ckpt, "--negative-context", os.path.join(tmp, "neg.npy"), "--no-video"]
