@@ -209,6 +209,7 @@ def switch_prompt(
     negative_context=None,
     *,
     keep_sink: bool = True,
+    cross: M.CrossKV | None = None,
 ) -> R.RolloutState:
     """The state under a new prompt: new cross-attention K/V and the retained frames re-cached (module docstring).
 
@@ -220,6 +221,9 @@ def switch_prompt(
       ring: the clean latents of the retained chunks (`LatentRing`, pushed after every chunk).
       context: [batch, text_tokens, text_dim]; negative_context: same, iff rc.guidance_scale is set.
       keep_sink: keep the sink chunks' K/V (True, LongLive's global sink) or recompute them too (False).
+      cross: the contexts' cross-attention K/V when already projected (`jaxkv.models.wan.cross_kv` of the
+        sessions, conditional rows then negative rows); a mesh projects them for the whole batch at once, as its
+        first state does, so that each data group's rows round as one device's.
     Returns:
       the new RolloutState (same cache layout, positions and clock).
     """
@@ -241,7 +245,10 @@ def switch_prompt(
             f"the ring has {ring.batch} rows but the state has {cache.batch} sessions"
             f"{' (guidance doubles them)' if guided else ''}"
         )
-    cross = M.cross_kv(params, config, sessions, run=rc.run)
+    if cross is None:
+        cross = M.cross_kv(params, config, sessions, run=rc.run)
+    elif _shapes(cross) != _shapes(state.cross):
+        raise ValueError(f"the given cross-attention K/V are {_shapes(cross)}, the state's {_shapes(state.cross)}")
     if D.has_dilated_layers(cache):  # replayed chunk by chunk (their visibility is no positional mask)
         cache = D.replay_recache(params, config, rc, cache, cross, ring.latents, ring.chunks, keep_sink)
         return R.RolloutState(cache, cross)
@@ -252,6 +259,10 @@ def switch_prompt(
     t = jnp.full((cache.batch,), rc.schedule.context_noise, jnp.float32)
     cache = recompute(params, config, rc, cache, cross, latents, t, keep)
     return R.RolloutState(cache, cross)
+
+
+def _shapes(cross: M.CrossKV):
+    return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), cross)
 
 
 def recompute(params, config: WanConfig, rc: R.RolloutConfig, cache, cross, latents, t, keep=None):

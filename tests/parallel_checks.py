@@ -751,6 +751,12 @@ def check_switch():
     got, _, _ = switched_chunks(m21, rc, batch, other, neg)
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"data=2 chunk {n}")
+    # one row per data group (no guidance): the new cross K/V are projected for the whole batch, as one device does
+    rc = rc_of()
+    want, _, _ = switched_chunks(None, rc, batch, other, None)
+    got, _, _ = switched_chunks(m21, rc, batch, other, None)
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"data=2, one row per group, chunk {n}")
 
 
 # ------------------------------------------------------------------------------------------------ dilated layers

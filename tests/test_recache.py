@@ -272,6 +272,23 @@ def test_a_ring_that_lacks_a_held_chunk_is_refused_before_the_state_changes():
     assert s.state.cache is before.cache and not s.state.cache.k.is_deleted()
 
 
+def test_switch_takes_the_new_cross_kv_projected_elsewhere():
+    """``cross=`` (what a mesh projects for its whole batch) stands for the projection switch_prompt makes itself:
+    the same K/V give the same state; other K/V are what the re-cached frames attend to."""
+    rc = _rc()
+    s = _stream(rc)
+    new = _ctx(2, 2)
+    want = RC.switch_prompt(s.params, CFG, rc, s.state, s.ring, new)
+    cross = M.cross_kv(s.params, CFG, new, run=rc.run)
+    got = RC.switch_prompt(s.params, CFG, rc, s.state, s.ring, new, cross=cross)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    other = M.cross_kv(s.params, CFG, _ctx(3, 2), run=rc.run)
+    got = RC.switch_prompt(s.params, CFG, rc, s.state, s.ring, new, cross=other)
+    np.testing.assert_array_equal(got.cross.k, other.k)
+    assert not np.allclose(got.cache.k, want.cache.k)
+
+
 def test_switch_argument_errors():
     rc = _rc()
     s = _stream(rc, 1)
@@ -280,6 +297,9 @@ def test_switch_argument_errors():
         RC.switch_prompt(params, CFG, rc, s.state, s.ring, _ctx(2, 2), keep_sink=1)
     with pytest.raises(ValueError, match="3 sessions but the state has 2"):
         RC.switch_prompt(params, CFG, rc, s.state, s.ring, _ctx(2, batch=3))
+    short = M.CrossKV(s.state.cross.k[:, :1], s.state.cross.v[:, :1])
+    with pytest.raises(ValueError, match="the given cross-attention K/V are"):
+        RC.switch_prompt(params, CFG, rc, s.state, s.ring, _ctx(2, 2), cross=short)
     with pytest.raises(ValueError, match="chunk_index must be int"):
         s.ring.push(jnp.zeros(rc.chunk_shape(CFG, 2)), jnp.zeros((2,), jnp.float32))
     with pytest.raises(ValueError, match="push: latents"):

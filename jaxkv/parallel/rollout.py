@@ -376,10 +376,23 @@ def mesh_switch(mesh: Mesh, config: WanConfig, rc: R.RolloutConfig, keep_sink: b
     negative rows (`session_order`), which is the order `switch_prompt` expects of one group. The returned state
     has the shardings of `state_shardings`."""
 
+    guided = rc.guidance_scale is not None
+
     def local(params, state, ring, context, *negative):
-        return recache.switch_prompt(params, config, rc, state, ring, context, *negative, keep_sink=keep_sink)
+        return recache.switch_prompt(
+            params, config, rc, state, ring, context, *negative, keep_sink=keep_sink, cross=state.cross
+        )
 
     def switch(params, state, ring, context, *negative):
+        # The new cross K/V are projected for the whole batch (replicated), as `init_state` does: a data group of
+        # one row would round its projection differently from one device's batch (up to 4e-7 on CPU)
+        replicated = NamedSharding(mesh, P())
+        whole = [jax.lax.with_sharding_constraint(c, replicated) for c in (context, *negative)]
+        sessions = R._check_context(config, rc, whole[0], whole[1] if negative else None)
+        cross = M.cross_kv(params, config, sessions, run=rc.run)
+        cross = jax.lax.with_sharding_constraint(cross, replicated)
+        order = session_order(int(context.shape[0]), mesh.shape[DATA], guided)
+        state = R.RolloutState(state.cache, M.CrossKV(cross.k[:, order], cross.v[:, order]))
         specs = state_partition_specs(state, manual_only=True)
         ring_specs = ring.replace(latents=P(DATA), chunks=P(DATA))
         run = jax.shard_map(
