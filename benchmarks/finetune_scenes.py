@@ -1,11 +1,12 @@
-"""Fine-tunes a toy-world release with stage 4 of the recipe (self-forcing through the ring, past the cache) on
-clips of random scenes of each prompt (``--scenes random``: random positions and directions, so the prompt says what
-and how fast, never where) or of its one canonical scene (``--scenes canonical``: the control), and writes the
-result as a release directory (issue 44: does the prompt stop anchoring where the default stream's shapes circle?).
+"""Fine-tunes a toy-world release with stage 4 of the recipe (self-forcing through the ring, past the cache; or
+with ``--stage teacher-forcing`` stage 3's teacher forcing with its level-1 share) on clips of random scenes of each
+prompt (``--scenes random``: random positions and directions, so the prompt says what and how fast, never where) or
+of its one canonical scene (``--scenes canonical``, the recipe's), and writes the result as a release directory
+(issue 44: what teaches the default stream's shapes to keep moving?).
 
-    python benchmarks/finetune_scenes.py --out DIR [--steps 300] [--scenes random] [--release DIR] [--seed 1]
-                                         [--snapshot-every 50] [--resume] [--lr 2e-5] [--position-weight 0.03]
-                                         [--sampler-steps 1000,750,500,100] [--sf-chunks 9]
+    python benchmarks/finetune_scenes.py --out DIR [--stage self-forcing] [--steps 300] [--scenes random]
+                                         [--release DIR] [--seed 1] [--snapshot-every 50] [--resume] [--lr 2e-5]
+                                         [--position-weight 0.03] [--sampler-steps 1000,750,500,100] [--sf-chunks 9]
 
 It starts from the release's weights (its DiT is stored in bfloat16 and read as float32) and the recipe its
 toyworld.json records (`TrainConfig`: the ``sf_*`` loss and settings, remat), with ``--steps`` self-forcing steps of
@@ -19,6 +20,12 @@ release it writes keeps the original's record ("training") and adds this run's (
 ``python benchmarks/motion.py --release DIR`` and ``jaxkv toyworld check DIR``. Like ``jaxkv toyworld train`` it
 keeps a snapshot in ``DIR.partial`` (every ``--snapshot-every`` steps and on Ctrl-C): ``--resume`` continues an
 interrupted run exactly.
+
+With ``--stage teacher-forcing`` the steps are stage 3's (`jaxkv.toyworld.losses.teacher_forcing_loss` with the
+recipe's ``refine_pure_noise_share``; its optimizer: lr ``refine_lr`` or ``--lr``, ``refine_warmup`` warm-up
+steps, cosine decay), the clips drawn from (``--seed``, stage 2, step); ``--position-weight`` and ``--sf-chunks``
+are stage 4's and refused with it. A release fine-tuned in turn keeps every earlier fine-tune's record, oldest
+first, in "finetune_history".
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ from jaxkv.toyworld import model as toy_model
 from jaxkv.toyworld import train as T
 from jaxkv.toyworld.snapshot import load_snapshot, read_position, save_snapshot
 
-STAGE = 3  # the self-forcing stage's index in the draws of `train.train` (seed, stage, step)
+# --stage: (its row of `train.stage_table`, its stage index in the draws of `train.train` (seed, stage, step))
+STAGES = {"self-forcing": (2, 3), "teacher-forcing": (1, 2)}
 
 
 def recipe(
@@ -55,22 +63,33 @@ def recipe(
     position_weight: float = 0.0,
     lr: float | None = None,
     sf_chunks: int | None = None,
+    stage: str = "self-forcing",
 ) -> T.TrainConfig:
     """The `TrainConfig` the release records (defaults where it records none; the DiT's shape is the release's own)
-    with ``steps`` self-forcing steps, ``scenes``, ``seed``, stage 4's ``position_weight``, its peak ``lr`` and the
-    chunks each clip rolls out past its context, ``sf_chunks`` (None: the recipe's)."""
+    with ``steps`` steps of ``stage`` at peak ``lr`` (None: the recipe's), ``scenes``, ``seed``, and stage 4's
+    ``position_weight`` and chunks each clip rolls out past its context, ``sf_chunks`` (None: the recipe's)."""
     recorded = toy.info.get("training", {}).get("train_config") or {}
     known = {f.name for f in dataclasses.fields(T.TrainConfig)}
     tc = T.TrainConfig(**{k: v for k, v in recorded.items() if k in known})
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
+    if stage == "teacher-forcing" and (position_weight or sf_chunks is not None):
+        raise ValueError("--position-weight and --sf-chunks are stage 4's (self-forcing), not teacher forcing's")
+    if stage == "teacher-forcing":
+        tc = dataclasses.replace(tc, refine_steps=steps, refine_lr=tc.refine_lr if lr is None else lr)
+    else:
+        tc = dataclasses.replace(
+            tc,
+            sf_steps=steps,
+            sf_position_weight=position_weight,
+            sf_lr=tc.sf_lr if lr is None else lr,
+            sf_chunks=tc.sf_chunks if sf_chunks is None else sf_chunks,
+        )
     c = toy.config
     tc = dataclasses.replace(
         tc,
-        sf_steps=steps,
         scenes=scenes,
         seed=seed,
-        sf_position_weight=position_weight,
-        sf_lr=tc.sf_lr if lr is None else lr,
-        sf_chunks=tc.sf_chunks if sf_chunks is None else sf_chunks,
         dit_dim=c.dim,
         dit_ffn_dim=c.ffn_dim,
         dit_heads=c.num_heads,
@@ -100,6 +119,7 @@ def finetune(
     sampler_steps: tuple[int, ...] | None = None,
     lr: float | None = None,
     sf_chunks: int | None = None,
+    stage: str = "self-forcing",
     log=print,
 ) -> dict:
     """Runs the fine-tune of the module docstring and writes the release ``out``; returns its "finetune" record.
@@ -107,35 +127,37 @@ def finetune(
     Every ``snapshot_every`` steps and on Ctrl-C it writes params, optimizer state and losses to `snapshot_path`
     (`jaxkv.toyworld.snapshot`); ``resume`` continues from there, bit for bit as the uninterrupted run, after
     checking that the snapshot is this fine-tune's (release, steps, scenes, seed, position weight, lr, sampler
-    steps, chunks rolled out).
+    steps, chunks rolled out, stage).
     The snapshot goes once the release is written. ``sampler_steps``: the rollouts' and the written release's
     sampler steps (default: the release's own)."""
     toy = toy_model.load(release)
     if sampler_steps is not None:
         toy = dataclasses.replace(toy, settings=dataclasses.replace(toy.settings, steps=tuple(sampler_steps)))
         toy.settings.schedule()  # checks the steps as every schedule's are checked (ValueError)
-    tc = recipe(toy, steps, scenes, seed, position_weight, lr, sf_chunks)
+    tc = recipe(toy, steps, scenes, seed, position_weight, lr, sf_chunks, stage)
+    row, draws = STAGES[stage]
     config, text_params, _ = umt5.load(os.path.join(release, PARTS["umt5"]), dtype=jnp.float32)
     if config != text.CONFIG:
         raise ValueError(f"{release}: its text encoder is not the toy model's ({config})")
     params = {"dit": toy.params, "text": text_params}
-    name, _, size, after_sink, loss_fn, optimizer = T.stage_table(tc, toy.settings, toy.latent_map)[2]
+    name, _, size, after_sink, loss_fn, optimizer = T.stage_table(tc, toy.settings, toy.latent_map)[row]
     step_fn = T._step_fn(loss_fn, optimizer)
     opt_state = optimizer.init(params)
     snapshot = snapshot_path(out)
-    origin = {"finetune_from": os.path.abspath(release), "sampler_steps": list(toy.settings.steps)}
+    origin = {"finetune_from": os.path.abspath(release), "sampler_steps": list(toy.settings.steps), "stage": stage}
     first, losses, before = 0, [], 0.0
     if resume:
         if not os.path.isdir(snapshot):
             raise FileNotFoundError(f"--resume: no snapshot at {snapshot}")
         position = read_position(snapshot)
         mine = json.loads(json.dumps(dataclasses.asdict(tc)))  # as position.json holds it (tuples as lists)
-        theirs = (position.get("finetune_from"), position.get("sampler_steps"), position.get("train_config"))
-        if theirs != (origin["finetune_from"], origin["sampler_steps"], mine):
+        keys = ("finetune_from", "sampler_steps", "stage")
+        theirs = (*(position.get(k) for k in keys), position.get("train_config"))
+        if theirs != (*(origin[k] for k in keys), mine):
             raise ValueError(
                 f"--resume: the snapshot at {snapshot} is another fine-tune's (from "
-                f"{position.get('finetune_from')!r}); resume with the --release, --steps, --scenes, --seed, "
-                "--position-weight, --sampler-steps, --lr and --sf-chunks it was started with"
+                f"{position.get('finetune_from')!r}); resume with the --stage, --release, --steps, --scenes, "
+                "--seed, --position-weight, --sampler-steps, --lr and --sf-chunks it was started with"
             )
         position, (params, opt_state) = load_snapshot(snapshot, (params, opt_state))
         first, losses, before = position["step"], position["losses"], position["seconds"]
@@ -150,7 +172,7 @@ def finetune(
     try:
         for step in range(first, steps):
             batch, key_step = T.step_inputs(
-                toy.latent_map, tokenizer, toy.settings, tc, seed, STAGE, step, size, after_sink, key
+                toy.latent_map, tokenizer, toy.settings, tc, seed, draws, step, size, after_sink, key
             )
             params, opt_state, loss = step_fn(params, opt_state, batch, key_step)
             losses.append(float(loss))  # waits for the step
@@ -164,9 +186,9 @@ def finetune(
                     f"{np.mean(losses[tens:]):.4f}, {seconds():.0f} s"
                 )
             if done % snapshot_every == 0 and done < steps:
-                save_snapshot(snapshot, STAGE, done, params, opt_state, losses, [], (seconds(), seconds()), tc, origin)
+                save_snapshot(snapshot, draws, done, params, opt_state, losses, [], (seconds(), seconds()), tc, origin)
     except KeyboardInterrupt:
-        save_snapshot(snapshot, STAGE, done, params, opt_state, losses[:done], [], (seconds(), seconds()), tc, origin)
+        save_snapshot(snapshot, draws, done, params, opt_state, losses[:done], [], (seconds(), seconds()), tc, origin)
         log(f"interrupted: snapshot at step {done} in {snapshot}; continue with --resume")
         raise
     total = seconds()
@@ -187,7 +209,8 @@ def finetune(
         "jax_version": jax.__version__,
         "machine": platform.platform(),
     }
-    info = {**toy.info, "finetune": record}
+    earlier = [*toy.info.get("finetune_history", []), *([toy.info["finetune"]] if "finetune" in toy.info else [])]
+    info = {**toy.info, "finetune": record, **({"finetune_history": earlier} if earlier else {})}
     toy_model.save(
         out, params["dit"], params["text"], toy.latent_map, toy.settings, info, config=toy.config, force=force
     )
@@ -198,7 +221,13 @@ def finetune(
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")
-    ap.add_argument("--steps", type=int, default=300, help="self-forcing steps (default 300)")
+    ap.add_argument(
+        "--stage",
+        choices=tuple(STAGES),
+        default="self-forcing",
+        help="the recipe's stage 4 (self-forcing, the default) or stage 3 (teacher-forcing, with its level-1 share)",
+    )
+    ap.add_argument("--steps", type=int, default=300, help="steps of the stage (default 300)")
     ap.add_argument("--scenes", choices=clips.SCENES, default="random", help="the clips' scenes (default random)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the clips and the noise (default 1)")
     ap.add_argument("--release", default=toy_model.RELEASE_DIR, help="the release to start from (default: shipped)")
@@ -215,8 +244,7 @@ def main(argv=None) -> int:
         "--lr",
         type=float,
         default=None,
-        help="the peak learning rate (default: the recipe's sf_lr, 1e-4 for release 8, with which its stage 4 began "
-        "from stage 3's weights; a fine-tune of a converged model may want less)",
+        help="the peak learning rate (default: the recipe's, sf_lr or refine_lr: 1e-4 or 5e-4 for release 8)",
     )
     ap.add_argument(
         "--sf-chunks",
@@ -231,6 +259,9 @@ def main(argv=None) -> int:
         help="the rollouts' and the written release's sampler timesteps, comma-separated (default: the release's)",
     )
     args = ap.parse_args(argv)
+    if args.stage == "teacher-forcing" and (args.position_weight or args.sf_chunks is not None):
+        print("finetune_scenes: --position-weight and --sf-chunks are for --stage self-forcing", file=sys.stderr)
+        return 2
     if args.sf_chunks is not None and args.sf_chunks < 1:
         print(f"finetune_scenes: --sf-chunks must be >= 1, got {args.sf_chunks}", file=sys.stderr)
         return 2
@@ -266,6 +297,7 @@ def main(argv=None) -> int:
             sampler_steps=args.sampler_steps,
             lr=args.lr,
             sf_chunks=args.sf_chunks,
+            stage=args.stage,
         )
     except KeyboardInterrupt:
         return 130

@@ -32,15 +32,24 @@ def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_
     from jaxkv.toyworld import model as TM
 
     bench = load_benchmark("finetune_scenes")
-    dirs = {name: str(tmp_path / name) for name in ("random", "again", "canonical", "placed")}
+    dirs = {name: str(tmp_path / name) for name in ("random", "again", "canonical", "placed", "taught", "then")}
     for name, out in dirs.items():
         scenes = "canonical" if name == "canonical" else "random"
-        argv = ["--release", small_release, "--out", out, "--steps", "2", "--scenes", scenes]
+        release = dirs["taught"] if name == "then" else small_release
+        argv = ["--release", release, "--out", out, "--steps", "2", "--scenes", scenes]
         if name == "placed":
             argv += ["--position-weight", "0.25", "--sampler-steps", "1000,500,100", "--lr", "3e-5", "--sf-chunks", "2"]
+        if name == "taught":
+            argv += ["--stage", "teacher-forcing", "--lr", "1e-3"]
         assert bench.main(argv) == 0
     printed = capsys.readouterr().out
-    assert printed.count("steps 1-2 of 2: mean loss") == 4 and "benchmarks/motion.py --release" in printed
+    assert printed.count("steps 1-2 of 2: mean loss") == 6 and "benchmarks/motion.py --release" in printed
+    assert printed.count("teacher forcing, level-1 share (random scenes) steps 1-2 of 2") == 1
+    taught, then = (TM.load(dirs[n]).info for n in ("taught", "then"))
+    assert taught["finetune"]["stage"] == "teacher forcing, level-1 share" and "finetune_history" not in taught
+    recipe = taught["finetune"]["train_config"]
+    assert (recipe["refine_steps"], recipe["refine_lr"], recipe["sf_steps"]) == (2, 1e-3, 0)  # sf_steps: the recipe's
+    assert then["finetune"]["stage"] == "self-forcing" and then["finetune_history"] == [taught["finetune"]]
     placed = TM.load(dirs["placed"])
     assert placed.settings.steps == (1000, 500, 100) and placed.info["finetune"]["sampler_steps"] == [1000, 500, 100]
     assert placed.info["finetune"]["train_config"]["sf_position_weight"] == 0.25
@@ -60,6 +69,7 @@ def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_
     same = lambda a, b: all(np.array_equal(weights[a][k], weights[b][k]) for k in weights[a])
     assert same("random", "again")  # drawn from (seed, stage, step): reproducible
     assert not same("random", "start") and not same("random", "canonical")
+    assert not same("taught", "start") and not same("taught", "random") and not same("then", "taught")
     with open(os.path.join(dirs["canonical"], "toyworld.json")) as f:
         assert json.load(f)["finetune"]["scenes"] == "canonical"
 
@@ -83,6 +93,10 @@ def test_finetune_refuses_bad_arguments_before_writing_anything(tmp_path, capsys
     assert "--lr must be finite and > 0" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--position-weight", "-1"]) == 2
     assert "--position-weight must be finite and >= 0" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--stage", "teacher-forcing", "--position-weight", "0.1"]) == 2
+    assert "--position-weight and --sf-chunks are for --stage self-forcing" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--stage", "teacher-forcing", "--sf-chunks", "2"]) == 2
+    assert "are for --stage self-forcing" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--sf-chunks", "0"]) == 2
     assert "--sf-chunks must be >= 1" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--sampler-steps", "500,1000"]) == 2  # the schedule's own check
