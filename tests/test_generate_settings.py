@@ -187,10 +187,12 @@ OLD_RANDOM = {
     **dict(random_weights=True, rope="absolute", seed=0, shift=5.0, sink_frames=3, steps=(1000, 750, 500, 250)),
     **dict(weights_seed=0, width=16, window_frames=9),
 }
+with open(os.path.join(RELEASE, "toyworld.json")) as _f:  # the shipped release's sampler (release 9: ends at 100)
+    RELEASE_STEPS = tuple(json.load(_f)["settings"]["steps"])
 OLD_DEFAULT = {
     **OLD_RANDOM,
     **dict(random_weights=False, rope="cache-relative", shift=3.0, window_frames=6),
-    **dict(prompt="a red circle and a blue square, slow", release=RELEASE),
+    **dict(prompt="a red circle and a blue square, slow", release=RELEASE, steps=RELEASE_STEPS),
     **dict(checkpoint=os.path.join(RELEASE, "dit"), text_encoder=os.path.join(RELEASE, "text_encoder")),
 }
 

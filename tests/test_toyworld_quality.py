@@ -1,5 +1,5 @@
 """The quality bar (`jaxkv.toyworld.quality`): the world's own clips clear it, random weights do not, the shipped
-model (release 8) does; `tracking` against the world's own scenes."""
+model (release 9) does; `tracking` against the world's own scenes."""
 
 import dataclasses
 
@@ -238,8 +238,9 @@ def test_denoising_errors_scale_as_sigma_squared_for_a_dit_that_predicts_no_flow
     # a zero head predicts zero flow, so its x0 is the noisy input itself: error sigma^2 * mean((eps - x0)^2)
     params = dict(shipped.params, head=jax.tree.map(np.zeros_like, shipped.params["head"]))
     errors = quality.denoising_errors(dataclasses.replace(shipped, params=params), clips=6)
-    # the shipped steps 1000 / 750 / 500 / 250 warped with shift 3: 3 d / (1 + 2 d) for d = 1, 0.75, 0.5, 0.25
-    assert errors.sigmas.tolist() == pytest.approx([1.0, 0.9, 0.75, 0.5])
+    # the shipped steps 1000 / 750 / 500 / 100 (release 9) warped with shift 3: 3 d / (1 + 2 d) for d = 1, 0.75,
+    # 0.5, 0.1
+    assert errors.sigmas.tolist() == pytest.approx([1.0, 0.9, 0.75, 0.25])
     np.testing.assert_allclose(
         errors.model / errors.model[:1], np.broadcast_to(errors.sigmas[:, None] ** 2, errors.model.shape), rtol=1e-4
     )

@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the defaults shown are those of --random-weights and Wan checkpoints; a toy-world model's settings "
         "replace those of --height, --width, --chunk-frames, --window-frames, --sink-frames, --rope, --steps "
         "and --shift for each one not passed (the shipped toy world: 8x8, 3, 6, 3, cache-relative, "
-        "1000,750,500,250, 3.0)"
+        "1000,750,500,100, 3.0)"
     )
     v = p.add_argument_group("video and cache (frames are latent frames)", toy_note)
     v.add_argument("--height", type=_positive, default=d["height"], help="latent height")
