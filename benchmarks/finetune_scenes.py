@@ -6,12 +6,14 @@ of its one canonical scene (``--scenes canonical``, the recipe's), and writes th
 
     python benchmarks/finetune_scenes.py --out DIR [--stage self-forcing] [--steps 300] [--scenes random]
                                          [--release DIR] [--seed 1] [--snapshot-every 50] [--resume] [--lr 2e-5]
-                                         [--position-weight 0.03] [--sampler-steps 1000,750,500,100] [--sf-chunks 9]
+                                         [--position-weight 0.03] [--apart-weight 0.1] [--sf-chunks 9]
+                                         [--sampler-steps 1000,750,500,100]
 
 It starts from the release's weights (its DiT is stored in bfloat16 and read as float32) and the recipe its
 toyworld.json records (`TrainConfig`: the ``sf_*`` loss and settings, remat), with ``--steps`` self-forcing steps of
 the recipe's stage-4 optimizer (lr ``sf_lr`` or ``--lr``, 20 warm-up steps, cosine decay to a tenth over
-``--steps``), the position term (`jaxkv.toyworld.losses.position_error`) at ``--position-weight``, rollouts with
+``--steps``), the position term (`jaxkv.toyworld.losses.position_error`) at ``--position-weight``, the apart
+term (`jaxkv.toyworld.losses.apart_error`: two named shapes drawn into each other) at ``--apart-weight``, rollouts with
 ``--sampler-steps`` (written into the release's settings; default the release's own), ``--sf-chunks`` chunks
 rolled out past each clip's context (default the recipe's) and clips
 and noise drawn from (``--seed``, stage 3, step) as `jaxkv.toyworld.train` draws them. The default seed, 1, is
@@ -23,9 +25,9 @@ interrupted run exactly.
 
 With ``--stage teacher-forcing`` the steps are stage 3's (`jaxkv.toyworld.losses.teacher_forcing_loss` with the
 recipe's ``refine_pure_noise_share``; its optimizer: lr ``refine_lr`` or ``--lr``, ``refine_warmup`` warm-up
-steps, cosine decay), the clips drawn from (``--seed``, stage 2, step); ``--position-weight`` and ``--sf-chunks``
-are stage 4's and refused with it. A release fine-tuned in turn keeps every earlier fine-tune's record, oldest
-first, in "finetune_history".
+steps, cosine decay), the clips drawn from (``--seed``, stage 2, step); ``--position-weight``, ``--apart-weight``
+and ``--sf-chunks`` are stage 4's and refused with it. A release fine-tuned in turn keeps every earlier fine-tune's
+record, oldest first, in "finetune_history".
 """
 
 from __future__ import annotations
@@ -64,17 +66,21 @@ def recipe(
     lr: float | None = None,
     sf_chunks: int | None = None,
     stage: str = "self-forcing",
+    apart_weight: float = 0.0,
 ) -> T.TrainConfig:
     """The `TrainConfig` the release records (defaults where it records none; the DiT's shape is the release's own)
     with ``steps`` steps of ``stage`` at peak ``lr`` (None: the recipe's), ``scenes``, ``seed``, and stage 4's
-    ``position_weight`` and chunks each clip rolls out past its context, ``sf_chunks`` (None: the recipe's)."""
+    ``position_weight``, ``apart_weight`` and chunks each clip rolls out past its context, ``sf_chunks`` (None: the
+    recipe's)."""
     recorded = toy.info.get("training", {}).get("train_config") or {}
     known = {f.name for f in dataclasses.fields(T.TrainConfig)}
     tc = T.TrainConfig(**{k: v for k, v in recorded.items() if k in known})
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
-    if stage == "teacher-forcing" and (position_weight or sf_chunks is not None):
-        raise ValueError("--position-weight and --sf-chunks are stage 4's (self-forcing), not teacher forcing's")
+    if stage == "teacher-forcing" and (position_weight or apart_weight or sf_chunks is not None):
+        raise ValueError(
+            "--position-weight, --apart-weight and --sf-chunks are stage 4's (self-forcing), not teacher forcing's"
+        )
     if stage == "teacher-forcing":
         tc = dataclasses.replace(tc, refine_steps=steps, refine_lr=tc.refine_lr if lr is None else lr)
     else:
@@ -82,6 +88,7 @@ def recipe(
             tc,
             sf_steps=steps,
             sf_position_weight=position_weight,
+            sf_apart_weight=apart_weight,
             sf_lr=tc.sf_lr if lr is None else lr,
             sf_chunks=tc.sf_chunks if sf_chunks is None else sf_chunks,
         )
@@ -120,21 +127,22 @@ def finetune(
     lr: float | None = None,
     sf_chunks: int | None = None,
     stage: str = "self-forcing",
+    apart_weight: float = 0.0,
     log=print,
 ) -> dict:
     """Runs the fine-tune of the module docstring and writes the release ``out``; returns its "finetune" record.
 
     Every ``snapshot_every`` steps and on Ctrl-C it writes params, optimizer state and losses to `snapshot_path`
     (`jaxkv.toyworld.snapshot`); ``resume`` continues from there, bit for bit as the uninterrupted run, after
-    checking that the snapshot is this fine-tune's (release, steps, scenes, seed, position weight, lr, sampler
-    steps, chunks rolled out, stage).
+    checking that the snapshot is this fine-tune's (release, steps, scenes, seed, position and apart weights, lr,
+    sampler steps, chunks rolled out, stage).
     The snapshot goes once the release is written. ``sampler_steps``: the rollouts' and the written release's
     sampler steps (default: the release's own)."""
     toy = toy_model.load(release)
     if sampler_steps is not None:
         toy = dataclasses.replace(toy, settings=dataclasses.replace(toy.settings, steps=tuple(sampler_steps)))
         toy.settings.schedule()  # checks the steps as every schedule's are checked (ValueError)
-    tc = recipe(toy, steps, scenes, seed, position_weight, lr, sf_chunks, stage)
+    tc = recipe(toy, steps, scenes, seed, position_weight, lr, sf_chunks, stage, apart_weight)
     row, draws = STAGES[stage]
     config, text_params, _ = umt5.load(os.path.join(release, PARTS["umt5"]), dtype=jnp.float32)
     if config != text.CONFIG:
@@ -157,7 +165,7 @@ def finetune(
             raise ValueError(
                 f"--resume: the snapshot at {snapshot} is another fine-tune's (from "
                 f"{position.get('finetune_from')!r}); resume with the --stage, --release, --steps, --scenes, "
-                "--seed, --position-weight, --sampler-steps, --lr and --sf-chunks it was started with"
+                "--seed, --position-weight, --apart-weight, --sampler-steps, --lr and --sf-chunks it was started with"
             )
         position, (params, opt_state) = load_snapshot(snapshot, (params, opt_state))
         first, losses, before = position["step"], position["losses"], position["seconds"]
@@ -241,6 +249,13 @@ def main(argv=None) -> int:
         help="weight of stage 4's position term (losses.position_error; default 0, the recipe's)",
     )
     ap.add_argument(
+        "--apart-weight",
+        type=float,
+        default=0.0,
+        help="weight of stage 4's apart term (losses.apart_error: two named shapes drawn into each other, px; "
+        "default 0, the recipe's)",
+    )
+    ap.add_argument(
         "--lr",
         type=float,
         default=None,
@@ -259,8 +274,11 @@ def main(argv=None) -> int:
         help="the rollouts' and the written release's sampler timesteps, comma-separated (default: the release's)",
     )
     args = ap.parse_args(argv)
-    if args.stage == "teacher-forcing" and (args.position_weight or args.sf_chunks is not None):
-        print("finetune_scenes: --position-weight and --sf-chunks are for --stage self-forcing", file=sys.stderr)
+    if args.stage == "teacher-forcing" and (args.position_weight or args.apart_weight or args.sf_chunks is not None):
+        print(
+            "finetune_scenes: --position-weight, --apart-weight and --sf-chunks are for --stage self-forcing",
+            file=sys.stderr,
+        )
         return 2
     if args.sf_chunks is not None and args.sf_chunks < 1:
         print(f"finetune_scenes: --sf-chunks must be >= 1, got {args.sf_chunks}", file=sys.stderr)
@@ -271,12 +289,11 @@ def main(argv=None) -> int:
     if args.lr is not None and not (0.0 < args.lr < float("inf")):
         print(f"finetune_scenes: --lr must be finite and > 0, got {args.lr}", file=sys.stderr)
         return 2
-    if not (0.0 <= args.position_weight < float("inf")):
-        print(
-            f"finetune_scenes: --position-weight must be finite and >= 0, got {args.position_weight}",
-            file=sys.stderr,
-        )
-        return 2
+    for name in ("position_weight", "apart_weight"):
+        if not (0.0 <= getattr(args, name) < float("inf")):
+            flag = "--" + name.replace("_", "-")
+            print(f"finetune_scenes: {flag} must be finite and >= 0, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     if os.path.exists(args.out) and not args.overwrite:
         print(f"finetune_scenes: {args.out} exists; pass --overwrite to replace a toy-world release", file=sys.stderr)
         return 2
@@ -298,6 +315,7 @@ def main(argv=None) -> int:
             lr=args.lr,
             sf_chunks=args.sf_chunks,
             stage=args.stage,
+            apart_weight=args.apart_weight,
         )
     except KeyboardInterrupt:
         return 130

@@ -39,6 +39,7 @@ def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_
         argv = ["--release", release, "--out", out, "--steps", "2", "--scenes", scenes]
         if name == "placed":
             argv += ["--position-weight", "0.25", "--sampler-steps", "1000,500,100", "--lr", "3e-5", "--sf-chunks", "2"]
+            argv += ["--apart-weight", "0.5"]
         if name == "taught":
             argv += ["--stage", "teacher-forcing", "--lr", "1e-3"]
         assert bench.main(argv) == 0
@@ -53,6 +54,7 @@ def test_finetune_writes_a_release_of_its_steps_reproducibly(small_release, tmp_
     placed = TM.load(dirs["placed"])
     assert placed.settings.steps == (1000, 500, 100) and placed.info["finetune"]["sampler_steps"] == [1000, 500, 100]
     assert placed.info["finetune"]["train_config"]["sf_position_weight"] == 0.25
+    assert placed.info["finetune"]["train_config"]["sf_apart_weight"] == 0.5
     assert placed.info["finetune"]["train_config"]["sf_lr"] == 3e-5
     assert placed.info["finetune"]["train_config"]["sf_chunks"] == 2  # the small release's recipe rolls out 1
     assert TM.load(dirs["random"]).settings == TM.load(small_release).settings  # by default the release's own
@@ -93,8 +95,12 @@ def test_finetune_refuses_bad_arguments_before_writing_anything(tmp_path, capsys
     assert "--lr must be finite and > 0" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--position-weight", "-1"]) == 2
     assert "--position-weight must be finite and >= 0" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--apart-weight", "nan"]) == 2
+    assert "--apart-weight must be finite and >= 0" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--stage", "teacher-forcing", "--position-weight", "0.1"]) == 2
-    assert "--position-weight and --sf-chunks are for --stage self-forcing" in capsys.readouterr().err
+    assert "--position-weight, --apart-weight and --sf-chunks are for --stage self-forcing" in capsys.readouterr().err
+    assert bench.main(["--out", str(out), "--stage", "teacher-forcing", "--apart-weight", "0.1"]) == 2
+    assert "are for --stage self-forcing" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--stage", "teacher-forcing", "--sf-chunks", "2"]) == 2
     assert "are for --stage self-forcing" in capsys.readouterr().err
     assert bench.main(["--out", str(out), "--sf-chunks", "0"]) == 2

@@ -278,7 +278,7 @@ def test_colour_shares_count_the_world_frames_pixels_and_fall_when_the_shapes_fa
         float(L.colour_share_error(fitted, fitted.encode(np.round(faded).astype(np.uint8)), x)), expected, rtol=1e-5
     )
     for bad in (-1.0, float("inf"), float("nan"), "1"):
-        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight"):
+        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight", "sf_apart_weight"):
             with pytest.raises(ValueError, match=f"TrainConfig.{name} is a loss weight"):
                 T.TrainConfig(**{name: bad})
 
@@ -389,6 +389,39 @@ def test_position_error_is_how_far_each_named_shape_is_drawn_from_its_place(fitt
     assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).sum()) > 0
 
 
+def test_apart_error_is_how_far_two_named_shapes_are_drawn_into_each_other(fitted):
+    """`losses.apart_error` reads ~0 on the world's frames (it bounces shapes apart before their reaches meet),
+    the overlap of the two shapes' reaches when a pair is drawn closer (to within the map's blur), more the deeper
+    they overlap; nothing for clips that name one shape, nor where a shape is not drawn; it has a gradient."""
+    import dataclasses
+
+    from jaxkv.toyworld import losses as L
+
+    scenes, objects = _three_scenes(5)
+    render = lambda scenes: np.stack([world.render(sc, 6) for sc in scenes])
+    error = lambda video: float(L.apart_error(fitted, fitted.encode(video), objects))
+    assert error(render(scenes)) < 0.05
+    pair = scenes[0]  # a red square and a green triangle
+    touch = world.REACH["square"] + world.REACH["triangle"]
+    readings = []
+    for gap in (4.0, 8.0):
+        a = dataclasses.replace(pair.things[0], position=(20.0, 30.0), velocity=(0.0, 0.0))  # held still
+        b = dataclasses.replace(pair.things[1], position=(20.0 + touch - gap, 30.0), velocity=(0.0, 0.0))
+        close = dataclasses.replace(pair, things=(a, b))
+        d = np.linalg.norm(np.subtract(a.position, b.position))
+        video = np.stack([world.render(sc, 6, bounce=False) for sc in (close, *scenes[1:])])
+        readings.append(error(video))
+        # the world draws the triangle (named second) over the square: the square's hidden part moves its centre
+        assert abs(readings[-1] - (touch - d)) < 1.5, (gap, readings[-1], touch - d)
+    assert 0.5 < readings[0] < readings[1]
+    single = objects.copy()
+    single[0, 1] = -1  # the pair's clip names only its first shape
+    assert float(L.apart_error(fitted, fitted.encode(render(scenes)), single)) == 0.0
+    x = jnp.asarray(fitted.encode(video))
+    grad = jax.grad(lambda x: L.apart_error(fitted, x, objects))(x)
+    assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).sum()) > 0
+
+
 @pytest.mark.slow
 def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fitted):
     """`losses.self_forcing_loss` on a clip of sink + 5 chunks: the squared error of what a stream that committed the
@@ -429,7 +462,7 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
         float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 0.5 * float(L.colour_share_error(fitted, frames, x0[:, 6:])),
         rtol=1e-5,
     )
-    with pytest.raises(ValueError, match="a colour_weight, outline_weight or position_weight needs the latent_map"):
+    with pytest.raises(ValueError, match="a colour_weight, outline_weight, position_weight or apart_weight needs the"):
         L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, None, 0.5)
     # with the outline term: the same stream's frames against the clips' named objects
     outlined = jax.jit(
@@ -440,7 +473,7 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
         float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 2.0 * float(L.outline_error(fitted, frames, objects)),
         rtol=1e-5,
     )
-    with pytest.raises(ValueError, match="an outline_weight or position_weight needs the clips' named objects"):
+    with pytest.raises(ValueError, match="position_weight or apart_weight needs the clips' named objects"):
         L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, 0.0, False, None, 2.0)
     # with the position term: the same stream's frames against the clip's, for its named objects
     placed = jax.jit(
@@ -453,8 +486,21 @@ def test_self_forcing_loss_is_the_error_of_a_stream_continued_past_the_cache(fit
         float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 0.5 * float(L.position_error(fitted, frames, x0[:, 6:], objects)),
         rtol=1e-5,
     )
-    with pytest.raises(ValueError, match="an outline_weight or position_weight needs the clips' named objects"):
+    with pytest.raises(ValueError, match="position_weight or apart_weight needs the clips' named objects"):
         L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, position_weight=0.5)
+    # with the apart term: the same stream's frames, their named objects' overlap
+    apart = jax.jit(
+        lambda p: L.self_forcing_loss(
+            p, x0, ids, mask, at_start, key, settings, fitted, objects=objects, apart_weight=3.0
+        )
+    )
+    np.testing.assert_allclose(
+        float(apart(params)),
+        float(jnp.mean((frames - x0[:, 6:]) ** 2)) + 3.0 * float(L.apart_error(fitted, frames, objects)),
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match="position_weight or apart_weight needs the clips' named objects"):
+        L.self_forcing_loss(params, x0, ids, mask, at_start, key, settings, fitted, apart_weight=0.5)
     norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
     assert all(np.isfinite(norms)) and sum(norms) > 0
 
@@ -549,8 +595,8 @@ def test_resume_refuses_a_snapshot_of_other_settings_before_anything_changes(tmp
 def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
     """`train.resume_conflicts`: a resumed run must repeat the settings of every stage its snapshot has begun (a
     stage at step 0 has not begun), may change those of later stages, and may always change remat (float rounding
-    only). A field a snapshot predates reads as its value before it existed (sf_outline_weight and
-    sf_position_weight: 0, no term)."""
+    only). A field a snapshot predates reads as its value before it existed (sf_outline_weight, sf_position_weight
+    and sf_apart_weight: 0, no term)."""
     import dataclasses
 
     from jaxkv.toyworld import train as T
@@ -583,6 +629,9 @@ def test_resume_may_change_the_settings_of_stages_not_begun_and_remat_only():
     assert T.resume_conflicts(old, T.TrainConfig(sf_position_weight=0.0)) == []
     assert T.resume_conflicts(old, T.TrainConfig(sf_position_weight=0.1)) == [("sf_position_weight", 0.0, 0.1)]
     assert T.resume_conflicts(position(1, 5), T.TrainConfig(sf_position_weight=0.1)) == []  # stage 4 not begun
+    del old["train_config"]["sf_apart_weight"]
+    assert T.resume_conflicts(old, T.TrainConfig(sf_apart_weight=0.0)) == []
+    assert T.resume_conflicts(old, T.TrainConfig(sf_apart_weight=0.1)) == [("sf_apart_weight", 0.0, 0.1)]
     assert T.resume_conflicts({"stage": 2, "step": 4}, T.TrainConfig(steps=1)) == []  # no config recorded
     # the DiT's shape is every stage's: snapshots from before it was a setting read the shipped shape
     del old["train_config"]["dit_dim"], old["train_config"]["dit_heads"]
@@ -620,7 +669,9 @@ def test_train_cli_refuses_a_count_out_of_range_before_writing_anything(tmp_path
     assert not out.exists() and not os.path.exists(str(out) + ".partial")
 
 
-@pytest.mark.parametrize("flag", ["--sf-colour-weight", "--sf-outline-weight", "--sf-position-weight"])
+@pytest.mark.parametrize(
+    "flag", ["--sf-colour-weight", "--sf-outline-weight", "--sf-position-weight", "--sf-apart-weight"]
+)
 @pytest.mark.parametrize("value", ["-0.5", "inf", "nan"])
 def test_train_cli_refuses_a_loss_weight_out_of_range_before_writing_anything(tmp_path, capsys, flag, value):
     from jaxkv.toyworld import cli

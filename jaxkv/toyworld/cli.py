@@ -76,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         "shape is drawn from where the world puts it)",
     )
     t.add_argument(
+        "--sf-apart-weight",
+        type=float,
+        default=d.sf_apart_weight,
+        help="weight of the self-forcing loss's apart term (losses.apart_error: how far, in px, two named shapes "
+        "are drawn into each other; the world bounces them apart)",
+    )
+    t.add_argument(
         "--remat",
         action="store_true",
         help="recompute each DiT block's activations in the backward pass instead of storing them: "
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0.0 < args.sf_lr < float("inf"):
             print("jaxkv toyworld train: --sf-lr must be finite and > 0", file=sys.stderr)
             return 2
-        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight"):
+        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight", "sf_apart_weight"):
             if not 0.0 <= getattr(args, name) < float("inf"):
                 print(f"jaxkv toyworld train: --{name.replace('_', '-')} must be finite and >= 0", file=sys.stderr)
                 return 2
@@ -157,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 sf_colour_weight=args.sf_colour_weight,
                 sf_outline_weight=args.sf_outline_weight,
                 sf_position_weight=args.sf_position_weight,
+                sf_apart_weight=args.sf_apart_weight,
                 remat=args.remat,
                 dit_dim=args.dit_dim,
                 dit_ffn_dim=args.dit_ffn_dim,

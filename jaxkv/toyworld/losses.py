@@ -235,6 +235,35 @@ def position_error(latent_map: latents.LatentMap, x, target, objects) -> jax.Arr
     return jnp.sum(distance * counts) / jnp.maximum(jnp.sum(counts), 1.0)
 
 
+# [shape, shape]: the distance between two shapes' centres below which their reaches overlap (`world.contact` less
+# its gap): the world bounces shapes apart a gap before this, so its frames never come closer
+_TOUCH = np.array([[world.REACH[a] + world.REACH[b] for b in world.SHAPES] for a in world.SHAPES], np.float32)
+
+
+def apart_error(latent_map: latents.LatentMap, x, objects) -> jax.Array:
+    """How far the clips' named objects are drawn into each other, in px: for each pair of named objects of a clip,
+    ``max(0, touch - d)`` where d is the distance between the centres of their colour masks (`_named_masks`) in
+    latents x [B, F, h, w, 16] and touch the sum of their shapes' reaches (`world.REACH`); the mean over the pairs
+    and frames where both masks hold `OUTLINE_PRESENT` px. ``objects`` as `outline_error`; 0 for clips naming one.
+
+    The world bounces two shapes apart before their reaches meet (`world.paths`), so no shape hides another; a
+    model rolling out its own paths can draw them over each other, after which it tends to draw only one. Blind to
+    where the pair should be: it costs only the overlap. World frames through the latent map: ~0."""
+    objects = jnp.asarray(objects)
+    _, mass, centre = _named_masks(latent_map, x, objects)  # [B, N, F], [B, N, F, 2]
+    present = jax.lax.stop_gradient((objects[..., 0] >= 0)[:, :, None] & (mass >= OUTLINE_PRESENT))
+    n = objects.shape[1]
+    first, second = np.triu_indices(n, k=1)
+    if not len(first):
+        return jnp.zeros((), jnp.float32)
+    shape = jnp.maximum(objects[..., 1], 0)  # [B, N]; rows of -1 are not present
+    touch = jnp.asarray(_TOUCH)[shape[:, first], shape[:, second]]  # [B, pairs]
+    d = jnp.sqrt(jnp.sum((centre[:, first] - centre[:, second]) ** 2, axis=-1) + 1e-6)  # [B, pairs, F]
+    counts = (present[:, first] & present[:, second]).astype(jnp.float32)
+    overlap = jnp.maximum(touch[..., None] - d, 0.0)
+    return jnp.sum(overlap * counts) / jnp.maximum(jnp.sum(counts), 1.0)
+
+
 def self_forcing_loss(
     params,
     x0,
@@ -250,22 +279,25 @@ def self_forcing_loss(
     outline_weight: float = 0.0,
     config: WanConfig = WAN_CONFIG,
     position_weight: float = 0.0,
+    apart_weight: float = 0.0,
 ):
     """x0 [B, F, ...] (`batch`, ``after_sink`` frames after the sink): commit the sink and the first
     `context_chunks` window chunks, roll the other (F - committed) / chunk_frames chunks out on the ring (noise of
     chunk n from ``fold_in(key, n)``, n counted from the stream's first chunk); the mean squared error of the
     rolled-out latents to the clip's, plus ``colour_weight`` x their `colour_share_error`, ``outline_weight`` x
-    their `outline_error` and ``position_weight`` x their `position_error` against the clips' named ``objects``
-    (`Batch.objects`); each weight needs the ``latent_map`` that decodes the latents. ``remat``: the rollout's
+    their `outline_error`, ``position_weight`` x their `position_error` and ``apart_weight`` x their
+    `apart_error` against the clips' named ``objects`` (`Batch.objects`); each weight needs the ``latent_map`` that
+    decodes the latents. ``remat``: the rollout's
     blocks under `jax.checkpoint` (`jaxkv.rollout.RolloutConfig.remat`)."""
-    if (colour_weight or outline_weight or position_weight) and latent_map is None:
+    if (colour_weight or outline_weight or position_weight or apart_weight) and latent_map is None:
         raise ValueError(
-            "self_forcing_loss: a colour_weight, outline_weight or position_weight needs the latent_map that "
-            "decodes the latents"
+            "self_forcing_loss: a colour_weight, outline_weight, position_weight or apart_weight needs the "
+            "latent_map that decodes the latents"
         )
-    if (outline_weight or position_weight) and objects is None:
+    if (outline_weight or position_weight or apart_weight) and objects is None:
         raise ValueError(
-            "self_forcing_loss: an outline_weight or position_weight needs the clips' named objects (Batch.objects)"
+            "self_forcing_loss: an outline_weight, position_weight or apart_weight needs the clips' named objects "
+            "(Batch.objects)"
         )
     rc = settings.rollout_config(guidance_scale=None, remat=remat)  # training rolls out the conditional model alone
     cf = settings.chunk_frames
@@ -290,4 +322,6 @@ def self_forcing_loss(
         loss = loss + outline_weight * outline_error(latent_map, out.latents, objects)
     if position_weight:
         loss = loss + position_weight * position_error(latent_map, out.latents, target, objects)
+    if apart_weight:
+        loss = loss + apart_weight * apart_error(latent_map, out.latents, objects)
     return loss

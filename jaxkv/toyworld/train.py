@@ -38,7 +38,9 @@
    to its own shape, whole and sharp, wherever the rollout draws it (the squared error rewards a blob spread over
    the shape's possible places, and the metric needs the shape's outline to tell it); docs/toyworld-experiments.md, "The
    outline term". The position term (``sf_position_weight``, off too: `position_error`) lifted release 8's check
-   but not its survey nor the default prompt's travel (docs/toyworld.md, "Motion").
+   but not its survey nor the default prompt's travel (docs/toyworld.md, "Motion"). The apart term
+   (``sf_apart_weight``, off too: `apart_error`) costs two named shapes drawn into each other, which the world never
+   shows (it bounces them apart) and models that travel as far as the world's did, losing one of the two.
 
 Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, docs/toyworld.md):
 ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
@@ -101,6 +103,8 @@ class TrainConfig:
     sf_outline_weight: float = 0.0
     # weight of stage 4's position term (`position_error`, px); 0 in the shipped recipe (docs/toyworld.md, "Motion")
     sf_position_weight: float = 0.0
+    # weight of stage 4's apart term (`apart_error`, px); 0 in the shipped recipe (docs/toyworld.md, "Motion")
+    sf_apart_weight: float = 0.0
     fit_frames: int = 2048  # frames the latent map is fitted on
     snapshot_every: int = 250
     # Recompute each DiT block's activations in the backward pass instead of storing them (`jax.checkpoint`):
@@ -127,7 +131,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"TrainConfig.{name} is a share of clips or chunks, in [0, 1]; got {value!r}")
-        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight"):
+        for name in ("sf_colour_weight", "sf_outline_weight", "sf_position_weight", "sf_apart_weight"):
             value = getattr(self, name)
             if not is_real(value) or not 0.0 <= value < float("inf"):
                 raise ValueError(f"TrainConfig.{name} is a loss weight, finite and >= 0; got {value!r}")
@@ -188,7 +192,15 @@ def stage_table(tc: TrainConfig, settings: Settings, latent_map: latents.LatentM
         )
 
     def self_forcing(p, b, k):
-        options = (tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight, config, tc.sf_position_weight)
+        options = (
+            tc.sf_colour_weight,
+            tc.remat,
+            b.objects,
+            tc.sf_outline_weight,
+            config,
+            tc.sf_position_weight,
+            tc.sf_apart_weight,
+        )
         return self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map, *options)
 
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
@@ -244,10 +256,11 @@ _FIELD_STAGES = {
     "sf_colour_weight": (2,),
     "sf_outline_weight": (2,),
     "sf_position_weight": (2,),
+    "sf_apart_weight": (2,),
 }
 _RESUME_FREE = ("remat",)
 # The value a field added after snapshots began recording their config had before it existed (else its default).
-_BEFORE_FIELD = {"sf_outline_weight": 0.0, "sf_position_weight": 0.0, "scenes": "canonical"}
+_BEFORE_FIELD = {"sf_outline_weight": 0.0, "sf_position_weight": 0.0, "sf_apart_weight": 0.0, "scenes": "canonical"}
 
 
 def resume_conflicts(position: dict, tc: TrainConfig) -> list[tuple[str, Any, Any]]:
