@@ -37,10 +37,8 @@
    term (off in the shipped recipe, ``sf_outline_weight`` 0), also blind to place, holds each named colour's mask
    to its own shape, whole and sharp, wherever the rollout draws it (the squared error rewards a blob spread over
    the shape's possible places, and the metric needs the shape's outline to tell it); docs/toyworld-experiments.md, "The
-   outline term". The position term (``sf_position_weight``, off too: `position_error`) lifted release 8's check
-   but not its survey nor the default prompt's travel (docs/toyworld.md, "Motion"). The apart term
-   (``sf_apart_weight``, off too: `apart_error`) costs two named shapes drawn into each other, which the world never
-   shows (it bounces them apart) and models that travel as far as the world's did, losing one of the two.
+   outline term". The position and apart terms (``sf_position_weight``, ``sf_apart_weight``, off too:
+   `position_error`, `apart_error`) are measured under "Motion" in docs/toyworld.md.
 
 Two options of stage 2, off in the shipped recipe (each measured worse there on the quality survey, docs/toyworld.md):
 ``text_dropout`` captions a share of the clips with the empty prompt, so the model can stream with
@@ -192,15 +190,8 @@ def stage_table(tc: TrainConfig, settings: Settings, latent_map: latents.LatentM
         )
 
     def self_forcing(p, b, k):
-        options = (
-            tc.sf_colour_weight,
-            tc.remat,
-            b.objects,
-            tc.sf_outline_weight,
-            config,
-            tc.sf_position_weight,
-            tc.sf_apart_weight,
-        )
+        options = (tc.sf_colour_weight, tc.remat, b.objects, tc.sf_outline_weight, config, tc.sf_position_weight)
+        options += (tc.sf_apart_weight,)
         return self_forcing_loss(p, b.latents, b.ids, b.mask, b.at_start, k, settings, latent_map, *options)
 
     sf_frames = (context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
