@@ -392,7 +392,7 @@ def test_position_error_is_how_far_each_named_shape_is_drawn_from_its_place(fitt
 def test_apart_error_is_how_far_two_named_shapes_are_drawn_into_each_other(fitted):
     """`losses.apart_error` reads ~0 on the world's frames (it bounces shapes apart before their reaches meet),
     the overlap of the two shapes' reaches when a pair is drawn closer (to within the map's blur), more the deeper
-    they overlap; nothing for clips that name one shape, nor where a shape is not drawn; it has a gradient."""
+    they overlap; nothing for clips that name one shape; it has a gradient."""
     import dataclasses
 
     from jaxkv.toyworld import losses as L
@@ -416,7 +416,7 @@ def test_apart_error_is_how_far_two_named_shapes_are_drawn_into_each_other(fitte
     assert 0.5 < readings[0] < readings[1]
     single = objects.copy()
     single[0, 1] = -1  # the pair's clip names only its first shape
-    assert float(L.apart_error(fitted, fitted.encode(render(scenes)), single)) == 0.0
+    assert float(L.apart_error(fitted, fitted.encode(video), single)) == 0.0  # the overlapping pair, one named
     x = jnp.asarray(fitted.encode(video))
     grad = jax.grad(lambda x: L.apart_error(fitted, x, objects))(x)
     assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).sum()) > 0
