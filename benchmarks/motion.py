@@ -5,6 +5,9 @@ Per prompt and named shape it reports
   * travel: the median over 30-frame windows of how far the shape's centre gets (`jaxkv.toyworld.metric.travel`),
     for the model's stream and for the world's canonical scene of the prompt rendered through the model's latent
     map (what the stream is meant to show), and their ratio;
+  * roam: how far across the box the shape's centre gets over the whole stream (the longer side of the box it
+    keeps to, `jaxkv.toyworld.metric.roam`), model and world, and their ratio: a shape looping near its start can
+    travel like the world per window and roam a fraction of the box;
   * a profile over time: the travel of each successive 30-frame window (does motion die in the first chunks, at
     the first eviction, or slowly?);
   * heading: the median cosine between consecutive chunks' displacements (1: the shape keeps its direction from
@@ -98,6 +101,7 @@ def measure(model: toy_model.ToyModel, prompts, frames: int, seed: int) -> list[
         mine, theirs = metric.detect(video), metric.detect(clip)
         model_travel = metric.travel(mine, prompt)
         world_travel = metric.travel(theirs, prompt)
+        model_roam, world_roam = metric.roam(mine, prompt), metric.roam(theirs, prompt)
         colours = [metric.COLOUR_NAMES.index(c) for c, _ in world.parse_prompt(prompt)[0]]
         for n, (colour, shape) in enumerate(world.parse_prompt(prompt)[0]):
             k = colours[n]
@@ -108,6 +112,9 @@ def measure(model: toy_model.ToyModel, prompts, frames: int, seed: int) -> list[
                     "world_travel_px": float(world_travel[n]),
                     "model_travel_px": float(model_travel[n]),
                     "ratio": float(model_travel[n] / world_travel[n]),
+                    "world_roam_px": float(world_roam[n]),
+                    "model_roam_px": float(model_roam[n]),
+                    "roam_ratio": float(model_roam[n] / world_roam[n]),
                     "seen": float(mine.present[:, k].mean()),
                     "heading_model": _heading(mine.centroid[:, k], cf),
                     "heading_world": _heading(theirs.centroid[:, k], cf),
@@ -159,11 +166,16 @@ def main(argv=None) -> int:
         f"{st.sink_frames} + window {st.window_frames} frames: chunk {evict} is the first to evict; sampler steps "
         f"{list(st.steps)}; {seconds:.0f} s"
     )
-    print(f"{'prompt':<38} {'shape':<14} {'world':>6} {'model':>6} {'ratio':>6} {'seen':>5} {'heading m/w':>12}")
+    print(f"{'':<53} {'travel / 30 frames':>20}   {'roam (whole stream)':>20}")
+    print(
+        f"{'prompt':<38} {'shape':<14} {'world':>6} {'model':>6} {'ratio':>6}   {'world':>6} {'model':>6} "
+        f"{'ratio':>6} {'seen':>5} {'heading m/w':>12}"
+    )
     for r in rows:
         print(
             f"{r['prompt']:<38} {r['shape']:<14} {r['world_travel_px']:6.1f} {r['model_travel_px']:6.1f} "
-            f"{r['ratio']:6.2f} {r['seen']:5.2f} {r['heading_model']:5.2f}/{r['heading_world']:5.2f}"
+            f"{r['ratio']:6.2f}   {r['world_roam_px']:6.1f} {r['model_roam_px']:6.1f} {r['roam_ratio']:6.2f} "
+            f"{r['seen']:5.2f} {r['heading_model']:5.2f}/{r['heading_world']:5.2f}"
         )
     print(f"\ntravel per successive {metric.TRAVEL_FRAMES}-frame window (px), model / world:")
     for r in rows:

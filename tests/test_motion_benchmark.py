@@ -19,6 +19,9 @@ def test_motion_writes_every_prompt_and_both_next_chunk_readings_with_the_steps_
     assert out["settings"]["sampler_steps"] == [1000, 500]
     named = sum(len(p.split(" and ")) for p in motion.PROMPTS)
     assert len(out["rows"]) == named
+    for row in out["rows"]:  # 30 frames: the world's shapes cover a few px of the box, never none
+        assert row["world_roam_px"] > 1
+        assert row["roam_ratio"] == pytest.approx(row["model_roam_px"] / row["world_roam_px"], nan_ok=True)
     for scenes in ("canonical", "random"):
         step = out["next_chunk"][scenes]
         assert len(step["model"]) == len(step["still"]) == len(step["world"]) == 3

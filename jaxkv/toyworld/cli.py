@@ -219,17 +219,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         moved = quality.travel(toy)
         print(
-            f"travel per {quality.metric.TRAVEL_FRAMES} frames over {quality.TRAVEL_FRAMES}-frame streams (median px "
-            f"of each named shape, model / the world's own clip of the prompt):"
+            f"travel per {quality.metric.TRAVEL_FRAMES} frames (median px) and roam (longer side of the box the "
+            f"centre keeps to, px) of each named shape over {quality.TRAVEL_FRAMES}-frame streams, model / the "
+            f"world's own clip of the prompt:"
         )
         for row in moved.rows:
             print(
-                f"  {row['prompt']:<42} {row['shape']:<15} {row['model_px']:5.1f} / {row['world_px']:5.1f} "
-                f"= {row['ratio']:.2f}"
+                f"  {row['prompt']:<42} {row['shape']:<15} travel {row['model_px']:5.1f} / {row['world_px']:5.1f} "
+                f"= {row['ratio']:.2f}  roam {row['model_roam_px']:5.1f} / {row['world_roam_px']:5.1f} "
+                f"= {row['roam_ratio']:.2f}"
             )
         print(
             f"travel {'passes' if moved.passed else 'FAILS'}: every named shape must reach "
-            f"{quality.TRAVEL_RATIO:g}x the world's travel (least {moved.ratio:.2f}; not yet part of the exit code)"
+            f"{quality.TRAVEL_RATIO:g}x the world's travel and roam (least {moved.ratio:.2f} and "
+            f"{moved.roam_ratio:.2f}; not yet part of the exit code)"
         )
         step = quality.next_chunk(toy)
         px = lambda errors: " / ".join(f"{e:.2f}" for e in errors)

@@ -220,35 +220,49 @@ def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, can
 
 
 TRAVEL_FRAMES = 300  # `travel`: frames per prompt (100 chunks of the shipped model)
-TRAVEL_RATIO = 0.6  # the least share of the world's travel each named shape must reach
+TRAVEL_RATIO = 0.6  # the least share of the world's travel, and of its roam, each named shape must reach
 
 
 class Travel(NamedTuple):
     """`travel`'s reading: how far each named shape gets per `metric.TRAVEL_FRAMES` frames (median over the stream,
-    `metric.travel`), in the model's stream and in the world's canonical scene of the same prompt through the
-    model's latent map, one row per (prompt, named shape)."""
+    `metric.travel`) and how far across the box it gets over the whole stream (`metric.roam`), in the model's stream
+    and in the world's canonical scene of the same prompt through the model's latent map, one row per (prompt,
+    named shape). Both readings are needed: a shape looping near its start at the world's speed can travel like
+    the world per window and roam a fraction of the box."""
 
-    rows: tuple[dict, ...]  # {"prompt", "shape", "model_px", "world_px", "ratio"}
-    ratio: float  # the least ratio over the rows (NaN counts as 0: a shape never seen does not travel)
-    passed: bool  # every row's ratio >= TRAVEL_RATIO
+    rows: tuple[dict, ...]  # {"prompt", "shape", "model_px", "world_px", "ratio", "model_roam_px", "world_roam_px",
+    #                          "roam_ratio"}
+    ratio: float  # the least travel ratio over the rows (NaN counts as 0: a shape never seen does not travel)
+    roam_ratio: float  # the least roam ratio over the rows (NaN counts as 0)
+    passed: bool  # every row's ratio and roam_ratio >= TRAVEL_RATIO
 
 
 def travel_scores(videos: np.ndarray, truth: np.ndarray, prompts) -> Travel:
     """`Travel` of ``videos`` against ``truth``, both uint8 [len(prompts), T, 64, 64, 3] (one per prompt)."""
     rows = []
     for video, clip, prompt in zip(videos, truth, prompts):
-        mine, theirs = metric.travel(metric.detect(video), prompt), metric.travel(metric.detect(clip), prompt)
-        for (colour, shape), m, w in zip(world.parse_prompt(prompt)[0], mine, theirs):
-            ratio = float(np.nan_to_num(m / w, nan=0.0))
-            rows.append({"prompt": prompt, "shape": f"{colour} {shape}", "model_px": m, "world_px": w, "ratio": ratio})
-    least = min(r["ratio"] for r in rows)
-    return Travel(tuple(rows), least, least >= TRAVEL_RATIO)
+        mine, theirs = metric.detect(video), metric.detect(clip)
+        readings = zip(
+            world.parse_prompt(prompt)[0],
+            metric.travel(mine, prompt),
+            metric.travel(theirs, prompt),
+            metric.roam(mine, prompt),
+            metric.roam(theirs, prompt),
+        )
+        for (colour, shape), m, w, m_roam, w_roam in readings:
+            rows.append({
+                "prompt": prompt, "shape": f"{colour} {shape}", "model_px": m, "world_px": w,
+                "ratio": float(np.nan_to_num(m / w, nan=0.0)), "model_roam_px": m_roam, "world_roam_px": w_roam,
+                "roam_ratio": float(np.nan_to_num(m_roam / w_roam, nan=0.0)),
+            })  # fmt: skip
+    least, least_roam = min(r["ratio"] for r in rows), min(r["roam_ratio"] for r in rows)
+    return Travel(tuple(rows), least, least_roam, min(least, least_roam) >= TRAVEL_RATIO)
 
 
 def travel(model: ToyModel, *, frames: int = TRAVEL_FRAMES, seed: int = SEED) -> Travel:
-    """Streams `PROMPTS` for ``frames`` frames and compares each named shape's travel with the world's own clip
-    of the prompt (`world_videos` with ``canonical``): a viewer's reading of motion, stricter than the metric's
-    travel check (which only asks that a shape has not stopped: shapes circling on the spot pass it)."""
+    """Streams `PROMPTS` for ``frames`` frames and compares each named shape's travel and roam with the world's
+    own clip of the prompt (`world_videos` with ``canonical``): a viewer's reading of motion, stricter than the
+    metric's travel check (which only asks that a shape has not stopped: shapes circling on the spot pass it)."""
     chunk_frames = model.settings.chunk_frames
     frames = check_int("frames", frames, minimum=metric.TRAVEL_FRAMES)
     if frames % chunk_frames:
