@@ -1,7 +1,8 @@
 """Fine-tunes a toy-world release with stage 4 of the recipe (self-forcing through the ring, past the cache; or
 with ``--stage teacher-forcing`` stage 3's teacher forcing with its level-1 share) on clips of random scenes of each
 prompt (``--scenes random``: random positions and directions, so the prompt says what and how fast, never where) or
-of its one canonical scene (``--scenes canonical``, the recipe's), and writes the result as a release directory
+of its one canonical scene (``--scenes canonical``, the recipe's) or of either, clip by clip (``--scenes mixed``:
+half random), and writes the result as a release directory
 (issue 44: what teaches the default stream's shapes to keep moving?).
 
     python benchmarks/finetune_scenes.py --out DIR [--stage self-forcing] [--steps 300] [--scenes random]
@@ -236,7 +237,9 @@ def main(argv=None) -> int:
         help="the recipe's stage 4 (self-forcing, the default) or stage 3 (teacher-forcing, with its level-1 share)",
     )
     ap.add_argument("--steps", type=int, default=300, help="steps of the stage (default 300)")
-    ap.add_argument("--scenes", choices=clips.SCENES, default="random", help="the clips' scenes (default random)")
+    ap.add_argument(
+        "--scenes", choices=clips.SCENES, default="random", help="the clips' scenes (default random; mixed: half each)"
+    )
     ap.add_argument("--seed", type=int, default=1, help="seed of the clips and the noise (default 1)")
     ap.add_argument("--release", default=toy_model.RELEASE_DIR, help="the release to start from (default: shipped)")
     ap.add_argument("--overwrite", action="store_true", help="replace DIR if it is a toy-world release")

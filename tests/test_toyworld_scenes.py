@@ -78,11 +78,33 @@ def test_random_clips_are_a_function_of_seed_stage_and_step(fitted):
             assert np.hypot(*(centre - np.asarray(thing.position))) < 1.5
 
 
+def test_mixed_clips_are_random_or_canonical_clip_by_clip_from_each_clips_own_generator(fitted):
+    canonical, random, mixed = _draw(fitted, "canonical"), _draw(fitted, "random"), _draw(fitted, "mixed")
+    for a, b in zip(canonical[1:], mixed[1:]):  # prompts, captions, layout and objects: the canonical batch's
+        np.testing.assert_array_equal(a, b)
+    rng = np.random.default_rng([0, 3, 2])
+    prompts = [world.random_prompt(rng) for _ in range(SIZE)]  # batch's first draws
+    kinds = []
+    for i, (prompt, centres) in enumerate(zip(prompts, _first_frame_centres(fitted, mixed))):
+        own = np.random.default_rng([0, 3, 2, i])
+        is_random = own.random() < C.MIXED_RANDOM_SHARE
+        scene = world.sample_scene(own, prompt) if is_random else world.canonical_scene(prompt)
+        for centre, thing in zip(centres, scene.things):
+            assert np.hypot(*(centre - np.asarray(thing.position))) < 1.5
+        if is_random:  # not the random batch's scene either: its generator has made one draw more
+            assert not np.array_equal(mixed.latents[i], canonical.latents[i])
+            assert not np.array_equal(mixed.latents[i], random.latents[i])
+        else:
+            np.testing.assert_array_equal(mixed.latents[i], canonical.latents[i])
+        kinds.append(is_random)
+    assert 0 < sum(kinds) < SIZE, kinds  # both kinds in one batch
+
+
 def test_scenes_is_checked_by_the_batch_the_config_and_the_cli_before_anything_is_written(fitted, tmp_path, capsys):
     from jaxkv.toyworld import cli
     from jaxkv.toyworld import train as T
 
-    with pytest.raises(ValueError, match=r"scenes is one of \('canonical', 'random'\), got 'sampled'"):
+    with pytest.raises(ValueError, match=r"scenes is one of \('canonical', 'random', 'mixed'\), got 'sampled'"):
         _draw(fitted, "sampled")
     for bad in ("Random", None, ["random"]):
         with pytest.raises(ValueError, match="TrainConfig.scenes is one of"):

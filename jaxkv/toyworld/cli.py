@@ -37,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=SCENES,
         default=d.scenes,
         help="every stage's training clips: windows of each prompt's one canonical scene (the prompt also says where "
-        "the shapes start) or of random scenes of it (random positions and directions: the prompt says what and how "
-        "fast, never where)",
+        "the shapes start), of random scenes of it (random positions and directions: the prompt says what and how "
+        "fast, never where), or mixed (half the clips each, drawn clip by clip)",
     )
     t.add_argument("--sf-steps", type=int, default=d.sf_steps, help="self-forcing steps")
     t.add_argument("--sf-batch", type=int, default=d.sf_batch, help="clips per self-forcing step")

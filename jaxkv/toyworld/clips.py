@@ -4,7 +4,8 @@ which of its chunks a clip fixes the answer of (`context_chunks`). Used by every
 
 A clip's scene is its prompt's `world.canonical_scene` (``scenes="canonical"``, the shipped recipe: the prompt then
 also says where the shapes start) or a random scene of it (``"random"``, `world.sample_scene`: the same shapes,
-colours and speed at random positions and directions, so the prompt says what and how fast, never where).
+colours and speed at random positions and directions, so the prompt says what and how fast, never where), or
+either, clip by clip (``"mixed"``: a `MIXED_RANDOM_SHARE` of the clips random, the rest canonical).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 from jaxkv.toyworld import text, world
 from jaxkv.toyworld.model import Settings
 
-SCENES = ("canonical", "random")  # what `batch` draws a clip's scene as (the module docstring)
+SCENES = ("canonical", "random", "mixed")  # what `batch` draws a clip's scene as (the module docstring)
+MIXED_RANDOM_SHARE = 0.5  # ``scenes="mixed"``: the share of clips whose scene is a random one
 
 # Frames of a shape's own path a chunk must see before it to know where the shape goes (two give a velocity).
 CONTEXT_FRAMES = 2
@@ -53,7 +55,8 @@ def batch(
 ) -> Batch:
     """A `Batch` of clips laid out as a full cache holds them, drawn from (seed, stage, step) alone. Each clip is a
     random prompt's `world.canonical_scene` (``scenes="random"``: a `world.sample_scene` of the prompt drawn from the
-    clip's own generator, seeded with (seed, stage, step, clip index), so every other draw is the canonical batch's):
+    clip's own generator, seeded with (seed, stage, step, clip index), so every other draw is the canonical batch's;
+    ``"mixed"``: that generator's first draw decides, a `MIXED_RANDOM_SHARE` of the clips random, the rest canonical):
     its first ``sink_frames`` frames (the sink), then ``after_sink`` frames (default ``window_frames``; more for a
     clip that runs on past the cache) from frame ``sink_frames`` on (``at_start``, a ``start_share`` of the clips) or
     from a frame uniform in ``sink_frames + 1`` .. `MAX_START`. A ``text_dropout`` share of the clips is captioned
@@ -66,10 +69,11 @@ def batch(
     at_start = rng.random(size) < start_share
     sink = settings.sink_frames
     starts = np.where(at_start, sink, rng.integers(sink + 1, MAX_START + 1, size))
-    if scenes == "random":
-        chosen = [world.sample_scene(np.random.default_rng([seed, stage, step, i]), p) for i, p in enumerate(prompts)]
-    else:
-        chosen = [world.canonical_scene(p) for p in prompts]
+    chosen = []
+    for i, prompt in enumerate(prompts):
+        own = np.random.default_rng([seed, stage, step, i])  # drawn from only for a clip that may be random
+        mine = scenes == "random" or (scenes == "mixed" and own.random() < MIXED_RANDOM_SHARE)
+        chosen.append(world.sample_scene(own, prompt) if mine else world.canonical_scene(prompt))
     after_sink = settings.window_frames if after_sink is None else after_sink
     video = np.stack(
         [

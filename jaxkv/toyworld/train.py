@@ -84,7 +84,7 @@ class TrainConfig:
     warmup: int = 100
     start_share: float = 0.5  # clips that run straight on from the sink (a stream's beginning)
     text_dropout: float = 0.0  # clips whose text is the empty prompt (what classifier-free guidance subtracts)
-    # every stage's clips: each prompt's canonical scene (the shipped recipe) or random scenes of it (`clips.batch`)
+    # every stage's clips: each prompt's canonical scene (the shipped recipe), random scenes of it, or mixed (clips.py)
     scenes: str = "canonical"
     pure_noise_share: float = 0.0  # chunks trained at sigma 1 exactly (the sampler's first step) among `noise_levels`
     refine_steps: int = 300  # stage 3: teacher-forcing steps from stage 2's weights (see the module docstring)
