@@ -96,7 +96,8 @@ def travel(detections: Detections, prompt: str, *, frames: int = TRAVEL_FRAMES) 
 # 100 - `ROAM_PERCENT` % of the detected centres along each axis, so that a few stray detections do not stretch it;
 # the reading is its longer side. On the world's own clips of `quality.PROMPTS` over 300 frames that is 32-33 px in
 # the canonical scenes and 0.85-1.08x that in 240 random scenes of the same prompts (whatever the heading, a shape
-# crosses the box along one axis or both); the box's area would not do: it depends on the heading (0.22-1.54x).
+# crosses the box along one axis or both); the box's area would not do: the side of a square of that area depends
+# on the heading (0.22-1.54x).
 # A model's shapes circling near their start read 7-10 px.
 ROAM_PERCENT = 5
 
