@@ -1,8 +1,8 @@
 """What a viewer sees of motion: `metric.travel` (how far a named shape's centre gets per 30 frames, median over the
 stream), `metric.roam` (how much of the box it visits over the whole stream) and `quality.travel` (both, against the
 world's own clip of the prompt). The metric's travel check only asks that a shape has not stopped; shapes circling on
-the spot at the right speed pass it, and fail this reading; shapes shuttling along one line travel like the world's
-per window and fail on roam."""
+the spot at the right speed pass it, and fail this reading; shapes on a wider loop travel like the world's per
+window and fail on roam; a shape crossing the box on one line passes both."""
 
 import numpy as np
 import pytest
