@@ -27,25 +27,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.models import umt5
-from jaxkv.models.release import PARTS
 from jaxkv.toyworld import model as toy_model
-from jaxkv.toyworld import text
 
 SUM_TOLERANCE = 1e-6  # how far the weights may add up from 1 (they are typed in decimals)
 
 
-def parse_part(text: str) -> tuple[str, float]:
+def parse_part(spec: str) -> tuple[str, float]:
     """``"DIR:WEIGHT"`` -> (DIR, WEIGHT); the last colon splits, so DIR may hold colons."""
-    release, sep, weight = text.rpartition(":")
+    release, sep, weight = spec.rpartition(":")
     if not sep or not release:
-        raise argparse.ArgumentTypeError(f"expected RELEASE:WEIGHT, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected RELEASE:WEIGHT, got {spec!r}")
     try:
         value = float(weight)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"the weight of {text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"the weight of {spec!r} is not a number") from None
     if not (0.0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"the weight of {text!r} must be finite and > 0")
+        raise argparse.ArgumentTypeError(f"the weight of {spec!r} must be finite and > 0")
     return release, value
 
 
@@ -89,12 +86,7 @@ def average(parts: list[tuple[str, float]], out: str, *, force: bool = False, co
     if os.path.abspath(out) in names:
         raise ValueError(f"--out {out} is one of the releases averaged")
     models = [toy_model.load(r) for r, _ in parts]
-    texts = []
-    for release, _ in parts:
-        config, text_params, _ = umt5.load(os.path.join(release, PARTS["umt5"]), dtype=jnp.float32)
-        if config != text.CONFIG:
-            raise ValueError(f"{release}: its text encoder is not the toy model's ({config})")
-        texts.append(text_params)
+    texts = [toy_model.load_text_params(r) for r, _ in parts]
     check_compatible(models, texts, [r for r, _ in parts])
     weights = [w for _, w in parts]
 

@@ -43,12 +43,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.generate.options import parse_steps
-from jaxkv.models import umt5
-from jaxkv.models.release import PARTS
 from jaxkv.toyworld import clips, text
 from jaxkv.toyworld import model as toy_model
 from jaxkv.toyworld import train as T
@@ -145,10 +142,7 @@ def finetune(
         toy.settings.schedule()  # checks the steps as every schedule's are checked (ValueError)
     tc = recipe(toy, steps, scenes, seed, position_weight, lr, sf_chunks, stage, apart_weight)
     row, draws = STAGES[stage]
-    config, text_params, _ = umt5.load(os.path.join(release, PARTS["umt5"]), dtype=jnp.float32)
-    if config != text.CONFIG:
-        raise ValueError(f"{release}: its text encoder is not the toy model's ({config})")
-    params = {"dit": toy.params, "text": text_params}
+    params = {"dit": toy.params, "text": toy_model.load_text_params(release)}
     name, _, size, after_sink, loss_fn, optimizer = T.stage_table(tc, toy.settings, toy.latent_map)[row]
     step_fn = T._step_fn(loss_fn, optimizer)
     opt_state = optimizer.init(params)

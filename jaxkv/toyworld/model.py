@@ -206,6 +206,17 @@ def read_settings(directory: str) -> Settings:
     return Settings.from_dict(meta["settings"])
 
 
+def load_text_params(directory: str) -> dict:
+    """A release's text-encoder weights in float32, to train or average (a `ToyModel`'s encoder keeps its own);
+    ValueError if the encoder is not the toy model's (`text.CONFIG`)."""
+    from jaxkv.models import umt5
+
+    config, params, _ = umt5.load(os.path.join(directory, PARTS["umt5"]), dtype=jnp.float32)
+    if config != text.CONFIG:
+        raise ValueError(f"{directory}: its text encoder is not the toy model's ({config})")
+    return params
+
+
 def load(directory: str = RELEASE_DIR) -> ToyModel:
     """Reads a release; the DiT in float32. FileNotFoundError / ValueError name what is missing or wrong."""
     path = os.path.join(directory, SETTINGS_FILE)
