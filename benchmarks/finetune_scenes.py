@@ -221,7 +221,8 @@ def finetune(
     return record
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of the module docstring."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, metavar="DIR", help="the release directory to write")
     ap.add_argument(
@@ -270,7 +271,11 @@ def main(argv=None) -> int:
         default=None,
         help="the rollouts' and the written release's sampler timesteps, comma-separated (default: the release's)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.stage == "teacher-forcing" and (args.position_weight or args.apart_weight or args.sf_chunks is not None):
         print(
             "finetune_scenes: --position-weight, --apart-weight and --sf-chunks are for --stage self-forcing",
