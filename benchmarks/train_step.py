@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -39,7 +38,6 @@ def main(argv=None) -> int:
         print("train_step.py: --repeats must be >= 1", file=sys.stderr)
         return 2
 
-    from jaxkv.models import umt5
     from jaxkv.toyworld import clips as C
     from jaxkv.toyworld import losses as L
     from jaxkv.toyworld import model as toy_model
@@ -50,8 +48,7 @@ def main(argv=None) -> int:
     toy = toy_model.load(directory)
     settings, tc, lm = toy.settings, T.TrainConfig(), toy.latent_map
     tokenizer = text.tokenizer()
-    _, text_params, _ = umt5.load(os.path.join(directory, toy_model.PARTS["umt5"]), dtype=jnp.float32)
-    params = {"dit": toy.params, "text": text_params}
+    params = {"dit": toy.params, "text": toy_model.load_text_params(directory)}
     key = jax.random.key(0)
     sf_frames = (C.context_chunks(settings) + tc.sf_chunks) * settings.chunk_frames
     tf_batch = C.batch(lm, tokenizer, settings, 0, 1, 0, tc.batch, tc.start_share, 0.0, settings.window_frames)
