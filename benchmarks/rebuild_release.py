@@ -16,10 +16,11 @@ The steps (``--dry-run`` prints them with their paths; docs/toyworld.md, "Releas
     release  average_releases.py: rnd 0.65, r2_sf 0.2, apart 0.15
 
 A step whose directory holds a release written by that same command is done and skipped; one whose snapshot
-(``DIR.partial``, every 50 steps and on Ctrl-C) is there continues from it with ``--resume``, bit for bit as an
-uninterrupted run. A directory written by another command, or one that holds no release, is refused before
-anything runs. Each step runs as its own process (so its release records the command a user would type), and
-prints its own progress. On 2 CPU cores the whole takes about 6 hours (docs/toyworld.md); interrupt it at will.
+(``DIR.partial``, written as it goes and on Ctrl-C) is there continues from it with ``--resume``, bit for bit as
+an uninterrupted run. A directory written by another command, or one that holds no release, is refused before
+anything runs, as is a ``--work`` where another rebuild is running. Each step runs as its own process (so its
+release records the command a user would type) and prints its own progress. On 2 CPU cores the whole takes about
+6 hours (docs/toyworld.md); interrupt it at will.
 
 Release 9 as shipped samples with steps ending at 100 where ``r9`` keeps release 8's (ending at 250): its
 stage-4 fine-tune rolled out with release 8's and the shipped settings were changed afterwards. Nothing after it
@@ -54,6 +55,7 @@ PROGRAMS = {
     ),
 }
 RESUMABLE = ("train", "finetune")  # average_releases takes seconds and keeps no snapshot
+LOCK = ".rebuild.lock"  # in --work while a rebuild runs there: the pid of its process
 
 
 class Step(NamedTuple):
@@ -144,6 +146,35 @@ def argv(step: Step, how: str) -> list[str]:
     return [*PROGRAMS[step.program][0], *step.args, *(("--resume",) if how == "resume" else ())]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def claim(work: str) -> str:
+    """Claims ``work`` for this process (`LOCK`, holding its pid) and returns the lock's path; ValueError where a
+    live process holds it (two rebuilds in one directory would run the same step twice). A lock left by a process
+    that is gone is taken over."""
+    path = os.path.join(work, LOCK)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        with open(path) as f:
+            held = f.read().strip()
+        if held.isdigit() and _alive(int(held)):
+            raise ValueError(f"another rebuild (process {held}) is running in {work}") from None
+        os.remove(path)
+        return claim(work)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
 def rebuild(steps: list[Step], *, dry_run: bool = False, log=print) -> int:
     """Runs the steps not yet done, in order (module docstring); returns an exit code (0 once every step is done).
     ValueError (from `state`) before anything runs where a step's directory holds what it would not write."""
@@ -182,13 +213,18 @@ def main(argv_=None) -> int:
     if os.path.exists(args.work) and not os.path.isdir(args.work):
         print(f"rebuild_release: --work {args.work} is not a directory", file=sys.stderr)
         return 2
-    if not args.dry_run:
-        os.makedirs(args.work, exist_ok=True)
+    lock = None
     try:
+        if not args.dry_run:
+            os.makedirs(args.work, exist_ok=True)
+            lock = claim(args.work)
         return rebuild(release_10(args.work), dry_run=args.dry_run, log=lambda line: print(line, flush=True))
     except ValueError as e:
         print(f"rebuild_release: {e}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            os.remove(lock)
 
 
 if __name__ == "__main__":

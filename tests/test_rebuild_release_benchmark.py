@@ -102,6 +102,22 @@ def test_done_steps_are_skipped_snapshots_continued_and_strange_directories_refu
     assert bench.main(["--work", str(tmp_path / "file")]) == 2
 
 
+def test_one_rebuild_at_a_time_in_a_directory(tmp_path, capsys):
+    import subprocess
+
+    bench = load_benchmark("rebuild_release")
+    lock = tmp_path / bench.LOCK
+    lock.write_text(str(os.getpid()))  # a live process holds it
+    (tmp_path / "r9").mkdir()  # were the lock not heeded, this refusal would stop the rebuild (not training)
+    assert bench.main(["--work", str(tmp_path)]) == 2
+    assert f"another rebuild (process {os.getpid()}) is running in {tmp_path}" in capsys.readouterr().err
+    assert lock.read_text() == str(os.getpid()) and sorted(os.listdir(tmp_path)) == [bench.LOCK, "r9"]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(str(gone.pid))  # left by a process that is gone: taken over
+    assert bench.claim(str(tmp_path)) == str(lock) and lock.read_text() == str(os.getpid())
+
+
 @pytest.mark.slow  # four processes, each compiling a small training step
 def test_a_small_chain_runs_end_to_end_and_a_second_run_runs_nothing(tmp_path):
     from jaxkv.toyworld import model as TM
