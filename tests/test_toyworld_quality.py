@@ -152,6 +152,8 @@ def test_check_cli_prints_the_bar_tracking_the_next_chunk_and_the_survey(reports
     assert code == (0 if reports[1].passed else 1)
     assert f"mean overall {reports[1].overall:.3f}" in out and f"tracking {reports[1].tracking:.3f}" in out
     assert "next chunk from the world's own frames" in out and "held still" in out
+    assert f"default stream ('{shipped.settings.prompt}' alone, 600 frames, seed 0" in out
+    assert out.count("said fast / slow") == 2 and "default stream passes: each named shape seen in >= 99%" in out
     assert "x the world's travel and roam (least " in out and out.count(" roam ") >= 6  # a row per named shape
     assert "survey (16 prompts x 2 seeds, 48 frames): overall" in out
     assert "denoising that chunk once at each noise level" in out

@@ -234,6 +234,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{quality.TRAVEL_RATIO:g}x the world's travel and roam (least {moved.ratio:.2f} and "
             f"{moved.roam_ratio:.2f}; not yet part of the exit code)"
         )
+        try:
+            first = quality.default_stream(toy)
+        except ValueError as e:  # a release whose default prompt is not said "slow"
+            print(f"default stream: not read ({e})")
+        else:
+            print(
+                f"default stream ({toy.settings.prompt!r} alone, {quality.DEFAULT_FRAMES} frames, seed {quality.SEED}: "
+                "what `jaxkv generate` shows), per named shape:"
+            )
+            for row, seen, pace in zip(first.travel.rows, first.seen, first.pace):
+                print(
+                    f"  {row['shape']:<15} travel {row['ratio']:.2f}  roam {row['roam_ratio']:.2f} of the world's  "
+                    f"seen in {seen:.1%} of frames  said fast / slow {pace:.2f}"
+                )
+            print(
+                f"default stream {'passes' if first.passed else 'FAILS'}: each named shape seen in >= "
+                f"{quality.SEEN_SHARE:.0%} of frames, travelling and roaming >= {quality.TRAVEL_RATIO:g}x the "
+                f"world's, said fast >= {quality.PACE_RATIO:g}x slow (not part of the exit code)"
+            )
         step = quality.next_chunk(toy)
         px = lambda errors: " / ".join(f"{e:.2f}" for e in errors)
         print(

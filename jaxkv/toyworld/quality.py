@@ -20,6 +20,9 @@ A model that has not learnt motion draws its chunks no better than the still fra
 same chunks one level down: the error of the model's x0 prediction at each of its sampler's noise levels, so it
 shows which step falls short (at level 1 the input holds nothing of the chunk: that step decides the motion).
 
+`default_stream` reads the stream a user sees first (``jaxkv generate``'s default prompt, 600 frames): each named
+shape drawn in nearly every frame, travelling and roaming like the world's, and faster when the prompt says "fast".
+
 `survey` streams 16 prompts x 2 seeds: a steadier reading than the bar's 4 streams when comparing recipes.
 `long_streams` streams the bar's prompts for 300 frames and scores every 30: the bar's 48 frames hide what happens
 after them (a model whose shapes stop moving, or fade into the empty box, can look fine there).
@@ -269,6 +272,60 @@ def travel(model: ToyModel, *, frames: int = TRAVEL_FRAMES, seed: int = SEED) ->
         raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
     videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
     return travel_scores(videos, world_videos(model, frames=frames, seed=seed, canonical=True), PROMPTS)
+
+
+DEFAULT_FRAMES = 600  # `default_stream`: as many frames as `jaxkv generate` streams by default
+SEEN_SHARE = 0.99  # the least share of its frames each named shape of the default stream must be drawn in
+PACE_RATIO = 1.5  # the least travel of the default prompt said "fast" over said "slow" (the world's: ~1.6)
+
+
+class DefaultStream(NamedTuple):
+    """`default_stream`'s reading of the stream a user sees first (issue 44's targets)."""
+
+    travel: Travel  # the default prompt's stream against the world's canonical clip of it (one row per named shape)
+    seen: tuple[float, ...]  # per named shape: the share of frames it is drawn in
+    pace: tuple[float, ...]  # per named shape: its travel with the prompt said "fast" over said "slow"
+    passed: bool  # travel.passed, every seen >= SEEN_SHARE and every pace >= PACE_RATIO
+
+
+def _said_fast(prompt: str) -> str:
+    """The prompt said ", fast" instead of ", slow"; ValueError where it does not end with ", slow"."""
+    if not prompt.endswith(", slow"):
+        raise ValueError(f"the default stream's prompt must end with ', slow' to be compared with ', fast': {prompt!r}")
+    return prompt.removesuffix(", slow") + ", fast"
+
+
+def default_stream_scores(slow: np.ndarray, fast: np.ndarray, truth: np.ndarray, prompt: str) -> DefaultStream:
+    """`DefaultStream` of the streams of ``prompt`` (ending ", slow") and of it said ", fast", against ``truth``,
+    the world's canonical clip of ``prompt``; each uint8 [T, 64, 64, 3]."""
+    fast_prompt = _said_fast(prompt)
+    report = travel_scores(slow[None], truth[None], [prompt])
+    found = metric.detect(slow)
+    colours = [colour for colour, _ in world.parse_prompt(prompt)[0]]
+    seen = tuple(float(found.present[:, metric.COLOUR_NAMES.index(c)].mean()) for c in colours)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a slow shape that never moves: inf (or NaN: 0)
+        ratios = metric.travel(metric.detect(fast), fast_prompt) / metric.travel(found, prompt)
+    pace = tuple(float(np.nan_to_num(r, nan=0.0)) for r in ratios)
+    passed = report.passed and min(seen) >= SEEN_SHARE and min(pace) >= PACE_RATIO
+    return DefaultStream(report, seen, pace, passed)
+
+
+def default_stream(model: ToyModel, *, frames: int = DEFAULT_FRAMES, seed: int = SEED) -> DefaultStream:
+    """Streams the model's default prompt (`Settings.prompt`) alone for ``frames`` frames, as ``jaxkv generate``
+    streams it with no arguments, and the same prompt said "fast", and reads `default_stream_scores`. Each prompt
+    streams alone, as the command streams it: a batch would draw other noise."""
+    chunk_frames = model.settings.chunk_frames
+    frames = check_int("frames", frames, minimum=metric.TRAVEL_FRAMES)
+    if frames % chunk_frames:
+        raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
+    prompt = model.settings.prompt
+    fast = _said_fast(prompt)
+    slow_video, fast_video = (
+        sample.video(model, [p], num_chunks=frames // chunk_frames, seed=seed)[0] for p in (prompt, fast)
+    )
+    truth = world.render(world.canonical_scene(prompt), frames)[None]
+    truth = np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(truth)))[0]
+    return default_stream_scores(slow_video, fast_video, truth, prompt)
 
 
 class NextChunk(NamedTuple):
