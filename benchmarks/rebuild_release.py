@@ -73,8 +73,8 @@ class Step(NamedTuple):
 
 def release_10(work: str) -> list[Step]:
     """The steps that made the shipped release, writing under ``work`` (module docstring)."""
-    w = {n: os.path.join(os.path.abspath(work), n) for n in ("r8", "r9_tf", "r9", "r2_tf", "r2_sf", "rnd", "apart")}
-    w["release"] = os.path.join(os.path.abspath(work), "release")
+    names = ("r8", "r9_tf", "r9", "r2_tf", "r2_sf", "rnd", "apart", "release")
+    w = {n: os.path.join(os.path.abspath(work), n) for n in names}
 
     def finetune(name, *args):
         return Step(name, "finetune", (*args, "--out", w[name]), w[name])
@@ -113,7 +113,7 @@ def release_10(work: str) -> list[Step]:
 
 def recorded_command(step: Step) -> str | None:
     """The command the release in ``step.out`` records (``--resume`` dropped), or None where no release is there."""
-    path = os.path.join(step.out, "toyworld.json")
+    path = os.path.join(step.out, "toyworld.json")  # toy_model.SETTINGS_FILE (not imported: jax starts slowly)
     if not os.path.isfile(path):
         return None
     with open(path) as f:

@@ -211,13 +211,15 @@ def long_streams(
     return long_scores(videos, PROMPTS, chunk_frames, window_frames)
 
 
-def world_videos(model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, canonical: bool = False) -> np.ndarray:
-    """The world's own clips of `PROMPTS` through the model's latent map: uint8 [prompts, frames, 64, 64, 3] (the
+def world_videos(
+    model: ToyModel, *, frames: int = FRAMES, seed: int = SEED, canonical: bool = False, prompts=PROMPTS
+) -> np.ndarray:
+    """The world's own clips of ``prompts`` through the model's latent map: uint8 [prompts, frames, 64, 64, 3] (the
     top of the scale): random scenes of the prompts (`world.sample_scene`), or with ``canonical`` the scenes a
     stream is meant to show (`world.canonical_scene`, the top of `tracking`'s scale)."""
     rng = np.random.default_rng(seed)
     clips = np.stack(
-        [world.render(world.canonical_scene(p) if canonical else world.sample_scene(rng, p), frames) for p in PROMPTS]
+        [world.render(world.canonical_scene(p) if canonical else world.sample_scene(rng, p), frames) for p in prompts]
     )
     return np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(clips)))
 
@@ -262,15 +264,21 @@ def travel_scores(videos: np.ndarray, truth: np.ndarray, prompts) -> Travel:
     return Travel(tuple(rows), least, least_roam, min(least, least_roam) >= TRAVEL_RATIO)
 
 
-def travel(model: ToyModel, *, frames: int = TRAVEL_FRAMES, seed: int = SEED) -> Travel:
-    """Streams `PROMPTS` for ``frames`` frames and compares each named shape's travel and roam with the world's
-    own clip of the prompt (`world_videos` with ``canonical``): a viewer's reading of motion, stricter than the
-    metric's travel check (which only asks that a shape has not stopped: shapes circling on the spot pass it)."""
+def _travel_chunks(model: ToyModel, frames: int) -> int:
+    """The chunks of a ``frames``-frame stream read for travel; ValueError where they are too few to read or
+    not whole chunks of the model."""
     chunk_frames = model.settings.chunk_frames
     frames = check_int("frames", frames, minimum=metric.TRAVEL_FRAMES)
     if frames % chunk_frames:
         raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
-    videos = sample.video(model, list(PROMPTS), num_chunks=frames // chunk_frames, seed=seed)
+    return frames // chunk_frames
+
+
+def travel(model: ToyModel, *, frames: int = TRAVEL_FRAMES, seed: int = SEED) -> Travel:
+    """Streams `PROMPTS` for ``frames`` frames and compares each named shape's travel and roam with the world's
+    own clip of the prompt (`world_videos` with ``canonical``): a viewer's reading of motion, stricter than the
+    metric's travel check (which only asks that a shape has not stopped: shapes circling on the spot pass it)."""
+    videos = sample.video(model, list(PROMPTS), num_chunks=_travel_chunks(model, frames), seed=seed)
     return travel_scores(videos, world_videos(model, frames=frames, seed=seed, canonical=True), PROMPTS)
 
 
@@ -314,17 +322,11 @@ def default_stream(model: ToyModel, *, frames: int = DEFAULT_FRAMES, seed: int =
     """Streams the model's default prompt (`Settings.prompt`) alone for ``frames`` frames, as ``jaxkv generate``
     streams it with no arguments, and the same prompt said "fast", and reads `default_stream_scores`. Each prompt
     streams alone, as the command streams it: a batch would draw other noise."""
-    chunk_frames = model.settings.chunk_frames
-    frames = check_int("frames", frames, minimum=metric.TRAVEL_FRAMES)
-    if frames % chunk_frames:
-        raise ValueError(f"frames ({frames}) must be a whole number of the model's {chunk_frames}-frame chunks")
+    chunks = _travel_chunks(model, frames)
     prompt = model.settings.prompt
     fast = _said_fast(prompt)
-    slow_video, fast_video = (
-        sample.video(model, [p], num_chunks=frames // chunk_frames, seed=seed)[0] for p in (prompt, fast)
-    )
-    truth = world.render(world.canonical_scene(prompt), frames)[None]
-    truth = np.asarray(model.latent_map.decode_uint8(model.latent_map.encode(truth)))[0]
+    slow_video, fast_video = (sample.video(model, [p], num_chunks=chunks, seed=seed)[0] for p in (prompt, fast))
+    truth = world_videos(model, frames=frames, seed=seed, canonical=True, prompts=[prompt])[0]
     return default_stream_scores(slow_video, fast_video, truth, prompt)
 
 
