@@ -14,6 +14,7 @@ import sys
 import tempfile
 import warnings
 
+import chex
 import jax
 
 if __name__ == "__main__":  # (tests/multiprocess_session.py imports this module on its own devices)
@@ -96,7 +97,7 @@ def run_mesh(mesh, rc, batch, params=None):
     xs = []
     for x in stream:
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, P(PL.DATA)), x.ndim), x.sharding
-        for leaf, sharding in zip(jax.tree.leaves(stream.state), jax.tree.leaves(want)):
+        for leaf, sharding in zip(jax.tree.leaves(stream.state), jax.tree.leaves(want), strict=True):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
         xs.append(np.asarray(x))
     assert compile_count(stream.step) - before == 1, compile_count(stream.step) - before
@@ -262,8 +263,7 @@ def check_loading():
     assert q.addressable_shards[0].data.shape == (CONFIG.num_layers, CONFIG.dim, CONFIG.dim // 4)
     o = params["blocks"]["self_attn"]["o"]["kernel"]
     assert o.addressable_shards[0].data.shape == (CONFIG.num_layers, CONFIG.dim // 4, CONFIG.dim)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(PARAMS)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(params, PARAMS)
     compare(mesh, rc_of(), 2, params)
 
 
@@ -912,7 +912,7 @@ def check_commit():
         stream.commit(given)
         assert compile_count(PL.mesh_commit(mesh, CONFIG, rc)) - before == 1
         assert stream.index == stream.start == 2
-        for leaf, sharding in zip(jax.tree.leaves(stream.state), jax.tree.leaves(shardings)):
+        for leaf, sharding in zip(jax.tree.leaves(stream.state), jax.tree.leaves(shardings), strict=True):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
         order = PL.session_order(batch, mesh.shape[PL.DATA], rc.guidance_scale is not None)
         committed = cache_rows(stream.state.cache, order)  # before any chunk is generated: the commit alone
@@ -1002,7 +1002,9 @@ def check_scan():
             same(latents, np.asarray(want.latents), err_msg=str(mesh.shape))
             frames = latents.reshape(batch, CHUNKS, -1)
             assert not any(np.array_equal(frames[:, 0], frames[:, n]) for n in range(1, CHUNKS))  # chunks differ
-            for leaf, sharding in zip(jax.tree.leaves(got.state), jax.tree.leaves(PL.state_shardings(got.state, mesh))):
+            for leaf, sharding in zip(
+                jax.tree.leaves(got.state), jax.tree.leaves(PL.state_shardings(got.state, mesh)), strict=True
+            ):
                 assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
             state, ref = jax.device_get(got.state), jax.device_get(want.state)
             np.testing.assert_array_equal(state.cache.positions, ref.cache.positions[order])
@@ -1059,7 +1061,7 @@ def check_scan_grad():
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
     assert scale > 0
     assert jax.tree.structure(g1) == jax.tree.structure(g0)
-    for (path, a), b in zip(jax.tree.leaves_with_path(g0), jax.tree.leaves(g1)):
+    for (path, a), b in zip(jax.tree.leaves_with_path(g0), jax.tree.leaves(g1), strict=True):
         assert np.abs(np.asarray(a)).max() > 0, path
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0, err_msg=str(path))
 

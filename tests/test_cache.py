@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -560,8 +561,7 @@ def test_replace_layer_follows_the_write_rules_for_layers(cls):
 
     per_layer = cache.per_layer().replace_layer(2, new, new)
     assert per_layer.is_per_layer
-    for a, b in zip(jax.tree.leaves(per_layer.stacked()), jax.tree.leaves(out)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(per_layer.stacked(), out)
     with pytest.raises(ValueError, match="a per-layer cache holds each layer in its own buffer"):
         jax.jit(lambda c, layer: c.replace_layer(layer, new, new))(cache.per_layer(), jnp.int32(1))
     for bad in (new[:, :-1], new.astype(jnp.bfloat16)):

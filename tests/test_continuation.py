@@ -9,6 +9,7 @@ import json
 import os
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,8 +181,7 @@ def test_a_continued_stream_commits_what_a_generating_stream_holds():
     assert continued.index == continued.start == 4 and first.index == 4
     a, b = continued.state.cache, first.state.cache
     assert np.array_equal(a.positions, b.positions) and np.array_equal(a.chunk_start, b.chunk_start)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+    chex.assert_trees_all_close(a, b, atol=1e-5, rtol=1e-7)
     ours = jnp.concatenate(list(continued), axis=1)
     theirs = jnp.concatenate(list(first), axis=1)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-5)

@@ -4,6 +4,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -18,6 +19,7 @@ from jaxkv.cache import RingCache, RingSpec
 from jaxkv.cache.fp8 import Fp8Cache
 from jaxkv.models import wan
 from jaxkv.precision import Precision
+from tests.helpers.trees import as_f32
 
 CFG = wan.preset("tiny")
 HW = (8, 8)
@@ -98,8 +100,7 @@ def test_fp8_cache_tracks_a_bf16_ring_through_fill_wrap_sessions_and_reset():
     # one quantization rule: the bf16 ring's whole buffer re-quantized (what a re-cache writes back) is the FP8
     # cache its chunk-by-chunk writes made, bit for bit; kept slots keep the FP8 bytes and scales whatever the K/V
     again = cache.requantized(ref)
-    for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(cache)):
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    chex.assert_trees_all_equal(as_f32(again), as_f32(cache))
     noisy = ref.replace(k=ref.k * 3, v=ref.v + 1)
     keep = jnp.array([[True, False, True], [False, True, True]])
     mixed = cache.requantized(noisy, keep)
@@ -267,10 +268,8 @@ def test_the_per_layer_fp8_cache_holds_the_stacked_bytes_and_scales():
             for got, want in zip(per_layer.layer_fp8(layer), stacked.layer_fp8(layer)):
                 np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
     back = per_layer.stacked()
-    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(stacked)):
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-    for got, want in zip(jax.tree.leaves(stacked.per_layer()), jax.tree.leaves(per_layer)):
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    chex.assert_trees_all_equal(as_f32(back), as_f32(stacked))
+    chex.assert_trees_all_equal(as_f32(stacked.per_layer()), as_f32(per_layer))
     k = jnp.zeros((b, 4, h, d), jnp.float32)
     with pytest.raises(ValueError, match="addressed by a Python int layer"):
         jax.jit(lambda c, i: c.write(k, k, layer=i))(per_layer.begin_chunk(), jnp.int32(0))

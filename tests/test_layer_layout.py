@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ from jaxkv.precision import Precision
 from jaxkv.schedule import Schedule
 from jaxkv.stream import Stream
 from tests.helpers.cudnn_standin import standin
+from tests.helpers.trees import as_f32
 
 # Distinctive sizes (5 layers, 7 text tokens) so a stacked buffer is known by its shape in the compiled program.
 CFG = WanConfig(dim=48, ffn_dim=80, num_heads=3, num_layers=5, in_dim=4, out_dim=4, text_dim=8, text_len=7, freq_dim=16)
@@ -45,8 +47,7 @@ def test_per_layer_params_round_trip_and_checks():
     pl = per_layer_params(params)
     assert is_per_layer(pl) and not is_per_layer(params) and len(pl["blocks"]) == CFG.num_layers
     assert per_layer_params(pl) is pl and stacked_params(params) is params
-    for a, b in zip(jax.tree.leaves(stacked_params(pl)), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(stacked_params(pl), params)
     cross = M.cross_kv(pl, CFG, _ctx(1))
     assert cross.is_per_layer and len(cross.k) == CFG.num_layers
     want = M.cross_kv(params, CFG, _ctx(1))
@@ -84,8 +85,7 @@ def test_per_layer_stream_equals_the_stacked_stream_bit_for_bit_with_one_compila
         assert stream.state.cross.is_per_layer == (name == "per_layer")
         runs[name] = (chunks, R.stacked_state(stream.state))
     np.testing.assert_array_equal(runs["per_layer"][0], runs["stacked"][0])
-    for a, b in zip(jax.tree.leaves(runs["per_layer"][1]), jax.tree.leaves(runs["stacked"][1])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(runs["per_layer"][1], runs["stacked"][1])
 
 
 def test_a_per_layer_stream_saves_stacked_sessions_and_continues_from_them():
@@ -134,8 +134,7 @@ def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from
         assert stream.state.cache.is_per_layer == stream.state.cross.is_per_layer == (name == "per_layer")
         runs[name] = (chunks, R.stacked_state(stream.state))
     np.testing.assert_array_equal(runs["per_layer"][0], runs["stacked"][0])
-    for a, b in zip(jax.tree.leaves(runs["per_layer"][1]), jax.tree.leaves(runs["stacked"][1])):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    chex.assert_trees_all_equal(as_f32(runs["per_layer"][1]), as_f32(runs["stacked"][1]))
     # a session of the per-layer FP8 stream after 4 chunks (stacked: FP8 bytes and scales), saved and loaded,
     # continues per layer as the uninterrupted stream
     pl = per_layer_params(params)
@@ -144,9 +143,8 @@ def test_a_per_layer_fp8_stream_equals_the_stacked_fp8_stream_and_continues_from
     session = first.session()
     assert isinstance(session.cache, Fp8Cache) and not session.cache.is_per_layer  # sessions hold the stacked layout
     loaded = S.load(S.save(str(tmp_path / "s"), session), CFG, rc)
-    for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(session.state)):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    chex.assert_trees_all_equal_dtypes(loaded.state, session.state)
+    chex.assert_trees_all_equal(as_f32(loaded.state), as_f32(session.state))
     rest = Stream.from_session(pl, CFG, rc, loaded, num_chunks=2)
     assert rest.state.cache.is_per_layer and isinstance(rest.state.cache, Fp8Cache)
     got = np.concatenate(head + [np.asarray(c, np.float32) for c in rest], axis=1)

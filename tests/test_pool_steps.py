@@ -237,7 +237,7 @@ def test_only_writing_leaves_a_session_that_holds_chunks_untouched(kind):
     new = jax.jit(chunk)(cache, active)
     assert jax.tree.structure(new) == jax.tree.structure(cache)  # the mask is gone again
     # session 1 (waiting): every leaf's row 1 as it was; session 0 wrote its chunk
-    for got, old in zip(jax.tree.leaves(new), jax.tree.leaves(before)):
+    for got, old in zip(jax.tree.leaves(new), jax.tree.leaves(before), strict=True):
         got = np.asarray(got)
         axis = 0 if got.ndim <= 2 else 1  # positions, chunk_start lead with the session; K/V and scales with layers
         assert np.array_equal(np.take(got, 1, axis=axis), np.take(old, 1, axis=axis)), kind

@@ -133,7 +133,7 @@ def test_switch_rebuilds_every_layer_as_the_cache_free_reference(name, keep_sink
     dense_window = (rc.sink_frames + rc.window_frames) // rc.chunk_frames
     assert held[0] < before - dense_window + (rc.sink_frames // rc.chunk_frames), held  # a dilated-only chunk held
     assert jax.tree.map(lambda x: x.shape, new.cache) == jax.tree.map(lambda x: x.shape, old.cache)
-    for a, b in zip(jax.tree.leaves(new.cache), jax.tree.leaves(old.cache)):
+    for a, b in zip(jax.tree.leaves(new.cache), jax.tree.leaves(old.cache), strict=True):
         if a.dtype == jnp.int32:  # positions and clock unchanged
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     changed = False

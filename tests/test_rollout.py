@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,8 +197,7 @@ def test_committing_a_streams_own_chunks_gives_its_state(policy):
     params, ctx, key = _params(20), _ctx(21, batch=2), jax.random.key(22)
     first = R.rollout(params, CFG, rc, ctx, num_chunks=4, key=key)
     state = R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx), first.latents)
-    for a, b in zip(jax.tree.leaves(state.cache), jax.tree.leaves(first.state.cache)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    chex.assert_trees_all_close(state.cache, first.state.cache, atol=1e-5, rtol=1e-7)
     nxt = [
         R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
         for s in (first.state, state)
@@ -224,8 +224,7 @@ def test_committing_a_guided_streams_own_chunks_gives_its_state():
     first = R.rollout(params, CFG, rc, ctx, num_chunks=4, key=key, negative_context=neg)
     state = R.commit(params, CFG, rc, R.init_state(params, CFG, rc, ctx, neg), first.latents)
     assert state.cache.batch == 4
-    for a, b in zip(jax.tree.leaves(state.cache), jax.tree.leaves(first.state.cache)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    chex.assert_trees_all_close(state.cache, first.state.cache, atol=1e-5, rtol=1e-7)
     nxt = [
         R.rollout(params, CFG, rc, None, num_chunks=1, key=key, state=s, first_chunk=4).latents
         for s in (first.state, state)
@@ -271,7 +270,7 @@ def test_rollout_is_differentiable_and_an_optax_step_lowers_the_loss():
             f(jax.tree.map(lambda p, d: p + eps * d, params, direction))  # noqa: B023 - called in the iteration that defines it
             - f(jax.tree.map(lambda p, d: p - eps * d, params, direction))  # noqa: B023 - called in the iteration that defines it
         ) / (2 * eps)
-        ad = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+        ad = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction), strict=True))
         assert abs(float(fd)) > 1e-4
         assert abs(float(fd) - float(ad)) <= 0.05 * abs(float(fd)), (only_kv, fd, ad)
     opt = optax.adam(1e-3)

@@ -5,6 +5,7 @@ shims. The switch's own numbers are checked against a cache-free reference in te
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,8 +114,7 @@ def test_the_session_carries_the_ring_by_itself(tmp_path):
     assert set(session.extras) == {RC.RING_EXTRA, "note"}
     # the format the wrapper saved (`extras={RING_EXTRA: stream.ring_extra()}`): the same entry and arrays
     old_style = s.session(extras={RC.RING_EXTRA: s.ring_extra()})
-    for a, b in zip(jax.tree.leaves(session.extras[RC.RING_EXTRA]), jax.tree.leaves(old_style.extras[RC.RING_EXTRA])):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(session.extras[RC.RING_EXTRA], old_style.extras[RC.RING_EXTRA])
     path = S.save(str(tmp_path / "s.session"), session)
     resumed = Stream.from_session(_params(), CFG, rc, S.load(path, CFG, rc))
     np.testing.assert_array_equal(resumed.ring.latents, s.ring.latents)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,8 +221,7 @@ def test_checkpoint_round_trip_and_foreign_dirs(tmp_path, params):
     save(str(tmp_path / "vae"), CONFIG, params)
     config, loaded = load(str(tmp_path / "vae"))
     assert config == CONFIG
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(loaded, params)
     dit = tmp_path / "dit"
     dit.mkdir()
     (dit / "config.json").write_text(json.dumps({"format": "jaxkv-wan", "format_version": 1}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,5 +20,4 @@ def remat_gradients_agree(make_loss, params):
     np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
     assert scale > 0
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=0)
+    chex.assert_trees_all_close(g1, g0, atol=1e-5 * scale, rtol=0)
