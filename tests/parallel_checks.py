@@ -107,7 +107,7 @@ def run_mesh(mesh, rc, batch, params=None):
 def compare(mesh, rc, batch, params=None):
     ref_xs, ref_state = reference(rc, batch)
     xs, stream = run_mesh(mesh, rc, batch, params)
-    for n, (a, b) in enumerate(zip(xs, ref_xs)):
+    for n, (a, b) in enumerate(zip(xs, ref_xs, strict=True)):
         np.testing.assert_allclose(a, b, **TOL, err_msg=f"chunk {n}")
     assert not any(np.array_equal(xs[0], x) for x in xs[1:])  # the chunks differ: a real comparison
     # the state, rows mapped back to the rollout's order
@@ -185,7 +185,7 @@ def check_noise():
     before = compile_count(stream.step)  # the step is shared with any key-driven stream of this mesh
     got = [np.asarray(x) for x in stream]
     assert len(got) == CHUNKS and compile_count(stream.step) - before == 1
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, **TOL)
 
 

@@ -154,7 +154,7 @@ def test_gradients_match_dense():
     loss = lambda fn: lambda q, k, v: jnp.sum(w * fn(q, k, v, qp, pos, causal=True, chunk=4))
     got = jax.jit(jax.grad(loss(functools.partial(xla_cpu.xla_cpu_attention, block_k=4)), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(loss(jaxkv.attention.dense_attention), argnums=(0, 1, 2)))(q, k, v)
-    for g, e in zip(got, want):
+    for g, e in zip(got, want, strict=True):
         np.testing.assert_allclose(g, e, atol=1e-5)
 
 

@@ -238,7 +238,7 @@ def test_committing_every_pass_equals_committing_the_last():
         for step in range(4):
             a = _write(a, 10 * n + step, commit=True)
             b = _write(b, 10 * n + step, commit=step == 3)
-        for x, y in zip(a.chronological(), b.chronological()):
+        for x, y in zip(a.chronological(), b.chronological(), strict=True):
             np.testing.assert_array_equal(x, y)
 
 

@@ -237,7 +237,7 @@ def test_a_continued_stream_saves_and_resumes(tmp_path):
     resumed = Stream.from_session(params, CFG, RC, S.load(path, CFG, RC), num_chunks=2)
     assert resumed.start == 5  # 3 given + 2 generated
     got += [np.asarray(x) for x in resumed]
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -63,7 +63,7 @@ def test_decoding_from_the_carry_equals_one_decoder_and_survives_a_session(parts
     fresh = _decoder(parts)  # a new decoder continues the session's caches: no second first frame
     decoding.adopt(resumed, fresh)
     assert not fresh.first
-    for c, w in zip(chunks[1:], want[1:]):
+    for c, w in zip(chunks[1:], want[1:], strict=True):
         np.testing.assert_array_equal(decoding.decode(resumed, fresh, c), w)
         np.testing.assert_array_equal(decoding.decode(stream, decoder, c), w)
 

@@ -87,7 +87,7 @@ def test_fp8_cache_tracks_a_bf16_ring_through_fill_wrap_sessions_and_reset():
     for layer in range(layers):
         k8, _, k_s, _ = cache.layer_fp8(layer)
         assert k8.dtype == jnp.float8_e4m3fn and k_s.shape == (b, spec.num_slots, h)
-        for want, got in zip(ref.layer_kv(layer), cache.layer_kv(layer)):
+        for want, got in zip(ref.layer_kv(layer), cache.layer_kv(layer), strict=True):
             assert got.dtype == jnp.bfloat16
             want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
             filled = np.asarray(ref.positions >= 0)[:, :, None, None]
@@ -265,7 +265,7 @@ def test_the_per_layer_fp8_cache_holds_the_stacked_bytes_and_scales():
             k, v = (x.astype(jnp.float32) for x in _chunk(sub, b, 4, h, d))
             stacked = stacked.write(k, v, layer=jnp.int32(layer), active=active)
             per_layer = per_layer.write(k, v, layer=layer, active=active)
-            for got, want in zip(per_layer.layer_fp8(layer), stacked.layer_fp8(layer)):
+            for got, want in zip(per_layer.layer_fp8(layer), stacked.layer_fp8(layer), strict=True):
                 np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
     back = per_layer.stacked()
     chex.assert_trees_all_equal(as_f32(back), as_f32(stacked))

@@ -59,7 +59,7 @@ def test_dtype_determinism_and_bfloat16_is_float32_rounded():
     bf16 = wan.init_params(CONFIG, jax.random.key(3), jnp.bfloat16)
     again = wan.init_params(CONFIG, jax.random.key(3))
     other = wan.init_params(CONFIG, jax.random.key(4))
-    for a, b, c, d in zip(*(jax.tree.leaves(t) for t in (f32, bf16, again, other))):
+    for a, b, c, d in zip(*(jax.tree.leaves(t) for t in (f32, bf16, again, other)), strict=True):
         assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))

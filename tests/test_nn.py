@@ -155,7 +155,7 @@ def test_layer_runs_the_mosaic_emulation_through_run_options_cached_and_not():
             y, cache = layer(x[:, 8 * n : 8 * n + 8], cache.begin_chunk())
             streamed.append(y)
         outs[name] = (layer.forward(x, positions), jnp.concatenate(streamed, axis=1))
-    for got, want in zip(outs["mosaic"], outs["xla"]):
+    for got, want in zip(outs["mosaic"], outs["xla"], strict=True):
         assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) <= 1e-5
     np.testing.assert_allclose(outs["xla"][1], outs["xla"][0], atol=2e-5)  # streaming equals the whole sequence
     with pytest.raises(TypeError, match="either run= or backend="):

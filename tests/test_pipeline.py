@@ -57,7 +57,7 @@ def test_frames_equal_what_jaxkv_generate_writes(pipe, tmp_path):
     assert (s.chunk_index, s.prompt, s.frame_shape, s.frames_per_chunk) == (0, P1, (64, 64, 3), 3)
     got = list(s)  # stops after num_chunks
     assert len(got) == 3 and s.chunk_index == 3 and s.remaining == 0
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.dtype == np.uint8 and a.shape == (3, 64, 64, 3)
         np.testing.assert_array_equal(a, b, err_msg=f"chunk {i}")
     assert not np.array_equal(got[0], got[2])  # the video moves
@@ -79,7 +79,7 @@ def test_switch_prompt_equals_the_prompt_schedule(pipe, tmp_path):
     assert s.switch_prompt(P1) == 2
     assert s.prompt == P1 and s.switches == [(0, P0), (2, P1)]
     got += [s.step(), s.step()]
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"chunk {i}")
     # and the switch changed the video: the unswitched stream differs from chunk 2 on
     plain = pipe.start(P0, seed=0)
@@ -101,7 +101,7 @@ def test_save_and_resume_continue_bit_for_bit(pipe, tmp_path):
 
     r = pipe.resume(path)
     assert isinstance(r, PipelineStream) and r.chunk_index == 2 and r.prompt == P0 and r.seed == 1
-    for a, b in zip([r.step(), r.step()], ref):
+    for a, b in zip([r.step(), r.step()], ref, strict=True):
         np.testing.assert_array_equal(a, b)
     # the saved latent ring lets a resumed stream switch at once, as the uninterrupted one did
     r2 = Pipeline.resume(path)  # on the class: loads the model the session names

@@ -82,7 +82,7 @@ def test_pool_of_four_rows_matches_each_stream_run_alone_with_one_compilation():
     assert {s: len(c) for s, c in got.items() if s != 7} == lengths
     for stream, n in lengths.items():
         want = _solo(params, rc, stream, n)
-        for i, (g, w) in enumerate(zip(got[stream], want)):
+        for i, (g, w) in enumerate(zip(got[stream], want, strict=True)):
             np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"stream {stream}, chunk {i}")
     for f in ("jit_admit", "jit_step", "jit_finish"):
         assert compile_count(getattr(P, f)) - before[f] == 1, f  # row numbers and positions are traced

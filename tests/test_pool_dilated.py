@@ -57,7 +57,7 @@ def test_dilated_pool_rows_equal_their_solo_streams_and_a_reused_row_starts_clea
     lengths = {1: 7, 2: 6, 3: 4}
     assert {s: len(c) for s, c in got.items()} == lengths
     for stream, n in lengths.items():
-        for i, (g, w) in enumerate(zip(got[stream], _solo(params, rc, stream, n))):
+        for i, (g, w) in enumerate(zip(got[stream], _solo(params, rc, stream, n), strict=True)):
             np.testing.assert_array_equal(g, w, err_msg=f"stream {stream}, chunk {i}")
     # the dilated layers reach past what a dense layer of the same window sees: the comparison covers them
     dense = _solo(params, _rc(sink_frames=0 if every == 1 else 1), 3, 4)

@@ -32,7 +32,7 @@ def _params():
 def _leaves_equal(a, b, what):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb), what
-    for i, (x, y) in enumerate(zip(la, lb)):
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         assert np.array_equal(np.asarray(x), np.asarray(y)), f"{what}: leaf {i} differs"
@@ -98,7 +98,7 @@ def test_a_row_that_switches_at_chunk_n_is_its_solo_switchable_stream_and_other_
 
     want = {a: solo(1, {3: 7}, 7), b: solo(2, {3: 8}, 5)}
     for r in (a, b):
-        for i, (g, w) in enumerate(zip(got[r], want[r])):
+        for i, (g, w) in enumerate(zip(got[r], want[r], strict=True)):
             np.testing.assert_array_equal(g, w, err_msg=f"row {r}, chunk {i}")
     # the switch changed the chunks that follow it (the comparison would see a switch that did nothing)
     unswitched = solo(1, {}, 7)
@@ -123,7 +123,7 @@ def test_per_row_negative_prompts_with_guidance_admit_and_switch_as_solo_streams
             got[r].append(np.asarray(out[r]))
     want = {a: _solo(params, rc, 1, {2: 7}, 5, (11, {2: 17})), b: _solo(params, rc, 2, {}, 5, (12, {}))}
     for r in (a, b):
-        for i, (g, w) in enumerate(zip(got[r], want[r])):
+        for i, (g, w) in enumerate(zip(got[r], want[r], strict=True)):
             np.testing.assert_array_equal(g, w, err_msg=f"row {r}, chunk {i}")
     # each row's own negative matters: b's stream under a's negative is another stream
     assert np.abs(got[b][0] - _solo(params, rc, 2, {}, 1, (11, {}))[0]).max() > 1e-3

@@ -72,7 +72,7 @@ def _row_state(pool, row):
 def _equal(a, b, what):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb), what
-    for i, (x, y) in enumerate(zip(la, lb)):
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
         assert np.array_equal(np.asarray(x), np.asarray(y)), f"{what}: leaf {i} differs"
 
 
@@ -156,7 +156,7 @@ def test_rows_stepping_at_random_paces_are_their_solo_streams_and_waiting_rows_k
         want = _solo(params, rc, stream)
         got = stream["chunks"] + next((tails.get(r, []) for r, s in where.items() if s is stream), [])
         assert len(got) == len(want) and len(stream["chunks"]) >= 1
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             np.testing.assert_array_equal(g, w, err_msg=f"{case}: stream {stream['seed']}, chunk {i}")
     # the streams differ from each other (a pool that mixed up rows would not pass unnoticed)
     assert np.abs(streams[0]["chunks"][0] - streams[1]["chunks"][0]).max() > 1e-3
@@ -280,7 +280,7 @@ def test_a_row_waiting_at_the_wrapped_clock_keeps_its_clock_until_its_own_step()
     d = (spec.max_chunks - 6) // spec.window_chunks * spec.window_chunks
     shifted.state = shifted.state._replace(rollout=shifted.state.rollout._replace(cache=_advanced(cache, d)))
     while int(shifted.state.rollout.cache.chunk_start[b]) // spec.chunk < spec.max_chunks - 1:  # until both are due
-        for x, y in zip(shifted.step().values(), true.step().values()):
+        for x, y in zip(shifted.step().values(), true.step().values(), strict=True):
             np.testing.assert_array_equal(x, y)
     for rows in ([a], [a], [b], [b], None):
         waiting = [r for r in (a, b) if rows is not None and r not in rows]

@@ -32,7 +32,7 @@ def test_eviction_never_touches_the_prefix(cls):
         x = _chunk(rng, spec, 2)
         cache = cache.begin_chunk().write(x, -x)
         now = (np.asarray(cache.k[:, :4]), np.asarray(cache.v[:, :4]), np.asarray(cache.positions[:, :4]))
-        for a, b in zip(pinned, now):
+        for a, b in zip(pinned, now, strict=True):
             np.testing.assert_array_equal(a, b)
 
 

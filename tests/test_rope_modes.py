@@ -101,7 +101,7 @@ def test_cache_relative_stream_equals_rerotating_a_chronological_copy():
     noise = jax.random.normal(jax.random.key(2), rc.noise_shape(CFG, 2, 6))  # the window wraps twice
     got = list(Stream(params, CFG, rc, ctx, noise=noise))
     want = reference_relative_stream(params, rc, ctx, noise)
-    for n, (g, w) in enumerate(zip(got, want)):
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
         err = float(jnp.abs(g - w).max() / jnp.abs(w).max())
         assert err <= 1e-4, (n, err)
     # the mode matters: absolute RoPE gives another stream once the frames the model sees differ (chunk 2 on)

@@ -136,7 +136,7 @@ def test_save_and_resume_equals_the_uninterrupted_stream(tmp_path, name):
         tail = _chunks(Stream.from_session(PARAMS, CFG, rc, loaded, num_chunks=3))
     assert compiles() == 0
     assert len(tail) == 3
-    for i, (a, b) in enumerate(zip(whole, head + tail)):
+    for i, (a, b) in enumerate(zip(whole, head + tail, strict=True)):
         assert a.tobytes() == b.tobytes(), f"chunk {i} differs"
     # a different continuation really is different (the comparison can fail)
     assert whole[3].tobytes() != whole[2].tobytes()

@@ -181,7 +181,7 @@ def test_text_dropout_captions_clips_with_the_empty_prompt_and_changes_nothing_e
         draw(1.0),
         draw(0.5),
     )
-    for a, b in zip(kept, default):
+    for a, b in zip(kept, default, strict=True):
         np.testing.assert_array_equal(a, b)
     for other in (gone, half):  # the clips and their layout are the same draws
         np.testing.assert_array_equal(other[0], kept[0])
@@ -239,7 +239,7 @@ def test_self_forcing_clips_are_the_teacher_forcing_draws_run_on_past_the_cache(
     long = C.batch(fitted, tokenizer, settings, 0, 3, 5, 6, 0.5, after_sink=15)
     assert short[0].shape[1] == cache and long[0].shape[1] == settings.sink_frames + 15 > cache
     np.testing.assert_array_equal(long[0][:, :cache], short[0])
-    for a, b in zip(long[1:], short[1:]):
+    for a, b in zip(long[1:], short[1:], strict=True):
         np.testing.assert_array_equal(a, b)
     assert long[3].any() and not long[3].all()
     with pytest.raises(ValueError, match="TrainConfig.sf_chunks is a number of chunks"):

@@ -43,7 +43,7 @@ def _first_frame_centres(fitted, clips: C.Batch) -> list[np.ndarray]:
 def test_random_clips_show_the_prompts_shapes_at_random_starts_and_share_every_other_draw(fitted):
     canonical, random = _draw(fitted, "canonical"), _draw(fitted, "random")
     # the prompts, captions, layout and named objects are the canonical batch's draws; only the scenes differ
-    for a, b in zip(canonical[1:], random[1:]):
+    for a, b in zip(canonical[1:], random[1:], strict=True):
         np.testing.assert_array_equal(a, b)
     starts = np.asarray(world.CANONICAL_STARTS, dtype=object)
     near, far = [], []
@@ -61,7 +61,7 @@ def test_random_clips_show_the_prompts_shapes_at_random_starts_and_share_every_o
 
 def test_random_clips_are_a_function_of_seed_stage_and_step(fitted):
     a, b, other = _draw(fitted, "random"), _draw(fitted, "random"), _draw(fitted, "random", step=3)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
     assert not np.array_equal(a.latents, other.latents)
     # a clip's scene is its own draw: self-forcing's longer clips of a step show the same scenes run on
@@ -80,10 +80,11 @@ def test_random_clips_are_a_function_of_seed_stage_and_step(fitted):
 
 def test_mixed_clips_are_random_or_canonical_clip_by_clip_from_each_clips_own_generator(fitted):
     canonical, random, mixed = _draw(fitted, "canonical"), _draw(fitted, "random"), _draw(fitted, "mixed")
-    for a, b in zip(canonical[1:], mixed[1:]):  # prompts, captions, layout and objects: the canonical batch's
+    # prompts, captions, layout and objects: the canonical batch's first draws
+    for a, b in zip(canonical[1:], mixed[1:], strict=True):
         np.testing.assert_array_equal(a, b)
     rng = np.random.default_rng([0, 3, 2])
-    prompts = [world.random_prompt(rng) for _ in range(SIZE)]  # batch's first draws
+    prompts = [world.random_prompt(rng) for _ in range(SIZE)]
     kinds = []
     for i, (prompt, centres) in enumerate(zip(prompts, _first_frame_centres(fitted, mixed))):
         own = np.random.default_rng([0, 3, 2, i])

@@ -127,7 +127,7 @@ def test_both_layouts_convert_to_the_same_params(converted):
     assert cfg_d == cfg_w == preset("tiny")
     flat_d, flat_w = jax.tree.leaves_with_path(p_d), jax.tree.leaves_with_path(p_w)
     assert len(flat_d) == len(flat_w) > 0
-    for (path_d, a), (path_w, b) in zip(flat_d, flat_w):
+    for (path_d, a), (path_w, b) in zip(flat_d, flat_w, strict=True):
         assert path_d == path_w
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert plan_vae_conversion(str(converted / "Wan2.1_VAE.pth")).naming == "wan"
