@@ -265,8 +265,7 @@ def test_the_per_layer_fp8_cache_holds_the_stacked_bytes_and_scales():
             k, v = (x.astype(jnp.float32) for x in _chunk(sub, b, 4, h, d))
             stacked = stacked.write(k, v, layer=jnp.int32(layer), active=active)
             per_layer = per_layer.write(k, v, layer=layer, active=active)
-            for got, want in zip(per_layer.layer_fp8(layer), stacked.layer_fp8(layer), strict=True):
-                np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+            chex.assert_trees_all_equal(as_f32(per_layer.layer_fp8(layer)), as_f32(stacked.layer_fp8(layer)))
     back = per_layer.stacked()
     chex.assert_trees_all_equal(as_f32(back), as_f32(stacked))
     chex.assert_trees_all_equal(as_f32(stacked.per_layer()), as_f32(per_layer))
