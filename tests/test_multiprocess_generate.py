@@ -1,7 +1,7 @@
 """``jaxkv generate --mesh data=2,model=2`` as a two-process job (``--coordinator``, 2 CPU devices per process,
 gloo collectives) against the same commands in one process on 4 devices (tests/multiprocess_generate.py runs both):
-the latents bit for bit (prompt switches, a given image, a mixed dense / dilated cache and an FP8 KV cache
-included), the decoded video frames within one uint8 step, process 0
+the latents bit for bit (prompt switches, a mixed dense / dilated cache and an FP8 KV cache included; those
+continuing a given image to float32 rounding: below), the decoded video frames within one uint8 step, process 0
 alone writing the outputs (the same files as the one process), ``--save-state`` then ``--resume`` across the two
 processes continuing as the uninterrupted run (the session saved by the job equals the single-process one, tensor
 for tensor), and a failure in one process ending every process."""
@@ -63,7 +63,15 @@ def test_generate_on_a_two_process_mesh_matches_one_process(tmp_path):
     run_processes("multiprocess_generate.py", 2, str(job))
     run_processes("multiprocess_generate.py", 1, str(ref))
     for name in ("whole", "part", "rest", "switch", "switch_resumed", "image", "dilated", "fp8"):
-        np.testing.assert_array_equal(load_latents(str(job / name)), load_latents(str(ref / name)), err_msg=name)
+        got, want = load_latents(str(job / name)), load_latents(str(ref / name))
+        if name == "image":
+            # Every process encodes the given picture with the VAE on one of its devices, as the frames below are
+            # decoded: a process with 2 CPU devices and one with 4 may round that single-device encode differently
+            # (seen on an AMD EPYC without AVX-512: frame 0 7e-7 apart, the stream after it <= 1e-6; bit for bit on
+            # another 2-core machine), so these latents agree to float32 rounding, not bit for bit.
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
         summary = json.loads((job / name / "summary.json").read_text())
         assert summary["status"] == "complete" and summary["mesh"]["data"] == 2, summary
         assert sorted(os.listdir(job / name)) == sorted(os.listdir(ref / name)), name

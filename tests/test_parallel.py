@@ -94,9 +94,10 @@ def test_dilated_layers_and_given_latents_on_a_mesh():
 
 @pytest.mark.slow
 def test_fp8_kv_cache_on_a_mesh():
-    """An FP8 KV cache on a mesh (a traceback before): a switched `MeshStream` equals one device (data=2 bit for bit,
-    2x2 to f32 rounding), ring and scales split by session and head, no cache layer moved; a 2x2 session resumes on
-    2x2, one device and 1x4; ``jaxkv generate --precision fp8 --mesh`` switches, saves and resumes bit for bit."""
+    """An FP8 KV cache on a mesh (a traceback before): a switched `MeshStream` equals one device (data=2 bit for bit;
+    2x2 its cache to one e4m3 step, its chunks to 1e-3), ring and scales split by session and head, no cache layer
+    moved; a 2x2 session resumes on 2x2, one device and 1x4; ``jaxkv generate --precision fp8 --mesh`` switches,
+    saves and resumes bit for bit."""
     run_checks("fp8", "generate_fp8")
 
 
